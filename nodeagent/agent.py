@@ -1,0 +1,179 @@
+"""The agent role: one tunnel to the server, streams served by dialing node-local targets.
+
+The agent dials out (no inbound port on the node), keeps the tunnel alive through
+`tunnel.client.TunnelClient`, and for every stream the server opens checks the target
+against its NodeConfig allow list, dials it (its own sockets carry SO_MARK so its netfilter
+rules never intercept them) and splices the two. Its debug socket shows what it is doing.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import trio
+from prometheus_client.core import GaugeMetricFamily
+
+from netfilter.model import NetfilterError
+from nodeagent import __version__
+from nodeagent.config import AgentConfig, NodeConfig
+from nodeagent.intercept import Interceptor
+from nodeagent.logs import get_logger
+from nodeagent.metrics import Metrics, gauge
+from nodeagent.ratelog import RateLimitedLog
+from nodeagent.targets import DialFailed, connect_tcp
+from tunnel import protocol as p
+from tunnel.client import Backoff, TunnelClient
+from tunnel.dial import parse_endpoint
+from tunnel.endpoint import EndpointSettings, IncomingStream
+from tunnel.splice import splice
+
+log = get_logger("nodeagent.agent")
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, ssl_context: ssl.SSLContext | None) -> None:
+        self.config = config
+        self.node_config: NodeConfig = config.node_config()
+        self.started = time.monotonic()
+        self.metrics = Metrics("agent")
+        self.metrics.config_version.set(self.node_config.version)
+        self.outcomes: Counter[str] = Counter()
+        self.log = log.bind(node=config.node)
+        self._forbidden_log = RateLimitedLog(self.log, period=60.0)
+        token = config.read_token()
+        endpoint = parse_endpoint(config.server)
+
+        def hello() -> p.Hello:
+            identity = {"node": config.node, "agent_version": __version__}
+            if token is not None:
+                identity["token"] = token
+            return p.Hello(identity=identity)
+
+        settings = EndpointSettings(ping_interval=config.keepalive.interval,
+                                    ping_timeout=config.keepalive.timeout)
+        self.client = TunnelClient(
+            endpoint, hello=hello, handler=self.handle_stream, ssl_context=ssl_context,
+            server_hostname=config.tls.server_name, settings=settings,
+            socket_mark=config.socket_mark,
+            headers=lambda: [("authorization", f"Bearer {token}")] if token else [],
+            backoff=Backoff(initial=config.reconnect.initial, maximum=config.reconnect.maximum),
+            log=self.log.bind(server=config.server))
+        self.metrics.add_live(self._live_metrics)
+        self.interceptor: Interceptor | None = None
+        if self.node_config.intercept is not None:
+            self.interceptor = Interceptor(
+                self.node_config.intercept, skip_mark=config.socket_mark,
+                open_tunnel=self.client.open_stream, dial_timeout=config.dial_timeout,
+                node=config.node)
+
+    async def apply_node_config(self, node_config: NodeConfig) -> None:
+        """Switch to a new NodeConfig atomically: interception rules first (if they fail,
+        nothing changes and the error is raised), then the allow list. Streams and
+        proxied connections already running keep going."""
+        if node_config.intercept != self.node_config.intercept:
+            if self.interceptor is None:
+                if node_config.intercept is not None:
+                    raise NetfilterError("interception was off at start; restart the agent "
+                                         "to turn it on")
+            elif node_config.intercept is None:
+                await self.interceptor.remove()
+            else:
+                await self.interceptor.apply(node_config.intercept)
+        self.node_config = node_config
+        self.metrics.config_version.set(node_config.version)
+        self.log.info("config applied", version=node_config.version,
+                      allow_rules=len(node_config.allow),
+                      intercept_rules=len(node_config.intercept.rules)
+                      if node_config.intercept else 0)
+
+    async def handle_stream(self, incoming: IncomingStream) -> None:
+        target = incoming.target
+        origin = incoming.metadata.get("origin", "")
+        slog = self.log.bind(stream=incoming.stream.stream_id, target=str(target), origin=origin)
+        if target.protocol != "tcp" or not self.node_config.allows(
+                target.host, target.port, target.protocol):
+            self._count("forbidden")
+            self._forbidden_log.warning(
+                str(target), "stream refused: target not allowed on this node",
+                stream=incoming.stream.stream_id, target=str(target), origin=origin)
+            await incoming.refuse(p.StreamReason.FORBIDDEN,
+                                  f"{target} is not allowed on node {self.config.node}")
+            return
+        try:
+            upstream = await connect_tcp(target.host, target.port,
+                                         connect_timeout=self.config.dial_timeout,
+                                         mark=self.config.socket_mark)
+        except DialFailed as exc:
+            self._count(exc.reason.name.lower())
+            slog.info("stream refused: dial failed", reason=exc.reason.name.lower(),
+                      error=exc.message)
+            await incoming.refuse(exc.reason, exc.message)
+            return
+        try:
+            stream = await incoming.accept()
+        except BaseException:
+            await upstream.aclose()
+            raise
+        self._count("accepted")
+        result = await splice(stream, upstream)
+        self.metrics.stream_bytes.labels("in").inc(result.a_to_b)
+        self.metrics.stream_bytes.labels("out").inc(result.b_to_a)
+        slog.debug("stream finished", sent=result.b_to_a, received=result.a_to_b,
+                   error=result.error or "")
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        self.metrics.streams.labels("inbound", outcome).inc()
+
+    def _live_metrics(self) -> Iterable[GaugeMetricFamily]:
+        conn = self.client.connection
+        up = gauge("nodeagent_tunnel_up", "1 while the tunnel to the server is connected")
+        up.add_metric([], 1 if conn is not None and conn.is_open else 0)
+        yield up
+        if conn is not None and conn.rtt is not None:
+            rtt = gauge("nodeagent_tunnel_rtt_seconds", "Round-trip time to the server")
+            rtt.add_metric([], conn.rtt)
+            yield rtt
+
+    def status(self) -> dict[str, Any]:
+        conn = self.client.connection
+        info = conn.info() if conn is not None else None
+        return {
+            "role": "agent",
+            "node": self.config.node,
+            "version": __version__,
+            "uptime_seconds": round(time.monotonic() - self.started, 1),
+            "config_version": self.node_config.version,
+            "tunnel": {
+                "state": self.client.status.state,
+                "server": self.config.server,
+                "peer": info.peer if info else None,
+                "rtt_ms": round(info.rtt_seconds * 1000, 2) if info and info.rtt_seconds
+                is not None else None,
+                "connects": self.client.status.connects,
+                "failures": self.client.status.failures,
+                "last_error": self.client.status.last_error,
+                "streams_open": info.streams_open if info else 0,
+                "bytes_in": info.bytes_in if info else 0,
+                "bytes_out": info.bytes_out if info else 0,
+            },
+            "streams_by_outcome": dict(self.outcomes),
+            "intercepted_by_outcome": dict(self.interceptor.outcomes)
+            if self.interceptor is not None else {},
+        }
+
+    def rules(self) -> dict[str, Any]:
+        if self.interceptor is None:
+            return {"intercept": "off"}
+        return self.interceptor.rules_view()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.client.run)
+            if self.interceptor is not None:
+                await nursery.start(self.interceptor.run)
+            task_status.started()

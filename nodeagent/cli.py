@@ -1,0 +1,142 @@
+"""The `nodeagent` command line: one program, one subcommand per role.
+
+Exit codes: 0 success, 1 a runtime failure (the demo saw no traffic, a debug socket is not
+there), 2 a usage or config error (nothing was started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from nodeagent import __version__
+from nodeagent.config import ConfigError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+DESCRIPTION = """\
+nodeagent connects Kubernetes nodes that sit behind NAT to a cloud side. Each node's
+agent dials out and holds one multiplexed tunnel to the server; the server carries public
+TCP ports and HTTP (by Host and path) through it to services on the node.
+
+roles:
+  nodeagent server --config server.yaml     the cloud side: terminates tunnels, routes traffic
+  nodeagent agent --config agent.yaml       on each node: dials the server, serves streams
+  nodeagent controller                      in a cluster: computes config from the Kubernetes API
+
+tools:
+  nodeagent debug status                    what a local agent or server is doing
+  nodeagent demo                            server + agent + sample service on loopback
+"""
+
+EPILOG = """\
+examples:
+  nodeagent demo --seconds 5
+  nodeagent server --config examples/server.yaml --check
+  nodeagent debug status --socket /run/nodeagent/agent.sock --json
+
+Config files are YAML; see examples/ and README.md.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with exit code 2 and a one-line hint on errors (its default prints usage)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n"
+                              f"run '{self.prog} --help' for usage\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="nodeagent", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"nodeagent {__version__}")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"],
+                        help="least severe log level to print (default: info)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="log lines as key=value text or JSON objects (default: text)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    server = sub.add_parser(
+        "server", help="run the cloud side", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Terminate agents' tunnels and carry public TCP ports and HTTP routes "
+                    "into them. Stops gracefully on SIGTERM/SIGINT: agents are told to move "
+                    "(GOAWAY) and running streams get a grace period.")
+    server.add_argument("--config", type=Path, required=True, metavar="FILE",
+                        help="server config (YAML); see examples/server.yaml")
+    server.add_argument("--check", action="store_true",
+                        help="validate the config, print a summary and exit")
+    server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+                        help="on shutdown, how long running streams may finish (default 30)")
+
+    agent = sub.add_parser(
+        "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Dial the server, keep one tunnel up (reconnecting with backoff), and "
+                    "serve the streams the server opens by dialing allowed node-local targets. "
+                    "SIGHUP re-reads the config file; an invalid new config is refused and the "
+                    "running one kept.")
+    agent.add_argument("--config", type=Path, required=True, metavar="FILE",
+                       help="agent config (YAML); see examples/agent.yaml")
+    agent.add_argument("--check", action="store_true",
+                       help="validate the config, print a summary and exit")
+
+    debug = sub.add_parser(
+        "debug", help="inspect a running agent or server through its debug socket",
+        description="Read the node-local debug socket of a running agent or server.")
+    debug.add_argument("what", choices=["status", "config", "rules", "metrics"],
+                       help="status: tunnel and streams; config: the config in use; "
+                            "rules: interception rules as applied in the kernel next to the "
+                            "model (agent); metrics: Prometheus text")
+    debug.add_argument("--socket", type=Path, default=None, metavar="PATH",
+                       help="debug socket (default: the agent's, else the server's, "
+                            "under /run/nodeagent)")
+    debug.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    demo = sub.add_parser(
+        "demo", help="run a server, an agent and a sample service on loopback",
+        description="Start a server, an agent and a small HTTP service on 127.0.0.1, send "
+                    "real requests through the tunnel (a TCP port mapping and Host-based HTTP "
+                    "routing), print what happened, and keep the stack running until Ctrl-C. "
+                    "Exits non-zero if traffic did not flow.")
+    demo.add_argument("--seconds", type=float, default=None, metavar="N",
+                      help="exit by itself after N seconds (default: run until Ctrl-C)")
+    demo.add_argument("--transport", choices=["tls", "wss"], default="tls",
+                      help="tunnel transport: TLS over TCP or WebSocket over TLS (default tls)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    from nodeagent import logs
+    logs.configure(args.log_level, args.log_format)
+    try:
+        if args.command == "server":
+            from nodeagent.run import run_server
+            return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds)
+        if args.command == "agent":
+            from nodeagent.run import run_agent
+            return run_agent(args.config, check=args.check)
+        if args.command == "debug":
+            from nodeagent.debugcli import run_debug
+            return run_debug(args.what, args.socket, as_json=args.json)
+        if args.command == "demo":
+            from nodeagent.demo import run_demo
+            return run_demo(seconds=args.seconds, transport=args.transport)
+    except ConfigError as exc:
+        print(f"nodeagent {args.command}: invalid config:\n{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_OK
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

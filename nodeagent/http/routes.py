@@ -1,0 +1,282 @@
+"""The HTTP route table: Host + path → Route, with Kubernetes Ingress semantics.
+
+One immutable `RouteTable` serves both the standalone config file's `host + path prefix →
+backend` listeners and the controller's Ingress objects. The owner builds a new table with
+`RouteTable.build(specs)` and swaps its reference; requests in flight keep the table (and
+the `Route`) they looked up, so a route change never drops a connection.
+
+Matching, in order:
+
+* **Host.** The request host is lowercased, its port and one trailing dot stripped. Rule
+  hosts are exact (`app.example.com`) or wildcard (`*.example.com`, which matches exactly
+  one extra DNS label: `a.example.com`, not `example.com` nor `a.b.example.com`), or absent
+  (any host). Host tiers are tried from the most specific: exact, then wildcard, then the
+  rules without a host. A tier only claims the request if one of its paths matches;
+  otherwise the next tier is tried (Gateway API semantics; it is what the Ingress spec's
+  "if the host is unspecified, the rule applies to all inbound traffic" implies).
+  Then the default backend, if any; then no match (404).
+* **Path**, within a host tier. `Exact` matches the path (query removed) byte for byte,
+  case-sensitively. `Prefix` matches element-wise: `/foo` (or `/foo/`: a trailing slash is
+  ignored) matches `/foo`, `/foo/` and `/foo/bar`, not `/foobar`; `/` matches every path.
+  `ImplementationSpecific` is treated as `Prefix`. An Exact match beats any Prefix match;
+  among Prefix matches the longest wins (which is the spec's "longest path, then Exact").
+  Paths are matched as sent, without percent-decoding or dot-segment removal.
+* **Ties** (the same host, path and type from two specs, e.g. two Ingresses): the spec with
+  the smallest `(rank, route.name)` wins, then the first in input order. The controller
+  sets `rank` to the Ingress's creationTimestamp (RFC 3339, sorts as text), so the oldest
+  Ingress wins, as in ingress-nginx; the standalone config leaves it empty.
+
+Lookup is a dict probe for the host and at most (number of `/` in the longest prefix of
+that host + 2) dict probes for the path, whatever the table size; `Match` objects are made
+at build time, so a lookup allocates only the path slices it probes.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """One place a route's traffic can go: `host:port` as seen from `node`'s agent.
+
+    `node` None means the server reaches `host:port` itself (no tunnel).
+    """
+
+    node: str | None
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        where = f"{self.host}:{self.port}"
+        return where if self.node is None else f"{self.node}/{where}"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What a matching request is sent to. Empty `backends` answers 503."""
+
+    name: str
+    backends: tuple[Backend, ...]
+    tls_redirect: bool = False
+    """Answer plain-HTTP requests with a 308 to the https:// URL (Ingress with TLS)."""
+
+
+class PathType(enum.Enum):
+    EXACT = "Exact"
+    PREFIX = "Prefix"
+    IMPLEMENTATION_SPECIFIC = "ImplementationSpecific"
+
+
+_LABEL = r"[a-z0-9]([-a-z0-9_]{0,61}[a-z0-9])?"
+_BAD_PATH = re.compile(r"[ ?#\r\n\t]")
+_HOST_RE = re.compile(rf"^(\*\.)?{_LABEL}(\.{_LABEL})*$|^\[[0-9a-f:.]+\]$")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSpec:
+    """One rule: requests for `host` (None: any) and `path` go to `route`.
+
+    Invalid values raise ValueError at construction, so a caller turning an Ingress into
+    specs can report the bad object and keep the others.
+    """
+
+    host: str | None
+    path: str
+    route: Route
+    path_type: PathType = PathType.PREFIX
+    rank: str = ""
+
+    def __post_init__(self) -> None:
+        if self.host is not None:
+            host = self.host.lower()
+            if host.endswith("."):
+                host = host[:-1]
+            if not _HOST_RE.match(host) or len(host) > 253:
+                raise ValueError(
+                    f"host {self.host!r}: not a DNS name or a wildcard '*.' followed by one"
+                )
+            object.__setattr__(self, "host", host)
+        if not self.path.startswith("/"):
+            raise ValueError(f"path {self.path!r}: must start with '/'")
+        if _BAD_PATH.search(self.path):
+            raise ValueError(f"path {self.path!r}: must not contain spaces, '?' or '#'")
+
+
+class Match(NamedTuple):
+    """The result of a lookup: the route and the rule that selected it.
+
+    A NamedTuple rather than a dataclass: the table makes one per rule, and building
+    20,000 of them is a measurable part of a rebuild.
+    """
+
+    route: Route
+    host: str | None
+    """The rule's host (`*.example.com` for a wildcard), None for any-host and default."""
+    path: str
+    """The rule's path as written ("" for the default backend)."""
+    path_type: PathType | None
+    """None when the default backend matched."""
+    order: tuple[str, int] = ("", 0)
+    """The spec this match came from: its rank and its position in the input."""
+
+
+def normalize_host(host: str) -> str:
+    """The request's Host header as the table compares it: lowercase, no port, no final dot."""
+    if host.startswith("["):
+        end = host.find("]")
+        host = host[: end + 1] if end > 0 else host
+    else:
+        colon = host.find(":")
+        if colon >= 0:
+            host = host[:colon]
+    if host.endswith("."):
+        host = host[:-1]
+    return host.lower()
+
+
+class _HostRules:
+    """The path rules of one host tier entry."""
+
+    __slots__ = ("depth", "exact", "prefix")
+
+    def __init__(self) -> None:
+        self.exact: dict[str, Match] = {}
+        self.prefix: dict[str, Match] = {}  # key: the prefix without its trailing '/'
+        self.depth = 0  # the most '/' in a prefix key: longer candidates cannot match
+
+    def match(self, path: str) -> Match | None:
+        if self.exact:
+            m = self.exact.get(path)
+            if m is not None:
+                return m
+        prefix = self.prefix
+        if not prefix:
+            return None
+        s = path
+        depth = self.depth
+        if depth and s.count("/") > depth:
+            # Cut after `depth` slashes: a crafted path with thousands of '/' costs one scan.
+            pos = -1
+            for _ in range(depth + 1):
+                pos = s.find("/", pos + 1)
+            s = s[:pos]
+        while s:
+            m = prefix.get(s)
+            if m is not None:
+                return m
+            cut = s.rfind("/")
+            if cut < 0:
+                break
+            s = s[:cut]
+        return prefix.get("")
+
+
+class RouteTable:
+    """An immutable Host/path → Route table. Build with `RouteTable.build`."""
+
+    __slots__ = ("_any", "_default", "_exact", "_size", "_wild")
+
+    def __init__(
+        self,
+        exact: dict[str, _HostRules],
+        wild: dict[str, _HostRules],
+        any_host: _HostRules | None,
+        default: Match | None,
+        size: int,
+    ) -> None:
+        self._exact = exact
+        self._wild = wild
+        self._any = any_host
+        self._default = default
+        self._size = size
+
+    @classmethod
+    def empty(cls) -> RouteTable:
+        return cls({}, {}, None, None, 0)
+
+    @classmethod
+    def build(cls, specs: Iterable[RouteSpec], default: Route | None = None) -> RouteTable:
+        # A rebuild allocates tens of thousands of small objects at once; letting the cyclic
+        # GC walk the growing heap meanwhile costs more than the rest (none of it is garbage).
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return cls._build(specs, default)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    @classmethod
+    def _build(cls, specs: Iterable[RouteSpec], default: Route | None) -> RouteTable:
+        exact: dict[str, _HostRules] = {}
+        wild: dict[str, _HostRules] = {}
+        any_host: _HostRules | None = None
+        size = 0
+        exact_type = PathType.EXACT
+        for spec in specs:
+            host = spec.host
+            if host is None:
+                if any_host is None:
+                    any_host = _HostRules()
+                rules = any_host
+            else:
+                tier, name = (wild, host[2:]) if host[0] == "*" else (exact, host)
+                found = tier.get(name)
+                if found is None:
+                    found = tier[name] = _HostRules()
+                rules = found
+            path = spec.path
+            if spec.path_type is exact_type:
+                key = path
+                table = rules.exact
+            else:
+                key = path.rstrip("/")
+                table = rules.prefix
+                depth = key.count("/")
+                if depth > rules.depth:
+                    rules.depth = depth
+            held = table.get(key)
+            if held is None:
+                table[key] = Match(spec.route, host, path, spec.path_type, (spec.rank, size))
+            else:
+                # A tie: the smallest (rank, route name) wins, then the first given.
+                order = (spec.rank, size)
+                if (spec.rank, spec.route.name) < (held.order[0], held.route.name):
+                    table[key] = Match(spec.route, host, path, spec.path_type, order)
+            size += 1
+        default_match = Match(default, None, "", None) if default is not None else None
+        return cls(exact, wild, any_host, default_match, size)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def lookup(self, host: str, path: str) -> Match | None:
+        """The match for a request, or None (404). `host` is the raw Host header value."""
+        q = path.find("?")
+        if q >= 0:
+            path = path[:q]
+        host = normalize_host(host)
+        rules = self._exact.get(host)
+        if rules is not None:
+            m = rules.match(path)
+            if m is not None:
+                return m
+        if self._wild:
+            dot = host.find(".")
+            if dot > 0:
+                rules = self._wild.get(host[dot + 1 :])
+                if rules is not None:
+                    m = rules.match(path)
+                    if m is not None:
+                        return m
+        if self._any is not None:
+            m = self._any.match(path)
+            if m is not None:
+                return m
+        return self._default

@@ -1,0 +1,278 @@
+"""The agent's transparent proxy: netfilter rules that catch selected connections, and
+the listener that carries each one where config says (through the tunnel, or direct).
+
+Like sshuttle or redsocks, but per node and driven by config. The rules come from the
+`netfilter` package (one owned table, atomic transactions); this module turns the agent's
+InterceptConfig into that package's model, keeps the kernel in step with it (reconcile at
+start, atomic re-apply on change, removal on clean shutdown), and serves the connections
+the rules redirect to the proxy port.
+
+The netfilter backends block (they run `nft -f -` / `iptables-restore` and talk netlink
+through pyroute2's synchronous sockets), so they run in trio worker threads; everything
+else is trio.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import socket
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from netfilter.model import (
+    InterceptModel,
+    InterceptRule,
+    Mode,
+    NetfilterError,
+    ProxyPorts,
+    validate_model,
+)
+from netfilter.sockets import intercepted_destination, set_transparent
+from nodeagent.logs import StructuredLogger, get_logger
+from nodeagent.ratelog import RateLimitedLog
+from nodeagent.targets import DialFailed, connect_tcp
+from tunnel import protocol as p
+from tunnel.endpoint import StreamRefusedError
+from tunnel.splice import close_stream, splice
+
+if TYPE_CHECKING:  # config imports this module to validate; avoid the cycle at runtime
+    from nodeagent.config import InterceptConfig
+
+log = get_logger("nodeagent.intercept")
+
+OpenTunnel = Callable[[p.Target, dict[str, str]], Awaitable[trio.abc.HalfCloseableStream]]
+
+
+class Backend(Protocol):
+    def apply(self, model: InterceptModel) -> bool: ...
+    def remove(self) -> bool: ...
+    def reconcile(self, model: InterceptModel | None) -> bool: ...
+    def list_applied(self) -> str: ...
+
+
+def build_model(config: InterceptConfig, *, skip_mark: int,
+                interfaces: list[str] | None = None) -> InterceptModel:
+    """InterceptConfig → the netfilter model, validated. Raises NetfilterError (its
+    InvalidRule names the rule) for overlapping or invalid CIDRs, bad ports, unknown
+    interfaces (when `interfaces` is given)."""
+    rules = tuple(
+        InterceptRule.parse(
+            rule.name, rule.protocol, rule.destinations, ports=rule.ports,
+            source_interfaces=rule.source_interfaces, source_cidrs=rule.source_cidrs,
+            exclude=rule.exclude, host_traffic=rule.host_traffic)
+        for rule in config.rules
+    )
+    from netfilter.model import parse_cidrs
+    model = InterceptModel(
+        rules=rules,
+        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port),
+        mode=Mode(config.mode),
+        exclude=parse_cidrs("(global)", "exclude", config.exclude),
+        skip_mark=skip_mark,
+    )
+    return validate_model(model, interfaces)
+
+
+def choose_backend(name: str, netns: str | None = None) -> Backend:
+    """nftables unless told otherwise or the host has only iptables-legacy."""
+    from netfilter.iptables import IptablesBackend
+    from netfilter.nftables import NftablesBackend
+    if name == "iptables" or (name == "auto" and shutil.which("nft") is None):
+        return IptablesBackend(netns)
+    return NftablesBackend(netns)
+
+
+@dataclass(frozen=True)
+class _ActiveRule:
+    name: str
+    protocol: str
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    exclude: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    ports: tuple[tuple[int, int], ...]
+    via: str
+
+    def matches(self, host: str, port: int) -> bool:
+        address = ipaddress.ip_address(host)
+        if not any(address.version == n.version and address in n for n in self.networks):
+            return False
+        if any(address.version == n.version and address in n for n in self.exclude):
+            return False
+        return not self.ports or any(a <= port <= b for a, b in self.ports)
+
+
+class Interceptor:
+    """Owns the node's interception: rules in the kernel, listeners, connections."""
+
+    def __init__(self, config: InterceptConfig, *, skip_mark: int, open_tunnel: OpenTunnel,
+                 dial_timeout: float = 5.0, node: str = "",
+                 backend: Backend | None = None, netns: str | None = None,
+                 logger: StructuredLogger | None = None) -> None:
+        self.config = config
+        self.skip_mark = skip_mark
+        self._open_tunnel = open_tunnel
+        self._dial_timeout = dial_timeout
+        self.backend = backend or choose_backend(config.backend, netns)
+        self._netns = netns
+        self.log = logger or log.bind(node=node)
+        self._refusal_log = RateLimitedLog(self.log, period=60.0)
+        self.outcomes: Counter[str] = Counter()
+        self.model: InterceptModel | None = None
+        self._rules: tuple[_ActiveRule, ...] = ()
+        self._routing: Any = None
+        self._lock = trio.Lock()
+
+    # ------------------------------------------------------------------ rules
+
+    async def apply(self, config: InterceptConfig) -> None:
+        """Validate and apply atomically. On any error the previous rules stay in the
+        kernel and in force, and the error (naming the rule) is raised."""
+        async with self._lock:
+            from netfilter.routing import list_interfaces
+            interfaces = await trio.to_thread.run_sync(list_interfaces, self._netns)
+            model = build_model(config, skip_mark=self.skip_mark, interfaces=interfaces)
+            if config.proxy_port != self.config.proxy_port and self.model is not None:
+                raise NetfilterError("intercept.proxy_port cannot change while running; "
+                                     "restart the agent")
+            changed = await trio.to_thread.run_sync(self.backend.apply, model)
+            await trio.to_thread.run_sync(self._ensure_routing, model)
+            self.config, self.model = config, model
+            self._rules = tuple(_active(rule_cfg, rule)
+                                for rule_cfg, rule in zip(config.rules, model.rules, strict=True))
+            self.log.info("intercept rules applied" if changed else "intercept rules unchanged",
+                          rules=len(model.rules), mode=model.mode.value)
+
+    def _ensure_routing(self, model: InterceptModel) -> None:
+        from netfilter.routing import PolicyRouting
+        if model.needs_policy_routing:
+            if self._routing is None:
+                self._routing = PolicyRouting(mark=model.tproxy_mark, table=model.route_table,
+                                              netns=self._netns)
+            self._routing.ensure()
+        elif self._routing is not None:
+            self._routing.remove()
+            self._routing = None
+
+    async def remove(self) -> None:
+        async with self._lock:
+            await trio.to_thread.run_sync(self.backend.remove)
+            if self._routing is not None:
+                await trio.to_thread.run_sync(self._routing.remove)
+                self._routing = None
+            self.model = None
+            self.log.info("intercept rules removed")
+
+    def rules_view(self) -> dict[str, Any]:
+        """For `nodeagent debug rules`: the model and what the kernel has right now."""
+        from netfilter.iptables import IptablesBackend, render_iptables
+        from netfilter.nftables import render_nftables
+        rendered = ""
+        if self.model is not None:
+            if isinstance(self.backend, IptablesBackend):
+                rendered = "\n".join(render_iptables(self.model).values())
+            else:
+                rendered = render_nftables(self.model)
+        return {
+            "backend": type(self.backend).__name__,
+            "mode": self.config.mode,
+            "rules": [r.model_dump(mode="json") for r in self.config.rules],
+            "rendered_from_model": rendered,
+            "applied_in_kernel": self.backend.list_applied(),
+        }
+
+    # ------------------------------------------------------------------ proxy
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on the proxy port, reconcile the kernel with the config (a table left
+        by a crashed agent is replaced), serve until cancelled, then remove the rules."""
+        listeners = self._listeners()
+        try:
+            from netfilter.routing import list_interfaces
+            interfaces = await trio.to_thread.run_sync(list_interfaces, self._netns)
+            model = build_model(self.config, skip_mark=self.skip_mark, interfaces=interfaces)
+            await trio.to_thread.run_sync(self.backend.reconcile, model)
+            await trio.to_thread.run_sync(self._ensure_routing, model)
+            self.model = model
+            self._rules = tuple(_active(c, r) for c, r in zip(self.config.rules, model.rules,
+                                                               strict=True))
+            self.log.info("intercepting", rules=len(model.rules), mode=model.mode.value,
+                          proxy_port=self.config.proxy_port)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, self._handle, listeners)
+                task_status.started()
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.remove()
+                except (NetfilterError, OSError) as exc:
+                    self.log.error("could not remove intercept rules", error=str(exc))
+
+    def _listeners(self) -> list[trio.SocketListener]:
+        # IP_TRANSPARENT always: even in REDIRECT mode, connections kube-proxy already
+        # DNAT'ed arrive by TPROXY (netfilter/nftables.py explains why).
+        listeners = []
+        for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            set_transparent(sock, family)
+            try:
+                sock.bind((host, self.config.proxy_port))
+            except OSError as exc:
+                sock.close()
+                if family == socket.AF_INET6:
+                    self.log.warning("no IPv6 proxy listener", error=str(exc))
+                    continue
+                raise
+            sock.listen(4096)
+            listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        return listeners
+
+    def _rule_for(self, host: str, port: int) -> _ActiveRule | None:
+        for rule in self._rules:
+            if rule.matches(host, port):
+                return rule
+        return None
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        try:
+            host, port, _ = intercepted_destination(client.socket, self.config.proxy_port)
+            peer = client.socket.getpeername()
+        except OSError as exc:
+            self.log.warning("intercepted connection without a destination", error=str(exc))
+            await close_stream(client, abort=True)
+            return
+        host = host.removeprefix("::ffff:")
+        origin = f"{peer[0]}:{peer[1]}"
+        rule = self._rule_for(host, port)
+        via = rule.via if rule is not None else "tunnel"
+        target = p.Target(host, port)
+        try:
+            if via == "direct":
+                upstream: trio.abc.HalfCloseableStream = await connect_tcp(
+                    host, port, connect_timeout=self._dial_timeout, mark=self.skip_mark)
+            else:
+                meta = {"origin": origin, "intercepted": rule.name if rule else ""}
+                upstream = await self._open_tunnel(target, meta)
+        except (StreamRefusedError, DialFailed) as exc:
+            outcome = exc.reason.name.lower()
+            self.outcomes[outcome] += 1
+            self._refusal_log.warning(
+                f"{target}:{outcome}", "intercepted connection refused; client reset",
+                target=str(target), origin=origin, reason=outcome, error=exc.message)
+            await close_stream(client, abort=True)
+            return
+        self.outcomes[f"{via}"] += 1
+        await splice(client, upstream)
+
+
+def _active(config: Any, rule: InterceptRule) -> _ActiveRule:
+    return _ActiveRule(
+        name=rule.name, protocol=rule.protocol.value, networks=rule.destinations,
+        exclude=rule.exclude, ports=tuple((r.first, r.last) for r in rule.ports),
+        via=config.via)

@@ -1,0 +1,266 @@
+"""The server role: terminate agents' tunnels; carry public TCP ports and HTTP into them.
+
+- the tunnel listener (TLS or WebSocket) hands each agent connection to
+  `tunnel.server.TunnelServer`, which authenticates it (a token, or the node name in its
+  mutual-TLS certificate) and registers it by node name;
+- each TCP mapping listens on a public port and splices every accepted connection into a
+  stream to `node` → `target`;
+- each HTTP listener routes requests by Host and path (nodeagent.http) into streams;
+- the debug socket and metrics show all of it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import trio
+from prometheus_client.core import GaugeMetricFamily
+
+from nodeagent import __version__
+from nodeagent.config import HttpListener, RoutesConfig, ServerConfig, TcpMapping
+from nodeagent.http.errors import UpstreamUnavailable
+from nodeagent.http.proxy import HttpStats
+from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
+from nodeagent.logs import get_logger
+from nodeagent.metrics import Metrics, gauge
+from nodeagent.pki import node_name_from_certificate
+from nodeagent.ratelog import RateLimitedLog
+from nodeagent.targets import DialFailed, connect_tcp
+from tunnel import protocol as p
+from tunnel.endpoint import (
+    AuthenticationFailed,
+    EndpointSettings,
+    IncomingStream,
+    StreamRefusedError,
+)
+from tunnel.server import TunnelServer
+from tunnel.splice import close_stream, splice
+from tunnel.transport import PeerInfo
+
+log = get_logger("nodeagent.server")
+
+
+def build_route_table(listener: HttpListener) -> RouteTable:
+    """A listener's routes from config → the HTTP front's route table."""
+    specs = []
+    for index, route in enumerate(listener.routes):
+        backend = Backend(node=route.node, host=route.target.host, port=route.target.port)
+        name = f"{listener.name or 'http'}[{index}]"
+        specs.append(RouteSpec(host=route.host, path=route.path,
+                               route=Route(name=name, backends=(backend,)),
+                               path_type=_path_type(route.path_type)))
+    return RouteTable.build(specs)
+
+
+def _path_type(name: str) -> PathType:
+    return PathType(name)
+
+
+class Server:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.routes: RoutesConfig = config.routes()
+        self.started = time.monotonic()
+        self.metrics = Metrics("server")
+        self.metrics.config_version.set(self.routes.version)
+        self.outcomes: Counter[str] = Counter()
+        self.log = log.bind(server=config.server_id)
+        self._tokens = [(entry.node, entry.read().encode()) for entry in config.tokens]
+        settings = EndpointSettings(ping_interval=config.keepalive.interval,
+                                    ping_timeout=config.keepalive.timeout)
+        self.tunnel = TunnelServer(authenticate=self.authenticate, server_id=config.server_id,
+                                   settings=settings, stream_handler=self.handle_agent_stream,
+                                   log=self.log)
+        self._egress_refusals = RateLimitedLog(self.log, period=60.0)
+        self.tables: dict[int, RouteTable] = {
+            i: build_route_table(h) for i, h in enumerate(self.routes.http)}
+        self.bound: dict[str, list[str]] = {}  # listener name -> addresses, for status
+        self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
+        self.metrics.add_live(self._live_metrics)
+
+    # ---------------------------------------------------------------- identity
+
+    async def authenticate(self, hello: p.Hello, peer: PeerInfo) -> str:
+        """Decide which node a dialing agent is. Mutual TLS: the certificate names the
+        node and the claim must match. Token: must match the node's entry (or "*")."""
+        node = hello.identity.get("node", "")
+        if not node:
+            raise AuthenticationFailed("HELLO names no node")
+        if peer.certificate_der is not None:
+            cert_node = node_name_from_certificate(peer.certificate_der)
+            if cert_node is not None:
+                if cert_node != node:
+                    self.metrics.bad_input.labels("auth").inc()
+                    raise AuthenticationFailed(
+                        f"certificate is for node {cert_node}, HELLO claims {node}")
+                return node
+        token = hello.identity.get("token") or _bearer(peer)
+        if token is None:
+            self.metrics.bad_input.labels("auth").inc()
+            raise AuthenticationFailed(f"node {node} presented no token and no certificate")
+        presented = token.encode()
+        for allowed_node, secret in self._tokens:
+            if allowed_node in (node, "*") and hmac.compare_digest(presented, secret):
+                return node
+        self.metrics.bad_input.labels("auth").inc()
+        raise AuthenticationFailed(f"token not valid for node {node}")
+
+    # ---------------------------------------------------------------- streams in
+
+    async def handle_agent_stream(self, node: str, incoming: IncomingStream) -> None:
+        """A stream an agent opened (intercepted traffic): relay it to the node that owns
+        the destination, or dial it if the egress allow list permits; otherwise refuse.
+        Nothing is an open proxy."""
+        target = incoming.target
+        origin = incoming.metadata.get("origin", "")
+        owner = self.routes.node_for_address(target.host)
+        try:
+            if owner is not None and owner != node:
+                upstream = await self.open_to(owner, target.host, target.port,
+                                              f"{node}/{origin}")
+                via = f"relay:{owner}"
+            elif self.routes.egress_allows(target.host, target.port, target.protocol):
+                upstream = await connect_tcp(target.host, target.port,
+                                             connect_timeout=self.config.dial_timeout)
+                via = "egress"
+            else:
+                self._count_in("forbidden")
+                self._egress_refusals.warning(
+                    f"{node}:{target}", "agent stream refused: destination not allowed",
+                    node=node, target=str(target), origin=origin)
+                await incoming.refuse(p.StreamReason.FORBIDDEN,
+                                      f"{target} is not in the server's egress allow list")
+                return
+        except (StreamRefusedError, DialFailed) as exc:
+            self._count_in(exc.reason.name.lower())
+            await incoming.refuse(exc.reason, exc.message)
+            return
+        try:
+            stream = await incoming.accept()
+        except BaseException:
+            await close_stream(upstream)
+            raise
+        self._count_in(via.split(":")[0])
+        await splice(stream, upstream)
+
+    def _count_in(self, outcome: str) -> None:
+        self.outcomes[f"agent_opened:{outcome}"] += 1
+        self.metrics.streams.labels("inbound", outcome).inc()
+
+    # ---------------------------------------------------------------- streams out
+
+    async def open_to(self, node: str | None, host: str, port: int,
+                      origin: str) -> trio.abc.HalfCloseableStream:
+        """A stream to host:port through `node` (or directly when node is None).
+        Raises StreamRefusedError / DialFailed with the reason."""
+        if node is None:
+            return await connect_tcp(host, port, connect_timeout=self.config.dial_timeout)
+        with trio.move_on_after(self.config.dial_timeout) as scope:
+            return await self.tunnel.open_stream(
+                node, p.Target(host, port), {"origin": origin})
+        assert scope.cancelled_caught
+        raise StreamRefusedError(p.StreamReason.TIMEOUT,
+                                 f"node {node} did not answer within {self.config.dial_timeout}s")
+
+    async def open_upstream(self, backend: Backend, route: Route,
+                            client: str = "") -> trio.abc.HalfCloseableStream:
+        """For the HTTP front: tunnel failures become 502 / 504 with a readable reason."""
+        try:
+            stream = await self.open_to(backend.node, backend.host, backend.port, client)
+        except (StreamRefusedError, DialFailed) as exc:
+            self._count(exc.reason.name.lower())
+            status = 504 if exc.reason is p.StreamReason.TIMEOUT else 502
+            where = f"node {backend.node}" if backend.node else "the server"
+            raise UpstreamUnavailable(
+                status, f"{backend.host}:{backend.port} via {where}: {exc.message}") from None
+        self._count("accepted")
+        return stream
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        self.metrics.streams.labels("outbound", outcome).inc()
+
+    async def serve_tcp_mapping(self, mapping: TcpMapping, client: trio.SocketStream) -> None:
+        peer = _address(client)
+        mlog = self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
+                             node=mapping.node, target=str(mapping.target), client=peer)
+        try:
+            stream = await self.open_to(mapping.node, mapping.target.host, mapping.target.port,
+                                        peer)
+        except (StreamRefusedError, DialFailed) as exc:
+            self._count(exc.reason.name.lower())
+            mlog.info("connection refused", reason=exc.reason.name.lower(), error=exc.message)
+            await close_stream(client, abort=True)
+            return
+        self._count("accepted")
+        result = await splice(client, stream)
+        self.metrics.stream_bytes.labels("out").inc(result.a_to_b)
+        self.metrics.stream_bytes.labels("in").inc(result.b_to_a)
+        mlog.debug("connection finished", sent=result.a_to_b, received=result.b_to_a,
+                   error=result.error or "")
+
+    # ---------------------------------------------------------------- status
+
+    def _live_metrics(self) -> Iterable[GaugeMetricFamily]:
+        agents = gauge("nodeagent_agents_connected", "Agents with an open tunnel")
+        agents.add_metric([], len(self.tunnel.sessions))
+        yield agents
+        rtt = gauge("nodeagent_agent_rtt_seconds", "Round-trip time to each agent", ["node"])
+        streams = gauge("nodeagent_agent_streams_open", "Open streams per agent", ["node"])
+        for node, session in self.tunnel.sessions.items():
+            if session.connection.rtt is not None:
+                rtt.add_metric([node], session.connection.rtt)
+            streams.add_metric([node], session.connection.info().streams_open)
+        yield rtt
+        yield streams
+        http = gauge("nodeagent_http_front", "HTTP front counters by listener",
+                     ["listener", "counter"])
+        for name, stats in self.http_stats.items():
+            for counter, value in stats.as_dict().items():
+                http.add_metric([name, counter], value)
+        yield http
+
+    def status(self) -> dict[str, Any]:
+        agents = []
+        for node, session in sorted(self.tunnel.sessions.items()):
+            info = session.connection.info()
+            agents.append({
+                "node": node, "peer": info.peer,
+                "connected_seconds": round(time.time() - session.since, 1),
+                "rtt_ms": round(info.rtt_seconds * 1000, 2) if info.rtt_seconds is not None
+                else None,
+                "streams_open": info.streams_open, "bytes_in": info.bytes_in,
+                "bytes_out": info.bytes_out, "draining": info.draining,
+            })
+        return {
+            "role": "server",
+            "server_id": self.config.server_id,
+            "version": __version__,
+            "uptime_seconds": round(time.monotonic() - self.started, 1),
+            "config_version": self.routes.version,
+            "listeners": self.bound,
+            "agents": agents,
+            "streams_by_outcome": dict(self.outcomes),
+            "handshake_failures": self.tunnel.handshake_failures,
+            "http": {name: stats.as_dict() for name, stats in self.http_stats.items()},
+        }
+
+
+def _bearer(peer: PeerInfo) -> str | None:
+    for name, value in peer.headers:
+        if name == "authorization" and value.lower().startswith("bearer "):
+            return value[7:].strip()
+    return None
+
+
+def _address(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+

@@ -1,0 +1,1 @@
+"""Helpers for scripts/bench.py: the C load tool, parsers, profile summaries."""

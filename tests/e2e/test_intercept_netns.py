@@ -1,0 +1,215 @@
+"""Interception end to end in network namespaces, with the real kernel:
+
+    pod (10.10.0.2) ── node: agent (10.10.0.1 | 10.20.0.1) ── cloud: server (10.20.0.2 |
+    10.30.0.1) ── remote: destinations (10.30.0.2, 10.30.0.3)
+
+A plain client in `pod` connects to a destination's IP:port. The agent's rules catch it,
+the agent carries it through the tunnel, the server dials it (egress allow list), so the
+destination sees the connection coming from the cloud (10.30.0.1), not from the pod.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent import pki
+from tests.netns import Topology, in_netns, netns_available
+from tests.procs import NodeagentProcess
+
+pytestmark = pytest.mark.netns
+TOKEN = "netns-token-0123456789abcdef"
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(reason)
+    topo = Topology()
+    procs: list[Any] = []
+    try:
+        for name in ("pod", "node", "cloud", "remote"):
+            topo.add(name)
+        pod_if, node_pod_if = topo.link("pod", ["10.10.0.2/24", "fd10::2/64"],
+                                        "node", ["10.10.0.1/24", "fd10::1/64"])
+        topo.link("node", ["10.20.0.1/24", "fd20::1/64"], "cloud", ["10.20.0.2/24", "fd20::2/64"])
+        topo.link("cloud", ["10.30.0.1/24", "fd30::1/64"],
+                  "remote", ["10.30.0.2/24", "10.30.0.3/24", "fd30::2/64"])
+        for ns, routes in {
+            "pod": [("default", "10.10.0.1"), ("default", "fd10::1")],
+            "node": [("10.30.0.0/24", "10.20.0.2"), ("fd30::/64", "fd20::2")],
+            "cloud": [("10.10.0.0/24", "10.20.0.1"), ("fd10::/64", "fd20::1")],
+            "remote": [("default", "10.30.0.1"), ("default", "fd30::1")],
+        }.items():
+            for dest, via in routes:
+                topo.exec(ns, ["ip", "-6" if ":" in via else "-4", "route", "replace", dest,
+                               "via", via])
+        echo = topo.popen("remote", [sys.executable, "-m", "tests.e2e.peerecho",
+                                     "0.0.0.0:8080", "0.0.0.0:7070", "0.0.0.0:9090",
+                                     "[::]:8080"],
+                          stdout=subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+        procs.append(echo)
+        assert echo.stdout is not None and echo.stdout.readline().strip() == b"ready"
+
+        ca = pki.create_ca("netns CA")
+        ca.write(tmp_path / "ca.crt", tmp_path / "ca.key")
+        pki.issue_server_certificate(ca, [], ["10.20.0.2"]).write(
+            tmp_path / "s.crt", tmp_path / "s.key")
+        server = NodeagentProcess("server", {
+            "tunnel": "tls://10.20.0.2:8443",
+            "tls": {"cert_file": str(tmp_path / "s.crt"), "key_file": str(tmp_path / "s.key")},
+            "tokens": [{"node": "edge-1", "token": TOKEN}],
+            "egress": ["10.30.0.0/24:8080", "10.30.0.0/24:9090", "[fd30::2]:8080"],
+            "debug_socket": str(tmp_path / "server.sock"),
+        }, tmp_path, "server", netns=topo.ns("cloud")).start()
+        procs.append(server)
+        server.wait_ready()
+        agent_cfg = {
+            "node": "edge-1", "server": "tls://10.20.0.2:8443", "token": TOKEN,
+            "tls": {"ca_file": str(tmp_path / "ca.crt")},
+            "debug_socket": str(tmp_path / "agent.sock"),
+            "reconnect": {"initial": 0.1, "maximum": 1},
+            "intercept": {"proxy_port": 15001, "rules": [
+                {"name": "to-remote", "destinations": ["10.30.0.0/24", "fd30::/64"],
+                 "ports": [8080, 7070], "source_interfaces": [node_pod_if],
+                 "exclude": ["10.30.0.3/32"]},
+                {"name": "direct-9090", "destinations": ["10.30.0.2/32"], "ports": [9090],
+                 "via": "direct", "host_traffic": True},
+            ]},
+        }
+        agent = NodeagentProcess("agent", agent_cfg, tmp_path, "agent", netns=topo.ns("node"))
+        agent.start()
+        procs.append(agent)
+        agent.wait_ready()
+        server.wait_for(lambda s: s["agents"], what="agent connected")
+        yield {"topo": topo, "server": server, "agent": agent, "node_pod_if": node_pod_if}
+    finally:
+        for proc in procs:
+            if isinstance(proc, NodeagentProcess):
+                proc.kill()
+                assert "Traceback" not in proc.logs(), proc.logs()
+            else:
+                proc.kill()
+                proc.wait()
+        topo.close()
+
+
+def connect_from(topo: Topology, ns: str, host: str, port: int,
+                 payload: bytes = b"ping") -> str:
+    """Connect from namespace `ns`; return what the destination says it saw."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with in_netns(topo.ns(ns)):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    with sock:
+        sock.settimeout(5)
+        sock.connect((host, port))
+        first = b""
+        while not first.endswith(b"\n"):
+            chunk = sock.recv(1)
+            if not chunk:
+                break
+            first += chunk
+        sock.sendall(payload)
+        echoed = b""
+        while len(echoed) < len(payload):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            echoed += chunk
+        assert echoed == payload
+        return first.decode().strip()
+
+
+def nft_table(topo: Topology) -> subprocess.CompletedProcess[str]:
+    return topo.exec("node", ["nft", "list", "table", "inet", "nodeagent"], check=False)
+
+
+def test_pod_traffic_goes_through_the_tunnel_and_exits_at_the_cloud(lab: dict[str, Any]) -> None:
+    topo = lab["topo"]
+    # Intercepted: the destination sees the cloud's address.
+    assert connect_from(topo, "pod", "10.30.0.2", 8080) == "peer=10.30.0.1"
+    # IPv6 too.
+    assert connect_from(topo, "pod", "fd30::2", 8080) == "peer=fd30::1"
+    # Excluded destination: plain routing, the destination sees the pod itself.
+    assert connect_from(topo, "pod", "10.30.0.3", 8080) == "peer=10.10.0.2"
+    # Not a port the rules name: plain routing.
+    assert connect_from(topo, "pod", "10.30.0.2", 9999 - 909) == "peer=10.10.0.2"
+    status = lab["agent"].status()
+    assert status["intercepted_by_outcome"]["tunnel"] >= 2
+
+
+def test_agent_own_dials_are_marked_and_not_intercepted(lab: dict[str, Any]) -> None:
+    """direct-9090 also catches the node's own traffic (host_traffic) and the agent then
+    dials the same destination itself: without the mark that dial would be caught again
+    and loop forever. The destination sees the node's address."""
+    topo = lab["topo"]
+    assert connect_from(topo, "pod", "10.30.0.2", 9090) == "peer=10.20.0.1"
+    assert connect_from(topo, "node", "10.30.0.2", 9090) == "peer=10.20.0.1"
+    assert lab["agent"].status()["intercepted_by_outcome"]["direct"] >= 2
+
+
+def test_forbidden_destination_resets_promptly_and_logs_once(lab: dict[str, Any]) -> None:
+    topo = lab["topo"]
+    for _ in range(3):
+        started = time.monotonic()
+        with pytest.raises((ConnectionResetError, BrokenPipeError, AssertionError)):
+            connect_from(topo, "pod", "10.30.0.2", 7070)  # intercepted, not in egress
+        assert time.monotonic() - started < 2
+    agent = lab["agent"]
+    agent.wait_for(lambda s: s["intercepted_by_outcome"].get("forbidden", 0) >= 3,
+                   what="refusals counted")
+    assert agent.logs().count("intercepted connection refused; client reset") == 1
+    assert lab["server"].logs().count("agent stream refused: destination not allowed") == 1
+
+
+def test_rule_removal_restores_direct_routing_and_debug_rules_reads_the_kernel(
+        lab: dict[str, Any]) -> None:
+    topo, agent = lab["topo"], lab["agent"]
+    result = subprocess.run([sys.executable, "-m", "nodeagent", "debug", "rules", "--socket",
+                             str(agent.socket)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "table inet nodeagent" in result.stdout and "applied in the kernel" in result.stdout
+    cfg = dict(agent.config)
+    cfg["intercept"] = dict(cfg["intercept"], rules=[cfg["intercept"]["rules"][1]])
+    agent.config = cfg
+    agent.write_config()
+    agent.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while "intercept rules applied" not in agent.logs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert connect_from(topo, "pod", "10.30.0.2", 8080) == "peer=10.10.0.2"
+    # An invalid change is refused and the previous rules stay.
+    cfg["intercept"] = dict(cfg["intercept"], rules=[dict(cfg["intercept"]["rules"][0],
+                                                          source_interfaces=["nosuch0"])])
+    agent.config = cfg
+    agent.write_config()
+    agent.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while "config reload refused" not in agent.logs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "nosuch0" in agent.logs()
+    assert connect_from(topo, "pod", "10.30.0.2", 9090) == "peer=10.20.0.1"
+
+
+def test_table_removed_on_shutdown_and_rebuilt_after_kill_9(lab: dict[str, Any]) -> None:
+    topo, agent = lab["topo"], lab["agent"]
+    assert nft_table(topo).returncode == 0
+    agent.kill()  # SIGKILL: no cleanup
+    assert nft_table(topo).returncode == 0, "a crashed agent leaves its table behind"
+    agent.start()
+    agent.wait_ready()
+    lab["server"].wait_for(lambda s: s["agents"], what="agent back")
+    assert "intercepting" in agent.logs()
+    assert connect_from(topo, "pod", "10.30.0.2", 8080) == "peer=10.30.0.1"
+    assert nft_table(topo).stdout.count("table inet nodeagent") == 1
+    assert agent.stop() == 0
+    assert nft_table(topo).returncode != 0, "clean shutdown removes the table"

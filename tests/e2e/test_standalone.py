@@ -1,0 +1,294 @@
+"""Standalone mode end to end: real `nodeagent server` and `nodeagent agent` processes,
+real TLS and WebSocket, real sockets to services on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import TOKEN, Certs, Upstream, free_port
+from tests.procs import NodeagentProcess
+
+
+def server_config(tmp: Path, certs: Certs, upstream: Upstream, *, scheme: str = "tls",
+                  tunnel_port: int | None = None, mtls: bool = False) -> dict[str, Any]:
+    tunnel_port = tunnel_port or free_port()
+    path = "/tunnel" if scheme == "wss" else ""
+    cfg: dict[str, Any] = {
+        "server_id": "cloud-test",
+        "tunnel": f"{scheme}://127.0.0.1:{tunnel_port}{path}",
+        "tls": {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key)},
+        "tokens": [{"node": "edge-1", "token": TOKEN}],
+        "tcp": [{"name": "echo", "listen": f"127.0.0.1:{free_port()}", "node": "edge-1",
+                 "target": f"127.0.0.1:{upstream.echo_port}"},
+                {"name": "forbidden", "listen": f"127.0.0.1:{free_port()}", "node": "edge-1",
+                 "target": "127.0.0.1:1"}],
+        "http": [{"name": "public", "listen": f"127.0.0.1:{free_port()}", "routes": [
+            {"host": "app.test", "node": "edge-1",
+             "target": f"127.0.0.1:{upstream.http_port}"},
+            {"host": "ghost.test", "node": "edge-404",
+             "target": f"127.0.0.1:{upstream.http_port}"},
+            {"host": "closed.test", "node": "edge-1", "target": "127.0.0.1:9"},
+        ]}],
+        "debug_socket": str(tmp / "server.sock"),
+        "keepalive": {"interval": 1, "timeout": 2},
+    }
+    if mtls:
+        cfg["tls"]["client_ca_file"] = str(certs.ca)
+    return cfg
+
+
+def agent_config(tmp: Path, certs: Certs, upstream: Upstream, server_url: str,
+                 **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "node": "edge-1", "server": server_url, "token": TOKEN,
+        "tls": {"ca_file": str(certs.ca)},
+        "allow": [f"127.0.0.1:{upstream.echo_port}", f"127.0.0.1:{upstream.http_port}",
+                  "127.0.0.1:9"],
+        "debug_socket": str(tmp / "agent.sock"),
+        "keepalive": {"interval": 1, "timeout": 2},
+        "reconnect": {"initial": 0.1, "maximum": 1.0},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def start_pair(tmp: Path, certs: Certs, upstream: Upstream, scheme: str = "tls",
+               **agent_extra: Any) -> tuple[NodeagentProcess, NodeagentProcess]:
+    scfg = server_config(tmp, certs, upstream, scheme=scheme)
+    server = NodeagentProcess("server", scfg, tmp, "server").start()
+    server.wait_ready()
+    agent = NodeagentProcess("agent", agent_config(tmp, certs, upstream, scfg["tunnel"],
+                                                   **agent_extra), tmp, "agent").start()
+    agent.wait_ready()
+    server.wait_for(lambda s: any(a["node"] == "edge-1" for a in s["agents"]),
+                    what="edge-1 connected")
+    return server, agent
+
+
+def listen_port(server: NodeagentProcess, index: int) -> int:
+    port: int = server.config["tcp"][index]["listen"].rsplit(":", 1)[1]
+    return int(port)
+
+
+def http_port(server: NodeagentProcess) -> int:
+    return int(server.config["http"][0]["listen"].rsplit(":", 1)[1])
+
+
+def echo_through(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        return got
+
+
+@pytest.fixture
+def stack(tmp_path: Path, certs: Certs, upstream: Upstream):  # type: ignore[no-untyped-def]
+    procs: list[NodeagentProcess] = []
+
+    def start(scheme: str = "tls", **agent_extra: Any) -> tuple[NodeagentProcess,
+                                                                 NodeagentProcess]:
+        server, agent = start_pair(tmp_path, certs, upstream, scheme, **agent_extra)
+        procs.extend([server, agent])
+        return server, agent
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        assert "Traceback" not in proc.logs(), proc.logs()
+
+
+@pytest.mark.parametrize("scheme", ["tls", "wss"])
+def test_tcp_port_and_host_routing_flow_through_the_tunnel(stack, scheme: str) -> None:  # type: ignore[no-untyped-def]
+    server, agent = stack(scheme)
+    payload = bytes(range(256)) * 4096  # 1 MiB, half-closed by the client
+    assert echo_through(listen_port(server, 0), payload) == payload
+
+    base = f"http://127.0.0.1:{http_port(server)}"
+    with httpx.Client(timeout=5) as client:
+        for _ in range(3):  # keep-alive: several requests on one connection
+            r = client.get(base + "/some/path?q=1", headers={"Host": "app.test"})
+            assert r.status_code == 200
+            assert "path=/some/path?q=1 host=app.test xff=127.0.0.1" in r.text
+        assert client.get(base + "/", headers={"Host": "nobody.test"}).status_code == 404
+        r = client.get(base + "/", headers={"Host": "ghost.test"})
+        assert r.status_code == 502 and "edge-404" in r.text
+        r = client.get(base + "/", headers={"Host": "closed.test"})
+        assert r.status_code == 502 and "refused" in r.text
+
+    status = agent.status()
+    assert status["tunnel"]["state"] == "connected"
+    assert status["tunnel"]["rtt_ms"] is not None
+    assert status["streams_by_outcome"]["accepted"] >= 4
+    assert status["streams_by_outcome"]["refused"] >= 1
+    server_status = server.status()
+    (edge,) = server_status["agents"]
+    assert edge["node"] == "edge-1" and edge["bytes_in"] > 1_000_000
+
+
+def test_forbidden_target_is_refused_and_the_client_reset(stack) -> None:  # type: ignore[no-untyped-def]
+    server, agent = stack(allow=["127.0.0.2:1"])  # nothing the server maps is allowed
+    with socket.create_connection(("127.0.0.1", listen_port(server, 0)), timeout=5) as sock:
+        sock.sendall(b"x")
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):
+            data = sock.recv(10)
+            assert data == b""  # a clean EOF would hide the refusal
+            raise AssertionError("expected a reset, got EOF")
+    agent.wait_for(lambda s: s["streams_by_outcome"].get("forbidden", 0) >= 1,
+                   what="forbidden counted")
+    assert "stream refused: target not allowed on this node" in agent.logs()
+
+
+def test_agent_reconnects_after_server_restart(tmp_path: Path, certs: Certs,
+                                               upstream: Upstream) -> None:
+    scfg = server_config(tmp_path, certs, upstream)
+    server = NodeagentProcess("server", scfg, tmp_path, "server").start()
+    agent = NodeagentProcess("agent", agent_config(tmp_path, certs, upstream, scfg["tunnel"]),
+                             tmp_path, "agent")
+    try:
+        server.wait_ready()
+        agent.start().wait_ready()
+        server.wait_for(lambda s: s["agents"], what="agent connected")
+        # A stream that is open when the server dies must end promptly, not hang.
+        sock = socket.create_connection(("127.0.0.1", listen_port(server, 0)), timeout=5)
+        sock.sendall(b"hello")
+        assert sock.recv(5) == b"hello"
+        server.kill()
+        sock.settimeout(5)
+        try:
+            assert sock.recv(10) == b""
+        except ConnectionResetError:
+            pass
+        sock.close()
+        agent.wait_for(lambda s: s["tunnel"]["state"] != "connected", what="agent notices")
+        time.sleep(1.5)  # the server stays down a while; the agent backs off meanwhile
+        restarted = NodeagentProcess("server", scfg, tmp_path, "server2").start()
+        restarted.wait_ready()
+        back = time.monotonic()
+        restarted.wait_for(lambda s: s["agents"], timeout=5, what="agent back")
+        assert echo_through(listen_port(restarted, 0), b"again") == b"again"
+        elapsed = time.monotonic() - back
+        assert elapsed < 2.0, f"agent took {elapsed:.2f}s to serve again"
+        restarted.stop()
+    finally:
+        server.kill()
+        agent.kill()
+    assert "Traceback" not in agent.logs()
+
+
+def test_wrong_token_is_refused_with_clear_logs_and_backoff(tmp_path: Path, certs: Certs,
+                                                            upstream: Upstream) -> None:
+    scfg = server_config(tmp_path, certs, upstream)
+    server = NodeagentProcess("server", scfg, tmp_path, "server").start()
+    agent = NodeagentProcess("agent", agent_config(
+        tmp_path, certs, upstream, scfg["tunnel"], token="not-the-right-token-xyz",
+        reconnect={"initial": 0.2, "maximum": 5}), tmp_path, "agent")
+    try:
+        server.wait_ready()
+        agent.start().wait_ready()
+        time.sleep(3)
+        status = server.status()
+        assert status["agents"] == []
+        attempts = status["handshake_failures"]
+        # 0.2 s doubling with jitter: at most ~5 tries in 3 s, never a storm.
+        assert 1 <= attempts <= 6, attempts
+    finally:
+        agent.kill()
+        server.kill()
+    assert "agent handshake failed" in server.logs()
+    assert "token not valid for node edge-1" in server.logs()
+    assert "server refused our credentials" in agent.logs()
+    assert "Traceback" not in server.logs() + agent.logs()
+
+
+def test_mutual_tls_without_a_token(tmp_path: Path, certs: Certs, upstream: Upstream) -> None:
+    scfg = server_config(tmp_path, certs, upstream, mtls=True)
+    scfg["tokens"] = []
+    server = NodeagentProcess("server", scfg, tmp_path, "server").start()
+    acfg = agent_config(tmp_path, certs, upstream, scfg["tunnel"])
+    del acfg["token"]
+    acfg["tls"].update(cert_file=str(certs.agent_cert), key_file=str(certs.agent_key))
+    agent = NodeagentProcess("agent", acfg, tmp_path, "agent")
+    try:
+        server.wait_ready()
+        agent.start().wait_ready()
+        server.wait_for(lambda s: s["agents"], what="agent connected with its certificate")
+        assert echo_through(listen_port(server, 0), b"mtls") == b"mtls"
+        # A certificate for edge-1 cannot register another node.
+        acfg2 = dict(acfg, node="edge-2", debug_socket=str(tmp_path / "a2.sock"))
+        impostor = NodeagentProcess("agent", acfg2, tmp_path, "impostor").start()
+        impostor.wait_ready()
+        impostor.wait_for(lambda s: s["tunnel"]["failures"] >= 1, what="impostor refused")
+        impostor.kill()
+        assert "certificate is for node edge-1, HELLO claims edge-2" in server.logs()
+    finally:
+        agent.kill()
+        server.kill()
+
+
+def test_second_agent_with_the_same_name_replaces_the_first(stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    server, first = stack()
+    cfg = dict(first.config, debug_socket=str(tmp_path / "second.sock"))
+    second = NodeagentProcess("agent", cfg, tmp_path, "second").start()
+    try:
+        second.wait_ready()
+        second.wait_for(lambda s: s["tunnel"]["state"] == "connected", what="second connected")
+        assert "connected again; closing its previous connection" in server.logs()
+        assert "edge-1 connected again" in first.logs()
+        assert echo_through(listen_port(server, 0), b"x") == b"x"
+    finally:
+        second.kill()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_invalid_config_exits_2_with_one_clear_message(tmp_path: Path) -> None:
+    bad = tmp_path / "agent.yaml"
+    bad.write_text("node: edge-1\nserver: tls://x:1\ntoken: 0123456789abcdef0\n"
+                   "allow: ['127.0.0.1:99999']\n")
+    result = run_cli("agent", "--config", str(bad))
+    assert result.returncode == 2
+    assert "allow[0].ports[0]: port '99999' out of range 1-65535" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_cli("server", "--config", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2 and "cannot read" in result.stderr
+    result = run_cli("agent")
+    assert result.returncode == 2 and "--config" in result.stderr
+    result = run_cli("--bogus")
+    assert result.returncode == 2 and "--help" in result.stderr
+
+
+def test_debug_cli_prints_a_table_and_json(stack) -> None:  # type: ignore[no-untyped-def]
+    server, agent = stack()
+    result = run_cli("debug", "status", "--socket", str(agent.socket))
+    assert result.returncode == 0, result.stderr
+    assert "edge-1" in result.stdout and "connected" in result.stdout
+    result = run_cli("debug", "status", "--socket", str(server.socket), "--json")
+    doc = json.loads(result.stdout)
+    assert doc["role"] == "server" and doc["agents"][0]["node"] == "edge-1"
+    result = run_cli("debug", "status", "--socket", "/nonexistent/x.sock")
+    assert result.returncode == 1 and "is the" in result.stderr
+
+
+def test_sighup_reload_keeps_running_config_on_error(stack) -> None:  # type: ignore[no-untyped-def]
+    server, agent = stack()
+    agent.config_path.write_text("node: edge-1\nallow: [oops]\n")
+    agent.signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert "config reload refused; keeping the running config" in agent.logs()
+    assert echo_through(listen_port(server, 0), b"still") == b"still"

@@ -1,0 +1,178 @@
+"""Real servers for the HTTP front tests: an h11 upstream with a few behaviours, a front."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+import trio
+
+from nodeagent.http import (
+    Backend,
+    HttpFront,
+    Limits,
+    Route,
+    RouteSpec,
+    RouteTable,
+    open_direct,
+)
+
+
+async def _next_event(conn: h11.Connection, stream: trio.abc.Stream) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+            continue
+        return event
+
+
+@dataclass
+class Upstream:
+    """An HTTP/1.1 origin. Paths:
+
+    /big?n=N      N bytes of b"x", chunked, streamed in 64 KiB pieces
+    /sleep?s=S    answers after S seconds
+    /close        answers with Connection: close
+    /http10       answers as HTTP/1.0 without length (close-delimited)
+    anything else JSON: method, target, headers, body length and sha256, connection number
+    """
+
+    name: str = "up"
+    connections: int = 0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    port: int = 0
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        number = self.connections
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                req = await _next_event(conn, stream)
+                if type(req) is not h11.Request:
+                    return
+                if conn.they_are_waiting_for_100_continue:
+                    await stream.send_all(
+                        conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+                    )
+                digest = hashlib.sha256()
+                size = 0
+                while True:
+                    ev = await _next_event(conn, stream)
+                    if type(ev) is h11.Data:
+                        digest.update(ev.data)
+                        size += len(ev.data)
+                    elif type(ev) is h11.EndOfMessage:
+                        break
+                    else:
+                        return
+                target = req.target.decode()
+                doc = {
+                    "upstream": self.name,
+                    "method": req.method.decode(),
+                    "target": target,
+                    "headers": [[n.decode(), v.decode()] for n, v in req.headers],
+                    "body_length": size,
+                    "body_sha256": digest.hexdigest(),
+                    "connection": number,
+                }
+                self.requests.append(doc)
+                path, _, query = target.partition("?")
+                if path == "/big":
+                    n = int(query.split("=")[1])
+                    await stream.send_all(conn.send(h11.Response(status_code=200, headers=[])))
+                    piece = b"x" * 65536
+                    while n > 0:
+                        data = piece[:n]
+                        n -= len(data)
+                        await stream.send_all(conn.send(h11.Data(data=data)))
+                    await stream.send_all(conn.send(h11.EndOfMessage()))
+                elif path == "/http10":
+                    await stream.send_all(b"HTTP/1.0 200 OK\r\nx-old: yes\r\n\r\nold style body")
+                    await stream.aclose()
+                    return
+                else:
+                    if path == "/sleep":
+                        await trio.sleep(float(query.split("=")[1]))
+                    body = json.dumps(doc).encode()
+                    headers = [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"keep-alive", b"timeout=5"),
+                        (b"connection", b"x-secret-hop"),
+                        (b"x-secret-hop", b"must not pass"),
+                    ]
+                    if path == "/close":
+                        headers.append((b"connection", b"close"))
+                    await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
+                    if req.method != b"HEAD":
+                        await stream.send_all(conn.send(h11.Data(data=body)))
+                    await stream.send_all(conn.send(h11.EndOfMessage()))
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+
+async def start_tcp(
+    nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
+) -> int:
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return int(listeners[0].socket.getsockname()[1])
+
+
+@dataclass
+class Opener:
+    """open_direct with counters, and a switch to make it fail."""
+
+    opens: int = 0
+    fail: Exception | None = None
+    delay: float = 0.0
+    backends: list[Backend] = field(default_factory=list)
+
+    async def __call__(self, backend: Backend, route: Route) -> trio.abc.HalfCloseableStream:
+        self.backends.append(backend)
+        if self.delay:
+            await trio.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        self.opens += 1
+        return await open_direct(backend, route)
+
+
+@dataclass
+class Front:
+    front: HttpFront
+    opener: Opener
+    tables: list[RouteTable]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_routes(self, specs: list[RouteSpec], default: Route | None = None) -> None:
+        self.tables[0] = RouteTable.build(specs, default)
+
+
+@asynccontextmanager
+async def running_front(
+    specs: list[RouteSpec], limits: Limits | None = None, **kwargs: Any
+) -> AsyncIterator[Front]:
+    tables = [RouteTable.build(specs)]
+    opener = Opener()
+    front = HttpFront(table=lambda: tables[0], open_upstream=opener, limits=limits, **kwargs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(front.run, "127.0.0.1", 0)
+        yield Front(front, opener, tables, front.port)
+        front.stop()

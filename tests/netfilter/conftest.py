@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.netfilter.lab import Lab
+from tests.netns import netns_available
+
+
+@pytest.fixture(scope="module")
+def lab_module() -> Iterator[Lab]:
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(reason)
+    lab = Lab()
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+@pytest.fixture
+def lab(lab_module: Lab) -> Iterator[Lab]:
+    """The shared pod/node/remote lab, with `node` wiped of rules after each test."""
+    try:
+        yield lab_module
+    finally:
+        lab_module.reset_node()

@@ -1,0 +1,111 @@
+"""Real nodeagent processes for end-to-end tests: config files, logs, debug sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+@dataclass
+class NodeagentProcess:
+    """`python -m nodeagent ROLE --config FILE`, logging to a file."""
+
+    role: str
+    config: dict[str, Any]
+    workdir: Path
+    name: str
+    extra_args: Sequence[str] = ()
+    netns: str | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+    config_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log_path = self.workdir / f"{self.name}.log"
+        self.config_path = self.workdir / f"{self.name}.yaml"
+
+    @property
+    def socket(self) -> Path:
+        return Path(self.config["debug_socket"])
+
+    def write_config(self) -> None:
+        self.config_path.write_text(yaml.safe_dump(self.config))
+
+    def start(self) -> NodeagentProcess:
+        self.write_config()
+        cmd = [sys.executable, "-m", "nodeagent", "--log-level", "debug", self.role,
+               "--config", str(self.config_path), *self.extra_args]
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return self
+
+    def status(self, timeout: float = 2.0) -> dict[str, Any]:
+        transport = httpx.HTTPTransport(uds=str(self.socket))
+        with httpx.Client(transport=transport, timeout=timeout) as client:
+            response = client.get("http://debug/status")
+            response.raise_for_status()
+            result: dict[str, Any] = response.json()
+            return result
+
+    def wait_ready(self, timeout: float = 15.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                     f"{self.logs()}")
+            try:
+                return self.status()
+            except (httpx.HTTPError, OSError, json.JSONDecodeError):
+                time.sleep(0.05)
+        raise AssertionError(f"{self.name} not ready after {timeout}s:\n{self.logs()}")
+
+    def wait_for(self, predicate: Any, timeout: float = 10.0, what: str = "") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                last = self.status()
+                if predicate(last):
+                    return last
+            except (httpx.HTTPError, OSError):
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: {what or 'condition'} not met in {timeout}s; "
+                             f"last status {last}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"{self.name} did not stop on SIGTERM:\n{self.logs()}") from None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,124 @@
+"""The config model: valid files load, every invalid field is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nodeagent.config import (
+    AgentConfig,
+    AllowRule,
+    ConfigError,
+    ServerConfig,
+    load_config,
+    parse_config,
+)
+
+TOKEN = "0123456789abcdef0123"
+
+
+def agent(**extra: object) -> dict[str, object]:
+    return {"node": "edge-1", "server": "tls://tunnel.example.com:8443", "token": TOKEN, **extra}
+
+
+def test_agent_config_loads_with_defaults() -> None:
+    cfg = parse_config(AgentConfig, agent(allow=["127.0.0.1:8080", "10.0.0.0/8:80-443",
+                                                 "db.local:5432", "[::1]:22", "10.9.0.0/16:*"]),
+                       "agent.yaml")
+    assert cfg.node == "edge-1" and cfg.keepalive.interval == 15
+    assert cfg.allows("127.0.0.1", 8080)
+    assert not cfg.allows("127.0.0.1", 8081)
+    assert cfg.allows("10.2.3.4", 443) and not cfg.allows("10.2.3.4", 444)
+    assert cfg.allows("DB.local", 5432) and not cfg.allows("db.local", 5433)
+    assert cfg.allows("::1", 22) and not cfg.allows("127.0.0.1", 22)
+    assert cfg.allows("10.9.200.1", 1) and cfg.allows("10.9.200.1", 65535)
+    assert not cfg.allows("127.0.0.1", 8080, "udp")
+
+
+@pytest.mark.parametrize("doc,message", [
+    (agent(allow=["127.0.0.1:70000"]), "allow[0].ports[0]: port '70000' out of range"),
+    (agent(allow=["10.0.0.1/8:80"]), "allow[0]: '10.0.0.1/8' is not a valid CIDR"),
+    (agent(allow=["127.0.0.1:90-80"]), "allow[0].ports[0]: port range 90-80 is reversed"),
+    (agent(node="Edge_1"), "node: 'Edge_1' is not a valid node name"),
+    (agent(server="http://x"), "server: 'http://x': use tls://"),
+    (agent(token="short"), "token: String should have at least 16 characters"),
+    (agent(colour="blue"), "colour: unknown field (typo?)"),
+    ({"node": "a", "server": "tls://s:1"}, "no credentials"),
+    (agent(keepalive={"interval": -1}), "keepalive.interval: Input should be greater than 0"),
+    ({"server": "tls://s:1", "token": TOKEN}, "node: required field is missing"),
+])
+def test_agent_config_errors_name_the_field(doc: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(AgentConfig, doc, "agent.yaml")
+    assert message in str(info.value)
+    assert str(info.value).startswith("agent.yaml: ")
+
+
+def server(**extra: object) -> dict[str, object]:
+    return {"tunnel": "tcp://127.0.0.1:0", "tokens": [{"node": "*", "token": TOKEN}], **extra}
+
+
+def test_server_config_routes() -> None:
+    cfg = parse_config(ServerConfig, server(
+        tcp=[{"listen": ":2222", "node": "edge-1", "target": "127.0.0.1:22"}],
+        http=[{"listen": "127.0.0.1:8080", "routes": [
+            {"host": "App.Example.com", "path": "/api", "node": "edge-1",
+             "target": "127.0.0.1:9000"},
+            {"host": "*.example.com", "node": "edge-2", "target": "localhost:80"}]}]),
+        "server.yaml")
+    assert cfg.tcp[0].listen.host == "0.0.0.0" and cfg.tcp[0].listen.port == 2222
+    assert cfg.http[0].routes[0].host == "app.example.com"
+    assert cfg.routes().http == cfg.http
+
+
+@pytest.mark.parametrize("doc,message", [
+    ({"tunnel": "tls://0.0.0.0:8443", "tokens": [{"node": "*", "token": TOKEN}]},
+     "needs a tls section"),
+    ({"tunnel": "tcp://0.0.0.0:8443"}, "no way to authenticate agents"),
+    (server(tokens=[{"node": "*", "token": TOKEN, "token_file": "/x"}]),
+     "tokens[0]: give exactly one of token or token_file"),
+    (server(tcp=[{"listen": ":2222", "node": "n", "target": "h:1"},
+                 {"listen": ":2222", "node": "n", "target": "h:2"}]),
+     "tcp[1] listens on 0.0.0.0:2222, already used by tcp[0]"),
+    (server(http=[{"listen": ":80", "routes": [{"path": "api", "target": "h:1"}]}]),
+     "http[0].routes[0].path: path 'api' must start with /"),
+    (server(http=[{"listen": ":80", "routes": [{"host": "a b", "target": "h:1"}]}]),
+     "is not a host name"),
+])
+def test_server_config_errors(doc: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(ServerConfig, doc, "server.yaml")
+    assert message in str(info.value)
+
+
+def test_yaml_errors_give_line_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("node: edge-1\nserver: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line 3"):
+        load_config(AgentConfig, path)
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(AgentConfig, path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(AgentConfig, tmp_path / "missing.yaml")
+
+
+def test_token_file_is_read_and_checked(tmp_path: Path) -> None:
+    good = tmp_path / "token"
+    good.write_text(TOKEN + "\n")
+    cfg = parse_config(AgentConfig, {"node": "e", "server": "tls://s:1",
+                                     "token_file": str(good)}, "a")
+    assert cfg.read_token() == TOKEN
+    bad = tmp_path / "short"
+    bad.write_text("abc")
+    cfg = parse_config(AgentConfig, {"node": "e", "server": "tls://s:1",
+                                     "token_file": str(bad)}, "a")
+    with pytest.raises(ConfigError, match="shorter than 16"):
+        cfg.read_token()
+
+
+def test_allow_rule_structured_form() -> None:
+    rule = AllowRule.model_validate({"cidr": "192.168.0.0/16", "ports": ["80", 443],
+                                     "protocol": "udp"})
+    assert rule.allows("192.168.1.1", 443, "udp") and not rule.allows("192.168.1.1", 443, "tcp")

@@ -1,0 +1,271 @@
+"""The trio endpoint: a TunnelConnection pair over an in-memory transport."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import pytest
+import trio
+
+from tests.tunnel.memtransport import memory_transport_pair
+from tunnel import protocol as p
+from tunnel.endpoint import (
+    AuthenticationFailed,
+    EndpointSettings,
+    HandshakeError,
+    IncomingStream,
+    StreamRefusedError,
+    StreamResetError,
+    TunnelConnection,
+)
+from tunnel.transport import PeerInfo
+
+T = p.Target("svc", 80)
+
+
+async def echo_handler(incoming: IncomingStream) -> None:
+    stream = await incoming.accept()
+    while data := await stream.receive_some():
+        await stream.send_all(data)
+    await stream.send_eof()
+
+
+async def allow_all(hello: p.Hello, peer: PeerInfo) -> p.Hello:
+    return p.Hello(identity={"server": "test"})
+
+
+@dataclass
+class Linked:
+    dialer: TunnelConnection
+    acceptor: TunnelConnection
+    nursery: trio.Nursery
+
+
+@asynccontextmanager
+async def linked(
+    dialer_handler: Callable[[IncomingStream], Awaitable[None]] | None = None,
+    acceptor_handler: Callable[[IncomingStream], Awaitable[None]] | None = echo_handler,
+    settings: EndpointSettings | None = None,
+    authenticate: Callable[[p.Hello, PeerInfo], Awaitable[p.Hello]] = allow_all,
+) -> AsyncIterator[Linked]:
+    ta, tb = memory_transport_pair()
+    settings = settings or EndpointSettings(ping_interval=0)
+    d = TunnelConnection(ta, p.Role.DIALER, settings, dialer_handler)
+    a = TunnelConnection(tb, p.Role.ACCEPTOR, settings, acceptor_handler)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.accept_handshake, authenticate)
+        await d.dial_handshake(p.Hello(identity={"node": "edge-1"}))
+        await nursery.start(d.run)
+        await nursery.start(a.run)
+        yield Linked(d, a, nursery)
+        nursery.cancel_scope.cancel()
+
+
+async def test_echo_both_directions_and_half_close() -> None:
+    async with linked(dialer_handler=echo_handler) as link:
+        assert link.acceptor.identity == {"node": "edge-1"}
+        assert link.dialer.identity == {"server": "test"}
+        for opener in (link.dialer, link.acceptor):
+            stream = await opener.open_stream(T, {"origin": "1.2.3.4:5"})
+            await stream.send_all(b"ping")
+            await stream.send_eof()
+            got = b""
+            while chunk := await stream.receive_some():
+                got += chunk
+            assert got == b"ping"
+            await stream.aclose()
+
+
+async def test_bulk_transfer_is_complete_and_in_order() -> None:
+    payload = os.urandom(8 * 1024 * 1024 + 123)
+    async with linked() as link:
+        stream = await link.dialer.open_stream(T)
+        received = hashlib.sha256()
+        count = 0
+
+        async def reader() -> None:
+            nonlocal count
+            while chunk := await stream.receive_some(100_000):
+                received.update(chunk)
+                count += len(chunk)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(reader)
+            await stream.send_all(payload)
+            await stream.send_eof()
+        assert count == len(payload)
+        assert received.digest() == hashlib.sha256(payload).digest()
+
+
+async def test_stalled_reader_does_not_block_sibling_stream() -> None:
+    stalled_got = trio.Event()
+
+    async def sink_that_never_reads(incoming: IncomingStream) -> None:
+        await incoming.accept()
+        stalled_got.set()
+        await trio.sleep_forever()
+
+    async def handler(incoming: IncomingStream) -> None:
+        if incoming.target.port == 1:
+            await sink_that_never_reads(incoming)
+        else:
+            await echo_handler(incoming)
+
+    async with linked(acceptor_handler=handler) as link:
+        stalled = await link.dialer.open_stream(p.Target("svc", 1))
+        with trio.move_on_after(1) as scope:
+            await stalled.send_all(b"x" * (4 * 1024 * 1024))  # more than its window
+        assert scope.cancelled_caught, "a 4 MiB send into a stalled stream cannot finish"
+        busy = await link.dialer.open_stream(p.Target("svc", 2))
+        with trio.fail_after(10):
+            async with trio.open_nursery() as n:
+                async def drain() -> None:
+                    total = 0
+                    while chunk := await busy.receive_some():
+                        total += len(chunk)
+                    assert total == 16 * 1024 * 1024
+                n.start_soon(drain)
+                await busy.send_all(b"y" * (16 * 1024 * 1024))
+                await busy.send_eof()
+
+
+async def test_refusal_reason_reaches_the_opener() -> None:
+    async def refuse(incoming: IncomingStream) -> None:
+        await incoming.refuse(p.StreamReason.FORBIDDEN, "svc:80 is not in the allow list")
+
+    async with linked(acceptor_handler=refuse) as link:
+        with pytest.raises(StreamRefusedError) as info:
+            await link.dialer.open_stream(T)
+        assert info.value.reason is p.StreamReason.FORBIDDEN
+        assert "allow list" in info.value.message
+
+
+async def test_handler_that_never_answers_gets_refused_internal() -> None:
+    async def broken(incoming: IncomingStream) -> None:
+        raise_it = False
+        if not raise_it:
+            return
+
+    async with linked(acceptor_handler=broken) as link:
+        with pytest.raises(StreamRefusedError) as info:
+            await link.dialer.open_stream(T)
+        assert info.value.reason is p.StreamReason.INTERNAL
+
+
+async def test_connection_end_resets_every_stream() -> None:
+    async with linked() as link:
+        stream = await link.dialer.open_stream(T)
+        await link.acceptor.aclose(p.ErrorCode.SHUTTING_DOWN, "server stopping")
+        with trio.fail_after(5), pytest.raises(StreamResetError) as info:
+            await stream.receive_some()
+        assert "server stopping" in str(info.value)
+        await link.dialer.wait_finished()
+        assert link.dialer.end_reason is not None
+        assert link.dialer.end_reason.code is p.ErrorCode.SHUTTING_DOWN
+
+
+async def test_unauthorized_handshake_fails_on_both_sides() -> None:
+    async def deny(hello: p.Hello, peer: PeerInfo) -> p.Hello:
+        raise AuthenticationFailed(f"unknown token for node {hello.identity.get('node')}")
+
+    ta, tb = memory_transport_pair()
+    d = TunnelConnection(ta, p.Role.DIALER)
+    a = TunnelConnection(tb, p.Role.ACCEPTOR)
+    errors: list[HandshakeError] = []
+
+    async def acceptor() -> None:
+        try:
+            await a.accept_handshake(deny)
+        except HandshakeError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(acceptor)
+        with pytest.raises(HandshakeError) as info:
+            await d.dial_handshake(p.Hello(identity={"node": "edge-9"}))
+    assert info.value.code is p.ErrorCode.UNAUTHORIZED
+    assert "unknown token for node edge-9" in str(info.value)
+    assert errors and errors[0].code is p.ErrorCode.UNAUTHORIZED
+
+
+async def test_keepalive_detects_a_silent_peer(autojump_clock: trio.abc.Clock) -> None:
+    ta, tb = memory_transport_pair()
+    settings = EndpointSettings(ping_interval=5, ping_timeout=3)
+    d = TunnelConnection(ta, p.Role.DIALER, settings)
+    a = TunnelConnection(tb, p.Role.ACCEPTOR, settings)
+    async with trio.open_nursery() as n:
+        n.start_soon(a.accept_handshake, allow_all)
+        await d.dial_handshake(p.Hello())
+        # The acceptor never runs its reader: it is "frozen" (a dead NAT mapping).
+        with trio.fail_after(30):
+            await d.run()
+    assert d.end_reason is not None
+    assert d.end_reason.code is p.ErrorCode.KEEPALIVE_TIMEOUT
+
+
+async def test_keepalive_measures_rtt(autojump_clock: trio.abc.Clock) -> None:
+    async with linked(settings=EndpointSettings(ping_interval=1, ping_timeout=1)) as link:
+        await trio.sleep(2.5)
+        assert link.dialer.rtt is not None and link.dialer.rtt >= 0
+        assert link.dialer.is_open
+
+
+async def test_goaway_lets_running_streams_finish() -> None:
+    async with linked() as link:
+        running = await link.dialer.open_stream(T)
+        link.acceptor.goaway("rolling update")
+        with trio.fail_after(5):
+            await link.dialer.goaway_received.wait()
+        with pytest.raises(StreamRefusedError) as info:
+            await link.dialer.open_stream(T)
+        assert info.value.reason is p.StreamReason.DRAINING
+        await running.send_all(b"still works")
+        await running.send_eof()
+        assert await running.receive_some() == b"still works"
+        assert await running.receive_some() == b""
+        await running.aclose()
+        with trio.fail_after(5):
+            await link.acceptor.wait_idle()
+
+
+async def test_open_rate_limit_refuses_as_overloaded(autojump_clock: trio.abc.Clock) -> None:
+    settings = EndpointSettings(ping_interval=0, open_rate=5)
+    async with linked(settings=settings) as link:
+        outcomes = []
+        for _ in range(30):
+            try:
+                s = await link.dialer.open_stream(T)
+                outcomes.append("ok")
+                await s.aclose()
+            except StreamRefusedError as exc:
+                outcomes.append(exc.reason.name)
+        assert outcomes.count("ok") == 10  # the burst (2 x rate)
+        assert outcomes.count("OVERLOADED") == 20
+        await trio.sleep(1)
+        s = await link.dialer.open_stream(T)  # refilled
+        await s.aclose()
+
+
+async def test_closing_with_unread_data_returns_credit() -> None:
+    """Data the app never read must not leak connection credit."""
+    settings = EndpointSettings(ping_interval=0, protocol=p.Settings(
+        connection_window=256 * 1024, initial_stream_window=128 * 1024))
+
+    async def blast(incoming: IncomingStream) -> None:
+        stream = await incoming.accept()
+        try:
+            await stream.send_all(b"z" * 128 * 1024)
+        except StreamResetError:
+            pass
+
+    async with linked(acceptor_handler=blast, settings=settings) as link:
+        with trio.fail_after(10):
+            for _ in range(20):  # 20 x 128 KiB >> the 256 KiB connection window
+                stream = await link.dialer.open_stream(T)
+                await stream.receive_some(1)
+                await stream.aclose()
+        assert link.dialer._core.unacked_bytes == 0

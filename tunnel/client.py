@@ -1,0 +1,198 @@
+"""The dialing endpoint (agent side): dial, handshake, serve, and reconnect for ever.
+
+Reconnects use capped exponential backoff with jitter, so a fleet of agents does not
+stampede a server that comes back, and a server that refuses our credentials is retried
+at the same slowing pace (never a retry storm). When the server drains a connection
+(GOAWAY) the client dials a fresh one at once and lets the old one finish its streams:
+make-before-break, for zero-downtime server rollouts.
+"""
+
+from __future__ import annotations
+
+import random
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from tunnel import protocol as p
+from tunnel.dial import dial
+from tunnel.endpoint import (
+    EndpointSettings,
+    HandshakeError,
+    StreamHandler,
+    StreamRefusedError,
+    TunnelConnection,
+    TunnelStream,
+)
+from tunnel.log import StructuredLogger, get_logger
+from tunnel.transport import Endpoint, TransportError
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff with "equal jitter": half fixed, half random."""
+
+    initial: float = 0.2
+    maximum: float = 15.0
+    multiplier: float = 2.0
+    _current: float = field(default=0.0, init=False)
+
+    def next_delay(self) -> float:
+        self._current = (self.initial if self._current == 0
+                         else min(self.maximum, self._current * self.multiplier))
+        return self._current / 2 + random.uniform(0, self._current / 2)
+
+    def reset(self) -> None:
+        self._current = 0.0
+
+
+@dataclass
+class ClientStatus:
+    state: str = "starting"  # starting | connecting | connected | backoff | stopped
+    connects: int = 0  # successful handshakes
+    failures: int = 0  # failed dials or handshakes in a row
+    last_error: str | None = None
+
+
+class TunnelClient:
+    """Keeps one tunnel connection to `endpoint` alive and serves streams the server
+    opens with `handler`."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        hello: Callable[[], p.Hello],
+        handler: StreamHandler | None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        headers: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
+        settings: EndpointSettings | None = None,
+        socket_mark: int | None = None,
+        backoff: Backoff | None = None,
+        connect_timeout: float = 10.0,
+        log: StructuredLogger | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self._hello = hello
+        self._handler = handler
+        self._ssl_context = ssl_context
+        self._server_hostname = server_hostname
+        self._headers = headers
+        self.settings = settings or EndpointSettings()
+        self._socket_mark = socket_mark
+        self.backoff = backoff or Backoff()
+        self._connect_timeout = connect_timeout
+        self.log = log or get_logger("tunnel.client", server=str(endpoint))
+        self.status = ClientStatus()
+        self.connection: TunnelConnection | None = None
+        self._connected = trio.Event()
+
+    async def wait_connected(self) -> TunnelConnection:
+        while True:
+            await self._connected.wait()
+            if self.connection is not None and self.connection.is_open:
+                return self.connection
+            await trio.sleep(0.01)  # between a connection's end and its bookkeeping
+
+    async def open_stream(self, target: p.Target,
+                          metadata: dict[str, str] | None = None) -> TunnelStream:
+        """Open a stream on the current connection; UNREACHABLE when there is none."""
+        conn = self.connection
+        if conn is None or not conn.is_open or conn.is_draining:
+            raise StreamRefusedError(p.StreamReason.UNREACHABLE, "tunnel is not connected")
+        return await conn.open_stream(target, metadata)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled."""
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    conn = await self._connect_once()
+                    if conn is None:
+                        delay = self.backoff.next_delay()
+                        self.status.state = "backoff"
+                        self.log.info("reconnecting later", delay=f"{delay:.2f}s",
+                                      failures=self.status.failures)
+                        await trio.sleep(delay)
+                        continue
+                    done = trio.Event()
+                    nursery.start_soon(self._serve, conn, done)
+                    # Wait until this connection ends or the server asks us to move.
+                    async with trio.open_nursery() as watch:
+                        async def until(event: trio.Event) -> None:
+                            await event.wait()
+                            watch.cancel_scope.cancel()
+                        watch.start_soon(until, done)
+                        watch.start_soon(until, conn.goaway_received)
+                    if conn.goaway_received.is_set() and not done.is_set():
+                        self.log.info("server is draining this connection; dialing a new one")
+                        continue  # make-before-break: the old one finishes in _serve
+                    reason = conn.end_reason
+                    self.log.warning("tunnel connection lost",
+                                     reason=str(reason) if reason else "unknown")
+                    await trio.sleep(self.backoff.next_delay())
+        finally:
+            self.status.state = "stopped"
+
+    async def _connect_once(self) -> TunnelConnection | None:
+        self.status.state = "connecting"
+        try:
+            transport = await dial(
+                self.endpoint, ssl_context=self._ssl_context,
+                server_hostname=self._server_hostname,
+                connect_timeout=self._connect_timeout, socket_mark=self._socket_mark,
+                headers=tuple(self._headers()))
+        except TransportError as exc:
+            self._failed(f"dial failed: {exc}")
+            return None
+        conn = TunnelConnection(transport, p.Role.DIALER, self.settings, self._handler,
+                                log=self.log.bind(peer=transport.peer.address))
+        try:
+            await conn.dial_handshake(self._hello())
+        except HandshakeError as exc:
+            await transport.aclose()
+            if exc.code is p.ErrorCode.UNAUTHORIZED:
+                self._failed(f"server refused our credentials: {exc}", level="error")
+            elif exc.code is p.ErrorCode.UNSUPPORTED_VERSION:
+                self._failed(f"protocol version mismatch: {exc}", level="error")
+            else:
+                self._failed(f"handshake failed: {exc}")
+            return None
+        self.status.connects += 1
+        self.status.failures = 0
+        self.status.last_error = None
+        self.status.state = "connected"
+        self.backoff.reset()
+        self.log.info("tunnel connected", peer=transport.peer.address,
+                      server_identity=conn.identity.get("server", ""))
+        return conn
+
+    def _failed(self, message: str, level: str = "warning") -> None:
+        self.status.failures += 1
+        self.status.last_error = message
+        (self.log.error if level == "error" else self.log.warning)(
+            "tunnel connect failed", reason=message, failures=self.status.failures)
+
+    async def _serve(self, conn: TunnelConnection, done: trio.Event) -> None:
+        async def close_when_drained() -> None:
+            await conn.goaway_received.wait()
+            with trio.move_on_after(300):
+                await conn.wait_idle()
+            await conn.aclose(p.ErrorCode.NO_ERROR, "drained")
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close_when_drained)
+                self.connection = conn
+                self._connected.set()
+                await conn.run()
+                nursery.cancel_scope.cancel()
+        finally:
+            if self.connection is conn:
+                self.connection = None
+                self._connected = trio.Event()
+            done.set()

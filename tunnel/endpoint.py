@@ -1,0 +1,792 @@
+"""The trio shell around the protocol core: one `TunnelConnection` per transport.
+
+A connection is a nursery: a reader task feeds received bytes to the core and acts on its
+events, a writer task writes what the core queued, a keepalive task pings. Streams are
+`TunnelStream` objects (trio HalfCloseableStreams) whose tasks live either in the
+connection's nursery (streams the peer opened, handed to the stream handler) or in the
+caller's (streams we opened). When the connection ends every stream is reset, so nothing
+waits on a dead connection.
+
+Backpressure is explicit everywhere: a stream's sender waits for flow-control credit and
+for the outgoing buffer to drain; the reader stops reading while the outgoing buffer is
+over its high-water mark, so a peer that floods us with frames needing answers (PING,
+refused OPENs) is slowed to the pace at which it reads our answers.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+import trio.lowlevel
+
+from tunnel import protocol as p
+from tunnel.limits import OpenRateLimiter
+from tunnel.log import StructuredLogger, get_logger
+from tunnel.transport import PeerInfo, Transport, TransportError
+
+# Stop reading from the peer while this much of our own output is queued.
+OUTGOING_HIGH_WATER = 1024 * 1024
+# receive_some() without max_bytes joins buffered frames up to this size.
+RECEIVE_COALESCE = 256 * 1024
+
+
+class TunnelError(Exception):
+    """Base of the errors endpoints raise to their callers."""
+
+
+class TunnelClosedError(TunnelError, trio.BrokenResourceError):
+    """The connection ended; `code` and `message` say why."""
+
+    def __init__(self, message: str, code: p.ErrorCode = p.ErrorCode.NO_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StreamRefusedError(TunnelError):
+    """The peer (or this side's limits) refused to open a stream."""
+
+    def __init__(self, reason: p.StreamReason, message: str) -> None:
+        super().__init__(f"{reason.name.lower()}: {message}" if message else reason.name.lower())
+        self.reason = reason
+        self.message = message
+
+
+class StreamResetError(TunnelError, trio.BrokenResourceError):
+    """The stream was reset (by the peer, or because the connection ended)."""
+
+    def __init__(self, reason: p.StreamReason, message: str) -> None:
+        super().__init__(f"stream reset ({reason.name.lower()}): {message}")
+        self.reason = reason
+        self.message = message
+
+
+class HandshakeError(TunnelError):
+    """The handshake failed; `code` is what the peer (or we) said."""
+
+    def __init__(self, message: str, code: p.ErrorCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AuthenticationFailed(Exception):
+    """Raised by an authenticate callback; the message goes to the peer and the log."""
+
+
+@dataclass
+class EndpointSettings:
+    protocol: p.Settings = field(default_factory=p.Settings)
+    handshake_timeout: float = 10.0
+    ping_interval: float = 15.0
+    ping_timeout: float = 10.0
+    open_timeout: float = 15.0
+    # Streams the peer may open per second (burst = 2x): beyond it, OVERLOADED refusals.
+    open_rate: float = 2000.0
+    receive_chunk: int = 256 * 1024
+
+
+@dataclass
+class ConnectionInfo:
+    """A snapshot for the debug socket and metrics."""
+
+    peer: str
+    identity: dict[str, str]
+    connected_at: float  # wall clock
+    rtt_seconds: float | None
+    streams_open: int
+    bytes_in: int
+    bytes_out: int
+    draining: bool
+
+
+class TunnelStream(trio.abc.HalfCloseableStream):
+    """One stream of a tunnel connection, usable like a TCP connection."""
+
+    # Thousands of these sit idle on a busy tunnel: no per-instance dict, and the
+    # receive buffer is made on first data.
+    __slots__ = (
+        "__weakref__",
+        "_buffer",
+        "_buffered",
+        "_closed",
+        "_conn",
+        "_data_ready",
+        "_eof",
+        "_fin_sent",
+        "_recv_guard",
+        "_reset",
+        "_send_guard",
+        "_window_ready",
+        "bytes_received",
+        "bytes_sent",
+        "metadata",
+        "stream_id",
+        "target",
+    )
+
+    def __init__(self, conn: TunnelConnection, stream_id: int, target: p.Target,
+                 metadata: dict[str, str]) -> None:
+        self._conn = conn
+        self.stream_id = stream_id
+        self.target = target
+        self.metadata = metadata
+        self._buffer: collections.deque[bytes] | None = None
+        self._buffered = 0
+        self._eof = False
+        self._fin_sent = False
+        self._closed = False
+        self._reset: StreamResetError | None = None
+        self._data_ready = trio.Event()
+        self._window_ready = trio.Event()
+        self._send_guard = _Guard("another task is already sending on this stream")
+        self._recv_guard = _Guard("another task is already receiving on this stream")
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def __repr__(self) -> str:
+        return f"<TunnelStream {self.stream_id} {self.target}>"
+
+    # ---- called by the connection's reader
+
+    def _on_data(self, data: bytes) -> None:
+        if self._closed:
+            # Already closed locally: consume at once so connection credit returns.
+            self._conn._ack(self.stream_id, len(data))
+            return
+        if self._buffer is None:
+            self._buffer = collections.deque()
+        self._buffer.append(data)
+        self._buffered += len(data)
+        self._data_ready.set()
+
+    def _on_eof(self) -> None:
+        self._eof = True
+        self._data_ready.set()
+
+    def _on_reset(self, reason: p.StreamReason, message: str) -> None:
+        if self._reset is None:
+            self._reset = StreamResetError(reason, message)
+        self._data_ready.set()
+        self._window_ready.set()
+
+    def _on_window(self) -> None:
+        self._window_ready.set()
+
+    # ---- trio.abc.HalfCloseableStream
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with self._send_guard:
+            if self._closed:
+                raise trio.ClosedResourceError("stream is closed")
+            if self._fin_sent:
+                raise trio.ClosedResourceError("send_eof() was called")
+            view = memoryview(data)
+            conn = self._conn
+            while view:
+                if self._reset is not None:
+                    raise self._reset
+                window = conn._core.send_window(self.stream_id)
+                if window <= 0:
+                    if not conn._core.has_stream(self.stream_id):
+                        raise self._reset or StreamResetError(
+                            p.StreamReason.CANCELLED, "stream closed")
+                    self._window_ready = trio.Event()
+                    conn._window_waiters.add(self)
+                    await self._window_ready.wait()
+                    continue
+                chunk = view[:window]
+                conn._core.send_data(self.stream_id, chunk)
+                view = view[window:]
+                self.bytes_sent += len(chunk)
+                await conn._after_output()
+            await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        with self._send_guard:
+            await trio.lowlevel.checkpoint()
+            if self._fin_sent or self._closed:
+                return
+            if self._reset is not None:
+                raise self._reset
+            self._fin_sent = True
+            try:
+                self._conn._core.end_stream(self.stream_id)
+            except p.LocalProtocolError as exc:
+                raise StreamResetError(p.StreamReason.CANCELLED, str(exc)) from None
+            await self._conn._after_output()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        with self._recv_guard:
+            while True:
+                if self._closed:
+                    raise trio.ClosedResourceError("stream is closed")
+                buffer = self._buffer
+                if buffer:
+                    data = buffer.popleft()
+                    if max_bytes is not None and len(data) > max_bytes:
+                        buffer.appendleft(data[max_bytes:])
+                        data = data[:max_bytes]
+                    elif buffer:
+                        data = self._coalesce(buffer, data, max_bytes or RECEIVE_COALESCE)
+                    self._buffered -= len(data)
+                    self.bytes_received += len(data)
+                    self._conn._ack(self.stream_id, len(data))
+                    await trio.lowlevel.checkpoint()
+                    return data
+                if self._eof:
+                    await trio.lowlevel.checkpoint()
+                    return b""
+                if self._reset is not None:
+                    raise self._reset
+                self._data_ready = trio.Event()
+                await self._data_ready.wait()
+
+    @staticmethod
+    def _coalesce(buffer: collections.deque[bytes], data: bytes, limit: int) -> bytes:
+        """Join further whole frames already buffered, up to `limit` bytes: one copy
+        saves the reader a loop iteration and a syscall per frame in bulk transfers."""
+        total = len(data)
+        if total + len(buffer[0]) > limit:
+            return data
+        parts = [data]
+        while buffer and total + len(buffer[0]) <= limit:
+            chunk = buffer.popleft()
+            parts.append(chunk)
+            total += len(chunk)
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        """Close. A stream still open in either direction is reset (CANCELLED), like a
+        TCP close with data in flight; one finished both ways just goes away."""
+        await self.abort(p.StreamReason.CANCELLED, "closed by the local side")
+
+    async def abort(self, reason: p.StreamReason, message: str) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._buffered:
+            self._conn._ack(self.stream_id, self._buffered)
+            if self._buffer is not None:
+                self._buffer.clear()
+            self._buffered = 0
+        self._conn._forget(self)
+        if self._reset is None:
+            self._conn._core.reset_stream(self.stream_id, reason, message)
+            self._reset = StreamResetError(reason, message)
+            self._conn._wake_writer()
+        self._data_ready.set()
+        self._window_ready.set()
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def reset_reason(self) -> StreamResetError | None:
+        return self._reset
+
+
+class _Guard:
+    """Raises trio.BusyResourceError when two tasks use one direction at once."""
+
+    __slots__ = ("_held", "_message")
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+        self._held = False
+
+    def __enter__(self) -> None:
+        if self._held:
+            raise trio.BusyResourceError(self._message)
+        self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._held = False
+
+
+class IncomingStream:
+    """A stream the peer asked for; the handler accepts or refuses it."""
+
+    def __init__(self, conn: TunnelConnection, stream: TunnelStream) -> None:
+        self.connection = conn
+        self.stream = stream
+        self.answered = False
+
+    @property
+    def target(self) -> p.Target:
+        return self.stream.target
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.stream.metadata
+
+    async def accept(self) -> TunnelStream:
+        self._answer()
+        self.connection._core.accept_stream(self.stream.stream_id)
+        await self.connection._after_output()
+        return self.stream
+
+    async def refuse(self, reason: p.StreamReason, message: str = "") -> None:
+        self._answer()
+        self.connection._core.refuse_stream(self.stream.stream_id, reason, message)
+        self.connection._forget(self.stream)
+        self.stream._closed = True
+        await self.connection._after_output()
+
+    def _answer(self) -> None:
+        if self.answered:
+            raise p.LocalProtocolError("stream already answered")
+        self.answered = True
+        if self.stream._reset is not None:
+            raise self.stream._reset
+
+
+StreamHandler = Callable[[IncomingStream], Awaitable[None]]
+
+
+class TunnelConnection:
+    """A protocol core on a transport. Call `dial_handshake()` (agent) or
+    `accept_handshake()` (server), then `run()` in a nursery; open streams with
+    `open_stream()` from any task while it runs."""
+
+    def __init__(self, transport: Transport, role: p.Role,
+                 settings: EndpointSettings | None = None,
+                 stream_handler: StreamHandler | None = None,
+                 log: StructuredLogger | None = None) -> None:
+        self.transport = transport
+        self.role = role
+        self.settings = settings or EndpointSettings()
+        self._core = p.Connection(role, self.settings.protocol)
+        self._handler = stream_handler
+        self.log = log or get_logger("tunnel.endpoint", peer=transport.peer.address)
+        self.identity: dict[str, str] = {}
+        self.connected_at = time.time()
+        self.rtt: float | None = None
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.end_reason: TunnelClosedError | None = None
+        self._streams: dict[int, TunnelStream] = {}
+        self._pending_opens: dict[int, _PendingOpen] = {}
+        self._window_waiters: set[TunnelStream] = set()
+        self._writer_wakeup = trio.Event()
+        # Set whenever the writer takes the core's queued output: senders waiting for
+        # the outgoing buffer to fall below the high-water mark wake up on it.
+        self._space = trio.Event()
+        self._pings: dict[bytes, float] = {}
+        self._ping_acked = trio.Event()
+        self._streams_changed = trio.Event()
+        self._ping_counter = itertools.count(1)
+        self._open_limiter = OpenRateLimiter(self.settings.open_rate,
+                                             burst=max(1.0, 2 * self.settings.open_rate))
+        self._nursery: trio.Nursery | None = None
+        self._finished = trio.Event()
+        self.goaway_received = trio.Event()
+        self._on_goaway_message = ""
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def peer(self) -> PeerInfo:
+        return self.transport.peer
+
+    @property
+    def is_open(self) -> bool:
+        return self._core.is_open and self.end_reason is None
+
+    @property
+    def is_draining(self) -> bool:
+        return self._core.is_draining
+
+    @property
+    def stats(self) -> p.ConnectionStats:
+        return self._core.stats
+
+    def info(self) -> ConnectionInfo:
+        return ConnectionInfo(
+            peer=self.peer.address, identity=dict(self.identity),
+            connected_at=self.connected_at, rtt_seconds=self.rtt,
+            streams_open=len(self._streams) + len(self._pending_opens),
+            bytes_in=self.bytes_in, bytes_out=self.bytes_out, draining=self.is_draining,
+        )
+
+    # ------------------------------------------------------------------ handshake
+
+    async def dial_handshake(self, hello: p.Hello) -> p.Hello:
+        """Dialer: send our HELLO, wait for the acceptor's. Raises HandshakeError."""
+        self._core.start(hello)
+        with trio.move_on_after(self.settings.handshake_timeout) as scope:
+            await self._flush()
+            while True:
+                for event in await self._receive_events():
+                    if isinstance(event, p.HandshakeCompleted):
+                        self.identity = dict(event.hello.identity)
+                        return event.hello
+                    if isinstance(event, p.ConnectionTerminated):
+                        await self._flush_quietly()
+                        raise HandshakeError(event.message, event.code)
+        assert scope.cancelled_caught
+        raise HandshakeError(f"no answer to HELLO within {self.settings.handshake_timeout}s",
+                             p.ErrorCode.KEEPALIVE_TIMEOUT)
+
+    async def accept_handshake(
+        self, authenticate: Callable[[p.Hello, PeerInfo], Awaitable[p.Hello]],
+    ) -> p.Hello:
+        """Acceptor: read the dialer's HELLO, let `authenticate` vet it and return our
+        HELLO (or raise AuthenticationFailed), answer. Returns the dialer's HELLO."""
+        with trio.move_on_after(self.settings.handshake_timeout):
+            while True:
+                for event in await self._receive_events():
+                    if isinstance(event, p.ConnectionTerminated):
+                        await self._flush_quietly()
+                        raise HandshakeError(event.message, event.code)
+                    if isinstance(event, p.HelloReceived):
+                        try:
+                            ours = await authenticate(event.hello, self.peer)
+                        except AuthenticationFailed as exc:
+                            self._core.close(p.ErrorCode.UNAUTHORIZED, str(exc))
+                            await self._flush_quietly()
+                            raise HandshakeError(str(exc), p.ErrorCode.UNAUTHORIZED) from None
+                        self._core.accept_handshake(ours)
+                        self.identity = dict(event.hello.identity)
+                        await self._flush()
+                        return event.hello
+        self._core.close(p.ErrorCode.KEEPALIVE_TIMEOUT, "no HELLO in time")
+        await self._flush_quietly()
+        raise HandshakeError(f"no HELLO within {self.settings.handshake_timeout}s",
+                             p.ErrorCode.KEEPALIVE_TIMEOUT)
+
+    async def _receive_events(self) -> list[p.Event]:
+        try:
+            data = await self.transport.receive()
+        except TransportError as exc:
+            raise HandshakeError(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR) from None
+        self.bytes_in += len(data)
+        return self._core.receive_data(data)
+
+    async def _flush(self) -> None:
+        data = self._core.data_to_send()
+        if data:
+            try:
+                await self.transport.send(data)
+            except TransportError as exc:
+                raise HandshakeError(f"transport failed: {exc}",
+                                     p.ErrorCode.INTERNAL_ERROR) from None
+            self.bytes_out += len(data)
+
+    async def _flush_quietly(self) -> None:
+        with trio.move_on_after(1):
+            try:
+                await self._flush()
+            except HandshakeError:
+                pass
+        await self.transport.aclose()
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the connection until it ends; every stream is reset then. Returns
+        normally however it ended; `end_reason` says why."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer)
+                if self.settings.ping_interval > 0:
+                    nursery.start_soon(self._keepalive)
+                task_status.started()
+                await self._reader()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._nursery = None
+            self._end_all_streams()
+            self._finished.set()
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self.transport.aclose()
+
+    async def wait_finished(self) -> None:
+        await self._finished.wait()
+
+    def _end(self, message: str, code: p.ErrorCode) -> None:
+        if self.end_reason is None:
+            self.end_reason = TunnelClosedError(message, code)
+        self._space.set()
+
+    async def _reader(self) -> None:
+        core = self._core
+        while True:
+            try:
+                data = await self.transport.receive()
+            except TransportError as exc:
+                self._end(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR)
+                return
+            self.bytes_in += len(data)
+            events = core.receive_data(data)
+            for event in events:
+                self._dispatch(event)
+            if core.outgoing_size:
+                self._wake_writer()
+            if self.end_reason is not None or core.is_closed:
+                await self._final_flush()
+                return
+            await self._wait_for_space()
+
+    def _dispatch(self, event: p.Event) -> None:
+        if isinstance(event, p.DataReceived):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._on_data(event.data)
+            else:
+                self._core.acknowledge_received_data(event.stream_id, len(event.data))
+        elif isinstance(event, p.WindowUpdated):
+            if event.stream_id == 0:
+                waiters, self._window_waiters = self._window_waiters, set()
+                for stream in waiters:
+                    stream._on_window()
+            else:
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    self._window_waiters.discard(stream)
+                    stream._on_window()
+        elif isinstance(event, p.StreamEnded):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._on_eof()
+        elif isinstance(event, p.StreamOpened):
+            self._on_stream_opened(event)
+        elif isinstance(event, p.StreamAccepted | p.StreamRefused):
+            pending = self._pending_opens.pop(event.stream_id, None)
+            if pending is not None:
+                pending.resolve(event)
+        elif isinstance(event, p.StreamReset):
+            stream = self._streams.pop(event.stream_id, None)
+            if stream is not None:
+                stream._on_reset(event.reason, event.message)
+                self._streams_changed.set()
+        elif isinstance(event, p.PingAcked):
+            sent = self._pings.pop(event.payload, None)
+            if sent is not None:
+                self.rtt = trio.current_time() - sent
+                self._ping_acked.set()
+        elif isinstance(event, p.GoAwayReceived):
+            self._on_goaway_message = event.message
+            self.log.info("peer is draining the connection", reason=event.message)
+            self.goaway_received.set()
+        elif isinstance(event, p.ConnectionTerminated):
+            who = "peer" if event.by_peer else "local"
+            self._end(event.message, event.code)
+            level = self.log.info if event.code in (
+                p.ErrorCode.NO_ERROR, p.ErrorCode.SHUTTING_DOWN) else self.log.warning
+            level("tunnel connection ended", by=who, code=event.code.name.lower(),
+                  reason=event.message)
+
+    def _on_stream_opened(self, event: p.StreamOpened) -> None:
+        stream = TunnelStream(self, event.stream_id, event.target, event.metadata)
+        if self._handler is None or self._nursery is None:
+            self._core.refuse_stream(event.stream_id, p.StreamReason.REFUSED,
+                                     "this side accepts no streams")
+            return
+        if not self._open_limiter.allow(trio.current_time()):
+            self._core.refuse_stream(event.stream_id, p.StreamReason.OVERLOADED,
+                                     "stream open rate limit")
+            return
+        self._streams[event.stream_id] = stream
+        self._nursery.start_soon(self._run_handler, IncomingStream(self, stream))
+
+    async def _run_handler(self, incoming: IncomingStream) -> None:
+        assert self._handler is not None
+        try:
+            await self._handler(incoming)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # The stream or the connection went away under the handler: routine.
+            self.log.debug("stream ended abruptly", stream=incoming.stream.stream_id,
+                           target=str(incoming.target), reason=str(exc))
+        except Exception as exc:
+            # A bug in a handler must cost one stream, never the whole connection.
+            self.log.error("stream handler failed", stream=incoming.stream.stream_id,
+                           target=str(incoming.target), error=repr(exc), exc_info=True)
+        finally:
+            if not incoming.answered and self._core.has_stream(incoming.stream.stream_id):
+                self._core.refuse_stream(incoming.stream.stream_id, p.StreamReason.INTERNAL,
+                                         "handler did not answer")
+                self._wake_writer()
+            with trio.CancelScope(shield=True):
+                await incoming.stream.aclose()
+
+    async def _writer(self) -> None:
+        core = self._core
+        while True:
+            data = core.data_to_send()
+            if not data:
+                self._writer_wakeup = trio.Event()
+                await self._writer_wakeup.wait()
+                continue
+            self._space.set()
+            try:
+                await self.transport.send(data)
+            except TransportError as exc:
+                self._end(f"transport failed while sending: {exc}", p.ErrorCode.INTERNAL_ERROR)
+                # Wake the reader's world: closing the transport makes receive() fail.
+                await self.transport.aclose()
+                return
+            self.bytes_out += len(data)
+
+    async def _final_flush(self) -> None:
+        """Send what the core queued last (a GOAWAY explaining a protocol error)."""
+        data = self._core.data_to_send()
+        if data:
+            with trio.move_on_after(1):
+                try:
+                    await self.transport.send(data)
+                    self.bytes_out += len(data)
+                except TransportError:
+                    pass
+
+    def _wake_writer(self) -> None:
+        self._writer_wakeup.set()
+
+    async def _wait_for_space(self) -> None:
+        while self._core.outgoing_size > OUTGOING_HIGH_WATER and self.end_reason is None:
+            if self._space.is_set():
+                self._space = trio.Event()
+            await self._space.wait()
+
+    async def _after_output(self) -> None:
+        """After a local action queued output: wake the writer, and wait if we are
+        producing faster than the transport takes it."""
+        if self.end_reason is not None:
+            raise self.end_reason
+        self._wake_writer()
+        await self._wait_for_space()
+        if self.end_reason is not None:
+            raise self.end_reason
+
+    async def _keepalive(self) -> None:
+        while True:
+            payload = struct.pack("!Q", next(self._ping_counter))
+            self._pings = {payload: trio.current_time()}  # only the newest matters
+            self._ping_acked = trio.Event()
+            try:
+                self._core.ping(payload)
+            except p.LocalProtocolError:
+                return
+            self._wake_writer()
+            with trio.move_on_after(self.settings.ping_timeout):
+                await self._ping_acked.wait()
+            if payload in self._pings:
+                message = f"no PING answer within {self.settings.ping_timeout}s"
+                self.log.warning("peer is unresponsive, closing", reason=message)
+                self._core.close(p.ErrorCode.KEEPALIVE_TIMEOUT, message)
+                self._end(message, p.ErrorCode.KEEPALIVE_TIMEOUT)
+                await self._final_flush()
+                await self.transport.aclose()
+                return
+            await trio.sleep(self.settings.ping_interval)
+
+    def _end_all_streams(self) -> None:
+        reason = self.end_reason or TunnelClosedError("connection closed")
+        message = f"tunnel connection ended: {reason}"
+        for stream in list(self._streams.values()):
+            stream._on_reset(p.StreamReason.CANCELLED, message)
+        self._streams.clear()
+        for pending in list(self._pending_opens.values()):
+            pending.fail(reason)
+        self._pending_opens.clear()
+        self._streams_changed.set()
+
+    # ------------------------------------------------------------------ local API
+
+    async def open_stream(self, target: p.Target,
+                          metadata: dict[str, str] | None = None) -> TunnelStream:
+        """Open a stream to `target` on the peer. Raises StreamRefusedError (refused,
+        unreachable, timeout, forbidden, overloaded, draining) or TunnelClosedError."""
+        if self.end_reason is not None or not self._core.is_open:
+            raise self.end_reason or TunnelClosedError("connection not open")
+        try:
+            stream_id = self._core.open_stream(target, metadata)
+        except p.StreamLimitReached as exc:
+            raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc)) from None
+        except p.ConnectionDraining as exc:
+            raise StreamRefusedError(p.StreamReason.DRAINING, str(exc)) from None
+        stream = TunnelStream(self, stream_id, target, dict(metadata or {}))
+        pending = _PendingOpen()
+        self._pending_opens[stream_id] = pending
+        self._streams[stream_id] = stream
+        try:
+            await self._after_output()
+            with trio.move_on_after(self.settings.open_timeout) as scope:
+                result = await pending.wait()
+            if scope.cancelled_caught:
+                raise StreamRefusedError(p.StreamReason.TIMEOUT,
+                                         f"no answer to OPEN {target} in time")
+            if isinstance(result, p.StreamRefused):
+                raise StreamRefusedError(result.reason, result.message)
+            return stream
+        except BaseException:
+            self._pending_opens.pop(stream_id, None)
+            if self._streams.pop(stream_id, None) is not None and self.end_reason is None:
+                stream._closed = True
+                self._core.reset_stream(stream_id, p.StreamReason.CANCELLED, "open abandoned")
+                self._wake_writer()
+            raise
+
+    def goaway(self, message: str = "draining") -> None:
+        """Drain: the peer opens no new streams here; running streams finish."""
+        self._core.goaway(message)
+        self._wake_writer()
+
+    async def aclose(self, code: p.ErrorCode = p.ErrorCode.NO_ERROR, message: str = "") -> None:
+        """End the connection now, telling the peer why."""
+        if self.end_reason is None:
+            self._core.close(code, message)
+            self._end(message or "closed", code)
+            with trio.CancelScope(shield=True):
+                await self._final_flush()
+                await self.transport.aclose()
+
+    async def wait_idle(self) -> None:
+        """Wait until no streams are open (used when draining)."""
+        while self._streams or self._pending_opens:
+            self._streams_changed = trio.Event()
+            await self._streams_changed.wait()
+
+    def _ack(self, stream_id: int, size: int) -> None:
+        if self._core.is_closed:
+            return
+        self._core.acknowledge_received_data(stream_id, size)
+        if self._core.outgoing_size:
+            self._wake_writer()
+
+    def _forget(self, stream: TunnelStream) -> None:
+        if self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]
+            self._streams_changed.set()
+        self._window_waiters.discard(stream)
+
+
+class _PendingOpen:
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._result: p.StreamAccepted | p.StreamRefused | None = None
+        self._error: BaseException | None = None
+
+    def resolve(self, result: p.StreamAccepted | p.StreamRefused) -> None:
+        self._result = result
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    async def wait(self) -> p.StreamAccepted | p.StreamRefused:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+

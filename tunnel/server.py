@@ -1,0 +1,160 @@
+"""The accepting endpoint (server side): many agents, one registry keyed by node name.
+
+Each accepted transport is handshaken (the caller's `authenticate` decides who the dialer
+is), registered under its node name, and served until it ends. A second connection for a
+node that is already registered replaces the first cleanly: the old one is closed with
+REPLACED (its streams are reset), because an agent that reconnects after a network blip
+must win over its own half-dead previous connection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from tunnel import protocol as p
+from tunnel.endpoint import (
+    EndpointSettings,
+    HandshakeError,
+    IncomingStream,
+    StreamRefusedError,
+    TunnelConnection,
+    TunnelStream,
+)
+from tunnel.log import StructuredLogger, get_logger
+from tunnel.transport import PeerInfo, Transport
+
+# Decides who a dialer is: returns the node name, or raises AuthenticationFailed.
+Authenticator = Callable[[p.Hello, PeerInfo], Awaitable[str]]
+# Serves a stream an agent opened: (node, stream) -> None.
+NodeStreamHandler = Callable[[str, IncomingStream], Awaitable[None]]
+
+
+class NodeNotConnected(StreamRefusedError):
+    def __init__(self, node: str) -> None:
+        super().__init__(p.StreamReason.UNREACHABLE, f"node {node} is not connected")
+        self.node = node
+
+
+@dataclass
+class AgentSession:
+    node: str
+    connection: TunnelConnection
+    since: float  # wall clock
+
+
+class TunnelServer:
+    def __init__(
+        self,
+        *,
+        authenticate: Authenticator,
+        server_id: str = "nodeagent-server",
+        settings: EndpointSettings | None = None,
+        stream_handler: NodeStreamHandler | None = None,
+        log: StructuredLogger | None = None,
+    ) -> None:
+        self._authenticate = authenticate
+        self.server_id = server_id
+        self.settings = settings or EndpointSettings()
+        self._stream_handler = stream_handler
+        self.log = log or get_logger("tunnel.server")
+        self.sessions: dict[str, AgentSession] = {}
+        self.handshake_failures = 0
+        self.replaced = 0
+        self._changed = trio.Event()
+        self._draining = False
+
+    # ---------------------------------------------------------------- queries
+
+    def connection_for(self, node: str) -> TunnelConnection | None:
+        session = self.sessions.get(node)
+        if session is None or not session.connection.is_open:
+            return None
+        return session.connection
+
+    async def open_stream(self, node: str, target: p.Target,
+                          metadata: dict[str, str] | None = None) -> TunnelStream:
+        """Open a stream to `target` through `node`'s agent."""
+        conn = self.connection_for(node)
+        if conn is None:
+            raise NodeNotConnected(node)
+        return await conn.open_stream(target, metadata)
+
+    async def wait_for_node(self, node: str) -> TunnelConnection:
+        while (conn := self.connection_for(node)) is None:
+            self._changed = trio.Event() if self._changed.is_set() else self._changed
+            await self._changed.wait()
+        return conn
+
+    # ---------------------------------------------------------------- serving
+
+    async def handle_transport(self, transport: Transport) -> None:
+        """Serve one accepted transport until it ends (give this to tunnel.dial.serve)."""
+        log = self.log.bind(peer=transport.peer.address)
+        node: str | None = None
+
+        async def vet(hello: p.Hello, peer: PeerInfo) -> p.Hello:
+            nonlocal node
+            node = await self._authenticate(hello, peer)
+            return p.Hello(identity={"server": self.server_id})
+
+        handler = None
+        if self._stream_handler is not None:
+            stream_handler = self._stream_handler
+
+            async def handler(incoming: IncomingStream) -> None:
+                assert node is not None
+                await stream_handler(node, incoming)
+
+        conn = TunnelConnection(transport, p.Role.ACCEPTOR, self.settings, handler, log=log)
+        try:
+            await conn.accept_handshake(vet)
+        except HandshakeError as exc:
+            self.handshake_failures += 1
+            log.warning("agent handshake failed", code=exc.code.name.lower(), reason=str(exc),
+                        claimed_node=node or "")
+            await transport.aclose()
+            return
+        assert node is not None
+        if self._draining:
+            await conn.aclose(p.ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            return
+        conn.log = log = log.bind(node=node)
+        previous = self.sessions.get(node)
+        self.sessions[node] = AgentSession(node, conn, time.time())
+        self._notify()
+        if previous is not None:
+            self.replaced += 1
+            log.info("agent connected again; closing its previous connection",
+                     previous_peer=previous.connection.peer.address)
+            await previous.connection.aclose(
+                p.ErrorCode.REPLACED,
+                f"node {node} connected again from {transport.peer.address}")
+        log.info("agent connected", agent_version=conn.identity.get("agent_version", ""))
+        try:
+            await conn.run()
+        finally:
+            if (current := self.sessions.get(node)) is not None and current.connection is conn:
+                del self.sessions[node]
+                self._notify()
+            reason = conn.end_reason
+            log.info("agent disconnected", reason=str(reason) if reason else "cancelled")
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def drain(self, message: str = "server shutting down", grace: float = 30.0) -> None:
+        """Zero-downtime shutdown: GOAWAY to every agent (they dial a replacement at once),
+        wait up to `grace` for running streams, then close what is left."""
+        self._draining = True
+        sessions = list(self.sessions.values())
+        for session in sessions:
+            session.connection.goaway(message)
+        with trio.move_on_after(grace):
+            for session in sessions:
+                await session.connection.wait_idle()
+        for session in sessions:
+            await session.connection.aclose(p.ErrorCode.SHUTTING_DOWN, message)

@@ -8,6 +8,7 @@ Only root can do this; `netns_available()` says why not when it cannot.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -113,6 +114,17 @@ def topology() -> Iterator[Topology]:
         topo.close()
 
 
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    # os.setns exists only from Python 3.12; the project supports 3.11, so call libc.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 @contextmanager
 def in_netns(real_name: str) -> Iterator[None]:
     """Run the body with this thread's network namespace switched (sockets made inside
@@ -120,9 +132,9 @@ def in_netns(real_name: str) -> Iterator[None]:
     own = os.open("/proc/self/ns/net", os.O_RDONLY)
     target = os.open(f"/run/netns/{real_name}", os.O_RDONLY)
     try:
-        os.setns(target, os.CLONE_NEWNET)
+        _setns(target)
         yield
     finally:
-        os.setns(own, os.CLONE_NEWNET)
+        _setns(own)
         os.close(own)
         os.close(target)

@@ -29,6 +29,9 @@ def main() -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # Otherwise [::]:P also claims 0.0.0.0:P and the two specs collide.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, int(port)))
         sock.listen(128)
         t = threading.Thread(target=serve, args=(sock,), daemon=True)

@@ -131,7 +131,9 @@ def test_tcp_port_and_host_routing_flow_through_the_tunnel(stack, scheme: str) -
     status = agent.status()
     assert status["tunnel"]["state"] == "connected"
     assert status["tunnel"]["rtt_ms"] is not None
-    assert status["streams_by_outcome"]["accepted"] >= 4
+    # The TCP mapping's stream, plus one for the HTTP requests: the front keeps its upstream
+    # stream across the client's keep-alive requests.
+    assert status["streams_by_outcome"]["accepted"] >= 2
     assert status["streams_by_outcome"]["refused"] >= 1
     server_status = server.status()
     (edge,) = server_status["agents"]

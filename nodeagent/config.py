@@ -382,6 +382,38 @@ class HttpListener(Model):
     routes: tuple[HttpRoute, ...] = ()
 
 
+class IngressRule(Model):
+    """One Ingress path (controller mode): requests for `host` + `path` are balanced across
+    `backends`. No backends: 503."""
+
+    name: str  # "namespace/ingress", for logs, metrics and Events
+    host: str | None = None  # exact or "*.example.com"; None: any host
+    path: str = "/"
+    path_type: Literal["Prefix", "Exact", "ImplementationSpecific"] = "Prefix"
+    backends: tuple[Backend, ...] = ()
+    # Tie-break between Ingresses claiming the same host+path: the smallest rank wins (the
+    # controller uses creationTimestamp, so the oldest Ingress wins).
+    rank: str = ""
+    tls_redirect: bool = False  # answer plain HTTP with 308 to https://
+
+
+class IngressTls(Model):
+    """A certificate the HTTPS listener serves by SNI for `hosts`."""
+
+    name: str  # "namespace/secret"
+    hosts: tuple[str, ...] = ()
+    cert_pem: str
+    key_pem: str
+
+
+class IngressRoutes(Model):
+    """What the server's Ingress listeners (`ingress_http`, `ingress_https`) serve."""
+
+    rules: tuple[IngressRule, ...] = ()
+    default_backend: IngressRule | None = None
+    tls: tuple[IngressTls, ...] = ()
+
+
 class RoutesConfig(Model):
     """What a server does: the part the controller computes per server."""
 
@@ -393,6 +425,8 @@ class RoutesConfig(Model):
     # Which node owns which addresses (pod CIDRs, site ranges): streams agents open to
     # such an address are relayed to that node's agent.
     node_cidrs: dict[str, tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]] = {}
+    # Routes for the Ingress listeners (controller mode).
+    ingress: IngressRoutes = IngressRoutes()
 
     def node_for_address(self, host: str) -> str | None:
         try:
@@ -443,6 +477,9 @@ class AgentConfig(NodeConfig):
     dial_timeout: float = Field(default=5.0, gt=0, le=300)
     keepalive: Keepalive = Keepalive()
     reconnect: Reconnect = Reconnect()
+    # Controller mode: URL of the controller's config stream (http://host:port), reached
+    # through the tunnel. Set, the controller's NodeConfig replaces the file's.
+    controller: str | None = None
 
     @field_validator("node")
     @classmethod
@@ -501,6 +538,12 @@ class ServerConfig(RoutesConfig):
     metrics_listen: ListenAddress | None = None
     dial_timeout: float = Field(default=10.0, gt=0, le=300)
     keepalive: Keepalive = Keepalive()
+    # Controller mode: URL of the controller's config stream; set, the controller's
+    # RoutesConfig replaces the file's.
+    controller: str | None = None
+    # Listeners that serve `ingress` routes: plain HTTP and HTTPS (certificates by SNI).
+    ingress_http: ListenAddress | None = None
+    ingress_https: ListenAddress | None = None
 
     @model_validator(mode="after")
     def _secure(self) -> ServerConfig:
@@ -514,7 +557,8 @@ class ServerConfig(RoutesConfig):
 
     def routes(self) -> RoutesConfig:
         return RoutesConfig(version=self.version, tcp=self.tcp, http=self.http,
-                            egress=self.egress, node_cidrs=self.node_cidrs)
+                            egress=self.egress, node_cidrs=self.node_cidrs,
+                            ingress=self.ingress)
 
 
 # ------------------------------------------------------------------ loading

@@ -41,7 +41,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         body = (f"hello from upstream path={self.path} host={self.headers.get('Host')} "
                 f"xff={self.headers.get('X-Forwarded-For')}").encode()
         self.send_response(200)

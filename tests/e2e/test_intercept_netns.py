@@ -39,7 +39,7 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     try:
         for name in ("pod", "node", "cloud", "remote"):
             topo.add(name)
-        pod_if, node_pod_if = topo.link("pod", ["10.10.0.2/24", "fd10::2/64"],
+        _pod_if, node_pod_if = topo.link("pod", ["10.10.0.2/24", "fd10::2/64"],
                                         "node", ["10.10.0.1/24", "fd10::1/64"])
         topo.link("node", ["10.20.0.1/24", "fd20::1/64"], "cloud", ["10.20.0.2/24", "fd20::2/64"])
         topo.link("cloud", ["10.30.0.1/24", "fd30::1/64"],

@@ -205,7 +205,7 @@ def test_data_after_fin_is_a_protocol_error() -> None:
 
 def test_frames_for_never_opened_streams_are_errors_but_closed_ones_are_ignored() -> None:
     pair = handshake()
-    sid, d, a = open_accepted(pair)
+    sid, d, _a = open_accepted(pair)
     d.reset_stream(sid)
     pair.pump()
     # In-flight data for the stream we reset: dropped quietly.
@@ -312,7 +312,7 @@ def test_sender_cannot_exceed_stream_window_and_credit_returns_on_ack() -> None:
 
 def test_peer_exceeding_the_window_gets_flow_control_error() -> None:
     pair = handshake(acceptor_settings=Settings(initial_stream_window=20_000))
-    sid, d, a = open_accepted(pair)
+    sid, _d, a = open_accepted(pair)
     raw = frame(FrameType.DATA, sid, b"z" * 20_001)
     (t,) = terminated(a.receive_data(raw))
     assert t.code is ErrorCode.FLOW_CONTROL_ERROR
@@ -320,7 +320,7 @@ def test_peer_exceeding_the_window_gets_flow_control_error() -> None:
 
 def test_window_overflow_and_zero_increment() -> None:
     pair = handshake()
-    sid, d, a = open_accepted(pair)
+    sid, d, _a = open_accepted(pair)
     (t,) = terminated(d.receive_data(frame(FrameType.WINDOW, sid, struct.pack("!I", 2**31 - 1))))
     assert t.code is ErrorCode.FLOW_CONTROL_ERROR
     pair = handshake()
@@ -375,7 +375,7 @@ def test_memory_is_bounded_when_many_readers_stall() -> None:
 
 def test_large_payload_is_split_into_frames_of_the_peer_max() -> None:
     pair = handshake(acceptor_settings=Settings(max_frame_size=16 * 1024))
-    sid, d, a = open_accepted(pair)
+    sid, d, _a = open_accepted(pair)
     d.send_data(sid, bytes(range(256)) * 256, end_stream=True)  # 64 KiB
     _, ev = pair.pump()
     chunks = [e for e in ev if isinstance(e, DataReceived)]

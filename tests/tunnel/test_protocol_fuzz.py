@@ -44,7 +44,7 @@ def _frame(ftype: int, flags: int, sid: int, payload: bytes) -> bytes:
 
 frames = st.builds(
     _frame,
-    st.sampled_from(list(range(10)) + [0x42, 0xFF]),
+    st.sampled_from([*list(range(10)), 66, 255]),
     st.integers(0, 255),
     st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
     st.one_of(

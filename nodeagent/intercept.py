@@ -78,13 +78,39 @@ def build_model(config: InterceptConfig, *, skip_mark: int,
     return validate_model(model, interfaces)
 
 
-def choose_backend(name: str, netns: str | None = None) -> Backend:
-    """nftables unless told otherwise or the host has only iptables-legacy."""
+def choose_backend(name: str, netns: str | None = None) -> tuple[Backend, str]:
+    """The backend to program and one line saying why. "auto" follows what the host
+    already uses (netfilter.detect: legacy iptables holding kube-proxy's chains means an
+    iptables-legacy host; otherwise our own nftables table)."""
+    from netfilter.detect import Backend as Kind
+    from netfilter.detect import detect_backend
     from netfilter.iptables import IptablesBackend
     from netfilter.nftables import NftablesBackend
-    if name == "iptables" or (name == "auto" and shutil.which("nft") is None):
-        return IptablesBackend(netns)
-    return NftablesBackend(netns)
+    if name == "iptables":
+        return IptablesBackend(netns), "intercept.backend is iptables"
+    if name == "nftables":
+        return NftablesBackend(netns), "intercept.backend is nftables"
+    detection = detect_backend(netns)
+    if detection.backend is Kind.IPTABLES_LEGACY:
+        return IptablesBackend(netns, use_ipset=detection.ipset), detection.reason
+    return NftablesBackend(netns), detection.reason
+
+
+def _leftovers_of_other_backend(chosen: Backend, netns: str | None) -> bool:
+    """Remove what a previous run left in the backend we are NOT using now (the host
+    switched, or the config did): only our own table/chains, never anything else."""
+    from netfilter.iptables import IptablesBackend
+    from netfilter.nftables import NftablesBackend
+    other: Backend
+    if isinstance(chosen, IptablesBackend):
+        if shutil.which("nft") is None:
+            return False
+        other = NftablesBackend(netns)
+    else:
+        if shutil.which("iptables-legacy-restore") is None:
+            return False
+        other = IptablesBackend(netns, use_ipset=False)
+    return other.remove()
 
 
 @dataclass(frozen=True)
@@ -116,7 +142,10 @@ class Interceptor:
         self.skip_mark = skip_mark
         self._open_tunnel = open_tunnel
         self._dial_timeout = dial_timeout
-        self.backend = backend or choose_backend(config.backend, netns)
+        self.backend_reason = "given by the caller"
+        if backend is None:
+            backend, self.backend_reason = choose_backend(config.backend, netns)
+        self.backend = backend
         self._netns = netns
         self.log = logger or log.bind(node=node)
         self._refusal_log = RateLimitedLog(self.log, period=60.0)
@@ -178,6 +207,7 @@ class Interceptor:
                 rendered = render_nftables(self.model)
         return {
             "backend": type(self.backend).__name__,
+            "backend_reason": self.backend_reason,
             "mode": self.config.mode,
             "rules": [r.model_dump(mode="json") for r in self.config.rules],
             "rendered_from_model": rendered,
@@ -194,13 +224,19 @@ class Interceptor:
             from netfilter.routing import list_interfaces
             interfaces = await trio.to_thread.run_sync(list_interfaces, self._netns)
             model = build_model(self.config, skip_mark=self.skip_mark, interfaces=interfaces)
+            # Netfilter calls block (nft/iptables-restore subprocesses, netlink through
+            # pyroute2): run them on a worker thread so the tunnel keeps serving.
             await trio.to_thread.run_sync(self.backend.reconcile, model)
+            if await trio.to_thread.run_sync(_leftovers_of_other_backend, self.backend,
+                                             self._netns):
+                self.log.info("removed rules a previous run left in the other backend")
             await trio.to_thread.run_sync(self._ensure_routing, model)
             self.model = model
             self._rules = tuple(_active(c, r) for c, r in zip(self.config.rules, model.rules,
                                                                strict=True))
             self.log.info("intercepting", rules=len(model.rules), mode=model.mode.value,
-                          proxy_port=self.config.proxy_port)
+                          proxy_port=self.config.proxy_port,
+                          backend=type(self.backend).__name__, why=self.backend_reason)
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, self._handle, listeners)
                 task_status.started()

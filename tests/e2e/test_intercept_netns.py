@@ -30,7 +30,9 @@ TOKEN = "netns-token-0123456789abcdef"
 
 
 @pytest.fixture
-def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def lab(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The lab; parametrize indirectly with "legacy" to make `node` look like an
+    iptables-legacy host (kube-proxy's chain in legacy iptables) before the agent starts."""
     reason = netns_available()
     if reason is not None:
         pytest.skip(reason)
@@ -86,6 +88,8 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
                  "via": "direct", "host_traffic": True},
             ]},
         }
+        if getattr(request, "param", "nftables") == "legacy":
+            topo.exec("node", ["iptables-legacy", "-t", "nat", "-N", "KUBE-SERVICES"])
         agent = NodeagentProcess("agent", agent_cfg, tmp_path, "agent", netns=topo.ns("node"))
         agent.start()
         procs.append(agent)
@@ -213,3 +217,20 @@ def test_table_removed_on_shutdown_and_rebuilt_after_kill_9(lab: dict[str, Any])
     assert nft_table(topo).stdout.count("table inet nodeagent") == 1
     assert agent.stop() == 0
     assert nft_table(topo).returncode != 0, "clean shutdown removes the table"
+
+
+@pytest.mark.parametrize("lab", ["legacy"], indirect=True)
+def test_legacy_iptables_host_gets_chains_there_and_traffic_flows(lab: dict[str, Any]) -> None:
+    """A host whose legacy iptables holds kube-proxy's chains gets NODEAGENT-* chains next
+    to them, not an nftables table (never mix backends on one host)."""
+    topo, agent = lab["topo"], lab["agent"]
+    assert connect_from(topo, "pod", "10.30.0.2", 8080) == "peer=10.30.0.1"
+    assert connect_from(topo, "pod", "fd30::2", 8080) == "peer=fd30::1"
+    assert connect_from(topo, "pod", "10.30.0.3", 8080) == "peer=10.10.0.2"
+    saved = topo.exec("node", ["iptables-legacy-save"]).stdout
+    assert "NODEAGENT" in saved and "KUBE-SERVICES" in saved
+    assert nft_table(topo).returncode != 0, "no nftables table on a legacy host"
+    assert "kube-proxy's chains" in agent.logs()
+    assert agent.stop() == 0
+    saved = topo.exec("node", ["iptables-legacy-save"]).stdout
+    assert "NODEAGENT" not in saved and "KUBE-SERVICES" in saved

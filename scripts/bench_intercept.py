@@ -15,7 +15,7 @@ echo server). Three ways, one after the other, the client unchanged:
 * sshuttle  — Debian's sshuttle in `node` (iptables nat REDIRECT, listening on 0.0.0.0 so
               it also catches forwarded pod traffic) over ssh to an sshd in `cloud`.
 
-Measured from `pod`: single-stream throughput (iperf3), new connections/s (connect,
+Measured from `pod`: single-stream throughput (iperf3), new connections/s (16 clients: connect,
 1-byte echo, close), HTTP GETs of 1 KiB through wrk (16 connections) and request/response
 latency on one connection (64 bytes). Prints a table with ratios against direct and
 against sshuttle, and writes bench-results/intercept.json.
@@ -30,7 +30,6 @@ openssh-client sshuttle gcc.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -233,7 +232,7 @@ MaxStartups 100
                                           str(dur), "-J"], timeout=dur + 30))
         res["bulk_gbit"] = out["end"]["sum_received"]["bits_per_second"] / 1e9
         cr = json.loads(self.run("pod", [str(self.tool), "connrate", REMOTE, str(ECHO),
-                                         str(dur), "4"], timeout=dur + 30))
+                                         str(dur), "16"], timeout=dur + 30))
         res["conn_per_s"] = cr["per_sec"]
         res["conn_errors"] = cr["errors"]
         wrk = parse_wrk(self.run("pod", ["wrk", "-t2", "-c16", f"-d{dur}s", "--latency",

@@ -122,3 +122,11 @@ def test_allow_rule_structured_form() -> None:
     rule = AllowRule.model_validate({"cidr": "192.168.0.0/16", "ports": ["80", 443],
                                      "protocol": "udp"})
     assert rule.allows("192.168.1.1", 443, "udp") and not rule.allows("192.168.1.1", 443, "tcp")
+
+
+@pytest.mark.parametrize(("name", "model"), [("server.yaml", ServerConfig),
+                                             ("agent.yaml", AgentConfig)])
+def test_shipped_examples_are_valid(name: str, model: type) -> None:
+    """The README points users at examples/; they must stay valid as the model changes."""
+    config = load_config(model, Path(__file__).parents[1] / "examples" / name)
+    assert config.version == 0

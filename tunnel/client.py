@@ -9,14 +9,14 @@ make-before-break, for zero-downtime server rollouts.
 
 from __future__ import annotations
 
-import random
 import ssl
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
 from tunnel import protocol as p
+from tunnel.backoff import Backoff as Backoff  # re-exported: callers pass one in
 from tunnel.dial import dial
 from tunnel.endpoint import (
     EndpointSettings,
@@ -31,23 +31,6 @@ from tunnel.transport import Endpoint, TransportError
 
 
 @dataclass
-class Backoff:
-    """Capped exponential backoff with "equal jitter": half fixed, half random."""
-
-    initial: float = 0.2
-    maximum: float = 15.0
-    multiplier: float = 2.0
-    _current: float = field(default=0.0, init=False)
-
-    def next_delay(self) -> float:
-        self._current = (self.initial if self._current == 0
-                         else min(self.maximum, self._current * self.multiplier))
-        return self._current / 2 + random.uniform(0, self._current / 2)
-
-    def reset(self) -> None:
-        self._current = 0.0
-
-
 @dataclass
 class ClientStatus:
     state: str = "starting"  # starting | connecting | connected | backoff | stopped

@@ -59,7 +59,6 @@ from nodeagent.kube.errors import (
 )
 from nodeagent.kube.events import EventRecorder, object_reference
 from nodeagent.kube.informer import (
-    Backoff,
     Cache,
     CacheEvent,
     Debouncer,
@@ -86,6 +85,7 @@ from nodeagent.kube.resources import (
     Resource,
     custom_resource,
 )
+from tunnel.backoff import Backoff
 
 __all__ = [
     "CONFIGMAPS",

@@ -30,35 +30,12 @@ from nodeagent.kube.client import KubeClient, Object, Selector, WatchEvent, obje
 from nodeagent.kube.errors import Gone, KubeError
 from nodeagent.kube.resources import Resource
 from nodeagent.logs import get_logger
+from tunnel.backoff import Backoff
 
 log = get_logger("nodeagent.kube.informer")
 
 CacheEventType = Literal["ADDED", "MODIFIED", "DELETED"]
 Key = tuple[str, str]  # (namespace or "", name)
-
-
-class Backoff:
-    """Capped exponential backoff with jitter: delays in [(1-jitter)·d, d], d = initial·factorⁿ."""
-
-    def __init__(
-        self,
-        initial: float = 0.8,
-        cap: float = 30.0,
-        factor: float = 2.0,
-        jitter: float = 0.5,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.initial, self.cap, self.factor, self.jitter = initial, cap, factor, jitter
-        self._rng = rng or random.Random()
-        self.attempts = 0
-
-    def next(self) -> float:
-        base = min(self.cap, self.initial * self.factor ** min(self.attempts, 64))
-        self.attempts += 1
-        return base * (1.0 - self.jitter * self._rng.random())
-
-    def reset(self) -> None:
-        self.attempts = 0
 
 
 @dataclass(frozen=True)
@@ -236,7 +213,7 @@ class Informer:
         self.watch_timeout = watch_timeout
         self.page_size = page_size
         self.cache = Cache(resource)
-        self._backoff = backoff or Backoff()
+        self._backoff = backoff or Backoff(initial=0.8, maximum=30.0)
         self._rng = rng or random.Random()
         self._version: str | None = None
         self.lists = 0  # counters for tests, metrics and the debug socket
@@ -274,10 +251,10 @@ class Informer:
                 self._version = None  # never retry a compacted version: relist
                 self._log.info("watch restarted", reason="410", message=exc.message)
                 if listing:  # the list's own continue token expired; do not spin
-                    await trio.sleep(self._backoff.next())
+                    await trio.sleep(self._backoff.next_delay())
             except KubeError as exc:
                 self.errors += 1
-                delay = self._backoff.next()
+                delay = self._backoff.next_delay()
                 self._log.warning(
                     "list/watch failed",
                     error=str(exc),
@@ -323,7 +300,7 @@ class Informer:
                 self._backoff.reset()
         if stream.events == 0 and trio.current_time() - started < timeout / 2:
             # A server that closes watches at once would otherwise be hammered.
-            await trio.sleep(self._backoff.next())
+            await trio.sleep(self._backoff.next_delay())
 
     def _apply(self, event: WatchEvent) -> None:
         if event.type in ("ADDED", "MODIFIED"):
@@ -353,7 +330,7 @@ class SharedInformers:
         client: KubeClient,
         *,
         watch_timeout: float = 300.0,
-        backoff: Callable[[], Backoff] = Backoff,
+        backoff: Callable[[], Backoff] = lambda: Backoff(initial=0.8, maximum=30.0),
     ) -> None:
         self.client = client
         self.watch_timeout = watch_timeout

@@ -26,7 +26,7 @@ from tests.kube.helpers import configmap, eventually, names, node
 
 
 def fast_backoff() -> Backoff:
-    return Backoff(initial=0.02, cap=0.2, rng=random.Random(1))
+    return Backoff(initial=0.02, maximum=0.2, rng=random.Random(1))
 
 
 def state(obj: dict[str, Any]) -> tuple[str, str, str]:
@@ -174,7 +174,7 @@ async def test_backoff_on_server_errors(kube: KubeClient, fake_kube: FakeKube,
                                         nursery: trio.Nursery) -> None:
     fake_kube.fail_next(math.inf, status=500, path="/configmaps")
     informer = Informer(kube, CONFIGMAPS,
-                        backoff=Backoff(initial=0.05, cap=0.4, jitter=0.0))
+                        backoff=Backoff(initial=0.05, maximum=0.4, jitter=0.0))
     nursery.start_soon(informer.run)
     await trio.sleep(1.2)
     failed = fake_kube.requests_matching(path="/configmaps")
@@ -191,13 +191,13 @@ async def test_backoff_on_server_errors(kube: KubeClient, fake_kube: FakeKube,
 
 
 def test_backoff_is_capped_with_jitter() -> None:
-    backoff = Backoff(initial=1.0, cap=8.0, jitter=0.5, rng=random.Random(3))
-    delays = [backoff.next() for _ in range(10)]
+    backoff = Backoff(initial=1.0, maximum=8.0, jitter=0.5, rng=random.Random(3))
+    delays = [backoff.next_delay() for _ in range(10)]
     assert all(0.5 <= d <= 1.0 for d in delays[:1])
     assert all(4.0 <= d <= 8.0 for d in delays[4:])
     assert len(set(delays)) == len(delays)
     backoff.reset()
-    assert backoff.next() <= 1.0
+    assert backoff.next_delay() <= 1.0
 
 
 async def test_watch_timeout_rewatches_without_relisting(kube: KubeClient,

@@ -50,13 +50,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import yaml  # noqa: E402
 from benchlib.tools import (  # noqa: E402
     build_benchtool,
-    in_netns,
     missing_commands,
     parse_wrk,
     summarize_profile,
+    write_nginx_conf,
+    write_sshd_config,
 )
 
-from tests.netns import Topology, netns_available  # noqa: E402
+from tests.netns import Topology, in_netns, netns_available  # noqa: E402
 
 CLIENT, PUBLIC, CLOUD, EDGE = "10.77.1.1", "10.77.1.2", "10.77.2.1", "10.77.2.2"
 TOKEN = "bench-token-0123456789abcdef"
@@ -145,19 +146,7 @@ class Bench:
         self.log(f"namespaces {', '.join(t.namespaces.values())}; workdir {self.tmp}")
         # Targets in edge.
         self.spawn("edge", ["iperf3", "-s", "-p", str(IPERF)], "iperf3")
-        www = self.tmp / "www"
-        www.mkdir()
-        (www / "1k").write_bytes(b"x" * 1024)
-        conf = self.tmp / "nginx.conf"
-        conf.write_text(f"""
-user root; worker_processes 1; daemon off; pid {self.tmp}/nginx.pid;
-error_log {self.tmp}/nginx-error.log warn;
-events {{ worker_connections 20000; }}
-http {{ access_log off; keepalive_requests 1000000; keepalive_timeout 60;
-  server {{ listen {HTTP} reuseport backlog=8192; root {www}; location / {{ }} }} }}
-""")
-        self.spawn("edge", ["nginx", "-c", str(conf), "-e", str(self.tmp / "nginx-error.log")],
-                   "nginx")
+        self.spawn("edge", write_nginx_conf(self.tmp, HTTP), "nginx")
         self.spawn("edge", [str(self.tool), "echo", str(ECHO)], "echo")
         self.spawn("edge", [str(self.tool), "sink", str(SINK)], "sink")
         for port in (IPERF, HTTP, ECHO, SINK):
@@ -175,29 +164,7 @@ http {{ access_log off; keepalive_requests 1000000; keepalive_timeout 60;
 
     def setup_ssh(self) -> None:
         d = self.tmp / "ssh"
-        d.mkdir(mode=0o700)
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
-                        str(d / "host_key")], check=True)
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
-                        str(d / "id")], check=True)
-        shutil.copy(d / "id.pub", d / "authorized_keys")
-        (d / "sshd_config").write_text(f"""Port 2222
-ListenAddress {CLOUD}
-HostKey {d}/host_key
-AuthorizedKeysFile {d}/authorized_keys
-PidFile {d}/sshd.pid
-UsePAM no
-StrictModes no
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-GatewayPorts clientspecified
-AllowTcpForwarding yes
-MaxStartups 100
-""")
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privsep directory
-        sshd = shutil.which("sshd", path="/usr/sbin:/sbin:/usr/bin") or "/usr/sbin/sshd"
-        self.spawn("cloud", [sshd, "-D", "-e", "-f", str(d / "sshd_config")], "sshd")
+        self.spawn("cloud", write_sshd_config(d, CLOUD), "sshd")
         self.wait_listening("cloud", 2222, CLOUD)
         forwards = []
         for port in (IPERF, HTTP, ECHO, SINK):

@@ -46,7 +46,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import yaml  # noqa: E402
-from benchlib.tools import build_benchtool, parse_wrk  # noqa: E402
+from benchlib.tools import (  # noqa: E402
+    build_benchtool,
+    parse_wrk,
+    write_nginx_conf,
+    write_sshd_config,
+)
 
 from tests.netns import Topology, netns_available  # noqa: E402
 
@@ -118,19 +123,7 @@ class Bench:
             t.exec(ns, ["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])
             t.exec(ns, ["sysctl", "-qw", "net.core.somaxconn=8192"])
         self.spawn("remote", ["iperf3", "-s", "-p", str(IPERF)], "iperf3")
-        www = self.tmp / "www"
-        www.mkdir()
-        (www / "1k").write_bytes(b"x" * 1024)
-        conf = self.tmp / "nginx.conf"
-        conf.write_text(f"""
-user root; worker_processes 1; daemon off; pid {self.tmp}/nginx.pid;
-error_log {self.tmp}/nginx-error.log warn;
-events {{ worker_connections 20000; }}
-http {{ access_log off; keepalive_requests 1000000; keepalive_timeout 60;
-  server {{ listen {HTTP} reuseport backlog=8192; root {www}; location / {{ }} }} }}
-""")
-        self.spawn("remote", ["nginx", "-c", str(conf), "-e", str(self.tmp / "nginx-error.log")],
-                   "nginx")
+        self.spawn("remote", write_nginx_conf(self.tmp, HTTP), "nginx")
         self.spawn("remote", [str(self.tool), "echo", str(ECHO)], "echo")
         time.sleep(0.5)
 
@@ -171,27 +164,7 @@ http {{ access_log off; keepalive_requests 1000000; keepalive_timeout 60;
 
     def start_sshuttle(self) -> list[subprocess.Popen[bytes]]:
         d = self.tmp / "ssh"
-        d.mkdir(mode=0o700)
-        for key in ("host_key", "id"):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)],
-                           check=True)
-        shutil.copy(d / "id.pub", d / "authorized_keys")
-        (d / "sshd_config").write_text(f"""Port 2222
-ListenAddress {CLOUD_DOWN}
-HostKey {d}/host_key
-AuthorizedKeysFile {d}/authorized_keys
-PidFile {d}/sshd.pid
-UsePAM no
-StrictModes no
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-AllowTcpForwarding yes
-MaxStartups 100
-""")
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-        sshd = shutil.which("sshd", path="/usr/sbin:/sbin:/usr/bin") or "/usr/sbin/sshd"
-        procs = [self.spawn("cloud", [sshd, "-D", "-e", "-f", str(d / "sshd_config")], "sshd")]
+        procs = [self.spawn("cloud", write_sshd_config(d, CLOUD_DOWN), "sshd")]
         time.sleep(0.5)
         ssh = (f"ssh -p 2222 -i {d}/id -o StrictHostKeyChecking=no "
                f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")

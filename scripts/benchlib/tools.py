@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
 import hashlib
-import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-
-CLONE_NEWNET = 0x40000000
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "benchtool.c"
@@ -114,18 +108,46 @@ def _short(frame: str) -> str:
     return f"{func} ({'/'.join(parts[-3:])})"
 
 
-@contextlib.contextmanager
-def in_netns(real_name: str) -> Iterator[None]:
-    """Switch this thread's network namespace for the body (sockets made inside keep
-    it). ctypes setns(2): os.setns needs Python 3.12."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    own = os.open("/proc/self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{real_name}", os.O_RDONLY)
-    try:
-        if libc.setns(target, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns failed")
-        yield
-    finally:
-        libc.setns(own, CLONE_NEWNET)
-        os.close(own)
-        os.close(target)
+def write_nginx_conf(workdir: Path, port: int) -> list[str]:
+    """An nginx serving `workdir/www/1k` (1 KiB) on `port`, tuned for load tests; returns
+    the command line that runs it in the foreground."""
+    www = workdir / "www"
+    www.mkdir(exist_ok=True)
+    (www / "1k").write_bytes(b"x" * 1024)
+    conf = workdir / "nginx.conf"
+    conf.write_text(f"""
+user root; worker_processes 1; daemon off; pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log warn;
+events {{ worker_connections 20000; }}
+http {{ access_log off; keepalive_requests 1000000; keepalive_timeout 60;
+  server {{ listen {port} reuseport backlog=8192; root {www}; location / {{ }} }} }}
+""")
+    return ["nginx", "-c", str(conf), "-e", str(workdir / "nginx-error.log")]
+
+
+def write_sshd_config(sshdir: Path, listen: str, port: int = 2222) -> list[str]:
+    """Host and client keys plus an sshd_config bound to `listen:port` only (key login as
+    root, forwarding allowed); returns the command line that runs sshd in the foreground.
+    The client key is `sshdir/id`."""
+    sshdir.mkdir(mode=0o700, exist_ok=True)
+    for key in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
+                        str(sshdir / key)], check=True)
+    shutil.copy(sshdir / "id.pub", sshdir / "authorized_keys")
+    (sshdir / "sshd_config").write_text(f"""Port {port}
+ListenAddress {listen}
+HostKey {sshdir}/host_key
+AuthorizedKeysFile {sshdir}/authorized_keys
+PidFile {sshdir}/sshd.pid
+UsePAM no
+StrictModes no
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+GatewayPorts clientspecified
+AllowTcpForwarding yes
+MaxStartups 100
+""")
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privsep directory
+    sshd = shutil.which("sshd", path="/usr/sbin:/sbin:/usr/bin") or "/usr/sbin/sshd"
+    return [sshd, "-D", "-e", "-f", str(sshdir / "sshd_config")]

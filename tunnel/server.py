@@ -21,6 +21,7 @@ from tunnel.endpoint import (
     HandshakeError,
     IncomingStream,
     StreamRefusedError,
+    TunnelClosedError,
     TunnelConnection,
     TunnelStream,
 )
@@ -77,11 +78,23 @@ class TunnelServer:
 
     async def open_stream(self, node: str, target: p.Target,
                           metadata: dict[str, str] | None = None) -> TunnelStream:
-        """Open a stream to `target` through `node`'s agent."""
+        """Open a stream to `target` through `node`'s agent. Raises StreamRefusedError
+        (NodeNotConnected when there is no live connection to that node)."""
         conn = self.connection_for(node)
         if conn is None:
             raise NodeNotConnected(node)
-        return await conn.open_stream(target, metadata)
+        try:
+            return await conn.open_stream(target, metadata)
+        except TunnelClosedError:
+            # The connection ended while we waited for the answer: the agent reconnected
+            # (a new connection replaced this one: try that one, once) or went away.
+            newer = self.connection_for(node)
+            if newer is None or newer is conn:
+                raise NodeNotConnected(node) from None
+            try:
+                return await newer.open_stream(target, metadata)
+            except TunnelClosedError:
+                raise NodeNotConnected(node) from None
 
     async def wait_for_node(self, node: str) -> TunnelConnection:
         while (conn := self.connection_for(node)) is None:

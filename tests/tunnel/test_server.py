@@ -1,0 +1,74 @@
+"""TunnelServer: the registry of agents by node name, over in-memory transports."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from tests.tunnel.memtransport import memory_transport_pair
+from tests.tunnel.test_endpoint import echo_handler
+from tunnel import protocol as p
+from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
+from tunnel.server import NodeNotConnected, TunnelServer
+from tunnel.transport import PeerInfo
+
+T = p.Target("svc", 80)
+SETTINGS = EndpointSettings(ping_interval=0)
+
+
+async def node_from_hello(hello: p.Hello, peer: PeerInfo) -> str:
+    return hello.identity["node"]
+
+
+async def connect_agent(server: TunnelServer, nursery: trio.Nursery, handler: object
+                        ) -> TunnelConnection:
+    """A new agent connection for node edge-1; returns the server's side of it once the
+    registry holds it."""
+    before = server.connection_for("edge-1")
+    ours, theirs = memory_transport_pair()
+    nursery.start_soon(server.handle_transport, theirs)
+    agent = TunnelConnection(ours, p.Role.DIALER, SETTINGS, handler)  # type: ignore[arg-type]
+    await agent.dial_handshake(p.Hello(identity={"node": "edge-1"}))
+    await nursery.start(agent.run)
+    with trio.fail_after(5):
+        while (conn := server.connection_for("edge-1")) is None or conn is before:
+            await trio.sleep(0.01)
+    return conn
+
+
+async def test_open_pending_while_the_agent_reconnects_goes_to_the_new_connection() -> None:
+    """An OPEN in flight on a connection that a reconnect replaces is retried on the new
+    connection: the caller gets a stream, never a raw TunnelClosedError (which the HTTP
+    front and TCP mappings would not expect)."""
+    server = TunnelServer(authenticate=node_from_hello, settings=SETTINGS)
+    stuck = trio.Event()
+
+    async def never_answers(incoming: IncomingStream) -> None:
+        stuck.set()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        await connect_agent(server, nursery, never_answers)
+        result: list[object] = []
+
+        async def opener() -> None:
+            result.append(await server.open_stream("edge-1", T))
+
+        nursery.start_soon(opener)
+        await stuck.wait()
+        second = await connect_agent(server, nursery, echo_handler)
+        with trio.fail_after(5):
+            while not result:
+                await trio.sleep(0.01)
+        stream = result[0]
+        assert server.connection_for("edge-1") is second
+        await stream.send_all(b"hello")  # type: ignore[attr-defined]
+        assert await stream.receive_some() == b"hello"  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+
+
+async def test_open_to_an_unknown_node_is_refused_as_not_connected() -> None:
+    server = TunnelServer(authenticate=node_from_hello, settings=SETTINGS)
+    with pytest.raises(NodeNotConnected) as info:
+        await server.open_stream("nobody", T)
+    assert info.value.reason is p.StreamReason.UNREACHABLE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from tests.tunnel.memtransport import memory_transport_pair
 from tests.tunnel.test_endpoint import echo_handler
@@ -30,9 +31,9 @@ async def connect_agent(server: TunnelServer, nursery: trio.Nursery, handler: ob
     agent = TunnelConnection(ours, p.Role.DIALER, SETTINGS, handler)  # type: ignore[arg-type]
     await agent.dial_handshake(p.Hello(identity={"node": "edge-1"}))
     await nursery.start(agent.run)
-    with trio.fail_after(5):
-        while (conn := server.connection_for("edge-1")) is None or conn is before:
-            await trio.sleep(0.01)
+    await trio.testing.wait_all_tasks_blocked()
+    conn = server.connection_for("edge-1")
+    assert conn is not None and conn is not before
     return conn
 
 
@@ -50,16 +51,17 @@ async def test_open_pending_while_the_agent_reconnects_goes_to_the_new_connectio
     async with trio.open_nursery() as nursery:
         await connect_agent(server, nursery, never_answers)
         result: list[object] = []
+        opened = trio.Event()
 
         async def opener() -> None:
             result.append(await server.open_stream("edge-1", T))
+            opened.set()
 
         nursery.start_soon(opener)
         await stuck.wait()
         second = await connect_agent(server, nursery, echo_handler)
         with trio.fail_after(5):
-            while not result:
-                await trio.sleep(0.01)
+            await opened.wait()
         stream = result[0]
         assert server.connection_for("edge-1") is second
         await stream.send_all(b"hello")  # type: ignore[attr-defined]

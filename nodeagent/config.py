@@ -17,11 +17,12 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -51,6 +52,17 @@ class Model(BaseModel):
 
 
 # ------------------------------------------------------------------ small types
+
+
+def _cidr_as_text(value: Any) -> Any:
+    # pydantic would read a bare number as an address (5 → 0.0.0.5/32): in a config
+    # file that is always a mistake, so a CIDR must be written as text.
+    if isinstance(value, str | ipaddress.IPv4Network | ipaddress.IPv6Network):
+        return value
+    raise ValueError(f"{value!r} is not a CIDR; write it as text, e.g. 10.0.0.0/8")
+
+
+Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, BeforeValidator(_cidr_as_text)]
 
 
 def _split_host_port(text: str) -> tuple[str, str]:
@@ -167,7 +179,7 @@ class AllowRule(Model):
     """A target the server may ask this agent to dial. String form: `10.0.0.0/8:80-443`,
     `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`."""
 
-    cidr: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
+    cidr: Cidr | None = None
     host: str | None = None
     ports: tuple[PortRange, ...] = ()  # empty: any port
     protocol: Literal["tcp", "udp"] = "tcp"
@@ -320,9 +332,15 @@ class InterceptConfig(Model):
         # The netfilter model's own validation (overlapping or invalid CIDRs, port
         # ranges, duplicate names), so a bad file is refused at load with the rule's
         # name; interfaces are checked against the host when applied.
+        from netfilter.model import NetfilterError
         from nodeagent.intercept import build_model
 
-        build_model(self, skip_mark=DEFAULT_SOCKET_MARK)
+        try:
+            build_model(self, skip_mark=DEFAULT_SOCKET_MARK)
+        except NetfilterError as exc:
+            # pydantic reports ValueErrors as field errors; anything else would escape as
+            # a traceback instead of "agent.yaml: intercept: ...".
+            raise ValueError(str(exc)) from None
         return self
 
 
@@ -424,7 +442,7 @@ class RoutesConfig(Model):
     egress: tuple[AllowRule, ...] = ()
     # Which node owns which addresses (pod CIDRs, site ranges): streams agents open to
     # such an address are relayed to that node's agent.
-    node_cidrs: dict[str, tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]] = {}
+    node_cidrs: dict[str, tuple[Cidr, ...]] = {}
     # Routes for the Ingress listeners (controller mode).
     ingress: IngressRoutes = IngressRoutes()
 

@@ -27,6 +27,7 @@ import trio
 from netfilter.model import (
     InterceptModel,
     InterceptRule,
+    InvalidRule,
     Mode,
     NetfilterError,
     ProxyPorts,
@@ -60,6 +61,12 @@ def build_model(config: InterceptConfig, *, skip_mark: int,
     """InterceptConfig → the netfilter model, validated. Raises NetfilterError (its
     InvalidRule names the rule) for overlapping or invalid CIDRs, bad ports, unknown
     interfaces (when `interfaces` is given)."""
+    for rule in config.rules:
+        if rule.protocol != "tcp":
+            # The rule model and both backends render udp, but the agent has no UDP relay
+            # yet: a udp rule would divert datagrams to a port nobody serves.
+            raise InvalidRule(rule.name, "protocol udp is not supported by the agent yet; "
+                                         "intercept rules are tcp only")
     rules = tuple(
         InterceptRule.parse(
             rule.name, rule.protocol, rule.destinations, ports=rule.ports,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nodeagent.config import (
     AgentConfig,
@@ -46,7 +48,15 @@ def test_agent_config_loads_with_defaults() -> None:
     (agent(colour="blue"), "colour: unknown field (typo?)"),
     ({"node": "a", "server": "tls://s:1"}, "no credentials"),
     (agent(keepalive={"interval": -1}), "keepalive.interval: Input should be greater than 0"),
+    (agent(allow=[{"cidr": 5, "ports": [80]}]), "allow[0].cidr: 5 is not a CIDR"),
     ({"server": "tls://s:1", "token": TOKEN}, "node: required field is missing"),
+    (agent(intercept={"rules": [{"name": "dns", "protocol": "udp", "ports": [53],
+                                 "destinations": ["10.0.0.0/8"]}]}),
+     "intercept rule 'dns': protocol udp is not supported by the agent yet"),
+    (agent(intercept={"rules": [{"name": "a", "destinations": ["10.0.0.0/8", "10.1.0.0/16"]}]}),
+     "intercept: intercept rule 'a': destinations: 10.1.0.0/16 overlaps 10.0.0.0/8"),
+    (agent(intercept={"rules": [{"name": "p", "destinations": ["10.0.0.0/8"],
+                                 "ports": [0]}]}), "intercept rule 'p'"),
 ])
 def test_agent_config_errors_name_the_field(doc: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -130,3 +140,50 @@ def test_shipped_examples_are_valid(name: str, model: type) -> None:
     """The README points users at examples/; they must stay valid as the model changes."""
     config = load_config(model, Path(__file__).parents[1] / "examples" / name)
     assert config.version == 0
+
+
+# Any document, however wrong, gives a ConfigError (one message naming fields) or a valid
+# config: never another exception, which the CLI would print as a traceback.
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40),
+                     st.floats(allow_nan=True), st.text(max_size=30),
+                     st.sampled_from(["10.0.0.0/8", "10.1.0.0/16", "127.0.0.1:80", "*",
+                                      "fd00::/64", "tls://s:1", "udp", "tcp", "tproxy",
+                                      "0-70000", "eth0", "[::1]:5", "a" * 20]))
+_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+    max_leaves=12)
+
+
+def _docs(model: type, extra_keys: list[str]) -> st.SearchStrategy[dict[str, object]]:
+    keys = st.sampled_from(sorted(model.model_fields) + extra_keys)  # type: ignore[attr-defined]
+    return st.dictionaries(keys, _values, max_size=8)
+
+
+_INTERCEPT = st.fixed_dictionaries({"rules": st.lists(st.dictionaries(
+    st.sampled_from(["name", "protocol", "destinations", "ports", "source_interfaces",
+                     "source_cidrs", "exclude", "via", "host_traffic"]), _values,
+    max_size=6), max_size=3)}, optional={"mode": _values, "exclude": _values,
+                                         "proxy_port": _values})
+
+
+@pytest.mark.filterwarnings("error")
+@settings(max_examples=300, deadline=None)
+@given(doc=_docs(AgentConfig, ["nonsense"]), intercept=st.none() | _INTERCEPT)
+def test_any_agent_document_is_valid_or_a_config_error(
+        doc: dict[str, object], intercept: dict[str, object] | None) -> None:
+    if intercept is not None:
+        doc = {**doc, "intercept": intercept}
+    try:
+        parse_config(AgentConfig, doc, "agent.yaml")
+    except ConfigError as exc:
+        assert str(exc).startswith("agent.yaml")
+
+
+@pytest.mark.filterwarnings("error")
+@settings(max_examples=300, deadline=None)
+@given(doc=_docs(ServerConfig, ["nonsense"]))
+def test_any_server_document_is_valid_or_a_config_error(doc: dict[str, object]) -> None:
+    try:
+        parse_config(ServerConfig, doc, "server.yaml")
+    except ConfigError as exc:
+        assert str(exc).startswith("server.yaml")

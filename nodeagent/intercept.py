@@ -284,6 +284,15 @@ class Interceptor:
 
     async def _handle(self, client: trio.SocketStream) -> None:
         try:
+            await self._proxy(client)
+        except Exception as exc:
+            # A bug here must cost one connection, never the agent (serve_listeners would
+            # let the exception end every listener).
+            self.log.error("intercepted connection failed", error=repr(exc), exc_info=True)
+            await close_stream(client, abort=True)
+
+    async def _proxy(self, client: trio.SocketStream) -> None:
+        try:
             host, port, _ = intercepted_destination(client.socket, self.config.proxy_port)
             peer = client.socket.getpeername()
         except OSError as exc:

@@ -23,6 +23,7 @@ from tunnel.endpoint import (
     HandshakeError,
     StreamHandler,
     StreamRefusedError,
+    TunnelClosedError,
     TunnelConnection,
     TunnelStream,
 )
@@ -82,11 +83,16 @@ class TunnelClient:
 
     async def open_stream(self, target: p.Target,
                           metadata: dict[str, str] | None = None) -> TunnelStream:
-        """Open a stream on the current connection; UNREACHABLE when there is none."""
+        """Open a stream on the current connection. Raises StreamRefusedError: with the
+        peer's reason, or UNREACHABLE when there is no connection or it ends meanwhile."""
         conn = self.connection
         if conn is None or not conn.is_open or conn.is_draining:
             raise StreamRefusedError(p.StreamReason.UNREACHABLE, "tunnel is not connected")
-        return await conn.open_stream(target, metadata)
+        try:
+            return await conn.open_stream(target, metadata)
+        except TunnelClosedError as exc:
+            raise StreamRefusedError(p.StreamReason.UNREACHABLE,
+                                     f"tunnel connection ended: {exc}") from None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled."""

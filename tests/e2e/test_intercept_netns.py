@@ -97,14 +97,14 @@ def lab(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, An
         server.wait_for(lambda s: s["agents"], what="agent connected")
         yield {"topo": topo, "server": server, "agent": agent, "node_pod_if": node_pod_if}
     finally:
-        for proc in procs:
-            if isinstance(proc, NodeagentProcess):
-                proc.kill()
-                assert "Traceback" not in proc.logs(), proc.logs()
-            else:
-                proc.kill()
+        for proc in procs:  # every process first: a failed check must not leak the others
+            proc.kill()
+            if not isinstance(proc, NodeagentProcess):
                 proc.wait()
         topo.close()
+        for proc in procs:
+            if isinstance(proc, NodeagentProcess):
+                assert "Traceback" not in proc.logs(), proc.logs()
 
 
 def connect_from(topo: Topology, ns: str, host: str, port: int,

@@ -105,8 +105,9 @@ def stack(tmp_path: Path, certs: Certs, upstream: Upstream):  # type: ignore[no-
         return server, agent
 
     yield start
-    for proc in procs:
+    for proc in procs:  # every process first: a failed check must not leak the others
         proc.kill()
+    for proc in procs:
         assert "Traceback" not in proc.logs(), proc.logs()
 
 

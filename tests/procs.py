@@ -87,6 +87,14 @@ class NodeagentProcess:
         raise AssertionError(f"{self.name}: {what or 'condition'} not met in {timeout}s; "
                              f"last status {last}\n{self.logs()}")
 
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.logs():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no {text!r} in the log after {timeout}s:\n"
+                                     f"{self.logs()}")
+            time.sleep(0.05)
+
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

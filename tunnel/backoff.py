@@ -30,3 +30,7 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempts = 0
+
+    def to_maximum(self) -> None:
+        """The next delays are the longest (until reset)."""
+        self.attempts = 64

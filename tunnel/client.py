@@ -121,8 +121,18 @@ class TunnelClient:
                         self.log.info("server is draining this connection; dialing a new one")
                         continue  # make-before-break: the old one finishes in _serve
                     reason = conn.end_reason
-                    self.log.warning("tunnel connection lost",
-                                     reason=str(reason) if reason else "unknown")
+                    if reason is not None and reason.code is p.ErrorCode.REPLACED:
+                        # Another agent registered our node name: normally our own
+                        # replacement (a restarted pod) and this process is on its way
+                        # out. If both live, retrying at once would make them evict each
+                        # other in a loop, so wait the longest backoff.
+                        self.backoff.to_maximum()
+                        self.log.error("another agent connected with this node name and "
+                                       "replaced this connection; retrying at the "
+                                       "slowest backoff", reason=str(reason))
+                    else:
+                        self.log.warning("tunnel connection lost",
+                                         reason=str(reason) if reason else "unknown")
                     await trio.sleep(self.backoff.next_delay())
         finally:
             self.status.state = "stopped"

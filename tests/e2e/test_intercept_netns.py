@@ -187,9 +187,7 @@ def test_rule_removal_restores_direct_routing_and_debug_rules_reads_the_kernel(
     agent.config = cfg
     agent.write_config()
     agent.signal(signal.SIGHUP)
-    deadline = time.monotonic() + 5
-    while "intercept rules applied" not in agent.logs() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    agent.wait_for_log("intercept rules applied")
     assert connect_from(topo, "pod", "10.30.0.2", 8080) == "peer=10.10.0.2"
     # An invalid change is refused and the previous rules stay.
     cfg["intercept"] = dict(cfg["intercept"], rules=[dict(cfg["intercept"]["rules"][0],
@@ -197,9 +195,7 @@ def test_rule_removal_restores_direct_routing_and_debug_rules_reads_the_kernel(
     agent.config = cfg
     agent.write_config()
     agent.signal(signal.SIGHUP)
-    deadline = time.monotonic() + 5
-    while "config reload refused" not in agent.logs() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    agent.wait_for_log("config reload refused")
     assert "nosuch0" in agent.logs()
     assert connect_from(topo, "pod", "10.30.0.2", 9090) == "peer=10.20.0.1"
 

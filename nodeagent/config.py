@@ -582,7 +582,8 @@ class ServerConfig(RoutesConfig):
 # ------------------------------------------------------------------ loading
 
 
-def _format_errors(source: str, exc: ValidationError) -> str:
+def format_errors(source: str, exc: ValidationError) -> str:
+    """pydantic errors as one line per field: `source: field.path: problem`."""
     lines = []
     for err in exc.errors():
         loc = ""
@@ -607,7 +608,7 @@ def parse_config(model: type[M], doc: Any, source: str) -> M:
     try:
         return model.model_validate(doc)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(source, exc)) from None
+        raise ConfigError(format_errors(source, exc)) from None
 
 
 def load_config(model: type[M], path: Path) -> M:

@@ -1,0 +1,90 @@
+"""nodeagent's custom resources: the ClusterTunnel model (group nodeagent.io, v1alpha1).
+
+The CRD's OpenAPI schema is generated from these models (nodeagent/controller/crds.py), so
+what the API server accepts and what the controller parses cannot drift apart. Where a
+ClusterTunnel carries the same data as an agent's file (intercept rules, egress and allow
+rules, port ranges) it embeds the very same models from nodeagent.config: one config model
+for both modes. Field names are camelCase in Kubernetes (API conventions) and snake_case in
+Python; pydantic aliases translate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
+
+from nodeagent.config import AllowRule, ConfigError, InterceptConfig, PortRange, format_errors
+from nodeagent.kube.resources import custom_resource
+
+CLUSTER_TUNNELS = custom_resource("clustertunnels", "ClusterTunnel", namespaced=False)
+# Deleting a ClusterTunnel must first take its intercept rules off every node.
+FINALIZER = "nodeagent.io/cleanup"
+# On the CRD object: the schema revision it was generated from (see crds.ensure_crds).
+CRD_VERSION_ANNOTATION = "nodeagent.io/crd-version"
+
+
+class CrdModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              alias_generator=to_camel)
+
+
+class ClusterTunnelSpec(CrdModel):
+    """Tunnel-wide settings for every node the tunnel covers."""
+
+    server_url: str | None = Field(
+        default=None, description="The tunnel URL agents dial (tls://host:port or "
+        "wss://host[:port]/path); informational when agents get it from their flags.")
+    allowed_node_ports: tuple[PortRange, ...] = Field(
+        default=(), description="Ports on each node's own addresses that servers may reach "
+        "through the tunnel (kubelet 10250, node-exporter 9100, ...).")
+    egress: tuple[AllowRule, ...] = Field(
+        default=(), description="Destinations servers dial for agents' intercepted "
+        "traffic: each {cidr or host, ports, protocol}.")
+    intercept: InterceptConfig | None = Field(
+        default=None, description="Traffic the agents catch on their node and carry "
+        "through the tunnel (same model as the agent config file).")
+    node_selector: dict[str, str] = Field(
+        default={}, description="Labels a Node must carry to be covered; empty: all nodes.")
+
+    @field_validator("server_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tls://", "wss://", "ws://", "tcp://")):
+            raise ValueError(f"{v!r}: use tls://host:port or wss://host[:port]/path")
+        return v
+
+    def covers(self, node_labels: dict[str, str]) -> bool:
+        return all(node_labels.get(k) == v for k, v in self.node_selector.items())
+
+
+class Condition(CrdModel):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str = ""
+
+
+class ClusterTunnelStatus(CrdModel):
+    """Kept current by the leading controller."""
+
+    observed_generation: int = 0
+    nodes_connected: int = 0
+    config_version: int = 0
+    conditions: tuple[Condition, ...] = ()
+
+
+def parse_cluster_tunnel(obj: dict[str, Any]) -> ClusterTunnelSpec:
+    """Validate a ClusterTunnel's spec; ConfigError names the object and the field."""
+    name = (obj.get("metadata") or {}).get("name", "?")
+    spec = obj.get("spec")
+    if spec is None:
+        spec = {}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"ClusterTunnel {name}: spec must be an object")
+    try:
+        return ClusterTunnelSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(f"ClusterTunnel {name}: spec", exc)) from None

@@ -1,0 +1,243 @@
+"""manifests/ validated offline: each object against the Kubernetes schemas
+(kubernetes-validate bundles them), the CRD against the model it is generated from, and the
+relations between objects that no schema checks (selectors, ports, accounts, volumes, RBAC,
+CLI flags, one image)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from nodeagent.config import ConfigError
+from nodeagent.controller.crds import crd_manifests
+from nodeagent.crd import parse_cluster_tunnel
+from tests.fakekube import schema as structural
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFESTS = ROOT / "manifests"
+K8S_VERSION = "1.33.0"
+# Secrets and ConfigMaps the controller creates at start (never in the manifests: they
+# hold generated keys).
+BOOTSTRAPPED = {("Secret", "nodeagent-agent-token"), ("Secret", "nodeagent-ca"),
+                ("Secret", "nodeagent-server-tls"), ("ConfigMap", "nodeagent-ca")}
+# The CLI contract of controller mode (nodeagent/cli.py implements it).
+FLAGS = {
+    "agent": {"--node", "--server", "--token-file", "--ca-file", "--controller",
+              "--debug-socket", "--metrics-listen"},
+    "server": {"--controller", "--token-file", "--tunnel-listen", "--tls-cert", "--tls-key",
+               "--ingress-http", "--ingress-https", "--server-id", "--metrics-listen"},
+    "controller": {"--kubeconfig", "--namespace", "--listen", "--identity", "--lease-name",
+                   "--metrics-listen"},
+}
+
+
+def kustomization() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    return doc
+
+
+def objects() -> list[dict[str, Any]]:
+    out = []
+    for name in kustomization()["resources"]:
+        out += [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
+    return out
+
+
+def by_kind(kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects() if o["kind"] == kind]
+
+
+def workloads() -> list[dict[str, Any]]:
+    return [o for o in objects() if o["kind"] in ("Deployment", "DaemonSet")]
+
+
+def _id(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+@pytest.mark.parametrize("obj", objects(), ids=_id)
+def test_every_object_is_valid_for_kubernetes(obj: dict[str, Any]) -> None:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    files = {p.name for p in MANIFESTS.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization()["resources"]) == files
+
+
+def test_shipped_crd_is_what_the_model_generates() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_manifests.py"),
+                             "--check"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    shipped = [d for d in yaml.safe_load_all((MANIFESTS / "crds.yaml").read_text()) if d]
+    assert shipped == crd_manifests()
+
+
+def _crd_schema() -> dict[str, Any]:
+    (crd,) = crd_manifests()
+    schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def test_example_cluster_tunnel_passes_the_crd_schema_and_the_model() -> None:
+    example = yaml.safe_load((MANIFESTS / "examples" / "clustertunnel.yaml").read_text())
+    schema = _crd_schema()
+    pruned = structural.prune(example, schema, root=True)
+    assert pruned == example, "the schema would drop fields of the example"
+    assert structural.validate(example, schema, root=True) == []
+    spec = parse_cluster_tunnel(example)
+    assert spec.intercept is not None and spec.intercept.rules[0].name == "cloud-services"
+    assert [str(r) for r in spec.allowed_node_ports] == ["10250", "9100"] or \
+        [(r.first, r.last) for r in spec.allowed_node_ports] == [(10250, 10250), (9100, 9100)]
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"intercept": {"mode": "nat"}}, "spec.intercept.mode"),
+    ({"allowedNodePorts": [True]}, "spec.allowedNodePorts[0]"),
+    ({"intercept": {"proxy_port": 70000}}, "spec.intercept.proxy_port"),
+    ({"egress": [{"protocol": "sctp"}]}, "spec.egress[0].protocol"),
+    ({"nodeSelector": {"a": 1}}, "spec.nodeSelector.a"),
+])
+def test_crd_schema_rejects_invalid_fields(spec: dict[str, Any], field: str) -> None:
+    obj = {"apiVersion": "nodeagent.io/v1alpha1", "kind": "ClusterTunnel",
+           "metadata": {"name": "bad"}, "spec": spec}
+    errors = structural.validate(obj, _crd_schema(), root=True)
+    assert any(where == field for where, _, _ in errors), errors
+
+
+def test_model_rejects_what_the_schema_cannot_express() -> None:
+    """Some checks need code (overlapping CIDRs, URL schemes): the controller's parse
+    catches them and names the object and field."""
+    obj = {"metadata": {"name": "ct"}, "spec": {"serverUrl": "http://x", "intercept": {
+        "rules": [{"name": "r", "destinations": ["10.0.0.0/8", "10.1.0.0/16"]}]}}}
+    with pytest.raises(ConfigError) as info:
+        parse_cluster_tunnel(obj)
+    message = str(info.value)
+    assert message.startswith("ClusterTunnel ct: spec")
+    assert "serverUrl" in message and "overlaps" in message
+
+
+@pytest.mark.parametrize("workload", workloads(), ids=_id)
+def test_selectors_match_their_pod_templates(workload: dict[str, Any]) -> None:
+    selector = workload["spec"]["selector"]["matchLabels"]
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= labels.items()
+
+
+def _pod_labels() -> list[dict[str, str]]:
+    return [w["spec"]["template"]["metadata"]["labels"] for w in workloads()]
+
+
+def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    containers: list[dict[str, Any]] = workload["spec"]["template"]["spec"]["containers"]
+    return containers
+
+
+@pytest.mark.parametrize("service", by_kind("Service"), ids=_id)
+def test_services_select_a_workload_and_target_its_ports(service: dict[str, Any]) -> None:
+    selector = service["spec"]["selector"]
+    matched = [w for w in workloads()
+               if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+    assert len(matched) == 1, f"{_id(service)} selects {len(matched)} workloads"
+    ports = [p for c in _containers(matched[0]) for p in c.get("ports", [])]
+    for port in service["spec"]["ports"]:
+        target = port["targetPort"]
+        assert any(p.get("name") == target or p["containerPort"] == target for p in ports), \
+            f"{_id(service)} targets {target}, not a container port"
+
+
+def test_pod_disruption_budget_selects_the_server() -> None:
+    (pdb,) = by_kind("PodDisruptionBudget")
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    assert any(selector.items() <= labels.items() for labels in _pod_labels())
+
+
+@pytest.mark.parametrize("workload", workloads(), ids=_id)
+def test_workload_references_exist(workload: dict[str, Any]) -> None:
+    pod = workload["spec"]["template"]["spec"]
+    accounts = {o["metadata"]["name"] for o in by_kind("ServiceAccount")}
+    assert pod["serviceAccountName"] in accounts
+    shipped = {(o["kind"], o["metadata"]["name"]) for o in objects()}
+    for volume in pod.get("volumes", []):
+        if "secret" in volume:
+            ref = ("Secret", volume["secret"]["secretName"])
+        elif "configMap" in volume:
+            ref = ("ConfigMap", volume["configMap"]["name"])
+        else:
+            continue
+        assert ref in shipped or ref in BOOTSTRAPPED, f"{_id(workload)} mounts {ref}"
+    mounted = {v["name"] for v in pod.get("volumes", [])}
+    for container in pod["containers"]:
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in mounted
+
+
+@pytest.mark.parametrize("workload", workloads(), ids=_id)
+def test_container_args_use_only_the_cli_contract(workload: dict[str, Any]) -> None:
+    (container,) = _containers(workload)
+    role, *args = container["args"]
+    flags = {arg.split("=", 1)[0] for arg in args}
+    assert flags <= FLAGS[role], flags - FLAGS[role]
+    env = {e["name"] for e in container.get("env", [])}
+    for ref in re.findall(r"\$\((\w+)\)", " ".join(args)):
+        assert ref in env, f"{_id(workload)} uses $({ref}) without that env var"
+
+
+def test_one_image_for_every_role() -> None:
+    images = {c["image"] for w in workloads() for c in _containers(w)}
+    assert len(images) == 1
+    (image,) = images
+    assert image.rsplit(":", 1)[0] == kustomization()["images"][0]["name"]
+
+
+def test_rbac_bindings_name_existing_roles_and_accounts() -> None:
+    roles = {(o["kind"], o["metadata"]["name"]) for o in objects()
+             if o["kind"] in ("Role", "ClusterRole")}
+    accounts = {(o["metadata"]["namespace"], o["metadata"]["name"])
+                for o in by_kind("ServiceAccount")}
+    bindings = by_kind("RoleBinding") + by_kind("ClusterRoleBinding")
+    assert bindings
+    for binding in bindings:
+        assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in roles
+        for subject in binding["subjects"]:
+            assert (subject["namespace"], subject["name"]) in accounts
+
+
+def test_agent_and_server_get_no_api_permissions() -> None:
+    bound = {s["name"] for b in by_kind("RoleBinding") + by_kind("ClusterRoleBinding")
+             for s in b["subjects"]}
+    assert bound == {"nodeagent-controller"}
+    (agent,) = by_kind("DaemonSet")
+    pod = agent["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    projected = [v for v in pod["volumes"] if "projected" in v]
+    assert projected[0]["projected"]["sources"][0]["serviceAccountToken"]["audience"] == \
+        "nodeagent"
+    assert pod["hostNetwork"] is True
+    caps = pod["containers"][0]["securityContext"]["capabilities"]["add"]
+    assert set(caps) == {"NET_ADMIN", "NET_RAW"}
+    assert {"operator": "Exists"} in pod["tolerations"]
+
+
+def test_controller_and_server_run_as_non_root() -> None:
+    for workload in by_kind("Deployment"):
+        assert workload["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_containerfile_essentials() -> None:
+    text = (ROOT / "Containerfile").read_text()
+    froms = re.findall(r"^FROM (\S+)", text, re.M)
+    assert len(froms) == 2, "multi-stage: build, then runtime"
+    assert all(re.search(r":\d+\.\d+\.\d+", image) for image in froms), "pinned bases"
+    assert re.search(r"^USER 65532", text, re.M), "non-root by default"
+    assert not re.search(r"^ADD https?://", text, re.M)
+    for package in ("nftables", "iptables", "iproute2"):
+        assert package in text
+    assert 'ENTRYPOINT ["nodeagent"]' in text

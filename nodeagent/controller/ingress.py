@@ -1,0 +1,315 @@
+"""Ingress objects → the server's Ingress routes: a pure function of cached objects.
+
+Which Ingresses are ours: `spec.ingressClassName` naming an IngressClass whose
+`spec.controller` is `nodeagent.io/ingress-controller`, or the legacy annotation
+`kubernetes.io/ingress.class: nodeagent`, or no class at all when our IngressClass is
+marked `ingressclass.kubernetes.io/is-default-class: "true"`.
+
+Each rule path (and the defaultBackend) becomes an `IngressRule` whose backends are the
+Service's EndpointSlice endpoints: ready ones, or — only when none is ready — serving ones
+that are terminating. An endpoint with a `nodeName` is reached through that node's agent
+(its (ip, port) goes into `node_targets` so the node's config allows it); one without is
+dialed by the server directly. An ExternalName Service is one direct backend. A Service
+port is matched by number or by name (Service port name → the EndpointSlice port of the
+same name carries the real target port).
+
+TLS: `spec.tls[].secretName` must be a Secret with a PEM certificate and a key that matches
+it; the hosts it lists are redirected from http to https (308) unless the annotation
+`nodeagent.io/ssl-redirect: "false"` turns that off. A missing or malformed Secret is a
+Problem on the Ingress; its hosts are then served over plain HTTP only.
+
+Anything wrong with an object becomes a `Problem` (for an Event, a status condition and
+a log line); the object's other rules and every other Ingress keep working. Nothing here
+raises on bad input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
+
+from nodeagent.config import Backend, HostPort, IngressRoutes, IngressRule, IngressTls
+from nodeagent.http.routes import Route as _Route
+from nodeagent.http.routes import RouteSpec
+
+CONTROLLER_NAME = "nodeagent.io/ingress-controller"
+LEGACY_ANNOTATION = "kubernetes.io/ingress.class"
+DEFAULT_CLASS_ANNOTATION = "ingressclass.kubernetes.io/is-default-class"
+SSL_REDIRECT_ANNOTATION = "nodeagent.io/ssl-redirect"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong with a user's object: for an Event, a condition and a log line."""
+
+    kind: str
+    namespace: str
+    name: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class IngressTranslation:
+    routes: IngressRoutes
+    problems: tuple[Problem, ...]
+    # node → (ip, port) its agent must let the server dial
+    node_targets: dict[str, frozenset[tuple[str, int]]]
+    served: tuple[tuple[str, str], ...]  # (namespace, name) of the Ingresses we serve
+
+
+@dataclass
+class _Index:
+    services: dict[tuple[str, str], Obj]
+    slices: dict[tuple[str, str], list[Obj]]
+    secrets: dict[tuple[str, str], Obj]
+
+
+@dataclass
+class _Out:
+    rules: list[IngressRule] = field(default_factory=list)
+    default: IngressRule | None = None
+    default_rank: str = ""
+    tls: list[IngressTls] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    node_targets: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
+    served: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _meta(obj: Obj) -> Obj:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _key(obj: Obj) -> tuple[str, str]:
+    meta = _meta(obj)
+    return str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+
+def our_classes(ingress_classes: Iterable[Obj]) -> tuple[set[str], bool]:
+    """Names of the IngressClasses that are ours, and whether one of them is the default."""
+    names, default = set(), False
+    for cls in ingress_classes:
+        if (cls.get("spec") or {}).get("controller") != CONTROLLER_NAME:
+            continue
+        names.add(str(_meta(cls).get("name", "")))
+        annotations = _meta(cls).get("annotations") or {}
+        default = default or annotations.get(DEFAULT_CLASS_ANNOTATION) == "true"
+    return names, default
+
+
+def is_ours(ingress: Obj, classes: set[str], default: bool) -> bool:
+    spec = ingress.get("spec") or {}
+    class_name = spec.get("ingressClassName")
+    if class_name is not None:
+        return class_name in classes
+    legacy = (_meta(ingress).get("annotations") or {}).get(LEGACY_ANNOTATION)
+    if legacy is not None:
+        return legacy in classes or legacy == "nodeagent"
+    return default
+
+
+def translate_ingresses(*, ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
+                        services: Iterable[Obj], endpoint_slices: Iterable[Obj],
+                        secrets: Iterable[Obj]) -> IngressTranslation:
+    classes, default = our_classes(ingress_classes)
+    index = _Index(services={_key(s): s for s in services}, slices={}, secrets={
+        _key(s): s for s in secrets})
+    for es in endpoint_slices:
+        svc = (_meta(es).get("labels") or {}).get(SERVICE_NAME_LABEL)
+        if svc:
+            index.slices.setdefault((_key(es)[0], svc), []).append(es)
+    out = _Out()
+    for ingress in sorted(ingresses, key=_key):
+        if not is_ours(ingress, classes, default):
+            continue
+        out.served.append(_key(ingress))
+        _translate_one(ingress, index, out)
+    return IngressTranslation(
+        routes=IngressRoutes(rules=tuple(out.rules), default_backend=out.default,
+                             tls=tuple(out.tls)),
+        problems=tuple(out.problems),
+        node_targets={n: frozenset(t) for n, t in out.node_targets.items()},
+        served=tuple(out.served))
+
+
+def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
+    namespace, name = _key(ingress)
+    label = f"{namespace}/{name}"
+    rank = str(_meta(ingress).get("creationTimestamp", ""))
+    spec = ingress.get("spec") or {}
+
+    def problem(reason: str, message: str) -> None:
+        out.problems.append(Problem("Ingress", namespace, name, reason, message))
+
+    tls_hosts = _tls(ingress, index, out, problem)
+    annotations = _meta(ingress).get("annotations") or {}
+    redirect = annotations.get(SSL_REDIRECT_ANNOTATION, "true").lower() != "false"
+
+    default_backend = spec.get("defaultBackend")
+    if default_backend is not None:
+        backends = _backends(namespace, default_backend, index, out, problem,
+                             where="defaultBackend")
+        if backends is not None:
+            rule = IngressRule(name=label, path="/", backends=backends, rank=rank)
+            # The spec leaves two defaultBackends undefined; the oldest Ingress wins,
+            # as for conflicting rules.
+            if out.default is None or (rank, label) < (out.default_rank, out.default.name):
+                out.default, out.default_rank = rule, rank
+
+    for i, rule in enumerate(spec.get("rules") or []):
+        host = rule.get("host") or None
+        for j, path in enumerate((rule.get("http") or {}).get("paths") or []):
+            where = f"rules[{i}].http.paths[{j}]"
+            path_text = path.get("path") or "/"
+            path_type = path.get("pathType", "ImplementationSpecific")
+            if path_type not in ("Exact", "Prefix", "ImplementationSpecific"):
+                problem("InvalidPath", f"{where}: pathType {path_type!r} is not Exact, "
+                                       "Prefix or ImplementationSpecific")
+                continue
+            try:  # the route table's own checks: host syntax, path form
+                RouteSpec(host=host, path=path_text, route=_Route(label, ()))
+            except ValueError as exc:
+                problem("InvalidRule", f"{where}: {exc}")
+                continue
+            backends = _backends(namespace, path.get("backend") or {}, index, out, problem,
+                                 where=f"{where}.backend")
+            if backends is None:
+                continue
+            out.rules.append(IngressRule(
+                name=label, host=host, path=path_text, path_type=path_type,
+                backends=backends, rank=rank,
+                tls_redirect=redirect and host is not None and host in tls_hosts))
+
+
+def _tls(ingress: Obj, index: _Index, out: _Out, problem: Any) -> set[str]:
+    namespace, _ = _key(ingress)
+    hosts_with_cert: set[str] = set()
+    for i, entry in enumerate((ingress.get("spec") or {}).get("tls") or []):
+        hosts = tuple(h.lower() for h in entry.get("hosts") or [])
+        secret_name = entry.get("secretName")
+        if not secret_name:
+            problem("TLSSecretMissing", f"tls[{i}]: no secretName")
+            continue
+        secret = index.secrets.get((namespace, secret_name))
+        if secret is None:
+            problem("TLSSecretMissing", f"tls[{i}]: Secret {namespace}/{secret_name} "
+                                        "not found; its hosts are served over http only")
+            continue
+        try:
+            cert_pem, key_pem = tls_pair(secret)
+        except ValueError as exc:
+            problem("TLSSecretInvalid", f"tls[{i}]: Secret {namespace}/{secret_name}: {exc}")
+            continue
+        out.tls.append(IngressTls(name=f"{namespace}/{secret_name}", hosts=hosts,
+                                  cert_pem=cert_pem, key_pem=key_pem))
+        hosts_with_cert.update(hosts)
+    return hosts_with_cert
+
+
+def tls_pair(secret: Obj) -> tuple[str, str]:
+    """The (certificate chain, key) PEM of a kubernetes.io/tls Secret, checked to parse
+    and to belong together. ValueError says what is wrong."""
+    import base64
+    import binascii
+    data = secret.get("data") or {}
+    try:
+        cert_pem = base64.b64decode(data.get("tls.crt", ""), validate=True)
+        key_pem = base64.b64decode(data.get("tls.key", ""), validate=True)
+    except (binascii.Error, TypeError):
+        raise ValueError("tls.crt or tls.key is not base64") from None
+    if not cert_pem or not key_pem:
+        raise ValueError("needs tls.crt and tls.key")
+    try:
+        certs = x509.load_pem_x509_certificates(cert_pem)
+    except ValueError:
+        raise ValueError("tls.crt is not a PEM certificate") from None
+    try:
+        key: PrivateKeyTypes = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):
+        raise ValueError("tls.key is not an unencrypted PEM private key") from None
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    encoding = serialization.Encoding.DER
+    if key.public_key().public_bytes(encoding, public) != certs[0].public_key().public_bytes(
+            encoding, public):
+        raise ValueError("tls.key does not match the certificate in tls.crt")
+    return cert_pem.decode(), key_pem.decode()
+
+
+def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: Any, *,
+              where: str) -> tuple[Backend, ...] | None:
+    """The backends of one Ingress backend reference; None (and a Problem) if unusable."""
+    service_ref = backend.get("service")
+    if not isinstance(service_ref, dict):
+        problem("UnsupportedBackend", f"{where}: only service backends are supported")
+        return None
+    svc_name = service_ref.get("name", "")
+    service = index.services.get((namespace, svc_name))
+    if service is None:
+        problem("ServiceNotFound", f"{where}: Service {namespace}/{svc_name} not found")
+        return None
+    port_ref = service_ref.get("port") or {}
+    svc_spec = service.get("spec") or {}
+    svc_port = None
+    for port in svc_spec.get("ports") or []:
+        if ("number" in port_ref and port.get("port") == port_ref["number"]) or (
+                "name" in port_ref and port.get("name") == port_ref["name"]):
+            svc_port = port
+            break
+    if svc_spec.get("type") == "ExternalName":
+        number = port_ref.get("number") or (svc_port or {}).get("port")
+        if not number:
+            problem("ServicePortNotFound", f"{where}: ExternalName Service {svc_name} needs "
+                                           "a port number")
+            return None
+        return (Backend(node=None, target=HostPort(host=svc_spec["externalName"],
+                                                   port=int(number))),)
+    if svc_port is None:
+        problem("ServicePortNotFound", f"{where}: Service {namespace}/{svc_name} has no port "
+                                       f"{port_ref.get('number', port_ref.get('name'))!r}")
+        return None
+    ready: list[Backend] = []
+    terminating: list[Backend] = []
+    for es in index.slices.get((namespace, svc_name), []):
+        port = _slice_port(es, svc_port)
+        if port is None:
+            continue
+        for endpoint in es.get("endpoints") or []:
+            conditions = endpoint.get("conditions") or {}
+            is_ready = conditions.get("ready") is not False  # nil means ready
+            serving = conditions.get("serving", is_ready)
+            if not is_ready and not (serving and conditions.get("terminating")):
+                continue
+            node = endpoint.get("nodeName")
+            for address in endpoint.get("addresses") or []:
+                item = Backend(node=node, target=HostPort(host=address, port=port))
+                (ready if is_ready else terminating).append(item)
+    chosen = ready or terminating
+    for item in chosen:
+        if item.node is not None:
+            out.node_targets.setdefault(item.node, set()).add(
+                (item.target.host, item.target.port))
+    return tuple(sorted(set(chosen), key=lambda b: (b.node or "", b.target.host,
+                                                    b.target.port)))
+
+
+def _slice_port(es: Obj, svc_port: Obj) -> int | None:
+    """The target port an EndpointSlice gives for this Service port: matched by name
+    (EndpointSlice ports carry the Service port's name), or the only port if unnamed."""
+    ports = es.get("ports") or []
+    name = svc_port.get("name") or ""
+    for port in ports:
+        if (port.get("name") or "") == name and port.get("port"):
+            return int(port["port"])
+    target = svc_port.get("targetPort")
+    if isinstance(target, int) and not ports:
+        return target
+    return None

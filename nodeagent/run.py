@@ -17,6 +17,7 @@ from nodeagent.agent import Agent
 from nodeagent.config import AgentConfig, ConfigError, ServerConfig, load_config
 from nodeagent.debug import DebugServer
 from nodeagent.http.proxy import HttpFront, HttpStats
+from nodeagent.http.tls import TlsConfig
 from nodeagent.logs import get_logger
 from nodeagent.server import Server
 from tunnel.dial import parse_endpoint, serve
@@ -51,7 +52,7 @@ def agent_ssl_context(config: AgentConfig) -> ssl.SSLContext | None:
 
 
 async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
-                       drain_seconds: float = 30.0,
+                       drain_seconds: float = 30.0, config_path: Path | None = None,
                        task_status: trio.TaskStatus[dict[str, list[str]]]
                        = trio.TASK_STATUS_IGNORED) -> None:
     """Run every listener of a server until cancelled or signalled; reports the bound
@@ -80,6 +81,17 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             listeners = await nursery.start(front.run, listener.listen.host,
                                             listener.listen.port)
             server.bound[name] = [_sockname(lst) for lst in listeners]
+        # The Ingress listeners: routes (and certificates) swap under them on every update.
+        for name, listen, tls in (("ingress-http", config.ingress_http, None),
+                                  ("ingress-https", config.ingress_https,
+                                   TlsConfig(certs=server.ingress_certs))):
+            if listen is None:
+                continue
+            front = HttpFront(table=lambda: server.ingress_table,
+                              open_upstream=server.open_upstream, tls=tls,
+                              stats=server.http_stats.setdefault(name, HttpStats()))
+            listeners = await nursery.start(front.run, listen.host, listen.port)
+            server.bound[name] = [_sockname(lst) for lst in listeners]
         debug = DebugServer(str(config.debug_socket), {
             "/status": server.status,
             "/config": lambda: server.config.model_dump(mode="json", exclude={"tokens"}),
@@ -87,13 +99,25 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         await nursery.start(debug.run)
         log.info("server ready", **{k: ",".join(v) for k, v in server.bound.items()})
         task_status.started(dict(server.bound))
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    if config_path is not None:
+                        _reload_server(server, config_path)
+                    continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds)
                 await server.tunnel.drain("server shutting down", grace=drain_seconds)
                 nursery.cancel_scope.cancel()
                 break
+
+
+def _reload_server(server: Server, config_path: Path) -> None:
+    try:
+        new = load_config(ServerConfig, config_path)
+        server.apply_routes(new.routes())
+    except ConfigError as exc:
+        log.error("config reload refused; keeping the running config", error=str(exc))
 
 
 def _sockname(listener: trio.SocketListener) -> str:
@@ -110,7 +134,8 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
               f"token(s), {len(config.tcp)} TCP mapping(s), {len(config.http)} HTTP "
               f"listener(s)")
         return 0
-    trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds))
+    trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds,
+                                  config_path=config_path))
     return 0
 
 

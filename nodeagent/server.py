@@ -21,10 +21,19 @@ import trio
 from prometheus_client.core import GaugeMetricFamily
 
 from nodeagent import __version__
-from nodeagent.config import HttpListener, RoutesConfig, ServerConfig, TcpMapping
+from nodeagent.config import (
+    ConfigError,
+    HttpListener,
+    IngressRoutes,
+    IngressRule,
+    RoutesConfig,
+    ServerConfig,
+    TcpMapping,
+)
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.proxy import HttpStats
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
+from nodeagent.http.tls import CertStore, context_from_pem
 from nodeagent.logs import get_logger
 from nodeagent.metrics import Metrics, gauge
 from nodeagent.pki import node_name_from_certificate
@@ -56,6 +65,47 @@ def build_route_table(listener: HttpListener) -> RouteTable:
     return RouteTable.build(specs)
 
 
+def _ingress_route(rule: IngressRule) -> Route:
+    return Route(name=rule.name, tls_redirect=rule.tls_redirect, backends=tuple(
+        Backend(node=b.node, host=b.target.host, port=b.target.port) for b in rule.backends))
+
+
+def build_ingress_table(ingress: IngressRoutes) -> tuple[RouteTable, list[str]]:
+    """The Ingress listeners' route table, and one line per rule the table refused (the
+    controller checks rules too; a bad one must not take the others down)."""
+    specs, refused = [], []
+    for rule in ingress.rules:
+        try:
+            specs.append(RouteSpec(host=rule.host, path=rule.path, route=_ingress_route(rule),
+                                   path_type=_path_type(rule.path_type), rank=rule.rank))
+        except ValueError as exc:
+            refused.append(f"{rule.name}: {exc}")
+    default = (_ingress_route(ingress.default_backend)
+               if ingress.default_backend is not None else None)
+    return RouteTable.build(specs, default=default), refused
+
+
+def build_cert_store(ingress: IngressRoutes) -> tuple[dict[str, Any], list[str]]:
+    """Host → SSLContext for the HTTPS Ingress listener; unusable certificates refused."""
+    certs: dict[str, Any] = {}
+    refused = []
+    for tls in ingress.tls:
+        try:
+            ctx = context_from_pem(tls.cert_pem.encode(), tls.key_pem.encode())
+        except (ValueError, OSError) as exc:
+            refused.append(f"{tls.name}: {exc}")
+            continue
+        for host in tls.hosts:
+            certs.setdefault(host, ctx)
+    return certs, refused
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
 def _path_type(name: str) -> PathType:
     return PathType(name)
 
@@ -78,9 +128,40 @@ class Server:
         self._egress_refusals = RateLimitedLog(self.log, period=60.0)
         self.tables: dict[int, RouteTable] = {
             i: build_route_table(h) for i, h in enumerate(self.routes.http)}
+        self.ingress_table, refused = build_ingress_table(self.routes.ingress)
+        certs, refused_certs = build_cert_store(self.routes.ingress)
+        self.ingress_certs = CertStore(certs)
+        # Agents reach the controller's config stream through their tunnel: always egress.
+        self._controller = _host_port(config.controller) if config.controller else None
+        for line in refused + refused_certs:
+            self.log.warning("ingress rule refused", problem=line)
         self.bound: dict[str, list[str]] = {}  # listener name -> addresses, for status
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
         self.metrics.add_live(self._live_metrics)
+
+    # ---------------------------------------------------------------- config
+
+    def apply_routes(self, routes: RoutesConfig) -> None:
+        """Switch to new routes at once. HTTP and Ingress routes, certificates, egress and
+        node CIDRs change in place: requests in flight keep the route they matched, open
+        streams keep going. Listeners are fixed for the process's life (the controller
+        never changes them): a change of TCP mappings or HTTP listen addresses raises
+        ConfigError and nothing changes."""
+        old = self.routes
+        if [m.model_dump() for m in routes.tcp] != [m.model_dump() for m in old.tcp] or \
+                [h.listen for h in routes.http] != [h.listen for h in old.http]:
+            raise ConfigError("TCP mappings and HTTP listen addresses cannot change while "
+                              "running; restart the server for that")
+        tables = {i: build_route_table(h) for i, h in enumerate(routes.http)}
+        ingress_table, refused = build_ingress_table(routes.ingress)
+        certs, refused_certs = build_cert_store(routes.ingress)
+        self.tables, self.ingress_table, self.routes = tables, ingress_table, routes
+        self.ingress_certs.replace(certs)
+        for line in refused + refused_certs:
+            self.log.warning("ingress rule refused", problem=line)
+        self.metrics.config_version.set(routes.version)
+        self.log.info("routes applied", version=routes.version,
+                      ingress_rules=len(routes.ingress.rules), certificates=len(certs))
 
     # ---------------------------------------------------------------- identity
 
@@ -123,7 +204,8 @@ class Server:
                 upstream = await self.open_to(owner, target.host, target.port,
                                               f"{node}/{origin}")
                 via = f"relay:{owner}"
-            elif self.routes.egress_allows(target.host, target.port, target.protocol):
+            elif self.routes.egress_allows(target.host, target.port, target.protocol) or (
+                    (target.host, target.port) == self._controller):
                 upstream = await connect_tcp(target.host, target.port,
                                              connect_timeout=self.config.dial_timeout)
                 via = "egress"

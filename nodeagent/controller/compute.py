@@ -1,0 +1,154 @@
+"""The controller's config computation: cached Kubernetes objects in, one NodeConfig per
+node and one RoutesConfig for the servers out. Pure (no I/O, no clock), so every rule here
+is tested with plain dicts.
+
+- A node's allow list: the Ingress backends that run on it (the server asks its agent to
+  dial exactly those pod addresses and ports), plus the ClusterTunnel's
+  `allowedNodePorts` on the node's own addresses (InternalIP/ExternalIP) and 127.0.0.1.
+- A node's interception: the `intercept` of the ClusterTunnel whose nodeSelector covers
+  it (the oldest such tunnel if several do; the others get a Problem).
+- The servers' routes: the Ingress routes, the ClusterTunnels' egress rules, and
+  `node_cidrs` from each Node's spec.podCIDRs (so a stream to a pod address is relayed to
+  the agent of the node that owns it).
+
+`ConfigVersions` turns successive computations into versioned configs: a subscriber's
+version goes up only when its content changes, so an unrelated object event sends nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nodeagent.config import (
+    AllowRule,
+    ConfigError,
+    InterceptConfig,
+    NodeConfig,
+    PortRange,
+    RoutesConfig,
+)
+from nodeagent.controller.ingress import IngressTranslation, Problem
+from nodeagent.crd import ClusterTunnelSpec, parse_cluster_tunnel
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Tunnel:
+    name: str
+    created: str
+    spec: ClusterTunnelSpec
+
+
+@dataclass
+class Computed:
+    nodes: dict[str, NodeConfig]
+    routes: RoutesConfig
+    problems: list[Problem] = field(default_factory=list)
+
+
+def parse_tunnels(objects: Iterable[Obj]) -> tuple[list[Tunnel], list[Problem]]:
+    """Valid ClusterTunnels, oldest first (skipping those being deleted), and a Problem
+    for each invalid one."""
+    tunnels, problems = [], []
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        if meta.get("deletionTimestamp"):
+            continue  # being deleted: its rules leave the nodes before the finalizer goes
+        try:
+            spec = parse_cluster_tunnel(obj)
+        except ConfigError as exc:
+            problems.append(Problem("ClusterTunnel", "", name, "InvalidSpec", str(exc)))
+            continue
+        tunnels.append(Tunnel(name, str(meta.get("creationTimestamp", "")), spec))
+    tunnels.sort(key=lambda t: (t.created, t.name))
+    return tunnels, problems
+
+
+def node_addresses(node: Obj) -> list[str]:
+    out = []
+    for address in (node.get("status") or {}).get("addresses") or []:
+        if address.get("type") in ("InternalIP", "ExternalIP") and address.get("address"):
+            out.append(str(address["address"]))
+    return out
+
+
+def _allow_exact(host: str, port: int) -> AllowRule:
+    return AllowRule(host=host, ports=(PortRange(first=port, last=port),))
+
+
+def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
+            translation: IngressTranslation) -> Computed:
+    problems: list[Problem] = list(translation.problems)
+    node_configs: dict[str, NodeConfig] = {}
+    node_cidrs: dict[str, tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]] = {}
+    for node in nodes:
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        if not name:
+            continue
+        labels = meta.get("labels") or {}
+        covering = [t for t in tunnels if t.spec.covers(labels)]
+        allow: list[AllowRule] = [_allow_exact(host, port) for host, port in
+                                  sorted(translation.node_targets.get(name, ()))]
+        intercept: InterceptConfig | None = None
+        if covering:
+            tunnel = covering[0]
+            for extra in covering[1:]:
+                problems.append(Problem(
+                    "ClusterTunnel", "", extra.name, "Overlapping",
+                    f"node {name} is also covered by the older ClusterTunnel {tunnel.name}; "
+                    "its settings are used there"))
+            if tunnel.spec.allowed_node_ports:
+                for host in ["127.0.0.1", *node_addresses(node)]:
+                    allow.append(AllowRule(host=host, ports=tunnel.spec.allowed_node_ports))
+            intercept = tunnel.spec.intercept
+        node_configs[name] = NodeConfig(allow=tuple(allow), intercept=intercept)
+        cidrs = []
+        for text in (node.get("spec") or {}).get("podCIDRs") or []:
+            try:
+                cidrs.append(ipaddress.ip_network(text, strict=False))
+            except ValueError:
+                problems.append(Problem("Node", "", name, "InvalidPodCIDR",
+                                        f"spec.podCIDRs: {text!r} is not a CIDR"))
+        if cidrs:
+            node_cidrs[name] = tuple(cidrs)
+    egress = tuple(rule for t in tunnels for rule in t.spec.egress)
+    routes = RoutesConfig(ingress=translation.routes, egress=egress, node_cidrs=node_cidrs)
+    return Computed(nodes=node_configs, routes=routes, problems=problems)
+
+
+def canonical(config: NodeConfig | RoutesConfig) -> str:
+    """The content of a config without its version, as a stable string."""
+    doc = config.model_dump(mode="json", exclude={"version"})
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+class ConfigVersions:
+    """Per subscriber key ("node/NAME", "servers"): the latest config and its version,
+    which rises by one each time the content changes (and only then)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[int, str, Any]] = {}
+
+    def update(self, key: str, config: NodeConfig | RoutesConfig) -> bool:
+        """Record `config` for `key`; True if it differs from the previous one."""
+        text = canonical(config)
+        version, old_text, _ = self._entries.get(key, (0, None, None))
+        if text == old_text:
+            return False
+        version += 1
+        self._entries[key] = (version, text, config.model_copy(update={"version": version}))
+        return True
+
+    def get(self, key: str) -> tuple[int, Any] | None:
+        entry = self._entries.get(key)
+        return None if entry is None else (entry[0], entry[2])
+
+    def keys(self) -> list[str]:
+        return list(self._entries)

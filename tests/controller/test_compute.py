@@ -1,0 +1,77 @@
+"""compute(): objects in, per-node NodeConfig and the servers' RoutesConfig out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nodeagent.config import NodeConfig
+from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.ingress import translate_ingresses
+from tests.controller.test_ingress import OURS, endpoint, ingress, path, rule, service, slice_
+
+
+def node(name: str, ip: str, labels: dict[str, str] | None = None,
+         pod_cidrs: list[str] | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": labels or {}},
+            "spec": {"podCIDRs": pod_cidrs or []},
+            "status": {"addresses": [{"type": "InternalIP", "address": ip},
+                                     {"type": "Hostname", "address": name}]}}
+
+
+def tunnel(name: str, spec: dict[str, Any], created: str = "2026-01-01T00:00:00Z"
+           ) -> dict[str, Any]:
+    return {"metadata": {"name": name, "creationTimestamp": created}, "spec": spec}
+
+
+def translation() -> Any:
+    return translate_ingresses(
+        ingresses=[ingress("shop", [rule("shop.test", path("/"))])], ingress_classes=[OURS],
+        services=[service()], endpoint_slices=[slice_("web", endpoint("10.1.0.5"))],
+        secrets=[])
+
+
+def test_nodes_allow_their_ingress_backends_and_the_tunnels_node_ports() -> None:
+    tunnels, problems = parse_tunnels([tunnel("default", {
+        "allowedNodePorts": [10250], "egress": [{"cidr": "10.96.0.0/12", "ports": ["443"]}],
+        "intercept": {"rules": [{"name": "svc", "destinations": ["10.96.0.0/12"]}]},
+        "nodeSelector": {"edge": "true"}})])
+    assert problems == []
+    out = compute(nodes=[node("edge-1", "192.168.1.10", {"edge": "true"}, ["10.1.0.0/24"]),
+                         node("cloud-1", "10.0.0.4")], tunnels=tunnels,
+                  translation=translation())
+    edge = out.nodes["edge-1"]
+    assert edge.allows("10.1.0.5", 8080)          # its Ingress backend
+    assert not edge.allows("10.1.0.5", 8081)
+    assert edge.allows("192.168.1.10", 10250) and edge.allows("127.0.0.1", 10250)
+    assert not edge.allows("192.168.1.10", 22)
+    assert edge.intercept is not None and edge.intercept.rules[0].name == "svc"
+    cloud = out.nodes["cloud-1"]                   # not selected by the tunnel
+    assert cloud.intercept is None and not cloud.allows("10.0.0.4", 10250)
+    assert out.routes.node_for_address("10.1.0.77") == "edge-1"
+    assert out.routes.egress_allows("10.96.0.10", 443)
+    assert [r.host for r in out.routes.ingress.rules] == ["shop.test"]
+
+
+def test_invalid_and_overlapping_tunnels_are_problems() -> None:
+    tunnels, problems = parse_tunnels([
+        tunnel("old", {}), tunnel("young", {}, created="2026-06-01T00:00:00Z"),
+        tunnel("broken", {"serverUrl": "http://nope"}),
+        {"metadata": {"name": "leaving", "deletionTimestamp": "2026-07-01T00:00:00Z"},
+         "spec": {"intercept": {"rules": [{"name": "x", "destinations": ["10.0.0.0/8"]}]}}},
+    ])
+    assert [t.name for t in tunnels] == ["old", "young"]
+    assert [(p.name, p.reason) for p in problems] == [("broken", "InvalidSpec")]
+    out = compute(nodes=[node("n", "10.0.0.1")], tunnels=tunnels, translation=translation())
+    assert [(p.name, p.reason) for p in out.problems] == [("young", "Overlapping")]
+
+
+def test_versions_rise_only_when_content_changes() -> None:
+    versions = ConfigVersions()
+    assert versions.get("node/a") is None
+    assert versions.update("node/a", NodeConfig())
+    assert not versions.update("node/a", NodeConfig())
+    got = versions.get("node/a")
+    assert got is not None and got[0] == 1 and got[1].version == 1
+    assert versions.update("node/a", NodeConfig(allow=("127.0.0.1:80",)))  # type: ignore[arg-type]
+    got = versions.get("node/a")
+    assert got is not None and got[0] == 2 and got[1].version == 2

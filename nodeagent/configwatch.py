@@ -1,0 +1,163 @@
+"""The client of the controller's config watch stream (nodeagent/controller/stream.py).
+
+`watch_config` keeps one watch open: it sends the GET over a byte stream that `open_stream`
+provides (an agent opens a tunnel stream to the controller; a server a TCP connection),
+reads ndjson lines with h11, validates each config with the one config model and hands it
+to `apply`. It reconnects with jittered backoff and resumes from the last version it
+applied. A config that fails to apply is logged once and not retried until a newer
+version arrives; the process keeps running its previous config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import h11
+import trio
+from pydantic import BaseModel
+
+from nodeagent.config import ConfigError, parse_config
+from nodeagent.logs import StructuredLogger, get_logger
+from tunnel.backoff import Backoff
+
+M = TypeVar("M", bound=BaseModel)
+MAX_LINE = 16 * 1024 * 1024  # a whole config (10,000 routes) in one line
+
+
+@dataclass
+class WatchStatus:
+    url: str
+    state: str = "starting"  # starting | connecting | watching | backoff
+    applied_version: int = -1
+    received_version: int = -1
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"controller": self.url, "state": self.state,
+                "config_version": self.applied_version,
+                "received_version": self.received_version, "last_error": self.last_error}
+
+
+class WatchError(Exception):
+    """The watch failed (HTTP status, bad line, connection): reconnect after a backoff."""
+
+
+async def watch_config(
+    *, open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str, path: str,
+    token: Callable[[], str], model: type[M], apply: Callable[[M], Awaitable[None]],
+    status: WatchStatus, backoff: Backoff | None = None, idle_timeout: float = 45.0,
+    log: StructuredLogger | None = None,
+) -> None:
+    """Run until cancelled. `idle_timeout`: no line (not even a heartbeat) for this long
+    means the watch is dead."""
+    log = log or get_logger("nodeagent.configwatch")
+    backoff = backoff or Backoff(initial=0.2, maximum=10.0)
+    failed_version = -1
+    while True:
+        status.state = "connecting"
+        try:
+            stream = await open_stream()
+        except Exception as exc:  # any reason the controller is unreachable right now
+            await _pause(status, backoff, log, f"cannot reach the controller: {exc}")
+            continue
+        try:
+            async with stream:
+                conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)
+                after = status.applied_version
+                request = h11.Request(method="GET", target=f"{path}?after={after}", headers=[
+                    ("host", host), ("authorization", f"Bearer {token()}"),
+                    ("accept", "application/x-ndjson")])
+                await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
+                async for doc in _lines(conn, stream, idle_timeout):
+                    status.state = "watching"
+                    backoff.reset()
+                    if not doc:
+                        continue  # heartbeat
+                    version = doc.get("version")
+                    if not isinstance(version, int):
+                        raise WatchError(f"line without a version: {str(doc)[:200]}")
+                    status.received_version = version
+                    if version <= status.applied_version or version == failed_version:
+                        continue
+                    try:
+                        config = parse_config(model, doc.get("config"), f"controller {path}")
+                        config = config.model_copy(update={"version": version})
+                        await apply(config)
+                    except Exception as exc:
+                        failed_version = version
+                        status.last_error = str(exc)
+                        log.error("config from the controller not applied; keeping the "
+                                  "running config", version=version, error=str(exc),
+                                  kind=type(exc).__name__)
+                        continue
+                    status.applied_version = version
+                    status.last_error = None
+                    log.info("config applied", version=version)
+        except (WatchError, ConfigError, h11.ProtocolError, trio.BrokenResourceError,
+                trio.ClosedResourceError, OSError) as exc:
+            await _pause(status, backoff, log, str(exc))
+            continue
+        await _pause(status, backoff, log, "the controller ended the watch")
+
+
+async def _pause(status: WatchStatus, backoff: Backoff, log: StructuredLogger,
+                 reason: str) -> None:
+    status.state = "backoff"
+    status.last_error = reason
+    delay = backoff.next_delay()
+    log.warning("config watch interrupted; retrying", reason=reason, delay=f"{delay:.2f}s")
+    await trio.sleep(delay)
+
+
+async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: float
+                 ) -> AsyncIterator[dict[str, Any]]:
+    """Parsed JSON objects from the response body, one per line."""
+    buffer = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            with trio.move_on_after(idle_timeout) as scope:
+                data = await stream.receive_some(65536)
+            if scope.cancelled_caught:
+                raise WatchError(f"nothing from the controller for {idle_timeout:g}s")
+            conn.receive_data(bytes(data))
+            continue
+        if isinstance(event, h11.Response):
+            if event.status_code != 200:
+                body = await _body(conn, stream)
+                raise WatchError(f"controller answered {event.status_code}: {body.strip()}")
+            continue
+        if isinstance(event, h11.Data):
+            buffer += bytes(event.data)
+            if len(buffer) > MAX_LINE:
+                raise WatchError("a config line exceeds the size limit")
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                try:
+                    doc = json.loads(line)
+                except ValueError:
+                    raise WatchError(f"not JSON: {line[:200]!r}") from None
+                if not isinstance(doc, dict):
+                    raise WatchError(f"not a JSON object: {line[:200]!r}")
+                yield doc
+            continue
+        if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            return
+
+
+async def _body(conn: h11.Connection, stream: trio.abc.Stream) -> str:
+    out = b""
+    with trio.move_on_after(5):
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(bytes(await stream.receive_some(65536)))
+                continue
+            if isinstance(event, h11.Data):
+                out += bytes(event.data)
+                continue
+            break
+    return out.decode(errors="replace")[:300]

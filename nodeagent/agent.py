@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from netfilter.model import NetfilterError
 from nodeagent import __version__
 from nodeagent.config import AgentConfig, NodeConfig
+from nodeagent.configwatch import WatchStatus
 from nodeagent.intercept import Interceptor
 from nodeagent.logs import get_logger
 from nodeagent.metrics import Metrics, gauge
@@ -42,6 +43,7 @@ class Agent:
         self.metrics = Metrics("agent")
         self.metrics.config_version.set(self.node_config.version)
         self.outcomes: Counter[str] = Counter()
+        self.config_watch: WatchStatus | None = None
         self.log = log.bind(node=config.node)
         self._forbidden_log = RateLimitedLog(self.log, period=60.0)
         token = config.read_token()
@@ -164,6 +166,8 @@ class Agent:
             "streams_by_outcome": dict(self.outcomes),
             "intercepted_by_outcome": dict(self.interceptor.outcomes)
             if self.interceptor is not None else {},
+            # Controller mode: the config watch (controller URL, version applied, errors).
+            "config_watch": self.config_watch.as_dict() if self.config_watch else None,
         }
 
     def rules(self) -> dict[str, Any]:

@@ -65,8 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="Terminate agents' tunnels and carry public TCP ports and HTTP routes "
                     "into them. Stops gracefully on SIGTERM/SIGINT: agents are told to move "
                     "(GOAWAY) and running streams get a grace period.")
-    server.add_argument("--config", type=Path, required=True, metavar="FILE",
-                        help="server config (YAML); see examples/server.yaml")
+    server.add_argument("--config", type=Path, metavar="FILE",
+                        help="standalone mode: server config (YAML); see examples/server.yaml")
+    cluster = server.add_argument_group(
+        "controller mode (Kubernetes; instead of --config): routes come from the controller")
+    cluster.add_argument("--controller", metavar="URL",
+                         help="the controller's config stream, http://host:port")
+    cluster.add_argument("--token-file", type=Path, metavar="PATH",
+                         help="the shared agent token (accepted for any node name)")
+    cluster.add_argument("--tunnel-listen", default="wss://0.0.0.0:8443/tunnel", metavar="URL",
+                         help="where agents dial in (default wss://0.0.0.0:8443/tunnel)")
+    cluster.add_argument("--tls-cert", type=Path, metavar="FILE", help="tunnel certificate")
+    cluster.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key")
+    cluster.add_argument("--ingress-http", metavar="HOST:PORT", help="Ingress over HTTP")
+    cluster.add_argument("--ingress-https", metavar="HOST:PORT",
+                         help="Ingress over HTTPS (certificates by SNI from Ingress TLS)")
+    cluster.add_argument("--server-id", metavar="NAME", help="this replica (default POD_NAME)")
+    cluster.add_argument("--metrics-listen", metavar="HOST:PORT",
+                         help="Prometheus /metrics")
+    cluster.add_argument("--debug-socket", type=Path, metavar="PATH",
+                         help="debug socket (default /run/nodeagent/server.sock)")
     server.add_argument("--check", action="store_true",
                         help="validate the config, print a summary and exit")
     server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
@@ -78,10 +96,43 @@ def build_parser() -> argparse.ArgumentParser:
                     "serve the streams the server opens by dialing allowed node-local targets. "
                     "SIGHUP re-reads the config file; an invalid new config is refused and the "
                     "running one kept.")
-    agent.add_argument("--config", type=Path, required=True, metavar="FILE",
-                       help="agent config (YAML); see examples/agent.yaml")
+    agent.add_argument("--config", type=Path, metavar="FILE",
+                       help="standalone mode: agent config (YAML); see examples/agent.yaml")
+    cluster = agent.add_argument_group(
+        "controller mode (Kubernetes; instead of --config): what to do comes from the "
+        "controller, reached through the tunnel")
+    cluster.add_argument("--node", metavar="NAME", help="this node (default: $NODE_NAME)")
+    cluster.add_argument("--server", metavar="URL", help="tunnel URL, wss://host:port/path")
+    cluster.add_argument("--token-file", type=Path, metavar="PATH", help="the agent token")
+    cluster.add_argument("--ca-file", type=Path, metavar="PATH",
+                         help="CA of the server's certificate (default: system store)")
+    cluster.add_argument("--controller", metavar="URL",
+                         help="the controller's config stream, http://host:port")
+    cluster.add_argument("--debug-socket", type=Path, metavar="PATH",
+                         help="debug socket (default /run/nodeagent/agent.sock)")
+    cluster.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus /metrics")
     agent.add_argument("--check", action="store_true",
                        help="validate the config, print a summary and exit")
+
+    controller = sub.add_parser(
+        "controller", help="run the cluster controller (Kubernetes)",
+        description="Watch the Kubernetes API (Nodes, Services, EndpointSlices, Ingresses, "
+                    "IngressClasses, Secrets, ClusterTunnels), compute every node's and the "
+                    "servers' config, and serve it as a watch stream. Replicas elect a leader "
+                    "with a Lease; only the leader writes (CRDs, Events, the agent token).")
+    controller.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                            help="default: in-cluster service account, else ~/.kube/config")
+    controller.add_argument("--namespace", default="nodeagent",
+                            help="namespace of the Lease and Secrets (default nodeagent)")
+    controller.add_argument("--listen", default="0.0.0.0:8090", metavar="HOST:PORT",
+                            help="config stream listener (default 0.0.0.0:8090)")
+    controller.add_argument("--identity", default=None, metavar="NAME",
+                            help="this replica in the Lease (default: $POD_NAME or hostname)")
+    controller.add_argument("--lease-name", default="nodeagent-controller", metavar="NAME")
+    controller.add_argument("--lease-seconds", type=float, default=15.0, metavar="S",
+                            help="lease duration: a standby takes over within it (default 15)")
+    controller.add_argument("--metrics-listen", metavar="HOST:PORT",
+                            help="/healthz and /readyz for probes")
 
     debug = sub.add_parser(
         "debug", help="inspect a running agent or server through its debug socket",
@@ -117,12 +168,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nodeagent import logs
     logs.configure(args.log_level, args.log_format)
     try:
+        if args.command in ("server", "agent"):
+            cluster_flags = [f for f in ("controller", "node", "server", "token_file")
+                             if getattr(args, f, None) and not (
+                                 f == "server" and args.command == "server")]
+            if args.config is not None and cluster_flags:
+                parser.error(f"{args.command}: give --config FILE (standalone) or the "
+                             "controller-mode flags, not both")
+            if args.config is None and not cluster_flags:
+                parser.error(f"{args.command}: give --config FILE (standalone) or "
+                             "--controller URL with its flags (see --help)")
         if args.command == "server":
+            if args.config is None:
+                from nodeagent.cluster import run_server_cluster
+                return run_server_cluster(args)
             from nodeagent.run import run_server
             return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds)
         if args.command == "agent":
+            if args.config is None:
+                from nodeagent.cluster import run_agent_cluster
+                return run_agent_cluster(args)
             from nodeagent.run import run_agent
             return run_agent(args.config, check=args.check)
+        if args.command == "controller":
+            from nodeagent.controller.main import run_controller
+            return run_controller(args)
         if args.command == "debug":
             from nodeagent.debugcli import run_debug
             return run_debug(args.what, args.socket, as_json=args.json)

@@ -25,6 +25,7 @@ import os
 import socket
 import stat
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,14 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return str(value)
+
+
+@dataclass(frozen=True)
+class HttpStatus:
+    """A route's answer with a status other than 200."""
+
+    status: int
+    body: Any
 
 
 def to_json(value: Any) -> bytes:
@@ -180,6 +189,11 @@ class DebugServer:
         finally:
             await trio.aclose_forcefully(stream)
 
+    async def serve_connection(self, stream: trio.abc.Stream) -> None:
+        """Answer one HTTP connection on any stream (the Unix socket's, or TCP for the
+        metrics and health listener)."""
+        await self._serve(stream)
+
     async def _answer(
         self, method: bytes, target: bytes
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -203,7 +217,10 @@ class DebugServer:
                 result = self.routes[path]()
                 if inspect.isawaitable(result):
                     result = await result
-                status, body = 200, to_json(result)
+                status = 200
+                if isinstance(result, HttpStatus):  # e.g. /readyz answering 503
+                    status, result = result.status, result.body
+                body = to_json(result)
             except Exception as exc:  # a broken route must not take the socket down
                 log.warning("debug route failed", route=path, error=repr(exc))
                 status, body = 500, to_json({"error": f"{path} failed: {exc!r}"})

@@ -16,6 +16,7 @@ from nodeagent import pki
 from nodeagent.agent import Agent
 from nodeagent.config import AgentConfig, ConfigError, ServerConfig, load_config
 from nodeagent.debug import DebugServer
+from nodeagent.health import HealthServer
 from nodeagent.http.proxy import HttpFront, HttpStats
 from nodeagent.http.tls import TlsConfig
 from nodeagent.logs import get_logger
@@ -97,6 +98,10 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             "/config": lambda: server.config.model_dump(mode="json", exclude={"tokens"}),
         }, registry=server.metrics.registry)
         await nursery.start(debug.run)
+        if config.metrics_listen is not None:
+            health = HealthServer(server.metrics.registry, lambda: None)
+            await nursery.start(health.run, config.metrics_listen.host,
+                                config.metrics_listen.port)
         log.info("server ready", **{k: ",".join(v) for k, v in server.bound.items()})
         task_status.started(dict(server.bound))
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -149,6 +154,13 @@ async def serve_agent(agent: Agent, config_path: Path | None = None, *,
             "/rules": agent.rules,
         }, registry=agent.metrics.registry)
         await nursery.start(debug.run)
+        if agent.config.metrics_listen is not None:
+            def ready() -> str | None:
+                state = agent.client.status.state
+                return None if state == "connected" else f"tunnel {state}"
+            health = HealthServer(agent.metrics.registry, ready)
+            await nursery.start(health.run, agent.config.metrics_listen.host,
+                                agent.config.metrics_listen.port)
         task_status.started()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:

@@ -30,6 +30,7 @@ from nodeagent.config import (
     ServerConfig,
     TcpMapping,
 )
+from nodeagent.configwatch import WatchStatus
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.proxy import HttpStats
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
@@ -118,6 +119,7 @@ class Server:
         self.metrics = Metrics("server")
         self.metrics.config_version.set(self.routes.version)
         self.outcomes: Counter[str] = Counter()
+        self.config_watch: WatchStatus | None = None
         self.log = log.bind(server=config.server_id)
         self._tokens = [(entry.node, entry.read().encode()) for entry in config.tokens]
         settings = EndpointSettings(ping_interval=config.keepalive.interval,
@@ -329,6 +331,7 @@ class Server:
             "streams_by_outcome": dict(self.outcomes),
             "handshake_failures": self.tunnel.handshake_failures,
             "http": {name: stats.as_dict() for name, stats in self.http_stats.items()},
+            "config_watch": self.config_watch.as_dict() if self.config_watch else None,
         }
 
 

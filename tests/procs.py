@@ -27,6 +27,9 @@ class NodeagentProcess:
     name: str
     extra_args: Sequence[str] = ()
     netns: str | None = None
+    # Set: run `nodeagent ROLE *args` (controller mode) instead of writing a config file;
+    # `config` then only needs `debug_socket`.
+    args: Sequence[str] | None = None
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(init=False)
     config_path: Path = field(init=False)
@@ -43,9 +46,13 @@ class NodeagentProcess:
         self.config_path.write_text(yaml.safe_dump(self.config))
 
     def start(self) -> NodeagentProcess:
-        self.write_config()
-        cmd = [sys.executable, "-m", "nodeagent", "--log-level", "debug", self.role,
-               "--config", str(self.config_path), *self.extra_args]
+        if self.args is not None:
+            cmd = [sys.executable, "-m", "nodeagent", "--log-level", "debug", self.role,
+                   *self.args]
+        else:
+            self.write_config()
+            cmd = [sys.executable, "-m", "nodeagent", "--log-level", "debug", self.role,
+                   "--config", str(self.config_path), *self.extra_args]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         log = self.log_path.open("ab")

@@ -1,0 +1,37 @@
+"""`nodeagent controller` from its command-line arguments."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import trio
+
+from nodeagent.config import ConfigError, ListenAddress
+from nodeagent.controller.run import ControllerSettings, serve_controller
+from nodeagent.kube import CredentialsError
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    try:
+        listen = ListenAddress.model_validate(args.listen)
+    except ValueError as exc:
+        raise ConfigError(f"--listen {args.listen!r}: {exc}") from None
+    metrics = None
+    if args.metrics_listen:
+        try:
+            address = ListenAddress.model_validate(args.metrics_listen)
+        except ValueError as exc:
+            raise ConfigError(f"--metrics-listen {args.metrics_listen!r}: {exc}") from None
+        metrics = (address.host, address.port)
+    identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
+    settings = ControllerSettings(
+        namespace=args.namespace, identity=identity, listen_host=listen.host,
+        listen_port=listen.port, lease_name=args.lease_name, kubeconfig=args.kubeconfig,
+        lease_duration=args.lease_seconds, metrics_listen=metrics)
+    try:
+        trio.run(serve_controller, settings)
+    except CredentialsError as exc:
+        raise ConfigError(f"Kubernetes credentials: {exc}") from None
+    return 0

@@ -1,0 +1,216 @@
+"""`nodeagent controller`: the process around the pure parts.
+
+Every replica lists and watches the objects it needs (one shared cache per type), recomputes
+the config of every node and of the servers after a debounced burst of changes, and serves
+the config watch stream from those warm caches — so when the leader dies, agents and
+servers already watching a standby keep their config and get updates. Only the leader
+(a coordination.k8s.io Lease) writes: it bootstraps the shared
+agent token Secret, and records Events for problems in users' objects (invalid Ingresses,
+ClusterTunnels).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from nodeagent.config import NodeConfig
+from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.crds import ensure_crds
+from nodeagent.controller.ingress import Problem, translate_ingresses
+from nodeagent.controller.stream import ConfigStreamServer
+from nodeagent.crd import CLUSTER_TUNNELS
+from nodeagent.health import HealthServer
+from nodeagent.kube import (
+    ENDPOINTSLICES,
+    INGRESSCLASSES,
+    INGRESSES,
+    NODES,
+    SECRETS,
+    SERVICES,
+    AlreadyExists,
+    Debouncer,
+    EventRecorder,
+    KubeClient,
+    KubeError,
+    LeaderElector,
+    NotFound,
+    SharedInformers,
+    load_credentials,
+)
+from nodeagent.logs import get_logger
+
+log = get_logger("nodeagent.controller")
+TOKEN_SECRET = "nodeagent-agent-token"
+
+
+@dataclass
+class ControllerSettings:
+    namespace: str
+    identity: str
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 8090
+    lease_name: str = "nodeagent-controller"
+    kubeconfig: Path | None = None
+    lease_duration: float = 15.0
+    debounce: float = 0.05
+    metrics_listen: tuple[str, int] | None = None
+
+
+@dataclass
+class Controller:
+    settings: ControllerSettings
+    kube: KubeClient
+    informers: SharedInformers
+    versions: ConfigVersions = field(default_factory=ConfigVersions)
+    token: str = ""
+    problems: list[Problem] = field(default_factory=list)
+    recomputes: int = 0
+    is_leader: bool = False
+
+    def __post_init__(self) -> None:
+        self.stream = ConfigStreamServer(self.versions, lambda: self.token)
+        self.caches = {r.plural: self.informers.cache(r) for r in (
+            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, SECRETS,
+            CLUSTER_TUNNELS)}
+        self.events = EventRecorder(self.kube, component="nodeagent-controller",
+                                    instance=self.settings.identity)
+        self._reported: set[tuple[str, str, str, str]] = set()
+
+    async def recompute(self) -> None:
+        c = self.caches
+        translation = translate_ingresses(
+            ingresses=c["ingresses"].list(), ingress_classes=c["ingressclasses"].list(),
+            services=c["services"].list(), endpoint_slices=c["endpointslices"].list(),
+            secrets=c["secrets"].list())
+        tunnels, tunnel_problems = parse_tunnels(c["clustertunnels"].list())
+        out = compute(nodes=c["nodes"].list(), tunnels=tunnels, translation=translation)
+        changed = [name for name, config in out.nodes.items()
+                   if self.versions.update(f"node/{name}", config)]
+        for key in self.versions.keys():
+            # A deleted Node's agent (still connected, or coming back) allows nothing.
+            if key.startswith("node/") and key[5:] not in out.nodes and \
+                    self.versions.update(key, NodeConfig()):
+                changed.append(key[5:])
+        servers_changed = self.versions.update("servers", out.routes)
+        self.problems = tunnel_problems + out.problems
+        self.recomputes += 1
+        if changed or servers_changed:
+            self.stream.notify()
+            log.info("config recomputed", nodes_changed=len(changed),
+                     servers_changed=servers_changed, ingress_rules=len(
+                         out.routes.ingress.rules), problems=len(self.problems))
+        for problem in self.problems:
+            key = (problem.kind, problem.namespace, problem.name, problem.message)
+            if key not in self._reported:
+                self._reported.add(key)
+                log.warning("object has a problem", kind=problem.kind,
+                            object=f"{problem.namespace}/{problem.name}".lstrip("/"),
+                            reason=problem.reason, problem=problem.message)
+        if self.is_leader:
+            await self._record_events()
+
+    async def _record_events(self) -> None:
+        for problem in self.problems:
+            resource = {"Ingress": INGRESSES, "ClusterTunnel": CLUSTER_TUNNELS,
+                        "Node": NODES}.get(problem.kind)
+            if resource is None:
+                continue
+            obj = self.caches[resource.plural].get(problem.name, problem.namespace or None)
+            if obj is None:
+                continue
+            try:
+                await self.events.warning(obj, problem.reason, problem.message)
+            except KubeError as exc:
+                log.warning("cannot record an Event", error=str(exc))
+
+    async def bootstrap_token(self) -> None:
+        """The shared agent token (until node identity): read it, or create it once."""
+        ns = self.settings.namespace
+        for _ in range(3):
+            try:
+                secret = await self.kube.get(SECRETS, TOKEN_SECRET, namespace=ns)
+            except NotFound:
+                if not self.is_leader:
+                    return
+                try:
+                    await self.kube.create(SECRETS, {
+                        "apiVersion": "v1", "kind": "Secret",
+                        "metadata": {"name": TOKEN_SECRET, "namespace": ns,
+                                     "labels": {"app.kubernetes.io/name": "nodeagent"}},
+                        "stringData": {"token": secrets.token_urlsafe(32)}})
+                    log.info("agent token Secret created", secret=f"{ns}/{TOKEN_SECRET}")
+                except AlreadyExists:
+                    pass
+                continue
+            token = _secret_value(secret, "token")
+            if token:
+                self.token = token
+            return
+
+    async def lead(self) -> None:
+        """While holding the Lease."""
+        self.is_leader = True
+        log.info("leading", identity=self.settings.identity)
+        try:
+            await self.bootstrap_token()
+            await self._record_events()
+            await trio.sleep_forever()
+        finally:
+            self.is_leader = False
+
+    async def keep_token_current(self) -> None:
+        while True:
+            await self.bootstrap_token()
+            await trio.sleep(5)
+
+
+def _secret_value(secret: dict[str, Any], key: str) -> str:
+    import base64
+    data = secret.get("data") or {}
+    if key in data:
+        return base64.b64decode(data[key]).decode().strip()
+    return str((secret.get("stringData") or {}).get(key, "")).strip()
+
+
+async def serve_controller(settings: ControllerSettings, *,
+                           task_status: trio.TaskStatus[Controller] = trio.TASK_STATUS_IGNORED
+                           ) -> None:
+    async with KubeClient(load_credentials(settings.kubeconfig)) as kube:
+        informers = SharedInformers(kube)
+        controller = Controller(settings, kube, informers)
+        debouncer = Debouncer(controller.recompute, delay=settings.debounce)
+        for cache in controller.caches.values():
+            cache.add_handler(debouncer.trigger)
+        elector = LeaderElector(kube, name=settings.lease_name, namespace=settings.namespace,
+                                identity=settings.identity,
+                                lease_duration=settings.lease_duration,
+                                renew_deadline=settings.lease_duration * 2 / 3,
+                                retry_period=max(0.2, settings.lease_duration / 7.5))
+        # Before the informers: they cannot sync on a resource type that does not exist
+        # yet. Every replica may do it (create-if-absent, never downgrade, conflicts
+        # re-read), so a fresh cluster does not wait for an election.
+        try:
+            await ensure_crds(kube)
+        except KubeError as exc:
+            log.error("cannot install or check the CRDs; ClusterTunnels will not be "
+                      "watched until they exist", error=str(exc))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(informers.run)
+            await nursery.start(debouncer.run)
+            await controller.recompute()
+            nursery.start_soon(controller.keep_token_current)
+            await nursery.start(controller.stream.run, settings.listen_host,
+                                settings.listen_port)
+            if settings.metrics_listen is not None:
+                # Ready once the caches have synced (informers.run returned from start).
+                health = HealthServer(None, lambda: None)
+                await nursery.start(health.run, *settings.metrics_listen)
+            log.info("controller ready", identity=settings.identity,
+                     config_stream=f"{settings.listen_host}:{settings.listen_port}")
+            task_status.started(controller)
+            await elector.run(controller.lead)

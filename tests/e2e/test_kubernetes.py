@@ -1,0 +1,239 @@
+"""Controller mode end to end, with real processes: the fake API server, two controllers
+(leader-elected), a server and an agent started only with flags, and an HTTP service as the
+"pod". Kubernetes objects go in through the API; HTTP comes out of the server's Ingress
+listener, through the agent's tunnel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nodeagent.crd import CLUSTER_TUNNELS
+from nodeagent.kube.resources import (
+    ENDPOINTSLICES,
+    EVENTS,
+    INGRESSCLASSES,
+    INGRESSES,
+    LEASES,
+    NODES,
+    SECRETS,
+    SERVICES,
+    Resource,
+)
+from tests.e2e.conftest import Certs, Upstream, free_port
+from tests.procs import NodeagentProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN = "e2e-admin-token"
+AGENT_TOKEN = "e2e-agent-token-0123456789"
+NS = "shop"
+
+
+class Api:
+    """Just enough of a Kubernetes client for the test to play the user."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, headers={"authorization": f"Bearer {ADMIN}"},
+                                 timeout=5)
+
+    def create(self, resource: Resource, obj: dict[str, Any]) -> dict[str, Any]:
+        ns = obj["metadata"].get("namespace")
+        obj = {"apiVersion": resource.api_version, "kind": resource.kind, **obj}
+        response = self.http.post(resource.path(ns), json=obj)
+        assert response.status_code == 201, response.text
+        return dict(response.json())
+
+    def get(self, resource: Resource, name: str, ns: str | None = None) -> dict[str, Any]:
+        response = self.http.get(resource.path(ns, name))
+        response.raise_for_status()
+        return dict(response.json())
+
+    def replace(self, resource: Resource, obj: dict[str, Any]) -> None:
+        ns, name = obj["metadata"].get("namespace"), obj["metadata"]["name"]
+        current = self.get(resource, name, ns)
+        obj = {"apiVersion": resource.api_version, "kind": resource.kind, **obj}
+        obj["metadata"] = {**obj["metadata"],
+                           "resourceVersion": current["metadata"]["resourceVersion"]}
+        response = self.http.put(resource.path(ns, name), json=obj)
+        assert response.status_code == 200, response.text
+
+    def delete(self, resource: Resource, name: str, ns: str | None = None) -> None:
+        self.http.delete(resource.path(ns, name)).raise_for_status()
+
+    def list(self, resource: Resource, ns: str | None = None) -> list[dict[str, Any]]:
+        response = self.http.get(resource.path(ns))
+        response.raise_for_status()
+        return list(response.json()["items"])
+
+
+def get(port: int, host: str, path: str) -> httpx.Response:
+    with httpx.Client(timeout=5) as client:
+        return client.get(f"http://127.0.0.1:{port}{path}", headers={"host": host})
+
+
+def wait_for(check: Any, what: str, timeout: float = 10.0) -> float:
+    """Poll until `check()` is truthy; returns the seconds it took."""
+    start = time.monotonic()
+    last: Any = None
+    while time.monotonic() - start < timeout:
+        try:
+            last = check()
+            if last:
+                return time.monotonic() - start
+        except (httpx.HTTPError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
+
+
+def ingress(name: str, host: str, path: str, service: str = "web") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": NS}, "spec": {
+        "ingressClassName": "nodeagent", "rules": [{"host": host, "http": {"paths": [
+            {"path": path, "pathType": "Prefix", "backend": {"service": {
+                "name": service, "port": {"name": "http"}}}}]}}]}}
+
+
+def endpoint_slice(port: int, endpoints: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"metadata": {"name": "web-1", "namespace": NS,
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": port,
+                                              "protocol": "TCP"}],
+            "endpoints": endpoints}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, certs: Certs, upstream: Upstream) -> Iterator[dict[str, Any]]:
+    kubeconfig = tmp_path / "kubeconfig"
+    fake = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakekube", "--port", "0", "--token", ADMIN,
+         "--kubeconfig", str(kubeconfig), "--bookmark-interval", "0.5",
+         "--namespace", "nodeagent", "--namespace", NS],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    procs: list[NodeagentProcess] = []
+    try:
+        assert fake.stdout is not None
+        ready = json.loads(fake.stdout.readline())
+        api = Api(ready["url"])
+        token_file = tmp_path / "agent-token"
+        token_file.write_text(AGENT_TOKEN)
+        api.create(SECRETS, {"metadata": {"name": "nodeagent-agent-token",
+                                          "namespace": "nodeagent"},
+                             "stringData": {"token": AGENT_TOKEN}})
+        api.create(INGRESSCLASSES, {"metadata": {"name": "nodeagent"},
+                                    "spec": {"controller": "nodeagent.io/ingress-controller"}})
+        ports = {name: free_port() for name in ("c1", "c2", "tunnel", "http")}
+        for name in ("c1", "c2"):
+            proc = NodeagentProcess("controller", {"debug_socket": ""}, tmp_path, name, args=[
+                "--kubeconfig", str(kubeconfig), "--namespace", "nodeagent",
+                "--listen", f"127.0.0.1:{ports[name]}", "--identity", name,
+                "--lease-seconds", "3"]).start()
+            procs.append(proc)
+            proc.wait_for_log("controller ready", timeout=20)
+            if name == "c1":
+                proc.wait_for_log("leading", timeout=10)
+        # Server and agent watch the standby (c2): when the leader dies, they keep going.
+        controller_url = f"http://127.0.0.1:{ports['c2']}"
+        server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
+                                  tmp_path, "server", args=[
+            "--controller", controller_url, "--token-file", str(token_file),
+            "--tunnel-listen", f"tls://127.0.0.1:{ports['tunnel']}",
+            "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+            "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
+            "--debug-socket", str(tmp_path / "s.sock")]).start()
+        procs.append(server)
+        server.wait_ready()
+        agent = NodeagentProcess("agent", {"debug_socket": str(tmp_path / "a.sock")},
+                                 tmp_path, "agent", args=[
+            "--node", "edge-1", "--server", f"tls://127.0.0.1:{ports['tunnel']}",
+            "--token-file", str(token_file), "--ca-file", str(certs.ca),
+            "--controller", controller_url, "--debug-socket", str(tmp_path / "a.sock")]).start()
+        procs.append(agent)
+        agent.wait_ready()
+        server.wait_for(lambda s: s["agents"], what="agent connected")
+        yield {"api": api, "http": ports["http"], "procs": procs, "server": server,
+               "agent": agent, "upstream": upstream}
+    finally:
+        for proc in procs:
+            proc.kill()
+        fake.kill()
+        fake.wait()
+    for proc in procs:
+        assert "Traceback" not in proc.logs(), proc.logs()
+
+
+def test_ingress_reaches_the_edge_pod_and_follows_every_change(
+        cluster: dict[str, Any]) -> None:
+    api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
+    api.create(NODES, {"metadata": {"name": "edge-1"}, "spec": {"podCIDRs": ["10.1.0.0/24"]},
+                       "status": {"addresses": [{"type": "InternalIP",
+                                                 "address": "192.168.7.10"}]}})
+    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
+    ready = {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [ready]))
+    api.create(INGRESSES, ingress("shop", "shop.test", "/"))
+    took = wait_for(lambda: get(port, "shop.test", "/cart").status_code == 200,
+                    "Ingress routed through the agent")
+    print(f"Ingress created → served through the tunnel in {took:.2f}s")
+    assert "path=/cart host=shop.test" in get(port, "shop.test", "/cart").text
+    status = cluster["agent"].status()
+    assert status["config_watch"]["config_version"] >= 1
+
+    # Change the path: /api only.
+    api.replace(INGRESSES, ingress("shop", "shop.test", "/api"))
+    wait_for(lambda: get(port, "shop.test", "/cart").status_code == 404, "old path gone")
+    assert get(port, "shop.test", "/api/x").status_code == 200
+
+    # Endpoints scaled to zero: 503 with a readable body.
+    api.replace(ENDPOINTSLICES, endpoint_slice(upstream.http_port, []))
+    wait_for(lambda: get(port, "shop.test", "/api/x").status_code == 503, "no endpoints")
+    assert "no ready backends" in get(port, "shop.test", "/api/x").text
+    api.replace(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [ready]))
+    wait_for(lambda: get(port, "shop.test", "/api/x").status_code == 200, "endpoints back")
+
+    # A bad Ingress: an Event on it and a log line; the good one keeps working.
+    api.create(INGRESSES, ingress("broken", "broken.test", "/", service="ghost"))
+    wait_for(lambda: any(e.get("reason") == "ServiceNotFound"
+                         for e in api.list(EVENTS, NS)), "Event for the bad Ingress")
+    assert get(port, "shop.test", "/api/x").status_code == 200
+
+    # The Ingress removed: 404.
+    api.delete(INGRESSES, "shop", NS)
+    wait_for(lambda: get(port, "shop.test", "/api/x").status_code == 404, "Ingress removed")
+
+    # The Node deleted: its agent's config loses the targets, the route 502s or 404s.
+    api.create(INGRESSES, ingress("shop2", "shop2.test", "/"))
+    wait_for(lambda: get(port, "shop2.test", "/").status_code == 200, "second Ingress")
+    api.delete(NODES, "edge-1")
+    wait_for(lambda: get(port, "shop2.test", "/").status_code == 502,
+             "node deleted: its agent no longer allows the target")
+
+
+def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]) -> None:
+    api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
+    c1 = cluster["procs"][0]
+    api.create(NODES, {"metadata": {"name": "edge-1"}})
+    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80}]}})
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [
+        {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}]))
+    api.create(INGRESSES, ingress("a", "a.test", "/"))
+    wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
+    c1.kill()
+    wait_for(lambda: api.get(LEASES, "nodeagent-controller", "nodeagent")["spec"]
+             ["holderIdentity"] == "c2", "standby holds the Lease", timeout=15)
+    assert get(port, "a.test", "/").status_code == 200  # config kept throughout
+    api.create(INGRESSES, ingress("b", "b.test", "/"))
+    wait_for(lambda: get(port, "b.test", "/").status_code == 200, "updates after failover")
+    # The new leader installed nothing twice and reports problems of ClusterTunnels.
+    api.create(CLUSTER_TUNNELS, {"metadata": {"name": "t"}, "spec": {"serverUrl": "http://x"}})
+    wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list(EVENTS, "default"))
+             or "InvalidSpec" in cluster["procs"][1].logs(), "ClusterTunnel problem reported")

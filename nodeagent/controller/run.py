@@ -105,9 +105,9 @@ class Controller:
                      servers_changed=servers_changed, ingress_rules=len(
                          out.routes.ingress.rules), problems=len(self.problems))
         for problem in self.problems:
-            key = (problem.kind, problem.namespace, problem.name, problem.message)
-            if key not in self._reported:
-                self._reported.add(key)
+            seen = (problem.kind, problem.namespace, problem.name, problem.message)
+            if seen not in self._reported:
+                self._reported.add(seen)
                 log.warning("object has a problem", kind=problem.kind,
                             object=f"{problem.namespace}/{problem.name}".lstrip("/"),
                             reason=problem.reason, problem=problem.message)

@@ -46,6 +46,7 @@ from nodeagent.logs import get_logger
 
 log = get_logger("nodeagent.controller")
 TOKEN_SECRET = "nodeagent-agent-token"
+SERVER_SERVICE = "nodeagent-server"  # its LoadBalancer address goes into Ingress status
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Controller:
     problems: list[Problem] = field(default_factory=list)
     recomputes: int = 0
     is_leader: bool = False
+    served: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self.stream = ConfigStreamServer(self.versions, lambda: self.token)
@@ -111,8 +113,37 @@ class Controller:
                 log.warning("object has a problem", kind=problem.kind,
                             object=f"{problem.namespace}/{problem.name}".lstrip("/"),
                             reason=problem.reason, problem=problem.message)
+        self.served = translation.served
         if self.is_leader:
             await self._record_events()
+            await self._write_ingress_status()
+
+    def public_addresses(self) -> list[dict[str, str]]:
+        """The servers' public address: the LoadBalancer status of the server Service."""
+        service = self.caches["services"].get(SERVER_SERVICE, self.settings.namespace)
+        if service is None:
+            return []
+        found = ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+        return [{k: v for k, v in entry.items() if k in ("ip", "hostname")} for entry in found
+                if isinstance(entry, dict)]
+
+    async def _write_ingress_status(self) -> None:
+        """Every Ingress we serve shows the servers' public address (what kubectl get ingress
+        prints under ADDRESS); written only when it differs."""
+        wanted = self.public_addresses()
+        for namespace, name in self.served:
+            ingress = self.caches["ingresses"].get(name, namespace)
+            if ingress is None:
+                continue
+            current = ((ingress.get("status") or {}).get("loadBalancer") or {}).get("ingress")
+            if (current or []) == wanted:
+                continue
+            update = dict(ingress, status={"loadBalancer": {"ingress": wanted}})
+            try:
+                await self.kube.update_status(INGRESSES, update)
+            except KubeError as exc:  # a conflict: the next recompute tries again
+                log.info("Ingress status not written yet", ingress=f"{namespace}/{name}",
+                         error=str(exc))
 
     async def _record_events(self) -> None:
         for problem in self.problems:
@@ -159,6 +190,7 @@ class Controller:
         try:
             await self.bootstrap_token()
             await self._record_events()
+            await self._write_ingress_status()
             await trio.sleep_forever()
         finally:
             self.is_leader = False

@@ -65,6 +65,13 @@ class Api:
         response = self.http.put(resource.path(ns, name), json=obj)
         assert response.status_code == 200, response.text
 
+    def replace_status(self, resource: Resource, name: str, ns: str | None,
+                       status: dict[str, Any]) -> None:
+        current = self.get(resource, name, ns)
+        response = self.http.put(resource.path(ns, name, "status"),
+                                 json=dict(current, status=status))
+        assert response.status_code == 200, response.text
+
     def delete(self, resource: Resource, name: str, ns: str | None = None) -> None:
         self.http.delete(resource.path(ns, name)).raise_for_status()
 
@@ -186,6 +193,14 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
     assert "path=/cart host=shop.test" in get(port, "shop.test", "/cart").text
     status = cluster["agent"].status()
     assert status["config_watch"]["config_version"] >= 1
+
+    # The servers' public address (their LoadBalancer Service) goes into Ingress status.
+    api.create(SERVICES, {"metadata": {"name": "nodeagent-server", "namespace": "nodeagent"},
+                          "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}})
+    api.replace_status(SERVICES, "nodeagent-server", "nodeagent",
+                       {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}})
+    wait_for(lambda: api.get(INGRESSES, "shop", NS).get("status", {}).get("loadBalancer", {})
+             .get("ingress") == [{"ip": "203.0.113.7"}], "Ingress status shows the address")
 
     # Change the path: /api only.
     api.replace(INGRESSES, ingress("shop", "shop.test", "/api"))

@@ -71,8 +71,9 @@ class ClusterTunnelStatus(CrdModel):
     """Kept current by the leading controller."""
 
     observed_generation: int = 0
-    nodes_connected: int = 0
-    config_version: int = 0
+    nodes_covered: int = Field(default=0, description="Nodes whose config this tunnel sets.")
+    config_version: int = Field(default=0, description="Version of the servers' config that "
+                                "includes this tunnel.")
     conditions: tuple[Condition, ...] = ()
 
 

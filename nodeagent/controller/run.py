@@ -23,7 +23,7 @@ from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import Problem, translate_ingresses
 from nodeagent.controller.stream import ConfigStreamServer
-from nodeagent.crd import CLUSTER_TUNNELS
+from nodeagent.crd import CLUSTER_TUNNELS, FINALIZER
 from nodeagent.health import HealthServer
 from nodeagent.kube import (
     ENDPOINTSLICES,
@@ -73,6 +73,7 @@ class Controller:
     recomputes: int = 0
     is_leader: bool = False
     served: tuple[tuple[str, str], ...] = ()
+    tunnel_report: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stream = ConfigStreamServer(self.versions, lambda: self.token)
@@ -114,9 +115,12 @@ class Controller:
                             object=f"{problem.namespace}/{problem.name}".lstrip("/"),
                             reason=problem.reason, problem=problem.message)
         self.served = translation.served
+        self.tunnel_report = _tunnel_report(c["clustertunnels"].list(), tunnels, c["nodes"].list(),
+                                            self.problems, self.versions)
         if self.is_leader:
             await self._record_events()
             await self._write_ingress_status()
+            await self._write_tunnel_status()
 
     def public_addresses(self) -> list[dict[str, str]]:
         """The servers' public address: the LoadBalancer status of the server Service."""
@@ -144,6 +148,34 @@ class Controller:
             except KubeError as exc:  # a conflict: the next recompute tries again
                 log.info("Ingress status not written yet", ingress=f"{namespace}/{name}",
                          error=str(exc))
+
+    async def _write_tunnel_status(self) -> None:
+        """ClusterTunnel status (nodes covered, config version, Ready), and its finalizer:
+        added to live tunnels; removed from a deleted one once the configs without its
+        rules have been published (it is no longer in any computed config)."""
+        for obj in self.caches["clustertunnels"].list():
+            meta = obj["metadata"]
+            name = meta["name"]
+            finalizers = list(meta.get("finalizers") or [])
+            try:
+                if meta.get("deletionTimestamp"):
+                    if FINALIZER in finalizers:
+                        finalizers.remove(FINALIZER)
+                        await self.kube.update(CLUSTER_TUNNELS, dict(
+                            obj, metadata=dict(meta, finalizers=finalizers)))
+                        log.info("ClusterTunnel released: its rules are out of every node "
+                                 "config", tunnel=name)
+                    continue
+                if FINALIZER not in finalizers:
+                    obj = await self.kube.update(CLUSTER_TUNNELS, dict(
+                        obj, metadata=dict(meta, finalizers=[*finalizers, FINALIZER])))
+                status = self.tunnel_report.get(name)
+                if status is not None:
+                    status = _keep_transition_times(obj.get("status") or {}, status)
+                if status is not None and obj.get("status") != status:
+                    await self.kube.update_status(CLUSTER_TUNNELS, dict(obj, status=status))
+            except KubeError as exc:  # conflicts: the next recompute tries again
+                log.info("ClusterTunnel not updated yet", tunnel=name, error=str(exc))
 
     async def _record_events(self) -> None:
         for problem in self.problems:
@@ -199,6 +231,45 @@ class Controller:
         while True:
             await self.bootstrap_token()
             await trio.sleep(5)
+
+
+def _tunnel_report(objects: list[dict[str, Any]], tunnels: list[Any],
+                   nodes: list[dict[str, Any]], problems: list[Problem],
+                   versions: ConfigVersions) -> dict[str, dict[str, Any]]:
+    """The status each ClusterTunnel should show (camelCase, as in the CRD)."""
+    valid = {t.name: t for t in tunnels}
+    servers = versions.get("servers")
+    report = {}
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        name = meta.get("name", "")
+        mine = [p for p in problems if p.kind == "ClusterTunnel" and p.name == name]
+        tunnel = valid.get(name)
+        covered = 0 if tunnel is None else sum(
+            1 for n in nodes if tunnel.spec.covers((n.get("metadata") or {}).get("labels") or {}))
+        ready = "True" if tunnel is not None and not mine else "False"
+        condition = {"type": "Ready", "status": ready,
+                     "reason": mine[0].reason if mine else "Applied",
+                     "message": mine[0].message if mine else
+                     f"config for {covered} node(s) published"}
+        report[name] = {"observedGeneration": meta.get("generation", 0),
+                        "nodesCovered": covered,
+                        "configVersion": servers[0] if servers else 0,
+                        "conditions": [condition]}
+    return report
+
+
+def _keep_transition_times(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """lastTransitionTime changes only when a condition's status does."""
+    from nodeagent.kube.events import rfc3339
+    before = {c.get("type"): c for c in old.get("conditions") or []}
+    conditions = []
+    for cond in new["conditions"]:
+        prior = before.get(cond["type"])
+        same = prior is not None and prior.get("status") == cond["status"]
+        when = prior.get("lastTransitionTime") if same and prior else rfc3339()
+        conditions.append(dict(cond, lastTransitionTime=when))
+    return dict(new, conditions=conditions)
 
 
 def _secret_value(secret: dict[str, Any], key: str) -> str:

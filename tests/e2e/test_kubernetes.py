@@ -248,7 +248,19 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     assert get(port, "a.test", "/").status_code == 200  # config kept throughout
     api.create(INGRESSES, ingress("b", "b.test", "/"))
     wait_for(lambda: get(port, "b.test", "/").status_code == 200, "updates after failover")
-    # The new leader installed nothing twice and reports problems of ClusterTunnels.
+    # ClusterTunnels: the leader adds its finalizer and keeps the status current; deleting
+    # one waits for the finalizer, which goes once its rules are out of the node configs.
+    api.create(CLUSTER_TUNNELS, {"metadata": {"name": "edge"}, "spec": {
+        "allowedNodePorts": [10250]}})
+    wait_for(lambda: (api.get(CLUSTER_TUNNELS, "edge").get("status") or {}).get(
+        "nodesCovered") == 1, "ClusterTunnel status")
+    tunnel = api.get(CLUSTER_TUNNELS, "edge")
+    assert tunnel["metadata"]["finalizers"] == ["nodeagent.io/cleanup"]
+    assert tunnel["status"]["conditions"][0]["status"] == "True"
+    api.delete(CLUSTER_TUNNELS, "edge")
+    wait_for(lambda: not any(t["metadata"]["name"] == "edge"
+                             for t in api.list(CLUSTER_TUNNELS)), "finalizer released")
+    # The new leader reports problems of ClusterTunnels.
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "t"}, "spec": {"serverUrl": "http://x"}})
     wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list(EVENTS, "default"))
              or "InvalidSpec" in cluster["procs"][1].logs(), "ClusterTunnel problem reported")

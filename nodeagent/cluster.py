@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,7 +43,8 @@ def controller_address(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port or 80
 
 
-def _token_reader(path: Path) -> Any:
+def _token_reader(path: Path) -> Callable[[], str]:
+    """Reads the token file at each (re)connect: a rotated Secret takes effect."""
     def read() -> str:
         try:
             return path.read_text().strip()

@@ -38,7 +38,6 @@ from nodeagent.kube import (
     KubeClient,
     KubeError,
     LeaderElector,
-    NotFound,
     SharedInformers,
     load_credentials,
 )
@@ -86,6 +85,7 @@ class Controller:
 
     async def recompute(self) -> None:
         c = self.caches
+        self.read_token()
         translation = translate_ingresses(
             ingresses=c["ingresses"].list(), ingress_classes=c["ingressclasses"].list(),
             services=c["services"].list(), endpoint_slices=c["endpointslices"].list(),
@@ -191,46 +191,41 @@ class Controller:
             except KubeError as exc:
                 log.warning("cannot record an Event", error=str(exc))
 
-    async def bootstrap_token(self) -> None:
-        """The shared agent token (until node identity): read it, or create it once."""
+    def read_token(self) -> None:
+        """The shared agent token (until node identity), from the Secrets cache: a rotated
+        Secret takes effect at the next recompute its change triggers."""
+        secret = self.caches["secrets"].get(TOKEN_SECRET, self.settings.namespace)
+        token = _secret_value(secret, "token") if secret is not None else ""
+        if token and token != self.token:
+            self.token = token
+            log.info("agent token loaded", secret=f"{self.settings.namespace}/{TOKEN_SECRET}")
+
+    async def create_token_if_missing(self) -> None:
+        """Leader only: a fresh cluster gets a random token once."""
         ns = self.settings.namespace
-        for _ in range(3):
-            try:
-                secret = await self.kube.get(SECRETS, TOKEN_SECRET, namespace=ns)
-            except NotFound:
-                if not self.is_leader:
-                    return
-                try:
-                    await self.kube.create(SECRETS, {
-                        "apiVersion": "v1", "kind": "Secret",
-                        "metadata": {"name": TOKEN_SECRET, "namespace": ns,
-                                     "labels": {"app.kubernetes.io/name": "nodeagent"}},
-                        "stringData": {"token": secrets.token_urlsafe(32)}})
-                    log.info("agent token Secret created", secret=f"{ns}/{TOKEN_SECRET}")
-                except AlreadyExists:
-                    pass
-                continue
-            token = _secret_value(secret, "token")
-            if token:
-                self.token = token
+        if self.caches["secrets"].get(TOKEN_SECRET, ns) is not None:
             return
+        try:
+            await self.kube.create(SECRETS, {
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": TOKEN_SECRET, "namespace": ns,
+                             "labels": {"app.kubernetes.io/name": "nodeagent"}},
+                "stringData": {"token": secrets.token_urlsafe(32)}})
+            log.info("agent token Secret created", secret=f"{ns}/{TOKEN_SECRET}")
+        except AlreadyExists:
+            pass
 
     async def lead(self) -> None:
         """While holding the Lease."""
         self.is_leader = True
         log.info("leading", identity=self.settings.identity)
         try:
-            await self.bootstrap_token()
+            await self.create_token_if_missing()
             await self._record_events()
             await self._write_ingress_status()
             await trio.sleep_forever()
         finally:
             self.is_leader = False
-
-    async def keep_token_current(self) -> None:
-        while True:
-            await self.bootstrap_token()
-            await trio.sleep(5)
 
 
 def _tunnel_report(objects: list[dict[str, Any]], tunnels: list[Any],
@@ -306,7 +301,6 @@ async def serve_controller(settings: ControllerSettings, *,
             await nursery.start(informers.run)
             await nursery.start(debouncer.run)
             await controller.recompute()
-            nursery.start_soon(controller.keep_token_current)
             await nursery.start(controller.stream.run, settings.listen_host,
                                 settings.listen_port)
             if settings.metrics_listen is not None:

@@ -120,8 +120,11 @@ def _host_port(url: str) -> tuple[str, int]:
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
+_PATH_TYPES = {t.value: t for t in PathType}  # a dict lookup: an Enum call is 10x slower
+
+
 def _path_type(name: str) -> PathType:
-    return PathType(name)
+    return _PATH_TYPES[name]
 
 
 class Server:

@@ -72,6 +72,8 @@ class ClusterTunnelStatus(CrdModel):
 
     observed_generation: int = 0
     nodes_covered: int = Field(default=0, description="Nodes whose config this tunnel sets.")
+    nodes_connected: int = Field(default=0, description="Of those, nodes whose agent holds "
+                                 "a config watch on a controller replica.")
     config_version: int = Field(default=0, description="Version of the servers' config that "
                                 "includes this tunnel.")
     conditions: tuple[Condition, ...] = ()

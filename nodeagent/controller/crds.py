@@ -30,7 +30,7 @@ from nodeagent.crd import (
 from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, Conflict, KubeClient, NotFound
 from nodeagent.logs import get_logger
 
-CRD_REVISION = 2  # 2: status.nodesCovered replaces nodesConnected
+CRD_REVISION = 3  # 3: status.nodesCovered and nodesConnected
 log = get_logger("nodeagent.crds")
 
 # Models whose Python side accepts a scalar short form: their schema is that form.
@@ -122,7 +122,7 @@ def crd_manifests() -> list[dict[str, Any]]:
                 "additionalPrinterColumns": [
                     {"name": "Server", "type": "string", "jsonPath": ".spec.serverUrl"},
                     {"name": "Nodes", "type": "integer",
-                     "jsonPath": ".status.nodesCovered"},
+                     "jsonPath": ".status.nodesConnected"},
                     {"name": "Version", "type": "integer",
                      "jsonPath": ".status.configVersion"},
                     {"name": "Ready", "type": "string",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from nodeagent.controller.stream import ConfigStreamServer
 from nodeagent.crd import CLUSTER_TUNNELS, FINALIZER
 from nodeagent.health import HealthServer
 from nodeagent.kube import (
+    CONFIGMAPS,
     ENDPOINTSLICES,
     INGRESSCLASSES,
     INGRESSES,
@@ -46,6 +48,12 @@ from nodeagent.logs import get_logger
 log = get_logger("nodeagent.controller")
 TOKEN_SECRET = "nodeagent-agent-token"
 SERVER_SERVICE = "nodeagent-server"  # its LoadBalancer address goes into Ingress status
+# Each replica publishes which nodes hold a config watch on it, in a ConfigMap of its own
+# (agents watch whichever replica the Service picks): the leader sums them up for
+# ClusterTunnel status. Reports older than WATCHERS_STALE are from dead replicas.
+WATCHERS_LABEL = "nodeagent.io/watchers"
+WATCHERS_PERIOD = 5.0
+WATCHERS_STALE = 30.0
 
 
 @dataclass
@@ -79,6 +87,9 @@ class Controller:
         self.caches = {r.plural: self.informers.cache(r) for r in (
             NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, SECRETS,
             CLUSTER_TUNNELS)}
+        self.caches["watchers"] = self.informers.cache(
+            CONFIGMAPS, namespace=self.settings.namespace,
+            label_selector={WATCHERS_LABEL: "true"})
         self.events = EventRecorder(self.kube, component="nodeagent-controller",
                                     instance=self.settings.identity)
         self._reported: set[tuple[str, str, str, str]] = set()
@@ -115,8 +126,9 @@ class Controller:
                             object=f"{problem.namespace}/{problem.name}".lstrip("/"),
                             reason=problem.reason, problem=problem.message)
         self.served = translation.served
-        self.tunnel_report = _tunnel_report(c["clustertunnels"].list(), tunnels, c["nodes"].list(),
-                                            self.problems, self.versions)
+        self.tunnel_report = _tunnel_report(c["clustertunnels"].list(), tunnels,
+                                            c["nodes"].list(), self.problems, self.versions,
+                                            self.connected_nodes())
         if self.is_leader:
             await self._record_events()
             await self._write_ingress_status()
@@ -148,6 +160,45 @@ class Controller:
             except KubeError as exc:  # a conflict: the next recompute tries again
                 log.info("Ingress status not written yet", ingress=f"{namespace}/{name}",
                          error=str(exc))
+
+    def connected_nodes(self) -> set[str]:
+        """Nodes with a config watch open on any live replica (from their reports)."""
+        from datetime import datetime
+        now = datetime.now(UTC)
+        nodes: set[str] = set()
+        for report in self.caches["watchers"].list():
+            data = report.get("data") or {}
+            try:
+                updated = datetime.fromisoformat(data.get("updated", "").replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            if (now - updated).total_seconds() <= WATCHERS_STALE:
+                nodes.update(n for n in data.get("nodes", "").split("\n") if n)
+        return nodes
+
+    async def publish_watchers(self) -> None:
+        """Every WATCHERS_PERIOD: this replica's watching nodes into its ConfigMap."""
+        from nodeagent.kube.events import rfc3339
+        ns = self.settings.namespace
+        name = f"nodeagent-watchers-{self.settings.identity}"[:253]
+        while True:
+            nodes = sorted(k[5:] for k in self.stream.subscribers if k.startswith("node/"))
+            body: dict[str, Any] = {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": ns,
+                             "labels": {WATCHERS_LABEL: "true",
+                                        "app.kubernetes.io/name": "nodeagent"}},
+                "data": {"nodes": "\n".join(nodes), "updated": rfc3339()}}
+            try:
+                current = self.caches["watchers"].get(name, ns)
+                if current is None:
+                    await self.kube.create(CONFIGMAPS, body)
+                else:
+                    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                    await self.kube.update(CONFIGMAPS, body)
+            except KubeError as exc:
+                log.info("watcher report not written", error=str(exc))
+            await trio.sleep(WATCHERS_PERIOD)
 
     async def _write_tunnel_status(self) -> None:
         """ClusterTunnel status (nodes covered, config version, Ready), and its finalizer:
@@ -230,7 +281,8 @@ class Controller:
 
 def _tunnel_report(objects: list[dict[str, Any]], tunnels: list[Any],
                    nodes: list[dict[str, Any]], problems: list[Problem],
-                   versions: ConfigVersions) -> dict[str, dict[str, Any]]:
+                   versions: ConfigVersions, connected: set[str]
+                   ) -> dict[str, dict[str, Any]]:
     """The status each ClusterTunnel should show (camelCase, as in the CRD)."""
     valid = {t.name: t for t in tunnels}
     servers = versions.get("servers")
@@ -240,8 +292,10 @@ def _tunnel_report(objects: list[dict[str, Any]], tunnels: list[Any],
         name = meta.get("name", "")
         mine = [p for p in problems if p.kind == "ClusterTunnel" and p.name == name]
         tunnel = valid.get(name)
-        covered = 0 if tunnel is None else sum(
-            1 for n in nodes if tunnel.spec.covers((n.get("metadata") or {}).get("labels") or {}))
+        names = [] if tunnel is None else [
+            str((n.get("metadata") or {}).get("name")) for n in nodes
+            if tunnel.spec.covers((n.get("metadata") or {}).get("labels") or {})]
+        covered = len(names)
         ready = "True" if tunnel is not None and not mine else "False"
         condition = {"type": "Ready", "status": ready,
                      "reason": mine[0].reason if mine else "Applied",
@@ -249,6 +303,7 @@ def _tunnel_report(objects: list[dict[str, Any]], tunnels: list[Any],
                      f"config for {covered} node(s) published"}
         report[name] = {"observedGeneration": meta.get("generation", 0),
                         "nodesCovered": covered,
+                        "nodesConnected": sum(1 for name in names if name in connected),
                         "configVersion": servers[0] if servers else 0,
                         "conditions": [condition]}
     return report
@@ -301,6 +356,7 @@ async def serve_controller(settings: ControllerSettings, *,
             await nursery.start(informers.run)
             await nursery.start(debouncer.run)
             await controller.recompute()
+            nursery.start_soon(controller.publish_watchers)
             await nursery.start(controller.stream.run, settings.listen_host,
                                 settings.listen_port)
             if settings.metrics_listen is not None:

@@ -252,11 +252,13 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     # one waits for the finalizer, which goes once its rules are out of the node configs.
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "edge"}, "spec": {
         "allowedNodePorts": [10250]}})
+    # The agent watches c2; c2 is the leader now and also reads the other replicas' reports.
     wait_for(lambda: (api.get(CLUSTER_TUNNELS, "edge").get("status") or {}).get(
-        "nodesCovered") == 1, "ClusterTunnel status")
+        "nodesConnected") == 1, "ClusterTunnel status", timeout=15)
     tunnel = api.get(CLUSTER_TUNNELS, "edge")
     assert tunnel["metadata"]["finalizers"] == ["nodeagent.io/cleanup"]
     assert tunnel["status"]["conditions"][0]["status"] == "True"
+    assert tunnel["status"]["nodesCovered"] == 1
     api.delete(CLUSTER_TUNNELS, "edge")
     wait_for(lambda: not any(t["metadata"]["name"] == "edge"
                              for t in api.list(CLUSTER_TUNNELS)), "finalizer released")

@@ -11,14 +11,17 @@ ClusterTunnels).
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 
+from nodeagent import pki
 from nodeagent.config import NodeConfig
 from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
 from nodeagent.controller.crds import ensure_crds
@@ -40,6 +43,7 @@ from nodeagent.kube import (
     KubeClient,
     KubeError,
     LeaderElector,
+    NotFound,
     SharedInformers,
     load_credentials,
 )
@@ -51,6 +55,10 @@ SERVER_SERVICE = "nodeagent-server"  # its LoadBalancer address goes into Ingres
 # Each replica publishes which nodes hold a config watch on it, in a ConfigMap of its own
 # (agents watch whichever replica the Service picks): the leader sums them up for
 # ClusterTunnel status. Reports older than WATCHERS_STALE are from dead replicas.
+CA_SECRET = "nodeagent-ca"  # the CA's certificate and key
+CA_CONFIGMAP = "nodeagent-ca"  # its certificate alone, for agents (ca.crt)
+SERVER_TLS_SECRET = "nodeagent-server-tls"  # the servers' tunnel certificate
+MANAGED_LABEL = "nodeagent.io/managed"
 WATCHERS_LABEL = "nodeagent.io/watchers"
 WATCHERS_PERIOD = 5.0
 WATCHERS_STALE = 30.0
@@ -93,6 +101,7 @@ class Controller:
         self.events = EventRecorder(self.kube, component="nodeagent-controller",
                                     instance=self.settings.identity)
         self._reported: set[tuple[str, str, str, str]] = set()
+        self._ca_published = False
 
     async def recompute(self) -> None:
         c = self.caches
@@ -130,6 +139,7 @@ class Controller:
                                             c["nodes"].list(), self.problems, self.versions,
                                             self.connected_nodes())
         if self.is_leader:
+            await self.ensure_pki()
             await self._record_events()
             await self._write_ingress_status()
             await self._write_tunnel_status()
@@ -266,12 +276,88 @@ class Controller:
         except AlreadyExists:
             pass
 
+    def server_names(self) -> tuple[list[str], list[str]]:
+        """DNS names and IPs the servers' tunnel certificate must carry: the in-cluster
+        Service names, the ClusterTunnels' serverUrl hosts, the LoadBalancer address."""
+        ns = self.settings.namespace
+        dns = [SERVER_SERVICE, f"{SERVER_SERVICE}.{ns}", f"{SERVER_SERVICE}.{ns}.svc",
+               f"{SERVER_SERVICE}.{ns}.svc.cluster.local"]
+        ips: list[str] = []
+        hosts = [urlsplit(t.spec.server_url).hostname or "" for t in parse_tunnels(
+            self.caches["clustertunnels"].list())[0] if t.spec.server_url]
+        hosts += [a.get("ip") or a.get("hostname") or "" for a in self.public_addresses()]
+        for host in filter(None, hosts):
+            try:
+                ipaddress.ip_address(host)
+                ips.append(host)
+            except ValueError:
+                dns.append(host)
+        return sorted(set(dns)), sorted(set(ips))
+
+    async def ensure_pki(self) -> None:
+        """Leader only. The CA (Secret nodeagent-ca, and its certificate for agents in
+        ConfigMap nodeagent-ca) is created once and never replaced. The servers' tunnel
+        certificate (Secret nodeagent-server-tls) is created, and re-issued when the names
+        it must carry change — only if it is ours (labelled), never someone else's."""
+        ns = self.settings.namespace
+        secrets_cache = self.caches["secrets"]
+        labels = {"app.kubernetes.io/name": "nodeagent", MANAGED_LABEL: "true"}
+        try:
+            ca_secret = secrets_cache.get(CA_SECRET, ns)
+            if ca_secret is None:
+                ca = pki.create_ca("nodeagent CA")
+                await self.kube.create(SECRETS, {
+                    "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                    "metadata": {"name": CA_SECRET, "namespace": ns, "labels": labels},
+                    "stringData": {"tls.crt": ca.certificate_pem.decode(),
+                                   "tls.key": ca.key_pem.decode()}})
+                log.info("CA created", secret=f"{ns}/{CA_SECRET}")
+            else:
+                ca = pki.CertificateAuthority.load(
+                    _secret_value(ca_secret, "tls.crt").encode(),
+                    _secret_value(ca_secret, "tls.key").encode())
+            if not self._ca_published:  # checked once per leadership, not per recompute
+                try:
+                    await self.kube.get(CONFIGMAPS, CA_CONFIGMAP, namespace=ns)
+                except NotFound:
+                    await self.kube.create(CONFIGMAPS, {
+                        "apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": CA_CONFIGMAP, "namespace": ns,
+                                     "labels": labels},
+                        "data": {"ca.crt": ca.certificate_pem.decode()}})
+                    log.info("CA certificate published", configmap=f"{ns}/{CA_CONFIGMAP}")
+                self._ca_published = True
+            dns, ips = self.server_names()
+            current = secrets_cache.get(SERVER_TLS_SECRET, ns)
+            if current is not None:
+                ours = (current.get("metadata", {}).get("labels") or {}).get(MANAGED_LABEL)
+                have = _certificate_names(_secret_value(current, "tls.crt"))
+                if ours != "true" or have >= set(dns) | set(ips):
+                    return
+            leaf = pki.issue_server_certificate(ca, dns, ips, common_name=SERVER_SERVICE)
+            body: dict[str, Any] = {
+                "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                "metadata": {"name": SERVER_TLS_SECRET, "namespace": ns, "labels": labels},
+                "stringData": {"tls.crt": leaf.certificate_pem.decode(),
+                               "tls.key": leaf.key_pem.decode()}}
+            if current is None:
+                await self.kube.create(SECRETS, body)
+            else:
+                body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                await self.kube.update(SECRETS, body)
+            log.info("server certificate issued", secret=f"{ns}/{SERVER_TLS_SECRET}",
+                     names=",".join(dns + ips))
+        except (KubeError, ValueError) as exc:
+            log.warning("PKI bootstrap incomplete; retrying at the next change", error=str(exc))
+
     async def lead(self) -> None:
         """While holding the Lease."""
         self.is_leader = True
+        self._ca_published = False
         log.info("leading", identity=self.settings.identity)
         try:
             await self.create_token_if_missing()
+            await self.ensure_pki()
             await self._record_events()
             await self._write_ingress_status()
             await trio.sleep_forever()
@@ -320,6 +406,18 @@ def _keep_transition_times(old: dict[str, Any], new: dict[str, Any]) -> dict[str
         when = prior.get("lastTransitionTime") if same and prior else rfc3339()
         conditions.append(dict(cond, lastTransitionTime=when))
     return dict(new, conditions=conditions)
+
+
+def _certificate_names(pem: str) -> set[str]:
+    """The DNS names and IPs in a PEM certificate's SAN (empty if it does not parse)."""
+    from cryptography import x509
+    try:
+        cert = x509.load_pem_x509_certificate(pem.encode())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return set()
+    return set(sans.get_values_for_type(x509.DNSName)) | {
+        str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
 
 
 def _secret_value(secret: dict[str, Any], key: str) -> str:

@@ -16,8 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from nodeagent.controller.run import _certificate_names, _secret_value
 from nodeagent.crd import CLUSTER_TUNNELS
 from nodeagent.kube.resources import (
+    CONFIGMAPS,
     ENDPOINTSLICES,
     EVENTS,
     INGRESSCLASSES,
@@ -179,6 +181,12 @@ def cluster(tmp_path: Path, certs: Certs, upstream: Upstream) -> Iterator[dict[s
 def test_ingress_reaches_the_edge_pod_and_follows_every_change(
         cluster: dict[str, Any]) -> None:
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
+    # The leader bootstrapped the PKI the manifests mount: a CA, its certificate for
+    # agents, and the servers' tunnel certificate for the in-cluster Service names.
+    wait_for(lambda: {s["metadata"]["name"] for s in api.list(SECRETS, "nodeagent")} >= {
+        "nodeagent-ca", "nodeagent-server-tls"}, "CA and server certificate Secrets")
+    ca_pem = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
+    assert "BEGIN CERTIFICATE" in ca_pem
     api.create(NODES, {"metadata": {"name": "edge-1"}, "spec": {"podCIDRs": ["10.1.0.0/24"]},
                        "status": {"addresses": [{"type": "InternalIP",
                                                  "address": "192.168.7.10"}]}})
@@ -251,7 +259,7 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     # ClusterTunnels: the leader adds its finalizer and keeps the status current; deleting
     # one waits for the finalizer, which goes once its rules are out of the node configs.
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "edge"}, "spec": {
-        "allowedNodePorts": [10250]}})
+        "allowedNodePorts": [10250], "serverUrl": "wss://tunnel.example.net:8443/tunnel"}})
     # The agent watches c2; c2 is the leader now and also reads the other replicas' reports.
     wait_for(lambda: (api.get(CLUSTER_TUNNELS, "edge").get("status") or {}).get(
         "nodesConnected") == 1, "ClusterTunnel status", timeout=15)
@@ -259,6 +267,10 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     assert tunnel["metadata"]["finalizers"] == ["nodeagent.io/cleanup"]
     assert tunnel["status"]["conditions"][0]["status"] == "True"
     assert tunnel["status"]["nodesCovered"] == 1
+    # The servers' certificate is re-issued to carry the tunnel's public name.
+    wait_for(lambda: "tunnel.example.net" in _certificate_names(_secret_value(
+        api.get(SECRETS, "nodeagent-server-tls", "nodeagent"), "tls.crt")),
+        "server certificate names the public host")
     api.delete(CLUSTER_TUNNELS, "edge")
     wait_for(lambda: not any(t["metadata"]["name"] == "edge"
                              for t in api.list(CLUSTER_TUNNELS)), "finalizer released")

@@ -227,6 +227,19 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
     wait_for(lambda: any(e.get("reason") == "ServiceNotFound"
                          for e in api.list(EVENTS, NS)), "Event for the bad Ingress")
     assert get(port, "shop.test", "/api/x").status_code == 200
+    # A TLS Secret that does not exist and a path the API accepts but HTTP cannot match
+    # (a space): Events too, and the rest of the same Ingress is still served (over plain
+    # HTTP for the TLS host).
+    odd = ingress("odd", "odd.test", "/")
+    odd["spec"]["tls"] = [{"hosts": ["odd.test"], "secretName": "missing-tls"}]
+    odd["spec"]["rules"][0]["http"]["paths"].append(
+        {"path": "/has space", "pathType": "ImplementationSpecific",
+         "backend": {"service": {"name": "web", "port": {"name": "http"}}}})
+    api.create(INGRESSES, odd)
+    wait_for(lambda: {"TLSSecretMissing", "InvalidRule"} <= {
+        e.get("reason") for e in api.list(EVENTS, NS)}, "Events for TLS and path problems")
+    assert get(port, "odd.test", "/").status_code == 200
+    assert get(port, "shop.test", "/api/x").status_code == 200
 
     # The Ingress removed: 404.
     api.delete(INGRESSES, "shop", NS)

@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    from nodeagent import logs
+    from nodeagent.ops import logs
     logs.configure(args.log_level, args.log_format)
     try:
         if args.command in ("server", "agent"):
@@ -180,21 +180,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--controller URL with its flags (see --help)")
         if args.command == "server":
             if args.config is None:
-                from nodeagent.cluster import run_server_cluster
+                from nodeagent.server.main import run_server_cluster
                 return run_server_cluster(args)
-            from nodeagent.run import run_server
+            from nodeagent.server.main import run_server
             return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds)
         if args.command == "agent":
             if args.config is None:
-                from nodeagent.cluster import run_agent_cluster
+                from nodeagent.agent.main import run_agent_cluster
                 return run_agent_cluster(args)
-            from nodeagent.run import run_agent
+            from nodeagent.agent.main import run_agent
             return run_agent(args.config, check=args.check)
         if args.command == "controller":
             from nodeagent.controller.main import run_controller
             return run_controller(args)
         if args.command == "debug":
-            from nodeagent.debugcli import run_debug
+            from nodeagent.ops.debugcli import run_debug
             return run_debug(args.what, args.socket, as_json=args.json)
         if args.command == "demo":
             from nodeagent.demo import run_demo

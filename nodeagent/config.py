@@ -6,10 +6,12 @@ means an example in the docs works in either. Validation is pydantic: every erro
 the field path and the problem, and nothing starts on invalid config.
 
 Two halves per role:
+- what it should do (allowed targets, interception, routes): `NodeConfig`, `RoutesConfig`;
+  from a file in standalone mode, from the controller in cluster mode, with a version
+  either way;
 - what a process needs to run at all (its identity, where to connect, credentials, the
-  debug socket): `AgentSettings`, `ServerSettings`; only ever from a file or flags;
-- what it should do (allowed targets, routes): `NodeConfig`, `RoutesConfig`; from a file in
-  standalone mode, from the controller in cluster mode, with a version either way.
+  debug socket): `AgentConfig` and `ServerConfig` extend those halves with it; only ever
+  from a file or flags.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from netfilter.model import NetfilterError
+from nodeagent.agent.intercept.rules import build_model
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 DNS_NAME = re.compile(
@@ -332,9 +337,6 @@ class InterceptConfig(Model):
         # The netfilter model's own validation (overlapping or invalid CIDRs, port
         # ranges, duplicate names), so a bad file is refused at load with the rule's
         # name; interfaces are checked against the host when applied.
-        from netfilter.model import NetfilterError
-        from nodeagent.intercept import build_model
-
         try:
             build_model(self, skip_mark=DEFAULT_SOCKET_MARK)
         except NetfilterError as exc:

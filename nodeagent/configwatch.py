@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import h11
 import trio
 from pydantic import BaseModel
 
 from nodeagent.config import ConfigError, parse_config
-from nodeagent.logs import StructuredLogger, get_logger
+from nodeagent.ops.logs import StructuredLogger, get_logger
 from tunnel.backoff import Backoff
 
 M = TypeVar("M", bound=BaseModel)
@@ -161,3 +163,32 @@ async def _body(conn: h11.Connection, stream: trio.abc.Stream) -> str:
                 continue
             break
     return out.decode(errors="replace")[:300]
+
+
+def controller_address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ConfigError(f"--controller {url!r}: use http://host:port")
+    return parts.hostname, parts.port or 80
+
+
+def _token_reader(path: Path) -> Callable[[], str]:
+    """Reads the token file at each (re)connect: a rotated Secret takes effect."""
+    def read() -> str:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file {path}: {exc.strerror}") from None
+    read()  # fail at start, not at the first watch
+    return read
+
+
+def token_reader(path: Path) -> Callable[[], str]:
+    """Reads the token file at each (re)connect: a rotated Secret takes effect."""
+    def read() -> str:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file {path}: {exc.strerror}") from None
+    read()  # fail at start, not at the first watch
+    return read

@@ -16,7 +16,7 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
-from nodeagent.debug import (
+from nodeagent.ops.debug import (
     DebugServer,
     DebugSocketInUse,
     DebugUnavailable,

@@ -1,6 +1,6 @@
 """Structured log calls for the tunnel: a message plus fields, on the standard library.
 
-`nodeagent.logs` formats these records as key=value or JSON; any other program using the
+`nodeagent.ops.logs` formats these records as key=value or JSON; any other program using the
 tunnel package sees ordinary log records whose fields sit in `record.nodeagent_fields`.
 """
 

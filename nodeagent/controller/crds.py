@@ -28,7 +28,7 @@ from nodeagent.crd import (
     ClusterTunnelStatus,
 )
 from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, Conflict, KubeClient, NotFound
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 CRD_REVISION = 3  # 3: status.nodesCovered and nodesConnected
 log = get_logger("nodeagent.crds")

@@ -28,7 +28,6 @@ from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import Problem, translate_ingresses
 from nodeagent.controller.stream import ConfigStreamServer
 from nodeagent.crd import CLUSTER_TUNNELS, FINALIZER
-from nodeagent.health import HealthServer
 from nodeagent.kube import (
     CONFIGMAPS,
     ENDPOINTSLICES,
@@ -47,7 +46,8 @@ from nodeagent.kube import (
     SharedInformers,
     load_credentials,
 )
-from nodeagent.logs import get_logger
+from nodeagent.ops.health import HealthServer
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.controller")
 TOKEN_SECRET = "nodeagent-agent-token"

@@ -30,7 +30,7 @@ import trio
 
 from nodeagent.config import NodeConfig
 from nodeagent.controller.compute import ConfigVersions
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.controller.stream")
 MAX_REQUEST_BYTES = 16 * 1024

@@ -59,7 +59,7 @@ from nodeagent.http.h1 import (
 )
 from nodeagent.http.routes import Backend, Route, RouteTable
 from nodeagent.http.tls import TlsConfig
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.http")
 

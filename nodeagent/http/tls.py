@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.http.tls")
 

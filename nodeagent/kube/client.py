@@ -20,7 +20,7 @@ import httpx
 from nodeagent.kube.credentials import Credentials
 from nodeagent.kube.errors import ApiUnreachable, KubeError
 from nodeagent.kube.resources import TOKENREVIEWS, Resource
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.kube.client")
 

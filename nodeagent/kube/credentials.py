@@ -32,7 +32,7 @@ import trio
 from kubernetes import config as _kubernetes_config
 from kubernetes.client import Configuration
 
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.kube.credentials")
 

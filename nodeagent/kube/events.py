@@ -21,7 +21,7 @@ import trio
 from nodeagent.kube.client import KubeClient, Object
 from nodeagent.kube.errors import KubeError, NotFound
 from nodeagent.kube.resources import EVENTS
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.kube.events")
 

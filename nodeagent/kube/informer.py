@@ -29,7 +29,7 @@ import trio
 from nodeagent.kube.client import KubeClient, Object, Selector, WatchEvent, object_key
 from nodeagent.kube.errors import Gone, KubeError
 from nodeagent.kube.resources import Resource
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 from tunnel.backoff import Backoff
 
 log = get_logger("nodeagent.kube.informer")

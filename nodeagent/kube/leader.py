@@ -28,7 +28,7 @@ import trio
 from nodeagent.kube.client import KubeClient, Object
 from nodeagent.kube.errors import KubeError, NotFound
 from nodeagent.kube.resources import LEASES
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.kube.leader")
 

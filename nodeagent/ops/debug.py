@@ -33,7 +33,7 @@ import h11
 import httpx
 import trio
 
-from nodeagent.logs import get_logger
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.debug")
 

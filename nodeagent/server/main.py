@@ -1,9 +1,17 @@
-"""Process entry points for the server and agent roles: load config, build TLS, run
-everything in one nursery, stop gracefully on signals."""
+"""Entry point of the server role: from a config file (`nodeagent server --config`), or
+from flags with the controller's config watch stream (controller mode).
+
+Both run every listener of one Server in one nursery (tunnel, TCP mappings, HTTP and
+Ingress fronts, debug socket, health), and drain agents gracefully on SIGTERM/SIGINT;
+SIGHUP re-reads a config file. In controller mode the server watches the controller
+directly and applies each RoutesConfig (Ingress routes, certificates, egress, node CIDRs).
+"""
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
 import signal
 import ssl
 from pathlib import Path
@@ -11,19 +19,18 @@ from typing import Any
 
 import trio
 
-from netfilter.model import NetfilterError
 from nodeagent import pki
-from nodeagent.agent import Agent
-from nodeagent.config import AgentConfig, ConfigError, ServerConfig, load_config
-from nodeagent.debug import DebugServer
-from nodeagent.health import HealthServer
+from nodeagent.config import ConfigError, RoutesConfig, ServerConfig, load_config, parse_config
+from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
 from nodeagent.http.proxy import HttpFront, HttpStats
 from nodeagent.http.tls import TlsConfig
-from nodeagent.logs import get_logger
-from nodeagent.server import Server
+from nodeagent.ops.debug import DebugServer
+from nodeagent.ops.health import HealthServer
+from nodeagent.ops.logs import get_logger
+from nodeagent.server.server import Server
 from tunnel.dial import parse_endpoint, serve
 
-log = get_logger("nodeagent.run")
+log = get_logger("nodeagent.server")
 
 
 def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -35,21 +42,6 @@ def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
             require_client_cert=config.tls.require_client_cert)
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise ConfigError(f"tls: cannot load certificate or key: {exc}") from None
-
-
-def agent_ssl_context(config: AgentConfig) -> ssl.SSLContext | None:
-    if not config.server.startswith(("tls://", "wss://")):
-        return None
-    try:
-        ctx = pki.client_ssl_context(config.tls.ca_file, config.tls.cert_file,
-                                     config.tls.key_file)
-    except (OSError, ssl.SSLError, ValueError) as exc:
-        raise ConfigError(f"tls: cannot load CA, certificate or key: {exc}") from None
-    if config.tls.insecure_skip_verify:
-        log.warning("tls.insecure_skip_verify is set: the server's identity is NOT checked")
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
 
 
 async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
@@ -144,51 +136,50 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
     return 0
 
 
-async def serve_agent(agent: Agent, config_path: Path | None = None, *,
-                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    async with trio.open_nursery() as nursery:
-        await nursery.start(agent.run)
-        debug = DebugServer(str(agent.config.debug_socket), {
-            "/status": agent.status,
-            "/config": lambda: agent.node_config.model_dump(mode="json"),
-            "/rules": agent.rules,
-        }, registry=agent.metrics.registry)
-        await nursery.start(debug.run)
-        if agent.config.metrics_listen is not None:
-            def ready() -> str | None:
-                state = agent.client.status.state
-                return None if state == "connected" else f"tunnel {state}"
-            health = HealthServer(agent.metrics.registry, ready)
-            await nursery.start(health.run, agent.config.metrics_listen.host,
-                                agent.config.metrics_listen.port)
-        task_status.started()
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
-                if signum == signal.SIGHUP and config_path is not None:
-                    await _reload(agent, config_path)
-                    continue
-                log.info("shutting down", signal=signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
+    missing = [flag for flag, value in (("--token-file", args.token_file),
+                                        ("--controller", args.controller)) if not value]
+    if missing:
+        raise ConfigError(f"controller mode needs {', '.join(missing)} (or use --config FILE)")
+    controller_address(args.controller)
+    doc: dict[str, Any] = {
+        "server_id": args.server_id or os.environ.get("POD_NAME") or "nodeagent-server",
+        "tunnel": args.tunnel_listen, "controller": args.controller,
+        "tokens": [{"node": "*", "token_file": str(args.token_file)}]}
+    if args.tls_cert or args.tls_key:
+        doc["tls"] = {"cert_file": str(args.tls_cert), "key_file": str(args.tls_key)}
+    for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
+        value = getattr(args, key, None)
+        if value:
+            doc[key] = str(value)
+    return parse_config(ServerConfig, doc, "flags")
 
 
-async def _reload(agent: Agent, config_path: Path) -> None:
-    try:
-        new = load_config(AgentConfig, config_path)
-        if (new.node, new.server) != (agent.config.node, agent.config.server):
-            log.warning("node and server cannot change on reload; restart the agent for that")
-        await agent.apply_node_config(new.node_config())
-    except (ConfigError, NetfilterError) as exc:
-        log.error("config reload refused; keeping the running config", error=str(exc))
+def run_server_cluster(args: argparse.Namespace) -> int:
+    config = server_config_from_flags(args)
+    assert config.controller is not None
+    host, port = controller_address(config.controller)
+    token = token_reader(Path(str(args.token_file)))
+    ssl_context = server_ssl_context(config)
+    server = Server(config)
+    status = WatchStatus(config.controller)
+    server.config_watch = status
 
+    async def open_stream() -> trio.abc.Stream:
+        return await trio.open_tcp_stream(host, port)
 
-def run_agent(config_path: Path, *, check: bool = False) -> int:
-    config = load_config(AgentConfig, config_path)
-    ssl_context = agent_ssl_context(config)
-    agent = Agent(config, ssl_context=ssl_context)
-    if check:
-        print(f"{config_path}: valid. node {config.node}, server {config.server}, "
-              f"{len(config.allow)} allow rule(s)")
-        return 0
-    trio.run(lambda: serve_agent(agent, config_path))
+    async def apply(routes: RoutesConfig) -> None:
+        server.apply_routes(routes)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: watch_config(
+                open_stream=open_stream, host=f"{host}:{port}",
+                path=f"/v1/config/servers/{config.server_id}", token=token,
+                model=RoutesConfig, apply=apply, status=status,
+                log=log.bind(server=config.server_id)))
+            await serve_server(server, ssl_context)  # returns on SIGTERM/SIGINT
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
     return 0

@@ -1,4 +1,4 @@
-"""Dialing the real targets of streams: node-local services (agent) and direct
+"""The one TCP dialer, for the real targets of streams: node-local services (agent) and direct
 backends (server). Failures become the tunnel's refusal reasons, so the opener learns
 whether the target refused, was unreachable or timed out (502 vs 504 at the HTTP front).
 """

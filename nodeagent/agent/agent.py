@@ -19,18 +19,18 @@ from prometheus_client.core import GaugeMetricFamily
 
 from netfilter.model import NetfilterError
 from nodeagent import __version__
+from nodeagent.agent.intercept.listener import Interceptor
 from nodeagent.config import AgentConfig, NodeConfig
 from nodeagent.configwatch import WatchStatus
-from nodeagent.intercept import Interceptor
-from nodeagent.logs import get_logger
-from nodeagent.metrics import Metrics, gauge
-from nodeagent.ratelog import RateLimitedLog
-from nodeagent.targets import DialFailed, connect_tcp
+from nodeagent.ops.logs import get_logger
+from nodeagent.ops.metrics import Metrics, gauge
+from nodeagent.ops.ratelog import RateLimitedLog
 from tunnel import protocol as p
 from tunnel.client import Backoff, TunnelClient
 from tunnel.dial import parse_endpoint
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.splice import splice
+from tunnel.tcp import DialFailed, connect_tcp
 
 log = get_logger("nodeagent.agent")
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import trio
 
-from nodeagent.debug import DebugServer, HttpStatus
-from nodeagent.logs import get_logger
+from nodeagent.ops.debug import DebugServer, HttpStatus
+from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.health")
 

@@ -1,11 +1,11 @@
-"""The agent's transparent proxy: netfilter rules that catch selected connections, and
-the listener that carries each one where config says (through the tunnel, or direct).
+"""The agent's transparent proxy: keeps the kernel's interception rules in step with
+config, and serves the connections they catch, carrying each one where config says
+(through the tunnel, or direct).
 
 Like sshuttle or redsocks, but per node and driven by config. The rules come from the
-`netfilter` package (one owned table, atomic transactions); this module turns the agent's
-InterceptConfig into that package's model, keeps the kernel in step with it (reconcile at
-start, atomic re-apply on change, removal on clean shutdown), and serves the connections
-the rules redirect to the proxy port.
+`netfilter` package (one owned table, atomic transactions) through `rules.build_model`;
+this module reconciles them at start, re-applies them atomically on change, removes them
+on clean shutdown, and serves the connections they redirect to the proxy port.
 
 The netfilter backends block (they run `nft -f -` / `iptables-restore` and talk netlink
 through pyroute2's synchronous sockets), so they run in trio worker threads; everything
@@ -14,128 +14,37 @@ else is trio.
 
 from __future__ import annotations
 
-import ipaddress
-import shutil
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import trio
 
 from netfilter.model import (
     InterceptModel,
-    InterceptRule,
-    InvalidRule,
-    Mode,
     NetfilterError,
-    ProxyPorts,
-    validate_model,
 )
 from netfilter.sockets import intercepted_destination, set_transparent
-from nodeagent.logs import StructuredLogger, get_logger
-from nodeagent.ratelog import RateLimitedLog
-from nodeagent.targets import DialFailed, connect_tcp
+from nodeagent.agent.intercept.rules import (
+    ActiveRule,
+    Backend,
+    active_rule,
+    build_model,
+    choose_backend,
+    remove_other_backend_leftovers,
+)
+from nodeagent.config import InterceptConfig
+from nodeagent.ops.logs import StructuredLogger, get_logger
+from nodeagent.ops.ratelog import RateLimitedLog
 from tunnel import protocol as p
 from tunnel.endpoint import StreamRefusedError
 from tunnel.splice import close_stream, splice
-
-if TYPE_CHECKING:  # config imports this module to validate; avoid the cycle at runtime
-    from nodeagent.config import InterceptConfig
+from tunnel.tcp import DialFailed, connect_tcp
 
 log = get_logger("nodeagent.intercept")
 
 OpenTunnel = Callable[[p.Target, dict[str, str]], Awaitable[trio.abc.HalfCloseableStream]]
-
-
-class Backend(Protocol):
-    def apply(self, model: InterceptModel) -> bool: ...
-    def remove(self) -> bool: ...
-    def reconcile(self, model: InterceptModel | None) -> bool: ...
-    def list_applied(self) -> str: ...
-
-
-def build_model(config: InterceptConfig, *, skip_mark: int,
-                interfaces: list[str] | None = None) -> InterceptModel:
-    """InterceptConfig → the netfilter model, validated. Raises NetfilterError (its
-    InvalidRule names the rule) for overlapping or invalid CIDRs, bad ports, unknown
-    interfaces (when `interfaces` is given)."""
-    for rule in config.rules:
-        if rule.protocol != "tcp":
-            # The rule model and both backends render udp, but the agent has no UDP relay
-            # yet: a udp rule would divert datagrams to a port nobody serves.
-            raise InvalidRule(rule.name, "protocol udp is not supported by the agent yet; "
-                                         "intercept rules are tcp only")
-    rules = tuple(
-        InterceptRule.parse(
-            rule.name, rule.protocol, rule.destinations, ports=rule.ports,
-            source_interfaces=rule.source_interfaces, source_cidrs=rule.source_cidrs,
-            exclude=rule.exclude, host_traffic=rule.host_traffic)
-        for rule in config.rules
-    )
-    from netfilter.model import parse_cidrs
-    model = InterceptModel(
-        rules=rules,
-        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port),
-        mode=Mode(config.mode),
-        exclude=parse_cidrs("(global)", "exclude", config.exclude),
-        skip_mark=skip_mark,
-    )
-    return validate_model(model, interfaces)
-
-
-def choose_backend(name: str, netns: str | None = None) -> tuple[Backend, str]:
-    """The backend to program and one line saying why. "auto" follows what the host
-    already uses (netfilter.detect: legacy iptables holding kube-proxy's chains means an
-    iptables-legacy host; otherwise our own nftables table)."""
-    from netfilter.detect import Backend as Kind
-    from netfilter.detect import detect_backend
-    from netfilter.iptables import IptablesBackend
-    from netfilter.nftables import NftablesBackend
-    if name == "iptables":
-        return IptablesBackend(netns), "intercept.backend is iptables"
-    if name == "nftables":
-        return NftablesBackend(netns), "intercept.backend is nftables"
-    detection = detect_backend(netns)
-    if detection.backend is Kind.IPTABLES_LEGACY:
-        return IptablesBackend(netns, use_ipset=detection.ipset), detection.reason
-    return NftablesBackend(netns), detection.reason
-
-
-def _leftovers_of_other_backend(chosen: Backend, netns: str | None) -> bool:
-    """Remove what a previous run left in the backend we are NOT using now (the host
-    switched, or the config did): only our own table/chains, never anything else."""
-    from netfilter.iptables import IptablesBackend
-    from netfilter.nftables import NftablesBackend
-    other: Backend
-    if isinstance(chosen, IptablesBackend):
-        if shutil.which("nft") is None:
-            return False
-        other = NftablesBackend(netns)
-    else:
-        if shutil.which("iptables-legacy-restore") is None:
-            return False
-        other = IptablesBackend(netns, use_ipset=False)
-    return other.remove()
-
-
-@dataclass(frozen=True)
-class _ActiveRule:
-    name: str
-    protocol: str
-    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
-    exclude: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
-    ports: tuple[tuple[int, int], ...]
-    via: str
-
-    def matches(self, host: str, port: int) -> bool:
-        address = ipaddress.ip_address(host)
-        if not any(address.version == n.version and address in n for n in self.networks):
-            return False
-        if any(address.version == n.version and address in n for n in self.exclude):
-            return False
-        return not self.ports or any(a <= port <= b for a, b in self.ports)
 
 
 class Interceptor:
@@ -158,7 +67,7 @@ class Interceptor:
         self._refusal_log = RateLimitedLog(self.log, period=60.0)
         self.outcomes: Counter[str] = Counter()
         self.model: InterceptModel | None = None
-        self._rules: tuple[_ActiveRule, ...] = ()
+        self._rules: tuple[ActiveRule, ...] = ()
         self._routing: Any = None
         self._lock = trio.Lock()
 
@@ -177,7 +86,7 @@ class Interceptor:
             changed = await trio.to_thread.run_sync(self.backend.apply, model)
             await trio.to_thread.run_sync(self._ensure_routing, model)
             self.config, self.model = config, model
-            self._rules = tuple(_active(rule_cfg, rule)
+            self._rules = tuple(active_rule(rule_cfg, rule)
                                 for rule_cfg, rule in zip(config.rules, model.rules, strict=True))
             self.log.info("intercept rules applied" if changed else "intercept rules unchanged",
                           rules=len(model.rules), mode=model.mode.value)
@@ -234,12 +143,12 @@ class Interceptor:
             # Netfilter calls block (nft/iptables-restore subprocesses, netlink through
             # pyroute2): run them on a worker thread so the tunnel keeps serving.
             await trio.to_thread.run_sync(self.backend.reconcile, model)
-            if await trio.to_thread.run_sync(_leftovers_of_other_backend, self.backend,
+            if await trio.to_thread.run_sync(remove_other_backend_leftovers, self.backend,
                                              self._netns):
                 self.log.info("removed rules a previous run left in the other backend")
             await trio.to_thread.run_sync(self._ensure_routing, model)
             self.model = model
-            self._rules = tuple(_active(c, r) for c, r in zip(self.config.rules, model.rules,
+            self._rules = tuple(active_rule(c, r) for c, r in zip(self.config.rules, model.rules,
                                                                strict=True))
             self.log.info("intercepting", rules=len(model.rules), mode=model.mode.value,
                           proxy_port=self.config.proxy_port,
@@ -276,7 +185,7 @@ class Interceptor:
             listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         return listeners
 
-    def _rule_for(self, host: str, port: int) -> _ActiveRule | None:
+    def _rule_for(self, host: str, port: int) -> ActiveRule | None:
         for rule in self._rules:
             if rule.matches(host, port):
                 return rule
@@ -321,10 +230,3 @@ class Interceptor:
             return
         self.outcomes[f"{via}"] += 1
         await splice(client, upstream)
-
-
-def _active(config: Any, rule: InterceptRule) -> _ActiveRule:
-    return _ActiveRule(
-        name=rule.name, protocol=rule.protocol.value, networks=rule.destinations,
-        exclude=rule.exclude, ports=tuple((r.first, r.last) for r in rule.ports),
-        via=config.via)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nodeagent.logs import StructuredLogger
+from nodeagent.ops.logs import StructuredLogger
 
 
 class RateLimitedLog:

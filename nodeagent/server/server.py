@@ -36,11 +36,10 @@ from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.proxy import HttpStats
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
 from nodeagent.http.tls import CertStore, context_from_pem
-from nodeagent.logs import get_logger
-from nodeagent.metrics import Metrics, gauge
+from nodeagent.ops.logs import get_logger
+from nodeagent.ops.metrics import Metrics, gauge
+from nodeagent.ops.ratelog import RateLimitedLog
 from nodeagent.pki import node_name_from_certificate
-from nodeagent.ratelog import RateLimitedLog
-from nodeagent.targets import DialFailed, connect_tcp
 from tunnel import protocol as p
 from tunnel.endpoint import (
     AuthenticationFailed,
@@ -50,6 +49,7 @@ from tunnel.endpoint import (
 )
 from tunnel.server import TunnelServer
 from tunnel.splice import close_stream, splice
+from tunnel.tcp import DialFailed, connect_tcp
 from tunnel.transport import PeerInfo
 
 log = get_logger("nodeagent.server")

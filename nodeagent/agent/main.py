@@ -1,0 +1,145 @@
+"""Entry point of the agent role: from a config file (`nodeagent agent --config`), or
+from flags with the controller's config watch stream (controller mode).
+
+Both run the same Agent in one nursery with its debug socket and health listener, and stop
+gracefully on SIGTERM/SIGINT; SIGHUP re-reads a config file. In controller mode the agent
+opens its watch as a stream *through its tunnel* (edge nodes cannot reach the cluster
+network directly; the server allows the controller's address as egress) and applies each
+NodeConfig atomically (interception rules, allow list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import ssl
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from netfilter.model import NetfilterError
+from nodeagent import pki
+from nodeagent.agent.agent import Agent
+from nodeagent.config import AgentConfig, ConfigError, NodeConfig, load_config, parse_config
+from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
+from nodeagent.ops.debug import DebugServer
+from nodeagent.ops.health import HealthServer
+from nodeagent.ops.logs import get_logger
+from tunnel import protocol as p
+
+log = get_logger("nodeagent.agent")
+
+
+def agent_ssl_context(config: AgentConfig) -> ssl.SSLContext | None:
+    if not config.server.startswith(("tls://", "wss://")):
+        return None
+    try:
+        ctx = pki.client_ssl_context(config.tls.ca_file, config.tls.cert_file,
+                                     config.tls.key_file)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"tls: cannot load CA, certificate or key: {exc}") from None
+    if config.tls.insecure_skip_verify:
+        log.warning("tls.insecure_skip_verify is set: the server's identity is NOT checked")
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+async def serve_agent(agent: Agent, config_path: Path | None = None, *,
+                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(agent.run)
+        debug = DebugServer(str(agent.config.debug_socket), {
+            "/status": agent.status,
+            "/config": lambda: agent.node_config.model_dump(mode="json"),
+            "/rules": agent.rules,
+        }, registry=agent.metrics.registry)
+        await nursery.start(debug.run)
+        if agent.config.metrics_listen is not None:
+            def ready() -> str | None:
+                state = agent.client.status.state
+                return None if state == "connected" else f"tunnel {state}"
+            health = HealthServer(agent.metrics.registry, ready)
+            await nursery.start(health.run, agent.config.metrics_listen.host,
+                                agent.config.metrics_listen.port)
+        task_status.started()
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP and config_path is not None:
+                    await _reload(agent, config_path)
+                    continue
+                log.info("shutting down", signal=signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+async def _reload(agent: Agent, config_path: Path) -> None:
+    try:
+        new = load_config(AgentConfig, config_path)
+        if (new.node, new.server) != (agent.config.node, agent.config.server):
+            log.warning("node and server cannot change on reload; restart the agent for that")
+        await agent.apply_node_config(new.node_config())
+    except (ConfigError, NetfilterError) as exc:
+        log.error("config reload refused; keeping the running config", error=str(exc))
+
+
+def run_agent(config_path: Path, *, check: bool = False) -> int:
+    config = load_config(AgentConfig, config_path)
+    ssl_context = agent_ssl_context(config)
+    agent = Agent(config, ssl_context=ssl_context)
+    if check:
+        print(f"{config_path}: valid. node {config.node}, server {config.server}, "
+              f"{len(config.allow)} allow rule(s)")
+        return 0
+    trio.run(lambda: serve_agent(agent, config_path))
+    return 0
+
+
+def agent_config_from_flags(args: argparse.Namespace) -> AgentConfig:
+    node = args.node or os.environ.get("NODE_NAME")
+    missing = [flag for flag, value in (("--node (or NODE_NAME)", node),
+                                        ("--server", args.server),
+                                        ("--token-file", args.token_file),
+                                        ("--controller", args.controller)) if not value]
+    if missing:
+        raise ConfigError(f"controller mode needs {', '.join(missing)} (or use --config FILE)")
+    controller_address(args.controller)
+    doc: dict[str, Any] = {"node": node, "server": args.server,
+                           "token_file": str(args.token_file), "controller": args.controller,
+                           "tls": {"ca_file": str(args.ca_file)} if args.ca_file else {}}
+    if args.debug_socket:
+        doc["debug_socket"] = str(args.debug_socket)
+    if args.metrics_listen:
+        doc["metrics_listen"] = args.metrics_listen
+    return parse_config(AgentConfig, doc, "flags")
+
+
+def run_agent_cluster(args: argparse.Namespace) -> int:
+    config = agent_config_from_flags(args)
+    assert config.controller is not None and config.token_file is not None
+    host, port = controller_address(config.controller)
+    token = token_reader(config.token_file)
+    agent = Agent(config, ssl_context=agent_ssl_context(config))
+    status = WatchStatus(config.controller)
+    agent.config_watch = status
+
+    async def open_stream() -> trio.abc.Stream:
+        stream: trio.abc.Stream = await agent.client.open_stream(p.Target(host, port))
+        return stream
+
+    async def apply(node_config: NodeConfig) -> None:
+        await agent.apply_node_config(node_config)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: watch_config(
+                open_stream=open_stream, host=f"{host}:{port}",
+                path=f"/v1/config/nodes/{config.node}", token=token, model=NodeConfig,
+                apply=apply, status=status, log=log.bind(node=config.node)))
+            await serve_agent(agent)  # returns on SIGTERM/SIGINT
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return 0

@@ -1,0 +1,2 @@
+"""What operators see of every role: structured logs (and rate-limited ones), Prometheus
+metrics, the health endpoint, the node-local debug socket and the `nodeagent debug` CLI."""

@@ -21,9 +21,8 @@ from nodeagent.ops.debug import (
     DebugSocketInUse,
     DebugUnavailable,
     fetch_debug,
-    render_status,
-    render_table,
 )
+from nodeagent.ops.render import render_status, render_table
 
 
 class State(enum.Enum):

@@ -1,4 +1,4 @@
-"""The controller's config watch stream, over HTTP/1.1 (h11 on trio).
+"""The controller's config watch stream, over HTTP/1.1 (`ops.jsonhttp`'s server).
 
     GET /v1/config/nodes/{node}?after=N     an agent's NodeConfig
     GET /v1/config/servers/{id}?after=N     the servers' RoutesConfig
@@ -18,18 +18,25 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hmac
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
-import h11
 import trio
 
 from nodeagent.config import NodeConfig
 from nodeagent.controller.compute import ConfigVersions
+from nodeagent.ops.jsonhttp import (
+    Reply,
+    Request,
+    StreamingReply,
+    serve_http,
+    text_reply,
+)
 from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.controller.stream")
@@ -62,43 +69,29 @@ class ConfigStreamServer:
         listeners = await trio.open_tcp_listeners(port, host=host)
         log.info("config stream listening", address=f"{host}:{port}")
         task_status.started(listeners)
-        await trio.serve_listeners(self._handle, listeners)
+        await trio.serve_listeners(functools.partial(
+            serve_http, handler=self.answer, idle_timeout=self.request_timeout,
+            max_request_bytes=MAX_REQUEST_BYTES), listeners)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-        try:
-            with trio.move_on_after(self.request_timeout) as scope:
-                request = await _next_request(conn, stream)
-            if scope.cancelled_caught or request is None:
-                return
-            await self._serve(conn, stream, request)
-        except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
-                OSError) as exc:
-            log.debug("config watch ended", reason=repr(exc))
-        finally:
-            await stream.aclose()
-
-    async def _serve(self, conn: h11.Connection, stream: trio.SocketStream,
-                     request: h11.Request) -> None:
-        headers = {k.decode().lower(): v.decode(errors="replace") for k, v in request.headers}
-        target = urlsplit(request.target.decode(errors="replace"))
-        parts = target.path.strip("/").split("/")
-        if request.method != b"GET" or len(parts) != 4 or parts[:2] != ["v1", "config"] \
+    async def answer(self, request: Request) -> Reply | StreamingReply:
+        parts = request.path.strip("/").split("/")
+        if request.method != "GET" or len(parts) != 4 or parts[:2] != ["v1", "config"] \
                 or parts[2] not in ("nodes", "servers") or not parts[3]:
-            return await _reply(conn, stream, 404, "use /v1/config/nodes/NAME or "
-                                                   "/v1/config/servers/ID\n")
-        if not self.authorize(headers):
-            log.warning("config watch refused: bad token", path=target.path)
-            return await _reply(conn, stream, 401, "missing or wrong bearer token\n")
+            return _close(text_reply(404, "use /v1/config/nodes/NAME or "
+                                          "/v1/config/servers/ID\n"))
+        if not self.authorize(dict(request.headers)):
+            log.warning("config watch refused: bad token", path=request.path)
+            return _close(text_reply(401, "missing or wrong bearer token\n"))
         try:
-            after = int(parse_qs(target.query).get("after", ["-1"])[0])
+            after = int(request.query.get("after", ["-1"])[0])
         except ValueError:
-            return await _reply(conn, stream, 400, "after must be an integer\n")
-        key = f"node/{parts[3]}" if parts[2] == "nodes" else "servers"
-        await stream.send_all(conn.send(h11.Response(status_code=200, headers=[
-            ("content-type", "application/x-ndjson"), ("cache-control", "no-store")])))
+            return _close(text_reply(400, "after must be an integer\n"))
+        return StreamingReply(self._watch(parts[2], parts[3], after))
+
+    async def _watch(self, kind: str, name: str, after: int) -> AsyncGenerator[bytes, None]:
+        key = f"node/{name}" if kind == "nodes" else "servers"
         self.subscribers[key] += 1
-        log.info("config watch opened", subscriber=parts[3], kind=parts[2], after=after)
+        log.info("config watch opened", subscriber=name, kind=kind, after=after)
         try:
             while True:
                 changed = self._changed
@@ -107,46 +100,25 @@ class ConfigStreamServer:
                     current = (0, NodeConfig())
                 if current is not None and current[0] > after:
                     after = current[0]
-                    line = {"version": current[0],
-                            "config": current[1].model_dump(mode="json", exclude={"version"})}
-                    await _send_line(conn, stream, line)
+                    yield _line({"version": current[0],
+                                 "config": current[1].model_dump(mode="json",
+                                                                 exclude={"version"})})
                     continue
                 with trio.move_on_after(self.heartbeat):
                     await changed.wait()
                     continue
-                await _send_line(conn, stream, {})
+                yield _line({})
         finally:
             self.subscribers[key] -= 1
             if not self.subscribers[key]:
                 del self.subscribers[key]
-            log.info("config watch closed", subscriber=parts[3], kind=parts[2])
+            log.info("config watch closed", subscriber=name, kind=kind)
 
 
-async def _next_request(conn: h11.Connection, stream: trio.SocketStream) -> h11.Request | None:
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(MAX_REQUEST_BYTES)
-            conn.receive_data(data)
-            if not data:
-                return None
-            continue
-        if isinstance(event, h11.Request):
-            return event
-        return None
+def _line(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
 
-async def _send_line(conn: h11.Connection, stream: trio.SocketStream, doc: dict[str, Any]
-                     ) -> None:
-    data = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
-    await stream.send_all(conn.send(h11.Data(data=data)))
-
-
-async def _reply(conn: h11.Connection, stream: trio.SocketStream, status: int,
-                 body: str) -> None:
-    data = body.encode()
-    await stream.send_all(conn.send(h11.Response(status_code=status, headers=[
-        ("content-type", "text/plain"), ("content-length", str(len(data))),
-        ("connection", "close")])))
-    await stream.send_all(conn.send(h11.Data(data=data)))
-    await stream.send_all(conn.send(h11.EndOfMessage()))
+def _close(reply: Reply) -> Reply:
+    # A refused watcher reconnects with backoff; no reason to keep its connection.
+    return dataclasses.replace(reply, headers=(*reply.headers, ("connection", "close")))

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from nodeagent.config import DEFAULT_AGENT_SOCKET, DEFAULT_SERVER_SOCKET
-from nodeagent.ops.debug import DebugUnavailable, fetch_debug, render_status
+from nodeagent.ops.debug import DebugUnavailable, fetch_debug
+from nodeagent.ops.render import render_status
 
 
 def _default_socket() -> Path:

@@ -1,15 +1,16 @@
 """The metrics and health listener every role can open on TCP (`metrics_listen`):
 GET /metrics (Prometheus text), /healthz (200 while the process serves), /readyz (200 when
-ready, else 503 saying why). The same small h11 server as the debug socket, on TCP."""
+ready, else 503 saying why). The same JSON routes as the debug socket, on TCP."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from nodeagent.ops.debug import DebugServer, HttpStatus
+from nodeagent.ops.jsonhttp import HttpStatus, JsonRoutes, serve_http
 from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.health")
@@ -19,9 +20,8 @@ class HealthServer:
     def __init__(self, registry: Any, ready: Callable[[], str | None]) -> None:
         """`ready()` returns None when ready, else the reason it is not."""
         self._ready = ready
-        # DebugServer's path is unused here: only its HTTP handling is.
-        self._http = DebugServer("", {"/healthz": lambda: {"ok": True},
-                                      "/readyz": self._readyz}, registry=registry)
+        self._routes = JsonRoutes({"/healthz": lambda: {"ok": True}, "/readyz": self._readyz},
+                                  registry=registry)
 
     def _readyz(self) -> Any:
         reason = self._ready()
@@ -34,4 +34,5 @@ class HealthServer:
         listeners = await trio.open_tcp_listeners(port, host=host)
         log.info("metrics and health listening", address=f"{host}:{port}")
         task_status.started(listeners)
-        await trio.serve_listeners(self._http.serve_connection, listeners)
+        await trio.serve_listeners(functools.partial(serve_http, handler=self._routes),
+                                   listeners)

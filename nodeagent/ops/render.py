@@ -1,0 +1,137 @@
+"""Plain-text rendering of debug documents: the tables and key/value lines
+`nodeagent debug` prints (units guessed from key names)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def format_duration(seconds: float) -> str:
+    """`93784` → `1d 2h 03m 04s`; short durations keep their unit: `4.2s`."""
+    if seconds < 60:
+        return f"{seconds:.1f}s" if seconds < 10 and seconds != int(seconds) else f"{seconds:.0f}s"
+    s = int(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours}h {minutes:02d}m {s:02d}s"
+    if hours:
+        return f"{hours}h {minutes:02d}m {s:02d}s"
+    return f"{minutes}m {s:02d}s"
+
+
+def format_bytes(n: float) -> str:
+    """`1536` → `1.5 KiB`."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # unreachable
+
+
+def format_value(key: str, value: Any) -> str:
+    """A value as shown in tables, guessing units from the key's name."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    k = key.lower()
+    if isinstance(value, int | float):
+        if k.endswith(("uptime", "_seconds", "uptime_s", "age")):
+            return format_duration(value)
+        if "bytes" in k:
+            return format_bytes(value)
+        if k.endswith(("rtt_ms", "_ms")):
+            return f"{value:.1f} ms"
+        if isinstance(value, float):
+            return f"{value:g}"
+        return str(value)
+    if isinstance(value, list | tuple):
+        return ", ".join(format_value(key, v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k2}={format_value(k2, v)}" for k2, v in value.items()) or "-"
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def render_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]] | None = None
+) -> str:
+    """Rows as an aligned plain-text table; numbers right-aligned.
+
+    `columns` names the keys to show, optionally as `(key, heading)`; by default every key in
+    order of first appearance, headed by the key in upper case.
+    """
+    if columns is None:
+        keys: list[str] = []
+        for row in rows:
+            keys.extend(k for k in row if k not in keys)
+        columns = keys
+    cols = [(c, c.upper().replace("_", " ")) if isinstance(c, str) else c for c in columns]
+    if not rows:
+        return "  ".join(h for _, h in cols) + "\n(none)"
+    cells = [[format_value(k, row.get(k)) for k, _ in cols] for row in rows]
+    numeric = [
+        all(_is_number(rows[r].get(k)) or rows[r].get(k) is None for r in range(len(rows)))
+        for i, (k, _) in enumerate(cols)
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in cells)) for i, (_, h) in enumerate(cols)]
+
+    def line(values: Sequence[str], header: bool = False) -> str:
+        parts = [
+            v.rjust(w) if numeric[i] and not header else v.ljust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line([h for _, h in cols], header=True)]
+    out.extend(line(row) for row in cells)
+    return "\n".join(out)
+
+
+def _flatten(doc: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value and not _is_table(value):
+            items.extend(_flatten(value, name + "."))
+        elif not _is_table(value):
+            items.append((name, value))
+    return items
+
+
+def _is_table(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+
+
+def _tables(doc: Mapping[str, Any], prefix: str = "") -> list[tuple[str, list[Any]]]:
+    found: list[tuple[str, list[Any]]] = []
+    for key, value in doc.items():
+        if _is_table(value):
+            found.append((f"{prefix}{key}", value))
+        elif isinstance(value, Mapping):
+            found.extend(_tables(value, f"{prefix}{key}."))
+    return found
+
+
+def render_status(doc: Mapping[str, Any]) -> str:
+    """`nodeagent debug status`: a key/value section, then one table per list of objects.
+
+    Works on any status document: scalars and nested objects (flattened as `tunnel.state`)
+    become `key  value` lines, units guessed from key names (`uptime`, `*_bytes`,
+    `rtt_ms`); lists of objects, such as the tunnel connections, become tables.
+    """
+    pairs = _flatten(doc)
+    width = max((len(k) for k, _ in pairs), default=0)
+    out = [f"{k.ljust(width)}  {format_value(k, v)}".rstrip() for k, v in pairs]
+    for title, rows in _tables(doc):
+        out.append("")
+        out.append(f"{title} ({len(rows)})")
+        out.append(render_table(rows))
+    return "\n".join(out) + "\n"

@@ -26,6 +26,7 @@ import trio
 import trio.lowlevel
 
 from tunnel import protocol as p
+from tunnel.errors import StreamFailed
 from tunnel.limits import OpenRateLimiter
 from tunnel.log import StructuredLogger, get_logger
 from tunnel.transport import PeerInfo, Transport, TransportError
@@ -48,13 +49,8 @@ class TunnelClosedError(TunnelError, trio.BrokenResourceError):
         self.code = code
 
 
-class StreamRefusedError(TunnelError):
+class StreamRefusedError(StreamFailed, TunnelError):
     """The peer (or this side's limits) refused to open a stream."""
-
-    def __init__(self, reason: p.StreamReason, message: str) -> None:
-        super().__init__(f"{reason.name.lower()}: {message}" if message else reason.name.lower())
-        self.reason = reason
-        self.message = message
 
 
 class StreamResetError(TunnelError, trio.BrokenResourceError):

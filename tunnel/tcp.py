@@ -10,17 +10,15 @@ import socket
 
 import trio
 
+from tunnel.errors import StreamFailed
 from tunnel.protocol import StreamReason
 
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ENETDOWN,
                 errno.EHOSTDOWN}
 
 
-class DialFailed(Exception):
-    def __init__(self, reason: StreamReason, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+class DialFailed(StreamFailed):
+    """Connecting to the target failed: refused, unreachable or timed out."""
 
 
 async def connect_tcp(host: str, port: int, *, connect_timeout: float,

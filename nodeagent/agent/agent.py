@@ -29,8 +29,9 @@ from tunnel import protocol as p
 from tunnel.client import Backoff, TunnelClient
 from tunnel.dial import parse_endpoint
 from tunnel.endpoint import EndpointSettings, IncomingStream
-from tunnel.splice import splice
-from tunnel.tcp import DialFailed, connect_tcp
+from tunnel.errors import StreamFailed
+from tunnel.relay import relay_incoming
+from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.agent")
 
@@ -96,32 +97,31 @@ class Agent:
         target = incoming.target
         origin = incoming.metadata.get("origin", "")
         slog = self.log.bind(stream=incoming.stream.stream_id, target=str(target), origin=origin)
-        if target.protocol != "tcp" or not self.node_config.allows(
-                target.host, target.port, target.protocol):
-            self._count("forbidden")
-            self._forbidden_log.warning(
-                str(target), "stream refused: target not allowed on this node",
-                stream=incoming.stream.stream_id, target=str(target), origin=origin)
-            await incoming.refuse(p.StreamReason.FORBIDDEN,
-                                  f"{target} is not allowed on node {self.config.node}")
+
+        async def open_upstream() -> trio.abc.HalfCloseableStream:
+            if target.protocol != "tcp" or not self.node_config.allows(
+                    target.host, target.port, target.protocol):
+                raise StreamFailed(p.StreamReason.FORBIDDEN,
+                                   f"{target} is not allowed on node {self.config.node}")
+            return await connect_tcp(target.host, target.port,
+                                     connect_timeout=self.config.dial_timeout,
+                                     mark=self.config.socket_mark)
+
+        relayed = await relay_incoming(incoming, open_upstream,
+                                       on_accepted=lambda: self._count("accepted"))
+        if relayed.failure is not None:
+            failure = relayed.failure
+            self._count(failure.outcome)
+            if failure.reason is p.StreamReason.FORBIDDEN:
+                self._forbidden_log.warning(
+                    str(target), "stream refused: target not allowed on this node",
+                    stream=incoming.stream.stream_id, target=str(target), origin=origin)
+            else:
+                slog.info("stream refused: dial failed", reason=failure.outcome,
+                          error=failure.message)
             return
-        try:
-            upstream = await connect_tcp(target.host, target.port,
-                                         connect_timeout=self.config.dial_timeout,
-                                         mark=self.config.socket_mark)
-        except DialFailed as exc:
-            self._count(exc.reason.name.lower())
-            slog.info("stream refused: dial failed", reason=exc.reason.name.lower(),
-                      error=exc.message)
-            await incoming.refuse(exc.reason, exc.message)
-            return
-        try:
-            stream = await incoming.accept()
-        except BaseException:
-            await upstream.aclose()
-            raise
-        self._count("accepted")
-        result = await splice(stream, upstream)
+        result = relayed.spliced
+        assert result is not None
         self.metrics.stream_bytes.labels("in").inc(result.a_to_b)
         self.metrics.stream_bytes.labels("out").inc(result.b_to_a)
         slog.debug("stream finished", sent=result.b_to_a, received=result.a_to_b,

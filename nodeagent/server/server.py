@@ -47,9 +47,10 @@ from tunnel.endpoint import (
     IncomingStream,
     StreamRefusedError,
 )
+from tunnel.errors import StreamFailed
+from tunnel.relay import relay_connection, relay_incoming
 from tunnel.server import TunnelServer
-from tunnel.splice import close_stream, splice
-from tunnel.tcp import DialFailed, connect_tcp
+from tunnel.tcp import connect_tcp
 from tunnel.transport import PeerInfo
 
 log = get_logger("nodeagent.server")
@@ -217,35 +218,27 @@ class Server:
         target = incoming.target
         origin = incoming.metadata.get("origin", "")
         owner = self.routes.node_for_address(target.host)
-        try:
+        via = "egress"
+
+        async def open_upstream() -> trio.abc.HalfCloseableStream:
+            nonlocal via
             if owner is not None and owner != node:
-                upstream = await self.open_to(owner, target.host, target.port,
-                                              f"{node}/{origin}")
-                via = f"relay:{owner}"
-            elif self.routes.egress_allows(target.host, target.port, target.protocol) or (
+                via = "relay"
+                return await self.open_to(owner, target.host, target.port, f"{node}/{origin}")
+            if self.routes.egress_allows(target.host, target.port, target.protocol) or (
                     (target.host, target.port) == self._controller):
-                upstream = await connect_tcp(target.host, target.port,
-                                             connect_timeout=self.config.dial_timeout)
-                via = "egress"
-            else:
-                self._count_in("forbidden")
-                self._egress_refusals.warning(
-                    f"{node}:{target}", "agent stream refused: destination not allowed",
-                    node=node, target=str(target), origin=origin)
-                await incoming.refuse(p.StreamReason.FORBIDDEN,
-                                      f"{target} is not in the server's egress allow list")
-                return
-        except (StreamRefusedError, DialFailed) as exc:
-            self._count_in(exc.reason.name.lower())
-            await incoming.refuse(exc.reason, exc.message)
-            return
-        try:
-            stream = await incoming.accept()
-        except BaseException:
-            await close_stream(upstream)
-            raise
-        self._count_in(via.split(":")[0])
-        await splice(stream, upstream)
+                return await connect_tcp(target.host, target.port,
+                                         connect_timeout=self.config.dial_timeout)
+            self._egress_refusals.warning(
+                f"{node}:{target}", "agent stream refused: destination not allowed",
+                node=node, target=str(target), origin=origin)
+            raise StreamFailed(p.StreamReason.FORBIDDEN,
+                               f"{target} is not in the server's egress allow list")
+
+        relayed = await relay_incoming(incoming, open_upstream,
+                                       on_accepted=lambda: self._count_in(via))
+        if relayed.failure is not None:
+            self._count_in(relayed.failure.outcome)
 
     def _count_in(self, outcome: str) -> None:
         self.outcomes[f"agent_opened:{outcome}"] += 1
@@ -256,7 +249,7 @@ class Server:
     async def open_to(self, node: str | None, host: str, port: int,
                       origin: str) -> trio.abc.HalfCloseableStream:
         """A stream to host:port through `node` (or directly when node is None).
-        Raises StreamRefusedError / DialFailed with the reason."""
+        Raises StreamFailed (StreamRefusedError or DialFailed) with the reason."""
         if node is None:
             return await connect_tcp(host, port, connect_timeout=self.config.dial_timeout)
         with trio.move_on_after(self.config.dial_timeout) as scope:
@@ -271,8 +264,8 @@ class Server:
         """For the HTTP front: tunnel failures become 502 / 504 with a readable reason."""
         try:
             stream = await self.open_to(backend.node, backend.host, backend.port, client)
-        except (StreamRefusedError, DialFailed) as exc:
-            self._count(exc.reason.name.lower())
+        except StreamFailed as exc:
+            self._count(exc.outcome)
             status = 504 if exc.reason is p.StreamReason.TIMEOUT else 502
             where = f"node {backend.node}" if backend.node else "the server"
             raise UpstreamUnavailable(
@@ -288,16 +281,17 @@ class Server:
         peer = _address(client)
         mlog = self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
                              node=mapping.node, target=str(mapping.target), client=peer)
-        try:
-            stream = await self.open_to(mapping.node, mapping.target.host, mapping.target.port,
-                                        peer)
-        except (StreamRefusedError, DialFailed) as exc:
-            self._count(exc.reason.name.lower())
-            mlog.info("connection refused", reason=exc.reason.name.lower(), error=exc.message)
-            await close_stream(client, abort=True)
+        relayed = await relay_connection(
+            client, lambda: self.open_to(mapping.node, mapping.target.host,
+                                         mapping.target.port, peer),
+            on_accepted=lambda: self._count("accepted"))
+        if relayed.failure is not None:
+            self._count(relayed.failure.outcome)
+            mlog.info("connection refused", reason=relayed.failure.outcome,
+                      error=relayed.failure.message)
             return
-        self._count("accepted")
-        result = await splice(client, stream)
+        result = relayed.spliced
+        assert result is not None
         self.metrics.stream_bytes.labels("out").inc(result.a_to_b)
         self.metrics.stream_bytes.labels("in").inc(result.b_to_a)
         mlog.debug("connection finished", sent=result.a_to_b, received=result.b_to_a,

@@ -38,9 +38,9 @@ from nodeagent.config import InterceptConfig
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from nodeagent.ops.ratelog import RateLimitedLog
 from tunnel import protocol as p
-from tunnel.endpoint import StreamRefusedError
-from tunnel.splice import close_stream, splice
-from tunnel.tcp import DialFailed, connect_tcp
+from tunnel.relay import relay_connection
+from tunnel.splice import close_stream
+from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.intercept")
 
@@ -213,20 +213,22 @@ class Interceptor:
         rule = self._rule_for(host, port)
         via = rule.via if rule is not None else "tunnel"
         target = p.Target(host, port)
-        try:
+
+        async def open_upstream() -> trio.abc.HalfCloseableStream:
             if via == "direct":
-                upstream: trio.abc.HalfCloseableStream = await connect_tcp(
-                    host, port, connect_timeout=self._dial_timeout, mark=self.skip_mark)
-            else:
-                meta = {"origin": origin, "intercepted": rule.name if rule else ""}
-                upstream = await self._open_tunnel(target, meta)
-        except (StreamRefusedError, DialFailed) as exc:
-            outcome = exc.reason.name.lower()
+                return await connect_tcp(host, port, connect_timeout=self._dial_timeout,
+                                         mark=self.skip_mark)
+            meta = {"origin": origin, "intercepted": rule.name if rule else ""}
+            return await self._open_tunnel(target, meta)
+
+        def accepted() -> None:
+            self.outcomes[via] += 1
+
+        relayed = await relay_connection(client, open_upstream, on_accepted=accepted)
+        if relayed.failure is not None:
+            outcome = relayed.failure.outcome
             self.outcomes[outcome] += 1
             self._refusal_log.warning(
                 f"{target}:{outcome}", "intercepted connection refused; client reset",
-                target=str(target), origin=origin, reason=outcome, error=exc.message)
-            await close_stream(client, abort=True)
-            return
-        self.outcomes[f"{via}"] += 1
-        await splice(client, upstream)
+                target=str(target), origin=origin, reason=outcome,
+                error=relayed.failure.message)

@@ -32,8 +32,16 @@ from pydantic import (
     model_validator,
 )
 
-from netfilter.model import NetfilterError
-from nodeagent.agent.intercept.rules import build_model
+from netfilter.model import (
+    InterceptModel,
+    InterceptRule,
+    InvalidRule,
+    Mode,
+    NetfilterError,
+    ProxyPorts,
+    parse_cidrs,
+    validate_model,
+)
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 DNS_NAME = re.compile(
@@ -338,12 +346,41 @@ class InterceptConfig(Model):
         # ranges, duplicate names), so a bad file is refused at load with the rule's
         # name; interfaces are checked against the host when applied.
         try:
-            build_model(self, skip_mark=DEFAULT_SOCKET_MARK)
+            intercept_model(self, skip_mark=DEFAULT_SOCKET_MARK)
         except NetfilterError as exc:
             # pydantic reports ValueErrors as field errors; anything else would escape as
             # a traceback instead of "agent.yaml: intercept: ...".
             raise ValueError(str(exc)) from None
         return self
+
+
+def intercept_model(config: InterceptConfig, *, skip_mark: int,
+                interfaces: list[str] | None = None) -> InterceptModel:
+    """The intercept section as the netfilter package's model, validated. Raises NetfilterError (its
+    InvalidRule names the rule) for overlapping or invalid CIDRs, bad ports, unknown
+    interfaces (when `interfaces` is given)."""
+    for rule in config.rules:
+        if rule.protocol != "tcp":
+            # The rule model and both backends render udp, but the agent has no UDP relay
+            # yet: a udp rule would divert datagrams to a port nobody serves.
+            raise InvalidRule(rule.name, "protocol udp is not supported by the agent yet; "
+                                         "intercept rules are tcp only")
+    rules = tuple(
+        InterceptRule.parse(
+            rule.name, rule.protocol, rule.destinations, ports=rule.ports,
+            source_interfaces=rule.source_interfaces, source_cidrs=rule.source_cidrs,
+            exclude=rule.exclude, host_traffic=rule.host_traffic)
+        for rule in config.rules
+    )
+    model = InterceptModel(
+        rules=rules,
+        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port),
+        mode=Mode(config.mode),
+        exclude=parse_cidrs("(global)", "exclude", config.exclude),
+        skip_mark=skip_mark,
+    )
+    return validate_model(model, interfaces)
+
 
 
 class NodeConfig(Model):

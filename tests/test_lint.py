@@ -23,3 +23,12 @@ def test_ruff_finds_nothing() -> None:
 def test_mypy_strict_finds_nothing() -> None:
     result = _run("mypy", "--no-error-summary")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_contracts_hold() -> None:
+    """The layering in pyproject.toml's [tool.importlinter]: tunnel and netfilter never
+    import nodeagent, the protocol core does no I/O, roles do not import each other."""
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -3,7 +3,7 @@ config, and serves the connections they catch, carrying each one where config sa
 (through the tunnel, or direct).
 
 Like sshuttle or redsocks, but per node and driven by config. The rules come from the
-`netfilter` package (one owned table, atomic transactions) through `rules.build_model`;
+`netfilter` package (one owned table, atomic transactions) through `config.intercept_model`;
 this module reconciles them at start, re-applies them atomically on change, removes them
 on clean shutdown, and serves the connections they redirect to the proxy port.
 
@@ -30,11 +30,10 @@ from nodeagent.agent.intercept.rules import (
     ActiveRule,
     Backend,
     active_rule,
-    build_model,
     choose_backend,
     remove_other_backend_leftovers,
 )
-from nodeagent.config import InterceptConfig
+from nodeagent.config import InterceptConfig, intercept_model
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from nodeagent.ops.ratelog import RateLimitedLog
 from tunnel import protocol as p
@@ -79,7 +78,7 @@ class Interceptor:
         async with self._lock:
             from netfilter.routing import list_interfaces
             interfaces = await trio.to_thread.run_sync(list_interfaces, self._netns)
-            model = build_model(config, skip_mark=self.skip_mark, interfaces=interfaces)
+            model = intercept_model(config, skip_mark=self.skip_mark, interfaces=interfaces)
             if config.proxy_port != self.config.proxy_port and self.model is not None:
                 raise NetfilterError("intercept.proxy_port cannot change while running; "
                                      "restart the agent")
@@ -139,7 +138,7 @@ class Interceptor:
         try:
             from netfilter.routing import list_interfaces
             interfaces = await trio.to_thread.run_sync(list_interfaces, self._netns)
-            model = build_model(self.config, skip_mark=self.skip_mark, interfaces=interfaces)
+            model = intercept_model(self.config, skip_mark=self.skip_mark, interfaces=interfaces)
             # Netfilter calls block (nft/iptables-restore subprocesses, netlink through
             # pyroute2): run them on a worker thread so the tunnel keeps serving.
             await trio.to_thread.run_sync(self.backend.reconcile, model)

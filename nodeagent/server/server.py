@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import gc
 import hmac
 import time
 from collections import Counter
@@ -32,6 +31,7 @@ from nodeagent.config import (
     TcpMapping,
 )
 from nodeagent.configwatch import WatchStatus
+from nodeagent.gcpause import gc_paused
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.proxy import HttpStats
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
@@ -76,15 +76,8 @@ def _ingress_route(rule: IngressRule) -> Route:
 def build_ingress_table(ingress: IngressRoutes) -> tuple[RouteTable, list[str]]:
     """The Ingress listeners' route table, and one line per rule the table refused (the
     controller checks rules too; a bad one must not take the others down)."""
-    # As RouteTable.build does: tens of thousands of new objects at once would make the
-    # cyclic GC walk the whole (large, garbage-free) heap several times.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _build_ingress_table(ingress)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _build_ingress_table(ingress: IngressRoutes) -> tuple[RouteTable, list[str]]:

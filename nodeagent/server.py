@@ -50,7 +50,7 @@ from tunnel.endpoint import (
 )
 from tunnel.server import TunnelServer
 from tunnel.splice import close_stream, splice
-from tunnel.transport import PeerInfo
+from tunnel.transports import PeerInfo
 
 log = get_logger("nodeagent.server")
 

@@ -1,89 +1,9 @@
-"""The transport interface: how tunnel bytes travel between an agent and a server.
+"""Old home of the transport interface, now tunnel.transports.base.
 
-The protocol core does not care whether its bytes ride in WebSocket binary messages or
-directly in a TLS byte stream; the endpoints only see `Transport`. Every implementation
-passes the same conformance tests (tests/tunnel/test_transport_conformance.py).
+Only tunnel/endpoint.py still imports this name; it is being changed in parallel (the
+protocol split), so its import moves there. Delete this file with that one-line change.
 """
 
-from __future__ import annotations
+from tunnel.transports.base import PeerInfo, Transport, TransportError
 
-import abc
-import ssl
-from dataclasses import dataclass
-
-
-class TransportError(Exception):
-    """The transport failed (connection reset, TLS failure, dial refused...)."""
-
-
-class TransportClosed(TransportError):
-    """The transport is closed (locally or by the peer); nothing more can be sent."""
-
-
-class DialError(TransportError):
-    """Dialing failed; `reason` is a short word for logs and metrics."""
-
-    def __init__(self, message: str, reason: str = "dial_failed") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class PeerInfo:
-    """What a transport knows about the other end, for logs and authentication."""
-
-    address: str  # "host:port" of the remote socket
-    # DER of the peer's verified TLS certificate (mutual TLS), if any.
-    certificate_der: bytes | None = None
-    # Request headers of a WebSocket upgrade (lower-case names), if any.
-    headers: tuple[tuple[str, str], ...] = ()
-
-
-class Transport(abc.ABC):
-    """A reliable, ordered, bidirectional pipe of bytes with message boundaries ignored."""
-
-    @property
-    @abc.abstractmethod
-    def peer(self) -> PeerInfo: ...
-
-    @abc.abstractmethod
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        """Send all of data. Raises TransportClosed if the transport is closed."""
-
-    @abc.abstractmethod
-    async def receive(self) -> bytes:
-        """Return the next bytes (at least one), or b"" once the peer has closed cleanly.
-
-        Raises TransportError if the transport broke.
-        """
-
-    @abc.abstractmethod
-    async def aclose(self) -> None:
-        """Close; idempotent, never raises for an already-broken transport."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where to dial or listen: parsed from `tls://host:port`, `wss://host:port/path`,
-    `ws://...` or `tcp://host:port` (plain TCP: tests and trusted networks only)."""
-
-    scheme: str  # "tls" | "tcp" | "wss" | "ws"
-    host: str
-    port: int
-    path: str = "/"
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.scheme in ("tls", "wss")
-
-    @property
-    def is_websocket(self) -> bool:
-        return self.scheme in ("ws", "wss")
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        path = self.path if self.is_websocket else ""
-        return f"{self.scheme}://{host}:{self.port}{path}"
-
-
-SslContext = ssl.SSLContext
+__all__ = ["PeerInfo", "Transport", "TransportError"]

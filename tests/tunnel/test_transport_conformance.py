@@ -28,14 +28,16 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from nodeagent import pki
 from tunnel.dial import SO_MARK, dial, serve
-from tunnel.transport import (
+from tunnel.transports import (
+    CLOSE_TIMEOUT,
+    MAX_MESSAGE_SIZE,
     DialError,
     Endpoint,
     Transport,
     TransportClosed,
     TransportError,
+    socket_of,
 )
-from tunnel.transports import CLOSE_TIMEOUT, MAX_MESSAGE_SIZE, socket_of
 
 
 @dataclass(frozen=True)

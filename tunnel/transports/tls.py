@@ -3,14 +3,16 @@ of native network errors (`describe_error`, `is_tls_error`) shared by every tran
 
 `TLSStream` replaces trio.SSLStream on the tunnel's sockets because trio's hands out one
 16 KiB record per `receive_some`, with a scheduler round trip each: most of its CPU cost
-in bulk. It passes trio's own stream conformance check (tests/tunnel/test_tls_stream.py).
+in bulk. It passes trio's own stream conformance check, `trio.testing.check_two_way_stream`
+(tests/tunnel/test_transport_conformance.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -53,7 +55,7 @@ _TLS_WRITE_CHUNK = 256 * 1024  # encrypt at most this much before sending it
 
 
 class TLSStream(trio.abc.Stream):
-    """TLS over a socket stream, built for bulk transfer.
+    """TLS over a byte stream (the tunnel's TCP socket), built for bulk transfer.
 
     Like trio.SSLStream it runs an `ssl.SSLObject` over memory BIOs, but it reads the
     socket in large chunks and returns every complete record already received in one
@@ -61,10 +63,10 @@ class TLSStream(trio.abc.Stream):
     one at a time, with a scheduler round trip each — most of its CPU cost in bulk).
     Renegotiation is not supported (the contexts disable it); the handshake is done
     explicitly, once, before the stream is shared between tasks; after it, one task may
-    receive while another sends.
+    receive while another sends (a second receiver or sender gets BusyResourceError).
     """
 
-    def __init__(self, transport_stream: trio.SocketStream, ssl_context: ssl.SSLContext, *,
+    def __init__(self, transport_stream: trio.abc.Stream, ssl_context: ssl.SSLContext, *,
                  server_side: bool = False, server_hostname: str | None = None,
                  receive_size: int = STREAM_RECEIVE_SIZE) -> None:
         self.transport_stream = transport_stream
@@ -83,6 +85,10 @@ class TLSStream(trio.abc.Stream):
         # Called before each read from the socket (tunnel.dial uses it to notice that the
         # server's post-handshake flight was processed).
         self.on_receive: Callable[[], None] | None = None
+        # One task in receive_some, one in send_all/wait_send_all_might_not_block at a
+        # time (trio's Stream contract: a second one gets BusyResourceError).
+        self._receiving = False
+        self._sending = False
 
     # Attributes people look at after the handshake.
     def getpeercert(self, binary_form: bool = False) -> Any:
@@ -163,10 +169,24 @@ class TLSStream(trio.abc.Stream):
         self._handshake_done = True
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        self._receiving = True
+        try:
+            return await self._receive_some(max_bytes)
+        finally:
+            self._receiving = False
+
+    async def _receive_some(self, max_bytes: int | None) -> bytes:
         self._check()
         if not self._handshake_done:
             raise RuntimeError("TLSStream: do_handshake() first")
-        max_bytes = max_bytes or self._receive_size
+        if max_bytes is None:
+            max_bytes = self._receive_size
+        else:
+            max_bytes = operator.index(max_bytes)
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
         if self._zero_return:
             await trio.lowlevel.checkpoint()
             return b""
@@ -211,6 +231,20 @@ class TLSStream(trio.abc.Stream):
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with self._sending_now():
+            await self._send_all(data)
+
+    @contextlib.contextmanager
+    def _sending_now(self) -> Iterator[None]:
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        self._sending = True
+        try:
+            yield
+        finally:
+            self._sending = False
+
+    async def _send_all(self, data: bytes | bytearray | memoryview) -> None:
         self._check()
         if not self._handshake_done:
             raise RuntimeError("TLSStream: do_handshake() first")
@@ -228,7 +262,8 @@ class TLSStream(trio.abc.Stream):
                 await self._flush_locked()
 
     async def wait_send_all_might_not_block(self) -> None:
-        await self.transport_stream.wait_send_all_might_not_block()
+        with self._sending_now():
+            await self.transport_stream.wait_send_all_might_not_block()
 
     async def aclose(self) -> None:
         """Send close_notify (unless a send is in progress or the stream is broken), then

@@ -42,8 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from nodeagent import pki  # noqa: E402
 from tunnel.dial import dial, serve  # noqa: E402
-from tunnel.transport import Endpoint, Transport  # noqa: E402
-from tunnel.transports import MAX_MESSAGE_SIZE, WEBSOCKET_RECEIVE_SIZE  # noqa: E402
+from tunnel.transports import (  # noqa: E402
+    MAX_MESSAGE_SIZE,
+    WEBSOCKET_RECEIVE_SIZE,
+    Endpoint,
+    Transport,
+)
 
 IMPLS = ("tls-stream", "tcp-stream", "ours:websockets", "ours:wsproto",
          "lib:websockets.trio", "lib:trio-websocket")

@@ -28,7 +28,7 @@ from tunnel.endpoint import (
     TunnelStream,
 )
 from tunnel.log import StructuredLogger, get_logger
-from tunnel.transport import Endpoint, TransportError
+from tunnel.transports import Endpoint, TransportError
 
 
 @dataclass

@@ -19,13 +19,16 @@ from typing import Any, Literal
 import trio
 
 from tunnel.log import get_logger
-from tunnel.transport import DialError, Endpoint, PeerInfo, Transport
 from tunnel.transports import (
     MAX_MESSAGE_SIZE,
     STREAM_RECEIVE_SIZE,
     WEBSOCKET_IMPLS,
+    DialError,
+    Endpoint,
+    PeerInfo,
     StreamTransport,
     TLSStream,
+    Transport,
     WebSocketHandshakeError,
     WebSocketImpl,
     describe_error,

@@ -29,7 +29,7 @@ from tunnel import protocol as p
 from tunnel.errors import StreamFailed
 from tunnel.limits import OpenRateLimiter
 from tunnel.log import StructuredLogger, get_logger
-from tunnel.transport import PeerInfo, Transport, TransportError
+from tunnel.transports import PeerInfo, Transport, TransportError
 
 # Stop reading from the peer while this much of our own output is queued.
 OUTGOING_HIGH_WATER = 1024 * 1024

@@ -26,7 +26,7 @@ from tunnel.endpoint import (
     TunnelStream,
 )
 from tunnel.log import StructuredLogger, get_logger
-from tunnel.transport import PeerInfo, Transport
+from tunnel.transports import PeerInfo, Transport
 
 # Decides who a dialer is: returns the node name, or raises AuthenticationFailed.
 Authenticator = Callable[[p.Hello, PeerInfo], Awaitable[str]]

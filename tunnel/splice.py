@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import trio
 
-from tunnel.transport import TransportError
+from tunnel.transports import TransportError
 
 CHUNK = 256 * 1024
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, TransportError, OSError)

@@ -51,7 +51,7 @@ from tunnel.errors import StreamFailed
 from tunnel.relay import relay_connection, relay_incoming
 from tunnel.server import TunnelServer
 from tunnel.tcp import connect_tcp
-from tunnel.transport import PeerInfo
+from tunnel.transports import PeerInfo
 
 log = get_logger("nodeagent.server")
 

@@ -19,8 +19,7 @@ import trio
 
 from tunnel import protocol as p
 from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
-from tunnel.transport import PeerInfo
-from tunnel.transports import StreamTransport
+from tunnel.transports import PeerInfo, StreamTransport
 
 T = p.Target("127.0.0.1", 9)
 

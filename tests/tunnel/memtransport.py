@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from tunnel.transport import PeerInfo, Transport, TransportClosed, TransportError
+from tunnel.transports import PeerInfo, Transport, TransportClosed, TransportError
 
 
 class MemoryTransport(Transport):

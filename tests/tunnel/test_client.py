@@ -9,7 +9,7 @@ from tests.tunnel.test_endpoint import linked
 from tunnel import protocol as p
 from tunnel.client import TunnelClient
 from tunnel.endpoint import IncomingStream, StreamRefusedError
-from tunnel.transport import Endpoint
+from tunnel.transports import Endpoint
 
 T = p.Target("svc", 80)
 

@@ -18,7 +18,7 @@ import websockets.trio.server
 
 from nodeagent import pki
 from tunnel.dial import dial, parse_endpoint, serve
-from tunnel.transport import DialError, Endpoint, Transport
+from tunnel.transports import DialError, Endpoint, Transport
 
 # ------------------------------------------------------------------------ parse_endpoint
 

@@ -22,7 +22,7 @@ from tunnel.endpoint import (
     StreamResetError,
     TunnelConnection,
 )
-from tunnel.transport import PeerInfo
+from tunnel.transports import PeerInfo
 
 T = p.Target("svc", 80)
 

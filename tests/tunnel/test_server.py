@@ -11,7 +11,7 @@ from tests.tunnel.test_endpoint import echo_handler
 from tunnel import protocol as p
 from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
 from tunnel.server import NodeNotConnected, TunnelServer
-from tunnel.transport import PeerInfo
+from tunnel.transports import PeerInfo
 
 T = p.Target("svc", 80)
 SETTINGS = EndpointSettings(ping_interval=0)

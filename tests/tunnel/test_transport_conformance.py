@@ -23,19 +23,23 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 import websockets.frames
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from nodeagent import pki
 from tunnel.dial import SO_MARK, dial, serve
-from tunnel.transport import (
+from tunnel.transports import (
+    CLOSE_TIMEOUT,
+    MAX_MESSAGE_SIZE,
     DialError,
     Endpoint,
+    TLSStream,
     Transport,
     TransportClosed,
     TransportError,
+    socket_of,
 )
-from tunnel.transports import CLOSE_TIMEOUT, MAX_MESSAGE_SIZE, socket_of
 
 
 @dataclass(frozen=True)
@@ -617,3 +621,45 @@ async def test_ipv6_loopback(kind: Kind, certs: Certs) -> None:
             nursery.start_soon(client.send, payload)
             with trio.fail_after(20):
                 assert await read_all(server, len(payload)) == payload
+
+
+# ----------------------------------------------------------------- TLSStream on its own
+
+
+async def _tcp_pair() -> tuple[trio.abc.Stream, trio.abc.Stream]:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    try:
+        port = listeners[0].socket.getsockname()[1]
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        server = await listeners[0].accept()
+    finally:
+        await trio.aclose_forcefully(listeners[0])
+    return client, server
+
+
+async def _lockstep_pair() -> tuple[trio.abc.Stream, trio.abc.Stream]:
+    return trio.testing.lockstep_stream_pair()
+
+
+async def _tls_pair(certs: Certs, raw_pair: Callable[[], Awaitable[tuple[
+        trio.abc.Stream, trio.abc.Stream]]]) -> tuple[TLSStream, TLSStream]:
+    client_raw, server_raw = await raw_pair()
+    server_ctx = certs.server_ctx()
+    # No TLS 1.3 session tickets: on a lockstep pair the server's ticket flight would
+    # wait for a client read that never comes (the client's handshake is already done).
+    server_ctx.num_tickets = 0
+    client = TLSStream(client_raw, certs.client_ctx(), server_hostname="localhost")
+    server = TLSStream(server_raw, server_ctx, server_side=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.do_handshake)
+        nursery.start_soon(server.do_handshake)
+    return client, server
+
+
+async def test_tls_stream_passes_trios_stream_conformance(certs: Certs) -> None:
+    """trio.testing.check_two_way_stream: over TCP, and over lockstep memory streams for
+    the checks that need a clogged pipe. TLSStream has no send_eof (TLS has no
+    half-close), so check_half_closeable_stream does not apply."""
+    with trio.fail_after(60):
+        await trio.testing.check_two_way_stream(partial(_tls_pair, certs, _tcp_pair),
+                                                partial(_tls_pair, certs, _lockstep_pair))

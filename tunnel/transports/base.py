@@ -1,15 +1,19 @@
 """The transport interface: how tunnel bytes travel between an agent and a server.
 
-The protocol core does not care whether its bytes ride in WebSocket binary messages or
-directly in a TLS byte stream; the endpoints only see `Transport`. Every implementation
-passes the same conformance tests (tests/tunnel/test_transport_conformance.py).
+Owns `Transport` (the abstract byte pipe), its errors (`TransportError`, `TransportClosed`,
+`DialError`), `PeerInfo` and `Endpoint`. The protocol core does not care whether its bytes
+ride in WebSocket binary messages or directly in a TLS byte stream; the endpoints only see
+`Transport`. Every implementation passes the same conformance tests
+(tests/tunnel/test_transport_conformance.py).
 """
 
 from __future__ import annotations
 
 import abc
-import ssl
 from dataclasses import dataclass
+
+# The tunnel moves bulk data: read big chunks, so the protocol core sees few, large calls.
+STREAM_RECEIVE_SIZE = 256 * 1024
 
 
 class TransportError(Exception):
@@ -84,6 +88,3 @@ class Endpoint:
         host = f"[{self.host}]" if ":" in self.host else self.host
         path = self.path if self.is_websocket else ""
         return f"{self.scheme}://{host}:{self.port}{path}"
-
-
-SslContext = ssl.SSLContext

@@ -1,0 +1,171 @@
+"""The stream transport and what every transport over a trio Stream shares.
+
+`StreamOwner` owns one trio Stream for a transport: serialized sends, a close that is
+idempotent, bounded in time and safe while other tasks are blocked, and the one place
+where native exceptions (trio, OSError, ssl) become `TransportError` / `TransportClosed`.
+`StreamTransport` is the tunnel's bytes directly on such a stream: a `TLSStream` for
+`tls://`, a raw `trio.SocketStream` for `tcp://`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import Iterator
+
+import trio
+
+from tunnel.transports.base import (
+    STREAM_RECEIVE_SIZE,
+    PeerInfo,
+    Transport,
+    TransportClosed,
+    TransportError,
+)
+from tunnel.transports.tls import TLSStream, describe_error
+
+__all__ = ["CLOSE_TIMEOUT", "StreamOwner", "StreamTransport", "socket_of"]
+
+# How long aclose() tries to say goodbye (close frame, TLS close_notify) before it just
+# closes the socket.
+CLOSE_TIMEOUT = 2.0
+
+
+def socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
+    """The socket under a (TLS) stream, for getsockopt and friends."""
+    while True:
+        if isinstance(stream, trio.SocketStream):
+            return stream.socket
+        if isinstance(stream, TLSStream | trio.SSLStream):
+            stream = stream.transport_stream
+        else:
+            return None
+
+
+class StreamOwner:
+    """What every transport here shares: one trio Stream, serialized sends, a close that
+    is idempotent, bounded in time and safe to call while other tasks are blocked."""
+
+    def __init__(self, stream: trio.abc.Stream, peer: PeerInfo, close_timeout: float,
+                 initial: bytes = b"") -> None:
+        self._stream = stream
+        self._peer = peer
+        self._close_timeout = close_timeout
+        # Sends come from several tasks (the endpoint's writer, a final GOAWAY flush);
+        # a trio stream allows one at a time.
+        self._send_lock = trio.StrictFIFOLock()
+        self._closed = False  # aclose() was called
+        # Set when a send failed or was cancelled part-way: the byte stream is no longer
+        # in a known state, so nothing more may be written to it.
+        self._broken: str | None = None
+        # Bytes read from the stream but not yet handed out (e.g. by a cancelled read).
+        self._pushback = initial
+        self._eof = False
+
+    @property
+    def peer(self) -> PeerInfo:
+        return self._peer
+
+    @property
+    def stream(self) -> trio.abc.Stream:
+        """The underlying trio stream (for diagnostics and tests)."""
+        return self._stream
+
+    @contextlib.contextmanager
+    def _map_errors(self, action: str) -> Iterator[None]:
+        """Map native exceptions to TransportError / TransportClosed, once."""
+        try:
+            yield
+        except TransportError:
+            raise
+        except trio.ClosedResourceError as exc:
+            raise TransportClosed(f"transport closed while {action}") from exc
+        except (trio.BrokenResourceError, OSError, ssl.SSLError) as exc:
+            if self._closed:
+                raise TransportClosed(f"transport closed while {action}") from exc
+            raise TransportError(f"{action} failed: {describe_error(exc)}") from exc
+
+    async def _receive_some(self, max_bytes: int) -> bytes:
+        """Up to max_bytes from the stream (b"" at EOF), pushed-back bytes first."""
+        if self._pushback:
+            data, self._pushback = self._pushback, b""
+            await trio.lowlevel.checkpoint()
+            return data
+        if self._eof:
+            await trio.lowlevel.checkpoint()
+            return b""
+        with self._map_errors("receiving"):
+            received = await self._stream.receive_some(max_bytes)
+        if not received:
+            self._eof = True
+        return received if isinstance(received, bytes) else bytes(received)
+
+    async def _send_raw(self, data: bytes | bytearray | memoryview) -> None:
+        """Write to the stream; the caller holds the send lock."""
+        try:
+            with self._map_errors("sending"):
+                await self._stream.send_all(data)
+        except BaseException as exc:
+            # A partial write (error or cancellation) leaves the peer mid-record.
+            self._broken = self._broken or f"an earlier send failed ({type(exc).__name__})"
+            raise
+
+    def _check_can_send(self) -> None:
+        if self._closed:
+            raise TransportClosed("transport is closed")
+        if self._broken is not None:
+            raise TransportError(f"transport unusable: {self._broken}")
+
+    async def _close_stream(self) -> None:
+        """Close the underlying stream: politely if nobody is mid-send, else at once."""
+        if self._send_lock.locked() or self._broken is not None:
+            await trio.aclose_forcefully(self._stream)
+            return
+        try:
+            with trio.move_on_after(self._close_timeout):
+                await self._stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ssl.SSLError):
+            pass
+        finally:
+            # A cancelled or timed-out aclose leaves the socket open on some streams;
+            # closing again is idempotent and never blocks.
+            await _aclose_now(self._stream)
+
+
+async def _aclose_now(stream: trio.abc.AsyncResource) -> None:
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+
+class StreamTransport(StreamOwner, Transport):
+    """The tunnel's bytes directly on a trio Stream (TLS or plain TCP): no framing, fewest
+    copies. `initial` is data already read from the stream (it is returned first)."""
+
+    def __init__(self, stream: trio.abc.Stream, peer: PeerInfo, *,
+                 receive_size: int = STREAM_RECEIVE_SIZE,
+                 close_timeout: float = CLOSE_TIMEOUT, initial: bytes = b"") -> None:
+        super().__init__(stream, peer, close_timeout, initial)
+        self._receive_size = receive_size
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        self._check_can_send()
+        async with self._send_lock:
+            self._check_can_send()
+            if len(data):
+                await self._send_raw(data)
+            else:
+                await trio.lowlevel.checkpoint()
+
+    async def receive(self) -> bytes:
+        if self._closed and not self._pushback:
+            raise TransportClosed("transport is closed")
+        return await self._receive_some(self._receive_size)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        await self._close_stream()

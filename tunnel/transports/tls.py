@@ -1,0 +1,284 @@
+"""TLS for the tunnel: `TLSStream`, a trio Stream built for bulk transfer, and the phrasing
+of native network errors (`describe_error`, `is_tls_error`) shared by every transport.
+
+`TLSStream` replaces trio.SSLStream on the tunnel's sockets because trio's hands out one
+16 KiB record per `receive_some`, with a scheduler round trip each: most of its CPU cost
+in bulk. It passes trio's own stream conformance check, `trio.testing.check_two_way_stream`
+(tests/tunnel/test_transport_conformance.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import ssl
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import trio
+
+from tunnel.transports.base import STREAM_RECEIVE_SIZE
+
+__all__ = ["TLS_RECORD_SIZE", "TLSStream", "describe_error", "is_tls_error"]
+
+
+def describe_error(exc: BaseException | None) -> str:
+    """A short human phrase for a native network error (for messages and logs)."""
+    if exc is None:
+        return "unknown error"
+    if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ is not None:
+        return describe_error(exc.__cause__)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"tls: certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return f"tls: {exc.reason or exc}".lower() if exc.reason else f"tls: {exc}"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset by peer"
+    if isinstance(exc, BrokenPipeError):
+        return "broken pipe"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
+def is_tls_error(exc: BaseException | None) -> bool:
+    """Whether a native error (or what caused it) came from TLS."""
+    while exc is not None:
+        if isinstance(exc, ssl.SSLError):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+TLS_RECORD_SIZE = 16 * 1024  # largest TLS record payload
+_TLS_WRITE_CHUNK = 256 * 1024  # encrypt at most this much before sending it
+
+
+class TLSStream(trio.abc.Stream):
+    """TLS over a byte stream (the tunnel's TCP socket), built for bulk transfer.
+
+    Like trio.SSLStream it runs an `ssl.SSLObject` over memory BIOs, but it reads the
+    socket in large chunks and returns every complete record already received in one
+    `receive_some` (a TLS record holds at most 16 KiB, and trio.SSLStream hands them out
+    one at a time, with a scheduler round trip each — most of its CPU cost in bulk).
+    Renegotiation is not supported (the contexts disable it); the handshake is done
+    explicitly, once, before the stream is shared between tasks; after it, one task may
+    receive while another sends (a second receiver or sender gets BusyResourceError).
+    """
+
+    def __init__(self, transport_stream: trio.abc.Stream, ssl_context: ssl.SSLContext, *,
+                 server_side: bool = False, server_hostname: str | None = None,
+                 receive_size: int = STREAM_RECEIVE_SIZE) -> None:
+        self.transport_stream = transport_stream
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self.ssl_object = ssl_context.wrap_bio(self._incoming, self._outgoing,
+                                               server_side=server_side,
+                                               server_hostname=server_hostname)
+        self._receive_size = receive_size
+        # One writer to the socket at a time; whoever holds it sends all queued output.
+        self._out_lock = trio.StrictFIFOLock()
+        self._handshake_done = False
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._zero_return = False
+        # Called before each read from the socket (tunnel.dial uses it to notice that the
+        # server's post-handshake flight was processed).
+        self.on_receive: Callable[[], None] | None = None
+        # One task in receive_some, one in send_all/wait_send_all_might_not_block at a
+        # time (trio's Stream contract: a second one gets BusyResourceError).
+        self._receiving = False
+        self._sending = False
+
+    # Attributes people look at after the handshake.
+    def getpeercert(self, binary_form: bool = False) -> Any:
+        return self.ssl_object.getpeercert(binary_form)
+
+    def version(self) -> str | None:
+        return self.ssl_object.version()
+
+    def cipher(self) -> tuple[str, str, int] | None:
+        return self.ssl_object.cipher()
+
+    def selected_alpn_protocol(self) -> str | None:
+        return self.ssl_object.selected_alpn_protocol()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("TLS stream is closed")
+        if self._failed is not None:
+            raise trio.BrokenResourceError("TLS stream is broken") from self._failed
+
+    def _fail(self, exc: BaseException) -> trio.BrokenResourceError:
+        self._failed = self._failed or exc
+        err = trio.BrokenResourceError(describe_error(exc))
+        err.__cause__ = exc
+        return err
+
+    async def _flush_locked(self) -> None:
+        while self._outgoing.pending:
+            data = self._outgoing.read()
+            try:
+                await self.transport_stream.send_all(data)
+            except BaseException as exc:
+                # A partial record on the wire: nothing more can be sent.
+                self._failed = self._failed or exc
+                raise
+
+    async def _flush_if_idle(self) -> None:
+        """Send what reading produced (alerts, key updates) unless a sender is busy; it
+        sends everything queued before it lets go of the lock."""
+        if self._outgoing.pending and not self._out_lock.locked():
+            async with self._out_lock:
+                await self._flush_locked()
+
+    async def _read_socket(self) -> None:
+        if self.on_receive is not None:
+            self.on_receive()
+        data = await self.transport_stream.receive_some(self._receive_size)
+        if data:
+            self._incoming.write(data)
+        else:
+            self._incoming.write_eof()
+
+    async def do_handshake(self) -> None:
+        """The TLS handshake; raises trio.BrokenResourceError (cause: the ssl error)."""
+        self._check()
+        try:
+            while True:
+                try:
+                    self.ssl_object.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    async with self._out_lock:
+                        await self._flush_locked()
+                    await self._read_socket()
+        except ssl.SSLError as exc:
+            # Tell the peer why (the engine queued an alert), briefly and best-effort.
+            with trio.move_on_after(1), contextlib.suppress(Exception):
+                async with self._out_lock:
+                    await self._flush_locked()
+            raise self._fail(exc) from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise self._fail(exc) from exc
+        async with self._out_lock:  # our last flight (and a server's session tickets)
+            try:
+                await self._flush_locked()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise self._fail(exc) from exc
+        self._handshake_done = True
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        self._receiving = True
+        try:
+            return await self._receive_some(max_bytes)
+        finally:
+            self._receiving = False
+
+    async def _receive_some(self, max_bytes: int | None) -> bytes:
+        self._check()
+        if not self._handshake_done:
+            raise RuntimeError("TLSStream: do_handshake() first")
+        if max_bytes is None:
+            max_bytes = self._receive_size
+        else:
+            max_bytes = operator.index(max_bytes)
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
+        if self._zero_return:
+            await trio.lowlevel.checkpoint()
+            return b""
+        waited = False
+        while True:
+            try:
+                first = self.ssl_object.read(min(max_bytes, TLS_RECORD_SIZE))
+                if not first:  # Python reports the peer's close_notify as b""
+                    self._zero_return = True
+                break
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLZeroReturnError:
+                # The peer's close_notify: a clean end.
+                self._zero_return = True
+                first = b""
+                break
+            except ssl.SSLError as exc:
+                raise self._fail(exc) from exc
+            await self._flush_if_idle()
+            await self._read_socket()
+            waited = True
+        parts = [first]
+        total = len(first)
+        while first and total < max_bytes:
+            try:
+                more = self.ssl_object.read(min(max_bytes - total, TLS_RECORD_SIZE))
+            except ssl.SSLZeroReturnError:
+                self._zero_return = True
+                break
+            except ssl.SSLError:
+                break  # want-read, or an error the next call reports
+            if not more:
+                self._zero_return = True
+                break
+            parts.append(more)
+            total += len(more)
+        if self._outgoing.pending:
+            await self._flush_if_idle()
+        elif not waited:
+            await trio.lowlevel.checkpoint()
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with self._sending_now():
+            await self._send_all(data)
+
+    @contextlib.contextmanager
+    def _sending_now(self) -> Iterator[None]:
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        self._sending = True
+        try:
+            yield
+        finally:
+            self._sending = False
+
+    async def _send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self._check()
+        if not self._handshake_done:
+            raise RuntimeError("TLSStream: do_handshake() first")
+        view = memoryview(data).cast("B")
+        if not len(view):
+            await trio.lowlevel.checkpoint()
+            return
+        async with self._out_lock:
+            for offset in range(0, len(view), _TLS_WRITE_CHUNK):
+                self._check()
+                try:
+                    self.ssl_object.write(view[offset:offset + _TLS_WRITE_CHUNK])
+                except ssl.SSLError as exc:
+                    raise self._fail(exc) from exc
+                await self._flush_locked()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        with self._sending_now():
+            await self.transport_stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        """Send close_notify (unless a send is in progress or the stream is broken), then
+        close the socket. Does not wait for the peer's close_notify."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        try:
+            if self._handshake_done and self._failed is None and not self._out_lock.locked():
+                with contextlib.suppress(ssl.SSLError):
+                    self.ssl_object.unwrap()
+                async with self._out_lock:
+                    with contextlib.suppress(trio.BrokenResourceError,
+                                             trio.ClosedResourceError, OSError):
+                        await self._flush_locked()
+        finally:
+            await self.transport_stream.aclose()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from nodeagent.config import NodeConfig  # noqa: E402
 from nodeagent.configwatch import WatchStatus, watch_config  # noqa: E402
-from nodeagent.controller.run import ControllerSettings, serve_controller  # noqa: E402
+from nodeagent.controller.controller import ControllerSettings, serve_controller  # noqa: E402
 from nodeagent.crd import CLUSTER_TUNNELS  # noqa: E402
 from nodeagent.kube import NODES, SECRETS, KubeClient  # noqa: E402
 from tests.fakekube.fixtures import credentials_for, start_fake_kube  # noqa: E402

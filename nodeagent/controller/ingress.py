@@ -35,8 +35,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from nodeagent.config import Backend, HostPort, IngressRoutes, IngressRule, IngressTls
-from nodeagent.http.routes import Route as _Route
-from nodeagent.http.routes import RouteSpec
+from nodeagent.routerules import PATH_TYPES, check_rule_host, check_rule_path
 
 CONTROLLER_NAME = "nodeagent.io/ingress-controller"
 LEGACY_ANNOTATION = "kubernetes.io/ingress.class"
@@ -186,12 +185,14 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
             where = f"rules[{i}].http.paths[{j}]"
             path_text = path.get("path") or "/"
             path_type = path.get("pathType", "ImplementationSpecific")
-            if path_type not in ("Exact", "Prefix", "ImplementationSpecific"):
+            if path_type not in PATH_TYPES:
                 problem("InvalidPath", f"{where}: pathType {path_type!r} is not Exact, "
                                        "Prefix or ImplementationSpecific")
                 continue
-            try:  # the route table's own checks: host syntax, path form
-                RouteSpec(host=host, path=path_text, route=_Route(label, ()))
+            try:  # what the route table accepts: host syntax, path form
+                if host is not None:
+                    check_rule_host(host)
+                check_rule_path(path_text)
             except ValueError as exc:
                 problem("InvalidRule", f"{where}: {exc}")
                 continue

@@ -9,7 +9,7 @@ import socket
 import trio
 
 from nodeagent.config import ConfigError, ListenAddress
-from nodeagent.controller.run import ControllerSettings, serve_controller
+from nodeagent.controller.controller import ControllerSettings, serve_controller
 from nodeagent.kube import CredentialsError
 
 

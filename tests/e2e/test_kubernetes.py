@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nodeagent.controller.run import _certificate_names, _secret_value
+from nodeagent.controller.bootstrap import certificate_names, secret_value
 from nodeagent.crd import CLUSTER_TUNNELS
 from nodeagent.kube.resources import (
     CONFIGMAPS,
@@ -281,7 +281,7 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     assert tunnel["status"]["conditions"][0]["status"] == "True"
     assert tunnel["status"]["nodesCovered"] == 1
     # The servers' certificate is re-issued to carry the tunnel's public name.
-    wait_for(lambda: "tunnel.example.net" in _certificate_names(_secret_value(
+    wait_for(lambda: "tunnel.example.net" in certificate_names(secret_value(
         api.get(SECRETS, "nodeagent-server-tls", "nodeagent"), "tls.crt")),
         "server certificate names the public host")
     api.delete(CLUSTER_TUNNELS, "edge")

@@ -1,0 +1,170 @@
+"""What a fresh cluster needs before anything connects, and its upkeep: the shared agent
+token Secret, and the PKI the manifests mount — the CA (Secret nodeagent-ca, and its
+certificate alone for agents in ConfigMap nodeagent-ca) and the servers' tunnel
+certificate (Secret nodeagent-server-tls).
+
+Every replica reads the token from its Secrets cache (the config stream checks it); only
+the leader creates or re-issues anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from nodeagent import pki
+from nodeagent.kube import (
+    CONFIGMAPS,
+    SECRETS,
+    AlreadyExists,
+    Cache,
+    KubeClient,
+    KubeError,
+    NotFound,
+)
+from nodeagent.ops.logs import get_logger
+
+log = get_logger("nodeagent.controller")
+TOKEN_SECRET = "nodeagent-agent-token"
+CA_SECRET = "nodeagent-ca"  # the CA's certificate and key
+CA_CONFIGMAP = "nodeagent-ca"  # its certificate alone, for agents (ca.crt)
+SERVER_TLS_SECRET = "nodeagent-server-tls"  # the servers' tunnel certificate
+SERVER_SERVICE = "nodeagent-server"  # the servers' Service: its names go into their cert
+MANAGED_LABEL = "nodeagent.io/managed"
+
+
+class Bootstrap:
+    """The agent token and the PKI. `server_hosts` gives the public names the servers'
+    certificate must carry besides the Service names (ClusterTunnel serverUrl hosts, the
+    LoadBalancer address)."""
+
+    def __init__(self, kube: KubeClient, secrets_cache: Cache, namespace: str,
+                 server_hosts: Callable[[], list[str]]) -> None:
+        self.kube = kube
+        self.secrets = secrets_cache
+        self.namespace = namespace
+        self.server_hosts = server_hosts
+        self.token = ""
+        self._ca_published = False
+
+    def read_token(self) -> None:
+        """The shared agent token (until node identity), from the Secrets cache; called
+        whenever its Secret changes, so a rotated token takes effect at once."""
+        secret = self.secrets.get(TOKEN_SECRET, self.namespace)
+        token = secret_value(secret, "token") if secret is not None else ""
+        if token and token != self.token:
+            self.token = token
+            log.info("agent token loaded", secret=f"{self.namespace}/{TOKEN_SECRET}")
+
+    def start_leading(self) -> None:
+        self._ca_published = False  # checked once per leadership
+
+    async def create_token_if_missing(self) -> None:
+        """Leader only: a fresh cluster gets a random token once."""
+        ns = self.namespace
+        if self.secrets.get(TOKEN_SECRET, ns) is not None:
+            return
+        try:
+            await self.kube.create(SECRETS, {
+                "apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": TOKEN_SECRET, "namespace": ns,
+                             "labels": {"app.kubernetes.io/name": "nodeagent"}},
+                "stringData": {"token": secrets.token_urlsafe(32)}})
+            log.info("agent token Secret created", secret=f"{ns}/{TOKEN_SECRET}")
+        except AlreadyExists:
+            pass
+
+    def server_names(self) -> tuple[list[str], list[str]]:
+        """DNS names and IPs the servers' tunnel certificate must carry: the in-cluster
+        Service names, the ClusterTunnels' serverUrl hosts, the LoadBalancer address."""
+        ns = self.namespace
+        dns = [SERVER_SERVICE, f"{SERVER_SERVICE}.{ns}", f"{SERVER_SERVICE}.{ns}.svc",
+               f"{SERVER_SERVICE}.{ns}.svc.cluster.local"]
+        ips: list[str] = []
+        for host in filter(None, self.server_hosts()):
+            try:
+                ipaddress.ip_address(host)
+                ips.append(host)
+            except ValueError:
+                dns.append(host)
+        return sorted(set(dns)), sorted(set(ips))
+
+    async def ensure_pki(self) -> bool:
+        """Leader only. The CA is created once and never replaced. The servers' tunnel
+        certificate is created, and re-issued when the names it must carry change — only
+        if it is ours (labelled), never someone else's. False if it could not finish (the
+        leader retries)."""
+        ns = self.namespace
+        labels = {"app.kubernetes.io/name": "nodeagent", MANAGED_LABEL: "true"}
+        try:
+            ca_secret = self.secrets.get(CA_SECRET, ns)
+            if ca_secret is None:
+                ca = pki.create_ca("nodeagent CA")
+                await self.kube.create(SECRETS, {
+                    "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                    "metadata": {"name": CA_SECRET, "namespace": ns, "labels": labels},
+                    "stringData": {"tls.crt": ca.certificate_pem.decode(),
+                                   "tls.key": ca.key_pem.decode()}})
+                log.info("CA created", secret=f"{ns}/{CA_SECRET}")
+            else:
+                ca = pki.CertificateAuthority.load(
+                    secret_value(ca_secret, "tls.crt").encode(),
+                    secret_value(ca_secret, "tls.key").encode())
+            if not self._ca_published:
+                try:
+                    await self.kube.get(CONFIGMAPS, CA_CONFIGMAP, namespace=ns)
+                except NotFound:
+                    await self.kube.create(CONFIGMAPS, {
+                        "apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": CA_CONFIGMAP, "namespace": ns,
+                                     "labels": labels},
+                        "data": {"ca.crt": ca.certificate_pem.decode()}})
+                    log.info("CA certificate published", configmap=f"{ns}/{CA_CONFIGMAP}")
+                self._ca_published = True
+            dns, ips = self.server_names()
+            current = self.secrets.get(SERVER_TLS_SECRET, ns)
+            if current is not None:
+                ours = (current.get("metadata", {}).get("labels") or {}).get(MANAGED_LABEL)
+                have = certificate_names(secret_value(current, "tls.crt"))
+                if ours != "true" or have >= set(dns) | set(ips):
+                    return True
+            leaf = pki.issue_server_certificate(ca, dns, ips, common_name=SERVER_SERVICE)
+            body: dict[str, Any] = {
+                "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                "metadata": {"name": SERVER_TLS_SECRET, "namespace": ns, "labels": labels},
+                "stringData": {"tls.crt": leaf.certificate_pem.decode(),
+                               "tls.key": leaf.key_pem.decode()}}
+            if current is None:
+                await self.kube.create(SECRETS, body)
+            else:
+                body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                await self.kube.update(SECRETS, body)
+            log.info("server certificate issued", secret=f"{ns}/{SERVER_TLS_SECRET}",
+                     names=",".join(dns + ips))
+            return True
+        except (KubeError, ValueError) as exc:
+            log.warning("PKI bootstrap incomplete; retrying", error=str(exc))
+            return False
+
+
+def certificate_names(pem: str) -> set[str]:
+    """The DNS names and IPs in a PEM certificate's SAN (empty if it does not parse)."""
+    from cryptography import x509
+    try:
+        cert = x509.load_pem_x509_certificate(pem.encode())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return set()
+    return set(sans.get_values_for_type(x509.DNSName)) | {
+        str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+
+
+def secret_value(secret: dict[str, Any], key: str) -> str:
+    """One key of a Secret, from `data` (base64) or `stringData`, stripped."""
+    data = secret.get("data") or {}
+    if key in data:
+        return base64.b64decode(data[key]).decode().strip()
+    return str((secret.get("stringData") or {}).get(key, "")).strip()

@@ -1,0 +1,273 @@
+"""The controller process: wiring of caches, recompute, config stream and the leader's task.
+
+Every replica lists and watches the objects it needs (one shared cache per type),
+recomputes the config of every node and of the servers when an input of that config
+changed (debounced; `inputs` says which changes count), and serves the config watch
+stream from those warm caches — so when the leader dies, agents and servers already
+watching a standby keep their config and get updates.
+
+A recompute only computes and publishes config: it never waits on the API. Only the
+leader (a coordination.k8s.io Lease) writes, in a task of its own (`LeaderWrites`) that
+works from the latest recompute's outcome and the caches: bootstrap (`bootstrap`: token
+Secret, PKI) and what users see (`status`: Ingress and ClusterTunnel status, Events). A
+slow or failing API write therefore never delays config delivery.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+from urllib.parse import urlsplit
+
+import trio
+
+from nodeagent.config import NodeConfig
+from nodeagent.controller.bootstrap import TOKEN_SECRET, Bootstrap
+from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.crds import ensure_crds
+from nodeagent.controller.ingress import translate_ingresses
+from nodeagent.controller.inputs import (
+    LeaderWrite,
+    feeds_config,
+    leader_writes,
+    secret_feeds_config,
+    secret_references,
+)
+from nodeagent.controller.status import (
+    WATCHERS_LABEL,
+    Outcome,
+    StatusWriter,
+    WatcherReports,
+    public_addresses,
+)
+from nodeagent.controller.stream import ConfigStreamServer
+from nodeagent.crd import CLUSTER_TUNNELS
+from nodeagent.kube import (
+    CONFIGMAPS,
+    ENDPOINTSLICES,
+    INGRESSCLASSES,
+    INGRESSES,
+    NODES,
+    SECRETS,
+    SERVICES,
+    CacheEvent,
+    Debouncer,
+    KubeClient,
+    KubeError,
+    LeaderElector,
+    SharedInformers,
+    load_credentials,
+)
+from nodeagent.ops.health import HealthServer
+from nodeagent.ops.logs import get_logger
+
+log = get_logger("nodeagent.controller")
+
+
+@dataclass
+class ControllerSettings:
+    namespace: str
+    identity: str
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 8090
+    lease_name: str = "nodeagent-controller"
+    kubeconfig: Path | None = None
+    lease_duration: float = 15.0
+    debounce: float = 0.05
+    metrics_listen: tuple[str, int] | None = None
+    leader_retry: float = 5.0  # a failed leader write is tried again after this
+
+
+class LeaderWrites:
+    """The leader's API writes, in one task of their own. `mark` says which are due; the
+    task runs them (in LeaderWrite order) after `delay` gathers a burst of marks, and runs
+    a failed one again after `retry`."""
+
+    def __init__(self, writes: dict[LeaderWrite, Callable[[], Awaitable[bool]]], *,
+                 delay: float, retry: float) -> None:
+        self._writes = writes
+        self.delay = delay
+        self.retry = retry
+        self._due: set[LeaderWrite] = set()
+        self._wake = trio.Event()
+
+    def mark(self, *writes: LeaderWrite) -> None:
+        self._due.update(writes)
+        self._wake.set()
+
+    async def run(self) -> NoReturn:
+        failed: set[LeaderWrite] = set()
+        while True:
+            if not self._due:
+                with trio.move_on_after(self.retry if failed else math.inf):
+                    await self._wake.wait()
+            self._due |= failed
+            await trio.sleep(self.delay)
+            self._wake = trio.Event()
+            due, self._due = self._due, set()
+            failed = set()
+            for write in LeaderWrite:
+                if write in due and not await self._writes[write]():
+                    failed.add(write)
+
+
+@dataclass
+class Controller:
+    settings: ControllerSettings
+    kube: KubeClient
+    informers: SharedInformers
+    versions: ConfigVersions = field(default_factory=ConfigVersions)
+    recomputes: int = 0  # recomputes run
+    recompute_triggers: int = 0  # cache changes that asked for one (debounced into runs)
+
+    def __post_init__(self) -> None:
+        ns = self.settings.namespace
+        self.caches = {r.plural: self.informers.cache(r) for r in (
+            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, SECRETS,
+            CLUSTER_TUNNELS)}
+        self.caches["watchers"] = self.informers.cache(
+            CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
+        self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
+        self.stream = ConfigStreamServer(self.versions, lambda: self.bootstrap.token)
+        self.watchers = WatcherReports(self.kube, self.caches["watchers"], ns,
+                                       self.settings.identity, self.stream.subscribers)
+        self.status = StatusWriter(self.kube, self.caches, ns, self.settings.identity,
+                                   self.watchers)
+        self.debouncer = Debouncer(self.recompute, delay=self.settings.debounce)
+        self.leader = LeaderWrites({
+            LeaderWrite.PKI: self.bootstrap.ensure_pki,
+            LeaderWrite.EVENTS: self.status.write_events,
+            LeaderWrite.INGRESS_STATUS: self.status.write_ingress_status,
+            LeaderWrite.TUNNEL_STATUS: self.status.write_tunnel_status,
+        }, delay=self.settings.debounce, retry=self.settings.leader_retry)
+        self.is_leader = False
+        self._secret_refs: frozenset[tuple[str, str]] = frozenset()
+        self._reported: set[tuple[str, str, str, str]] = set()
+        for plural, cache in self.caches.items():
+            cache.add_handler(self._on_change(plural))
+
+    def _on_change(self, plural: str) -> Callable[[CacheEvent], None]:
+        ns = self.settings.namespace
+
+        def handle(event: CacheEvent) -> None:
+            if plural == SECRETS.plural:
+                meta = event.object.get("metadata") or {}
+                if (meta.get("namespace"), meta.get("name")) == (ns, TOKEN_SECRET):
+                    self.bootstrap.read_token()
+                wanted = secret_feeds_config(event, self._secret_refs)
+            else:
+                wanted = feeds_config(plural, event)
+            if wanted:
+                self.recompute_triggers += 1
+                self.debouncer.trigger()
+            writes = leader_writes(plural, event, ns)
+            if writes and self.is_leader:
+                self.leader.mark(*writes)
+
+        return handle
+
+    async def recompute(self) -> None:
+        """Compute every config from the caches and publish what changed; hand the
+        outcome to the leader's writes. No I/O."""
+        c = self.caches
+        ingresses = c["ingresses"].list()
+        self._secret_refs = secret_references(ingresses)
+        translation = translate_ingresses(
+            ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
+            services=c["services"].list(), endpoint_slices=c["endpointslices"].list(),
+            secrets=c["secrets"].list())
+        tunnel_objects = c["clustertunnels"].list()
+        nodes = c["nodes"].list()
+        tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
+        out = compute(nodes=nodes, tunnels=tunnels, translation=translation)
+        changed = [name for name, config in out.nodes.items()
+                   if self.versions.update(f"node/{name}", config)]
+        for key in self.versions.keys():
+            # A deleted Node's agent (still connected, or coming back) allows nothing.
+            if key.startswith("node/") and key[5:] not in out.nodes and \
+                    self.versions.update(key, NodeConfig()):
+                changed.append(key[5:])
+        servers_changed = self.versions.update("servers", out.routes)
+        problems = tunnel_problems + out.problems
+        self.recomputes += 1
+        if changed or servers_changed:
+            self.stream.notify()
+            log.info("config recomputed", nodes_changed=len(changed),
+                     servers_changed=servers_changed, ingress_rules=len(
+                         out.routes.ingress.rules), problems=len(problems))
+        for problem in problems:
+            seen = (problem.kind, problem.namespace, problem.name, problem.message)
+            if seen not in self._reported:
+                self._reported.add(seen)
+                log.warning("object has a problem", kind=problem.kind,
+                            object=f"{problem.namespace}/{problem.name}".lstrip("/"),
+                            reason=problem.reason, problem=problem.message)
+        servers = self.versions.get("servers")
+        self.status.outcome = Outcome(
+            problems=tuple(problems), served=translation.served, tunnels=tuple(tunnels),
+            tunnel_objects=tuple(tunnel_objects), nodes=tuple(nodes),
+            config_version=servers[0] if servers else 0)
+        if self.is_leader:
+            self.leader.mark(*LeaderWrite)
+
+    def _server_hosts(self) -> list[str]:
+        """Public names of the servers besides their Service's: the ClusterTunnels'
+        serverUrl hosts and the LoadBalancer address."""
+        tunnels, _ = parse_tunnels(self.caches["clustertunnels"].list())
+        hosts = [urlsplit(t.spec.server_url).hostname or "" for t in tunnels
+                 if t.spec.server_url]
+        return hosts + [a.get("ip") or a.get("hostname") or "" for a in public_addresses(
+            self.caches["services"], self.settings.namespace)]
+
+    async def lead(self) -> None:
+        """While holding the Lease: bootstrap, then every leader write, then those that
+        changes call for."""
+        self.is_leader = True
+        self.bootstrap.start_leading()
+        log.info("leading", identity=self.settings.identity)
+        try:
+            await self.bootstrap.create_token_if_missing()
+            self.leader.mark(*LeaderWrite)
+            await self.leader.run()
+        finally:
+            self.is_leader = False
+
+
+async def serve_controller(settings: ControllerSettings, *,
+                           task_status: trio.TaskStatus[Controller] = trio.TASK_STATUS_IGNORED
+                           ) -> None:
+    async with KubeClient(load_credentials(settings.kubeconfig)) as kube:
+        informers = SharedInformers(kube)
+        controller = Controller(settings, kube, informers)
+        elector = LeaderElector(kube, name=settings.lease_name, namespace=settings.namespace,
+                                identity=settings.identity,
+                                lease_duration=settings.lease_duration,
+                                renew_deadline=settings.lease_duration * 2 / 3,
+                                retry_period=max(0.2, settings.lease_duration / 7.5))
+        # Before the informers: they cannot sync on a resource type that does not exist
+        # yet. Every replica may do it (create-if-absent, never downgrade, conflicts
+        # re-read), so a fresh cluster does not wait for an election.
+        try:
+            await ensure_crds(kube)
+        except KubeError as exc:
+            log.error("cannot install or check the CRDs; ClusterTunnels will not be "
+                      "watched until they exist", error=str(exc))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(informers.run)
+            await nursery.start(controller.debouncer.run)
+            controller.bootstrap.read_token()
+            await controller.recompute()
+            nursery.start_soon(controller.watchers.publish)
+            await nursery.start(controller.stream.run, settings.listen_host,
+                                settings.listen_port)
+            if settings.metrics_listen is not None:
+                # Ready once the caches have synced (informers.run returned from start).
+                health = HealthServer(None, lambda: None)
+                await nursery.start(health.run, *settings.metrics_listen)
+            log.info("controller ready", identity=settings.identity,
+                     config_stream=f"{settings.listen_host}:{settings.listen_port}")
+            task_status.started(controller)
+            await elector.run(controller.lead)

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Idle CPU of the controller: with 10,000 Ingresses (and their Services and
+EndpointSlices) and nothing changing, how much CPU does a controller process use?
+
+The fake API server from tests/ runs in this process with the objects written straight
+into its store; the controller runs as a real `nodeagent controller` process against it
+(one replica, so it is the leader and also writes its own watchers ConfigMap every 5 s).
+Once the servers' config carrying every Ingress rule has arrived on the config stream, the
+controller's utime+stime (from /proc/PID/stat) is sampled over `--seconds` of quiet.
+
+Target: ~0 s of CPU between changes. Measured on this 2-core machine, 10,000 Ingresses,
+30 s idle: 8.36 s of CPU (28 %) when every cache event, the 5 s watcher reports included,
+recomputed everything (the code before controller/inputs.py); 0.20 s (0.7 %: the replica's
+own watcher report and watch bookmarks) with recomputes driven by config inputs only.
+
+    .venv/bin/python scripts/bench_controller_idle.py [--ingresses 10000] [--seconds 30]
+        [--source DIR]    # run the controller from another checkout (e.g. a `git archive`
+                          # of main) to compare before/after with the same fake API server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import h11
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.fakekube.fixtures import start_fake_kube  # noqa: E402
+from tests.fakekube.server import FakeKube  # noqa: E402
+
+TOKEN = "bench-idle-token-0123456789"
+NAMESPACE = "nodeagent"
+APPS = "apps"
+
+
+def populate(fake: FakeKube, ingresses: int) -> None:
+    """Ingresses, each with its own Service and EndpointSlice on one of 50 nodes."""
+    store = fake.store
+
+    def create(obj: dict[str, Any]) -> None:
+        rt, version = store.type_for(obj["apiVersion"], obj["kind"])
+        store.create(rt, version, obj["metadata"].get("namespace"), obj)
+
+    create({"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "nodeagent-agent-token", "namespace": NAMESPACE}, "stringData": {"token": TOKEN}})
+    create({"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass", "metadata": {
+        "name": "nodeagent"}, "spec": {"controller": "nodeagent.io/ingress-controller"}})
+    for n in range(50):
+        create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"node-{n}"},
+                "status": {"addresses": [{"type": "InternalIP", "address": f"10.0.0.{n + 1}"}]}})
+    for i in range(ingresses):
+        name = f"app-{i}"
+        create({"apiVersion": "v1", "kind": "Service", "metadata": {
+            "name": name, "namespace": APPS}, "spec": {"ports": [
+                {"name": "http", "port": 80, "targetPort": 8080}]}})
+        create({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": {
+            "name": f"{name}-1", "namespace": APPS,
+            "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": [f"10.{1 + i // 65536}.{i // 256 % 256}.{i % 256}"],
+                           "nodeName": f"node-{i % 50}", "conditions": {"ready": True}}]})
+        create({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {
+            "name": name, "namespace": APPS}, "spec": {
+                "ingressClassName": "nodeagent", "rules": [{
+                    "host": f"{name}.example.com", "http": {"paths": [{
+                        "path": "/", "pathType": "Prefix", "backend": {"service": {
+                            "name": name, "port": {"name": "http"}}}}]}}]}})
+
+
+async def first_routes(port: int, want_rules: int) -> int:
+    """Read the servers' config stream until a config carries `want_rules` Ingress rules;
+    returns its version."""
+    while True:
+        try:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+        except OSError:
+            await trio.sleep(0.2)
+            continue
+        async with stream:
+            conn = h11.Connection(h11.CLIENT)
+            await stream.send_all(conn.send(h11.Request(
+                method="GET", target="/v1/config/servers/bench", headers=[
+                    ("host", "controller"), ("authorization", f"Bearer {TOKEN}")])))
+            buffer = b""
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(1 << 20)
+                    if not data:
+                        break
+                    conn.receive_data(data)
+                elif isinstance(event, h11.Response):
+                    if event.status_code != 200:
+                        break  # the token Secret not read yet: try again
+                elif isinstance(event, h11.Data):
+                    buffer += bytes(event.data)
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        doc = json.loads(line)
+                        rules = (((doc.get("config") or {}).get("ingress") or {})
+                                 .get("rules") or [])
+                        if len(rules) >= want_rules:
+                            return int(doc["version"])
+                else:
+                    break
+        await trio.sleep(0.2)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench(ingresses: int, seconds: float, source: Path) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-controller-idle-"))
+    async with trio.open_nursery() as nursery:
+        fake = await start_fake_kube(nursery, bookmark_interval=1.0,
+                                     namespaces=("default", NAMESPACE, APPS))
+        started = time.monotonic()
+        populate(fake, ingresses)
+        populated = time.monotonic() - started
+        kubeconfig = fake.write_kubeconfig(tmp / "kubeconfig")
+        port = _free_port()
+        log = (tmp / "controller.log").open("wb")
+        env = dict(os.environ, PYTHONPATH=str(source))
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nodeagent", "controller", "--kubeconfig", str(kubeconfig),
+             "--namespace", NAMESPACE, "--listen", f"127.0.0.1:{port}", "--identity", "bench"],
+            cwd=source, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            started = time.monotonic()
+            with trio.fail_after(600):
+                version = await first_routes(port, ingresses)
+            first_config = time.monotonic() - started
+            # The leader's first writes (Ingress status for every Ingress, PKI) settle first.
+            await trio.sleep(10)
+            cpu_before = cpu_seconds(proc.pid)
+            await trio.sleep(seconds)
+            idle_cpu = cpu_seconds(proc.pid) - cpu_before
+        finally:
+            proc.terminate()
+            with trio.move_on_after(10):
+                await proc.wait()
+            log.close()
+            nursery.cancel_scope.cancel()
+    return {"source": str(source), "ingresses": ingresses, "populate_s": populated,
+            "first_config_s": first_config, "first_config_version": version,
+            "idle_seconds": seconds, "idle_cpu_s": idle_cpu,
+            "idle_cpu_percent": 100 * idle_cpu / seconds,
+            "controller_log": str(tmp / "controller.log")}
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ingresses", type=int, default=10_000)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--source", type=Path, default=ROOT,
+                        help="checkout to run the controller from (default: this one)")
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "bench-results" / "controller_idle.json")
+    args = parser.parse_args()
+    result = trio.run(bench, args.ingresses, args.seconds, args.source.resolve())
+    for key, value in result.items():
+        print(f"{key:22} {value:,.2f}" if isinstance(value, float) else f"{key:22} {value}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

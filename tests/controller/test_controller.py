@@ -1,0 +1,200 @@
+"""The controller process against the fake API server: which changes recompute the config
+(only inputs of it) and which only bring the leader's writes back (status, watcher reports).
+
+Assertions about "no recompute" read `recompute_triggers`, which the cache handlers bump
+synchronously as they decide: once the controller's cache holds a change, the decision
+for it has been made, so no sleeping is involved."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from nodeagent.controller.bootstrap import SERVER_SERVICE
+from nodeagent.controller.controller import Controller, ControllerSettings, serve_controller
+from nodeagent.controller.status import WATCHERS_LABEL
+from nodeagent.kube import (
+    CONFIGMAPS,
+    ENDPOINTSLICES,
+    INGRESSCLASSES,
+    INGRESSES,
+    NODES,
+    SECRETS,
+    SERVICES,
+    Cache,
+    KubeClient,
+    Resource,
+)
+from nodeagent.kube.events import rfc3339
+from tests.fakekube.server import FakeKube
+
+NS = "default"
+
+
+async def wait_for(predicate: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    """Poll a condition on plain data the controller updates (no event to wait on)."""
+    with trio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(0.02)
+
+
+async def seen(cache: Cache, obj: dict[str, Any]) -> None:
+    """Until the controller's cache holds this exact write of `obj`."""
+    meta = obj["metadata"]
+    await cache.wait_until(lambda c: (c.get(meta["name"], meta.get("namespace")) or {}).get(
+        "metadata", {}).get("resourceVersion") == meta["resourceVersion"])
+
+
+async def start_controller(nursery: trio.Nursery, fake: FakeKube, tmp_path: Path
+                           ) -> Controller:
+    settings = ControllerSettings(
+        namespace=NS, identity="c1", listen_host="127.0.0.1", listen_port=0,
+        kubeconfig=fake.write_kubeconfig(tmp_path / "controller-kubeconfig"),
+        lease_duration=3.0, leader_retry=0.5)
+    controller: Controller = await nursery.start(functools.partial(serve_controller, settings))
+    await wait_for(lambda: controller.is_leader, "leadership")
+    return controller
+
+
+def rule_paths(controller: Controller) -> list[str]:
+    servers = controller.versions.get("servers")
+    return [] if servers is None else [r.path for r in servers[1].ingress.rules]
+
+
+async def create_app(kube: KubeClient) -> dict[str, Any]:
+    await kube.create(INGRESSCLASSES, {"metadata": {"name": "nodeagent"}, "spec": {
+        "controller": "nodeagent.io/ingress-controller"}})
+    await kube.create(NODES, {"metadata": {"name": "edge-1", "labels": {"site": "a"}},
+                              "status": {"addresses": [
+                                  {"type": "InternalIP", "address": "192.168.7.10"}]}})
+    await kube.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80}]}})
+    await kube.create(ENDPOINTSLICES, {
+        "metadata": {"name": "web-1", "namespace": NS,
+                     "labels": {"kubernetes.io/service-name": "web"}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+        "endpoints": [{"addresses": ["10.1.0.5"], "nodeName": "edge-1",
+                       "conditions": {"ready": True}}]})
+    return await kube.create(INGRESSES, ingress("/"))
+
+
+def ingress(path: str, **extra: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "shop", "namespace": NS}, "spec": {
+        "ingressClassName": "nodeagent", **extra, "rules": [{"host": "shop.test", "http": {
+            "paths": [{"path": path, "pathType": "Prefix", "backend": {"service": {
+                "name": "web", "port": {"name": "http"}}}}]}}]}}
+
+
+async def replace(kube: KubeClient, resource: Resource, obj: dict[str, Any],
+                  change: Callable[[dict[str, Any]], None], *, status: bool = False
+                  ) -> dict[str, Any]:
+    meta = obj["metadata"]
+    current = await kube.get(resource, meta["name"], namespace=meta.get("namespace"))
+    change(current)
+    return await (kube.update_status if status else kube.update)(resource, current)
+
+
+async def test_watcher_reports_feed_status_not_config_and_ingresses_feed_config(
+        nursery: trio.Nursery, fake_kube: FakeKube, kube: KubeClient, tmp_path: Path) -> None:
+    controller = await start_controller(nursery, fake_kube, tmp_path)
+    created = await create_app(kube)
+    await wait_for(lambda: rule_paths(controller) == ["/"], "the Ingress in the config")
+
+    # Another replica's watcher report, created and rewritten: never a recompute.
+    triggers = controller.recompute_triggers
+    report = await kube.create(CONFIGMAPS, {
+        "metadata": {"name": "nodeagent-watchers-c2", "namespace": NS,
+                     "labels": {WATCHERS_LABEL: "true"}},
+        "data": {"nodes": "edge-1", "updated": rfc3339()}})
+    await seen(controller.caches["watchers"], report)
+    report = await replace(kube, CONFIGMAPS, report, lambda o: o["data"].update(
+        nodes="", updated=rfc3339()))
+    await seen(controller.caches["watchers"], report)
+    assert controller.recompute_triggers == triggers
+
+    # An Ingress spec change: a recompute that publishes the new path.
+    recomputes = controller.recomputes
+    changed = await replace(kube, INGRESSES, created,
+                            lambda o: o["spec"]["rules"][0]["http"]["paths"][0].update(
+                                path="/api"))
+    await seen(controller.caches["ingresses"], changed)
+    assert controller.recompute_triggers == triggers + 1
+    await wait_for(lambda: rule_paths(controller) == ["/api"], "the new path in the config")
+    assert controller.recomputes > recomputes
+
+
+async def test_status_writes_do_not_recompute_but_the_leader_keeps_status_right(
+        nursery: trio.Nursery, fake_kube: FakeKube, kube: KubeClient, tmp_path: Path) -> None:
+    controller = await start_controller(nursery, fake_kube, tmp_path)
+    await create_app(kube)
+    server = await kube.create(SERVICES, {"metadata": {
+        "name": SERVER_SERVICE, "namespace": NS}, "spec": {
+        "type": "LoadBalancer", "ports": [{"port": 80}]}})
+    await wait_for(lambda: rule_paths(controller) == ["/"], "the Ingress in the config")
+    await seen(controller.caches["services"], server)
+    triggers = controller.recompute_triggers
+
+    # The servers' LoadBalancer address appears: the leader writes it into the Ingress
+    # status (its own write is a status-only change too: neither recomputes).
+    server = await replace(kube, SERVICES, server, lambda o: o.update(status={
+        "loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}), status=True)
+    await seen(controller.caches["services"], server)
+
+    def address_written(cache: Cache) -> bool:
+        obj = cache.get("shop", NS) or {}
+        return bool((obj.get("status") or {}).get("loadBalancer", {}).get("ingress") == [
+            {"ip": "203.0.113.7"}])
+
+    with trio.fail_after(10):
+        await controller.caches["ingresses"].wait_until(address_written)
+    # Someone else overwrites it: the leader puts it back, still without a recompute.
+    current = await kube.get(INGRESSES, "shop", namespace=NS)
+    overwritten = await kube.update_status(INGRESSES, dict(current, status={
+        "loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}))
+    await seen(controller.caches["ingresses"], overwritten)
+    with trio.fail_after(10):
+        await controller.caches["ingresses"].wait_until(address_written)
+
+    # A Node heartbeat (conditions) is no config input; a label is.
+    node = await replace(kube, NODES, {"metadata": {"name": "edge-1"}}, lambda o: o.update(
+        status=dict(o.get("status") or {}, conditions=[
+            {"type": "Ready", "status": "True", "lastHeartbeatTime": rfc3339()}])),
+        status=True)
+    await seen(controller.caches["nodes"], node)
+    # A Secret no Ingress names (e.g. a Helm release record) is not one either.
+    helm = await kube.create(SECRETS, {"metadata": {"name": "sh.helm.release.v1.x.v1",
+                                                    "namespace": NS},
+                                       "stringData": {"release": "H4sI"}})
+    await seen(controller.caches["secrets"], helm)
+    assert controller.recompute_triggers == triggers
+
+    node = await replace(kube, NODES, node, lambda o: o["metadata"]["labels"].update(
+        site="b"))
+    await seen(controller.caches["nodes"], node)
+    assert controller.recompute_triggers == triggers + 1
+
+
+async def test_a_tls_secret_an_ingress_names_feeds_config(
+        nursery: trio.Nursery, fake_kube: FakeKube, kube: KubeClient, tmp_path: Path) -> None:
+    controller = await start_controller(nursery, fake_kube, tmp_path)
+    created = await create_app(kube)
+    await replace(kube, INGRESSES, created, lambda o: o["spec"].update(
+        tls=[{"hosts": ["shop.test"], "secretName": "shop-tls"}]))
+
+    def problems() -> list[str]:
+        outcome = controller.status.outcome
+        return [] if outcome is None else [p.reason for p in outcome.problems]
+
+    await wait_for(lambda: problems() == ["TLSSecretMissing"], "the missing Secret noticed")
+    triggers = controller.recompute_triggers
+    secret = await kube.create(SECRETS, {"metadata": {"name": "shop-tls", "namespace": NS},
+                                         "type": "kubernetes.io/tls",
+                                         "data": {"tls.crt": "bm90IGEgY2VydA==",
+                                                  "tls.key": "bm90IGEga2V5"}})
+    await seen(controller.caches["secrets"], secret)
+    assert controller.recompute_triggers == triggers + 1
+    await wait_for(lambda: problems() == ["TLSSecretInvalid"], "the Secret read")

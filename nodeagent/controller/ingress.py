@@ -25,7 +25,6 @@ raises on bad input.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from nodeagent.config import Backend, HostPort, IngressRoutes, IngressRule, IngressTls
+from nodeagent.gcpause import gc_paused
 from nodeagent.routerules import PATH_TYPES, check_rule_host, check_rule_path
 
 CONTROLLER_NAME = "nodeagent.io/ingress-controller"
@@ -120,15 +120,8 @@ def is_ours(ingress: Obj, classes: set[str], default: bool) -> bool:
 def translate_ingresses(*, ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                         services: Iterable[Obj], endpoint_slices: Iterable[Obj],
                         secrets: Iterable[Obj]) -> IngressTranslation:
-    # Tens of thousands of new objects at once: keep the cyclic GC from walking the
-    # whole heap repeatedly meanwhile (nothing made here is cyclic garbage).
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _translate(ingresses, ingress_classes, services, endpoint_slices, secrets)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],

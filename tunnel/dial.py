@@ -10,15 +10,15 @@ and hands every transport to the caller's handler in a nursery it owns.
 from __future__ import annotations
 
 import ipaddress
-import socket
 import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import trio
 
 from tunnel.log import get_logger
+from tunnel.tcp import SO_MARK, DialFailed, connect_tcp, format_address
 from tunnel.transports import (
     MAX_MESSAGE_SIZE,
     STREAM_RECEIVE_SIZE,
@@ -48,7 +48,6 @@ __all__ = [
 
 log = get_logger("tunnel.dial")
 
-SO_MARK = getattr(socket, "SO_MARK", 36)  # Linux; the agent's netfilter rules skip this mark
 
 # Picked by measurement (scripts/bench_websocket.py, 512 MiB in 64 KiB messages, best of
 # 3, CPU per MiB of the busier end): over wss, websockets' core uploads (client → server,
@@ -127,14 +126,6 @@ def _valid_hostname(host: str) -> bool:
     allowed = set("abcdefghijklmnopqrstuvwxyz0123456789-._")
     return all(label and set(label.lower()) <= allowed
                for label in host.rstrip(".").split("."))
-
-
-def format_address(sockaddr: Any) -> str:
-    """`host:port` of a socket address, IPv6 in brackets."""
-    if isinstance(sockaddr, tuple) and len(sockaddr) >= 2:
-        host, port = sockaddr[0], sockaddr[1]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return str(sockaddr)
 
 
 def _choose_impl(choice: str) -> WebSocketImpl:
@@ -238,39 +229,21 @@ def _tls_dial_error(endpoint: Endpoint, exc: BaseException) -> DialError:
 
 
 async def _connect_tcp(endpoint: Endpoint, socket_mark: int | None) -> trio.SocketStream:
+    # dial() holds one deadline over TCP, TLS and the upgrade: no timeout of our own here.
     try:
-        infos = await trio.socket.getaddrinfo(endpoint.host, endpoint.port,
-                                              type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise DialError(f"{endpoint}: cannot resolve {endpoint.host}: {exc.strerror}",
-                        "dns") from None
-    if not infos:
-        raise DialError(f"{endpoint}: {endpoint.host} has no addresses", "dns")
-    errors: list[tuple[str, OSError]] = []
-    for family, type_, proto, _canonname, sockaddr in infos:
-        sock = trio.socket.socket(family, type_, proto)
-        try:
-            if socket_mark is not None:
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, SO_MARK, socket_mark)
-                except OSError as exc:
-                    raise DialError(f"cannot set SO_MARK {socket_mark} on the tunnel socket "
-                                    f"(needs CAP_NET_ADMIN): {exc.strerror}", "mark") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await sock.connect(sockaddr)
-        except OSError as exc:
-            sock.close()
-            errors.append((format_address(sockaddr), exc))
-            continue
-        except BaseException:
-            sock.close()
-            raise
-        return trio.SocketStream(sock)
-    refused = [a for a, e in errors if isinstance(e, ConnectionRefusedError)]
-    if len(refused) == len(errors):
-        raise DialError(f"{endpoint}: connection refused by {', '.join(refused)}", "refused")
-    details = "; ".join(f"{a}: {describe_error(e)}" for a, e in errors)
-    raise DialError(f"{endpoint}: cannot connect: {details}", "unreachable")
+        return await connect_tcp(endpoint.host, endpoint.port, connect_timeout=None,
+                                 mark=socket_mark)
+    except DialFailed as exc:
+        if exc.cause == "mark":
+            raise DialError(f"{exc.message} on the tunnel socket", "mark") from None
+        if exc.cause == "dns":
+            raise DialError(f"{endpoint}: {exc.message}", "dns") from None
+        if exc.cause == "refused" and all(isinstance(e, ConnectionRefusedError)
+                                          for _, e in exc.attempts):
+            refused = ", ".join(address for address, _ in exc.attempts)
+            raise DialError(f"{endpoint}: connection refused by {refused}", "refused") from None
+        details = "; ".join(f"{a}: {describe_error(e)}" for a, e in exc.attempts)
+        raise DialError(f"{endpoint}: cannot connect: {details}", "unreachable") from None
 
 
 async def _confirm_tls13(endpoint: Endpoint, stream: TLSStream, connect_rtt: float) -> bytes:

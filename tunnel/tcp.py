@@ -1,63 +1,102 @@
-"""The one TCP dialer, for the real targets of streams: node-local services (agent) and direct
-backends (server). Failures become the tunnel's refusal reasons, so the opener learns
-whether the target refused, was unreachable or timed out (502 vs 504 at the HTTP front).
+"""The one TCP dialer: the tunnel's own connection to the server (tunnel.dial), node-local
+targets of streams (agent), direct backends and egress (server), and the transparent
+proxy's direct dials.
+
+Every address the name resolves to is tried in turn. Failures are `DialFailed`, whose
+`reason` is the tunnel's refusal code (so the opener learns whether the target refused,
+was unreachable or timed out: 502 vs 504 at the HTTP front) and whose `cause` is the
+finer word a dialer's own logs and errors use (dns, refused, unreachable, timeout, mark),
+with each address's error kept in `attempts`.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import socket
+from typing import Literal
 
 import trio
 
 from tunnel.errors import StreamFailed
 from tunnel.protocol import StreamReason
 
+SO_MARK = getattr(socket, "SO_MARK", 36)
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ENETDOWN,
                 errno.EHOSTDOWN}
 
+DialCause = Literal["dns", "refused", "unreachable", "timeout", "mark"]
+_REASONS: dict[DialCause, StreamReason] = {
+    "dns": StreamReason.UNREACHABLE, "refused": StreamReason.REFUSED,
+    "unreachable": StreamReason.UNREACHABLE, "timeout": StreamReason.TIMEOUT,
+    "mark": StreamReason.INTERNAL,
+}
+
 
 class DialFailed(StreamFailed):
-    """Connecting to the target failed: refused, unreachable or timed out."""
+    """Connecting to the target failed; `cause` says how, `attempts` per address."""
+
+    def __init__(self, cause: DialCause, message: str, *,
+                 attempts: tuple[tuple[str, OSError], ...] = ()) -> None:
+        super().__init__(_REASONS[cause], message)
+        self.cause = cause
+        self.attempts = attempts
 
 
-async def connect_tcp(host: str, port: int, *, connect_timeout: float,
+def format_address(sockaddr: tuple[object, ...] | str) -> str:
+    """`1.2.3.4:80`, `[::1]:80` for a socket address."""
+    if isinstance(sockaddr, str):
+        return sockaddr
+    host, port = sockaddr[0], sockaddr[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+async def connect_tcp(host: str, port: int, *, connect_timeout: float | None,
                       mark: int | None = None) -> trio.SocketStream:
-    """Connect to host:port (trying each resolved address in turn) within `connect_timeout`.
+    """Connect to host:port within `connect_timeout` seconds (None: only the caller's
+    cancel scopes bound it), with TCP_NODELAY set.
 
     `mark` sets SO_MARK before connecting: the agent's netfilter rules skip that mark,
     so its own upstream connections are never intercepted (no uid-based tricks).
     """
-    with trio.move_on_after(connect_timeout) as scope:
-        try:
-            infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            raise DialFailed(StreamReason.UNREACHABLE,
-                             f"cannot resolve {host}: {exc.strerror}") from None
-        last: DialFailed | None = None
-        for family, type_, proto, _, address in infos:
-            sock = trio.socket.socket(family, type_, proto)
-            try:
-                if mark is not None:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await sock.connect(address)
-            except ConnectionRefusedError:
-                sock.close()
-                last = DialFailed(StreamReason.REFUSED, f"{host}:{port} refused the connection")
-                continue
-            except OSError as exc:
-                sock.close()
-                reason = (StreamReason.UNREACHABLE if exc.errno in _UNREACHABLE
-                          else StreamReason.REFUSED)
-                last = DialFailed(reason, f"{host}:{port}: {exc.strerror or exc}")
-                continue
-            except BaseException:
-                sock.close()
-                raise
-            return trio.SocketStream(sock)
-        assert last is not None
-        raise last
+    with trio.move_on_after(math.inf if connect_timeout is None else connect_timeout) as scope:
+        return await _connect(host, port, mark)
     assert scope.cancelled_caught
-    raise DialFailed(StreamReason.TIMEOUT, f"connecting to {host}:{port} timed out "
-                     f"after {connect_timeout:g}s")
+    raise DialFailed("timeout", f"connecting to {host}:{port} timed out after "
+                                f"{connect_timeout:g}s")
+
+
+async def _connect(host: str, port: int, mark: int | None) -> trio.SocketStream:
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DialFailed("dns", f"cannot resolve {host}: {exc.strerror}") from None
+    if not infos:
+        raise DialFailed("dns", f"{host} has no addresses")
+    attempts: list[tuple[str, OSError]] = []
+    for family, type_, proto, _, sockaddr in infos:
+        sock = trio.socket.socket(family, type_, proto)
+        try:
+            if mark is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+                except OSError as exc:
+                    raise DialFailed("mark", f"cannot set SO_MARK {mark} (needs "
+                                             f"CAP_NET_ADMIN): {exc.strerror}") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await sock.connect(sockaddr)
+        except OSError as exc:
+            sock.close()
+            attempts.append((format_address(sockaddr), exc))
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
+    if all(isinstance(e, ConnectionRefusedError) for _, e in attempts):
+        raise DialFailed("refused", f"{host}:{port} refused the connection",
+                         attempts=tuple(attempts))
+    cause: DialCause = ("unreachable" if any(e.errno in _UNREACHABLE for _, e in attempts)
+                        else "refused")
+    last = attempts[-1][1]
+    raise DialFailed(cause, f"{host}:{port}: {last.strerror or last}", attempts=tuple(attempts))

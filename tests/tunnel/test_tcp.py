@@ -1,0 +1,81 @@
+"""tunnel.tcp.connect_tcp, the one TCP dialer: causes, reasons, marks, deadlines."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import trio
+
+from tunnel import protocol as p
+from tunnel.tcp import SO_MARK, DialFailed, connect_tcp
+
+
+async def test_connects_with_nodelay_and_mark() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    mark = 0x4E41 if os.geteuid() == 0 else None
+    stream = await connect_tcp("127.0.0.1", port, connect_timeout=5, mark=mark)
+    assert stream.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    if mark is not None:
+        assert stream.socket.getsockopt(socket.SOL_SOCKET, SO_MARK) == mark
+    await stream.aclose()
+    await listeners[0].aclose()
+
+
+async def test_refused_keeps_every_attempt() -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    with pytest.raises(DialFailed) as info:
+        await connect_tcp("127.0.0.1", port, connect_timeout=5)
+    exc = info.value
+    assert (exc.cause, exc.reason, exc.outcome) == ("refused", p.StreamReason.REFUSED, "refused")
+    assert [address for address, _ in exc.attempts] == [f"127.0.0.1:{port}"]
+    assert isinstance(exc.attempts[0][1], ConnectionRefusedError)
+
+
+async def test_unresolvable_name_is_dns() -> None:
+    with pytest.raises(DialFailed) as info:
+        await connect_tcp("no-such-host.invalid", 80, connect_timeout=5)
+    assert info.value.cause == "dns" and info.value.reason is p.StreamReason.UNREACHABLE
+    assert "no-such-host.invalid" in info.value.message
+
+
+async def test_deadline_is_timeout_and_none_leaves_it_to_the_caller() -> None:
+    # A full listen backlog: SYNs to it go unanswered, so connect() hangs.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(0)
+    port = sock.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(8):
+            filler = socket.socket()
+            filler.setblocking(False)
+            try:
+                filler.connect(("127.0.0.1", port))
+            except BlockingIOError:
+                pass
+            fillers.append(filler)
+        with pytest.raises(DialFailed) as info:
+            await connect_tcp("127.0.0.1", port, connect_timeout=0.3)
+        assert info.value.cause == "timeout" and "0.3s" in info.value.message
+        # connect_timeout=None: only the caller's cancel scope ends it, and it is not
+        # turned into a DialFailed (the caller's deadline is the caller's to report).
+        with trio.move_on_after(0.3) as scope:
+            await connect_tcp("127.0.0.1", port, connect_timeout=None)
+        assert scope.cancelled_caught
+    finally:
+        for filler in fillers:
+            filler.close()
+        sock.close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may set SO_MARK; the failure needs non-root")
+async def test_mark_without_privilege_is_a_clear_error() -> None:
+    with pytest.raises(DialFailed) as info:
+        await connect_tcp("127.0.0.1", 9, connect_timeout=5, mark=1)
+    assert info.value.cause == "mark" and "CAP_NET_ADMIN" in info.value.message

@@ -46,6 +46,14 @@ from netfilter.model import (
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 DNS_NAME = re.compile(
     r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def valid_node_name(name: str) -> bool:
+    """A Kubernetes node name: a DNS-1123 subdomain (lower case, at most 253 characters).
+    Node names become dict keys, metric labels and log fields: nothing else gets in."""
+    return bool(DNS_NAME.match(name))
+
+
 DEFAULT_AGENT_SOCKET = "/run/nodeagent/agent.sock"
 DEFAULT_SERVER_SOCKET = "/run/nodeagent/server.sock"
 # SO_MARK of the agent's own sockets; its netfilter rules skip this mark. Bit 20: clear
@@ -534,6 +542,8 @@ class AgentConfig(NodeConfig):
     dial_timeout: float = Field(default=5.0, gt=0, le=300)
     keepalive: Keepalive = Keepalive()
     reconnect: Reconnect = Reconnect()
+    # tcp:// and ws:// with a token send it in clear: only when said explicitly.
+    insecure: bool = False
     # Controller mode: URL of the controller's config stream (http://host:port), reached
     # through the tunnel. Set, the controller's NodeConfig replaces the file's.
     controller: str | None = None
@@ -557,6 +567,11 @@ class AgentConfig(NodeConfig):
         if self.token is None and self.token_file is None and self.tls.cert_file is None:
             raise ValueError("no credentials: set token, token_file, or tls.cert_file "
                              "(mutual TLS)")
+        if self.server.startswith(("tcp://", "ws://")) and not self.insecure and (
+                self.token is not None or self.token_file is not None):
+            raise ValueError(f"server {self.server}: the token would cross the network in "
+                             f"clear; use tls:// or wss://, or set insecure: true (a lab "
+                             f"on one host)")
         return self
 
     def read_token(self) -> str | None:
@@ -572,6 +587,8 @@ class AgentConfig(NodeConfig):
 
 class TunnelListen(Model):
     url: str = "tls://0.0.0.0:8443"
+    # tcp:// and ws:// carry agents' tokens in clear: only when said explicitly.
+    insecure: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -610,6 +627,10 @@ class ServerConfig(RoutesConfig):
         if not self.tokens and (self.tls is None or self.tls.client_ca_file is None):
             raise ValueError("no way to authenticate agents: add tokens, or "
                              "tls.client_ca_file for mutual TLS")
+        if scheme in ("tcp", "ws") and self.tokens and not self.tunnel.insecure:
+            raise ValueError(f"tunnel {self.tunnel.url}: agents' tokens would cross the "
+                             f"network in clear; use tls:// or wss://, or set "
+                             f"tunnel.insecure: true (a lab on one host)")
         return self
 
     def routes(self) -> RoutesConfig:
@@ -665,3 +686,19 @@ def load_config(model: type[M], path: Path) -> M:
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
     return parse_config(model, doc, str(path))
 
+
+# Fields whose values are secrets wherever they appear in a config document.
+SECRET_FIELDS = frozenset({"key_pem", "token"})
+REDACTED = "[redacted]"
+
+
+def redacted(doc: Any) -> Any:
+    """A JSON config document with every secret value replaced (as Envoy's config_dump
+    does): what the debug socket and `nodeagent debug config` show, so a dump pasted
+    into a ticket leaks no private key or token. File paths to secrets stay visible."""
+    if isinstance(doc, dict):
+        return {key: REDACTED if key in SECRET_FIELDS and value is not None
+                else redacted(value) for key, value in doc.items()}
+    if isinstance(doc, list):
+        return [redacted(value) for value in doc]
+    return doc

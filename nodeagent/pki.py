@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from nodeagent.config import valid_node_name
+
 __all__ = [
     "NODE_URI_PREFIX",
     "CertificateAuthority",
@@ -202,9 +204,9 @@ def issue_server_certificate(
 
 
 def _check_node_name(node_name: str) -> None:
-    if not node_name or len(node_name) > 253 or any(
-            c.isspace() or c in "/?#" or ord(c) < 0x21 for c in node_name):
-        raise ValueError(f"invalid node name {node_name!r}")
+    if not valid_node_name(node_name):
+        raise ValueError(f"invalid node name {node_name[:64]!r}: a node name is a "
+                         f"lower-case DNS name")
 
 
 def _node_subject(node_name: str) -> x509.Name:
@@ -256,33 +258,23 @@ def sign_node_csr(ca: CertificateAuthority, csr_pem: bytes, node_name: str, *,
 
 
 def node_name_from_certificate(der: bytes) -> str | None:
-    """The node a (verified) client certificate names: its `nodeagent://node/<name>` URI
-    SAN; failing that, for a clientAuth certificate from another PKI, its CN. None if the
-    certificate names no node or cannot be parsed."""
+    """The node a (verified) client certificate names: exactly one `nodeagent://node/<name>`
+    URI SAN holding a valid node name, on a certificate with clientAuth usage. None for
+    anything else — the CN never names a node: any certificate of the CA (a server's, say,
+    which may carry clientAuth too) would otherwise pass as the node in its CN."""
     try:
         cert = x509.load_der_x509_certificate(der)
-    except ValueError:
-        return None
-    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         uris = san.get_values_for_type(x509.UniformResourceIdentifier)
     except (x509.ExtensionNotFound, ValueError):
-        uris = []
-    for uri in uris:
-        if uri.startswith(NODE_URI_PREFIX) and len(uri) > len(NODE_URI_PREFIX):
-            return uri[len(NODE_URI_PREFIX):]
-    try:
-        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-        if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
-            return None
-    except x509.ExtensionNotFound:
-        pass
-    except ValueError:
         return None
-    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    if len(names) == 1 and isinstance(names[0].value, str) and names[0].value:
-        return names[0].value
-    return None
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
+        return None
+    names = [uri[len(NODE_URI_PREFIX):] for uri in uris if uri.startswith(NODE_URI_PREFIX)]
+    if len(names) != 1 or not valid_node_name(names[0]):
+        return None
+    return names[0]
 
 
 # ---------------------------------------------------------------------------------- PEM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,11 @@ from nodeagent.config import (
     AgentConfig,
     AllowRule,
     ConfigError,
+    RoutesConfig,
     ServerConfig,
     load_config,
     parse_config,
+    redacted,
 )
 
 TOKEN = "0123456789abcdef0123"
@@ -66,7 +69,8 @@ def test_agent_config_errors_name_the_field(doc: dict[str, object], message: str
 
 
 def server(**extra: object) -> dict[str, object]:
-    return {"tunnel": "tcp://127.0.0.1:0", "tokens": [{"node": "*", "token": TOKEN}], **extra}
+    return {"tunnel": {"url": "tcp://127.0.0.1:0", "insecure": True},
+            "tokens": [{"node": "*", "token": TOKEN}], **extra}
 
 
 def test_server_config_routes() -> None:
@@ -187,3 +191,30 @@ def test_any_server_document_is_valid_or_a_config_error(doc: dict[str, object]) 
         parse_config(ServerConfig, doc, "server.yaml")
     except ConfigError as exc:
         assert str(exc).startswith("server.yaml")
+
+
+def test_tokens_in_clear_need_an_explicit_insecure() -> None:
+    with pytest.raises(ConfigError, match="tokens would cross the network in clear"):
+        parse_config(ServerConfig, {"tunnel": "tcp://127.0.0.1:0",
+                                    "tokens": [{"node": "edge-1", "token": TOKEN}]},
+                     "server.yaml")
+    agent = {"node": "edge-1", "server": "ws://cloud:80/t", "token": TOKEN}
+    with pytest.raises(ConfigError, match="the token would cross the network in clear"):
+        parse_config(AgentConfig, agent, "agent.yaml")
+    assert parse_config(AgentConfig, {**agent, "insecure": True}, "agent.yaml").insecure
+
+
+def test_redacted_hides_every_secret_value_and_keeps_the_shape() -> None:
+    routes = RoutesConfig(ingress={"tls": [{"name": "ns/web", "hosts": ["a.test"],
+                                            "cert_pem": "CERT", "key_pem": "PRIVATE KEY"}]})
+    doc = redacted(routes.model_dump(mode="json"))
+    assert doc["ingress"]["tls"][0] == {"name": "ns/web", "hosts": ["a.test"],
+                                        "cert_pem": "CERT", "key_pem": "[redacted]"}
+    server = parse_config(ServerConfig, server_doc_with_token(), "server.yaml")
+    text = json.dumps(redacted(server.model_dump(mode="json")))
+    assert TOKEN not in text and "[redacted]" in text
+
+
+def server_doc_with_token() -> dict[str, object]:
+    return {"tunnel": {"url": "tcp://127.0.0.1:0", "insecure": True},
+            "tokens": [{"node": "edge-1", "token": TOKEN}]}

@@ -112,9 +112,10 @@ def test_client_certificate_names_the_node(ca: pki.CertificateAuthority) -> None
 
 def test_node_name_from_other_certificates(ca: pki.CertificateAuthority,
                                            server: pki.IssuedCertificate) -> None:
-    # A server certificate (serverAuth+clientAuth, no node URI): falls back to its CN.
+    # A server certificate (serverAuth+clientAuth, no node URI) names no node: a CN never
+    # does, or the server's own certificate would pass as node "tunnel.example.com".
     assert pki.node_name_from_certificate(
-        server.certificate.public_bytes(Encoding.DER)) == "tunnel.example.com"
+        server.certificate.public_bytes(Encoding.DER)) is None
     assert pki.node_name_from_certificate(b"not a certificate") is None
     # A serverAuth-only certificate names no node.
     key = pki.generate_key()
@@ -257,3 +258,34 @@ def test_contexts_are_hardened(server: pki.IssuedCertificate,
                                  client_ca=ca.certificate_pem)
     assert opt.verify_mode == ssl.CERT_OPTIONAL
     handshake(opt, c)
+
+
+def _client_cert(ca: pki.CertificateAuthority, uris: list[str],
+                 usages: list[x509.ObjectIdentifier]) -> bytes:
+    key = pki.generate_key()
+    now = dt.datetime.now(dt.UTC)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edge-1")]))
+               .issuer_name(ca.certificate.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now).not_valid_after(now + dt.timedelta(hours=1))
+               .add_extension(x509.ExtendedKeyUsage(usages), False))
+    if uris:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.UniformResourceIdentifier(u) for u in uris]), False)
+    return builder.sign(ca.signing_key, hashes.SHA256()).public_bytes(Encoding.DER)
+
+
+def test_only_one_valid_node_uri_with_client_auth_names_a_node(
+        ca: pki.CertificateAuthority) -> None:
+    client = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert pki.node_name_from_certificate(
+        _client_cert(ca, ["nodeagent://node/edge-1"], client)) == "edge-1"
+    for uris, usages in (
+            ([], client),  # a CN alone
+            (["nodeagent://node/edge-1"], [ExtendedKeyUsageOID.SERVER_AUTH]),
+            (["nodeagent://node/edge-1", "nodeagent://node/edge-2"], client),
+            (["nodeagent://node/Edge_1"], client),
+            (["nodeagent://node/" + "a" * 300], client),
+            (["nodeagent://node/a\nb"], client)):
+        assert pki.node_name_from_certificate(_client_cert(ca, uris, usages)) is None, uris

@@ -10,6 +10,7 @@ must win over its own half-dead previous connection.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from tunnel.endpoint import (
     TunnelConnection,
     TunnelStream,
 )
-from tunnel.log import StructuredLogger, get_logger
+from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
 from tunnel.transports import PeerInfo, Transport
 
 # Decides who a dialer is: returns the node name, or raises AuthenticationFailed.
@@ -64,6 +65,8 @@ class TunnelServer:
         self.log = log or get_logger("tunnel.server")
         self.sessions: dict[str, AgentSession] = {}
         self.handshake_failures = 0
+        self.handshake_failures_by_code: Counter[str] = Counter()
+        self._handshake_log = RateLimitedLog(self.log, period=60.0)
         self.replaced = 0
         self._changed = trio.Event()
         self._draining = False
@@ -127,8 +130,12 @@ class TunnelServer:
             await conn.accept_handshake(vet)
         except HandshakeError as exc:
             self.handshake_failures += 1
-            log.warning("agent handshake failed", code=exc.code.name.lower(), reason=str(exc),
-                        claimed_node=node or "")
+            code = exc.code.name.lower()
+            self.handshake_failures_by_code[code] += 1
+            # One line per failure code a minute: a scanner or a misconfigured fleet must
+            # not flood the log. The claimed name is cut short: it is whatever was sent.
+            self._handshake_log.warning(code, "agent handshake failed", code=code,
+                                        reason=str(exc)[:200], claimed_node=(node or "")[:64])
             await transport.aclose()
             return
         assert node is not None

@@ -24,12 +24,12 @@ from nodeagent.config import AgentConfig, NodeConfig
 from nodeagent.configwatch import WatchStatus
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
-from nodeagent.ops.ratelog import RateLimitedLog
 from tunnel import protocol as p
 from tunnel.client import Backoff, TunnelClient
 from tunnel.dial import parse_endpoint
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.errors import StreamFailed
+from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
 
@@ -113,8 +113,10 @@ class Agent:
             failure = relayed.failure
             self._count(failure.outcome)
             if failure.reason is p.StreamReason.FORBIDDEN:
+                # Keyed by the reason, not the target the server asked for: a bounded key
+                # set, so a flood of odd targets is one line a minute with a count.
                 self._forbidden_log.warning(
-                    str(target), "stream refused: target not allowed on this node",
+                    "forbidden", "stream refused: target not allowed on this node",
                     stream=incoming.stream.stream_id, target=str(target), origin=origin)
             else:
                 slog.info("stream refused: dial failed", reason=failure.outcome,

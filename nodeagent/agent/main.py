@@ -22,7 +22,14 @@ import trio
 from netfilter.model import NetfilterError
 from nodeagent import pki
 from nodeagent.agent.agent import Agent
-from nodeagent.config import AgentConfig, ConfigError, NodeConfig, load_config, parse_config
+from nodeagent.config import (
+    AgentConfig,
+    ConfigError,
+    NodeConfig,
+    load_config,
+    parse_config,
+    redacted,
+)
 from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
@@ -53,7 +60,7 @@ async def serve_agent(agent: Agent, config_path: Path | None = None, *,
         await nursery.start(agent.run)
         debug = DebugServer(str(agent.config.debug_socket), {
             "/status": agent.status,
-            "/config": lambda: agent.node_config.model_dump(mode="json"),
+            "/config": lambda: redacted(agent.node_config.model_dump(mode="json")),
             "/rules": agent.rules,
         }, registry=agent.metrics.registry)
         await nursery.start(debug.run)

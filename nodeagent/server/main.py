@@ -20,7 +20,14 @@ from typing import Any
 import trio
 
 from nodeagent import pki
-from nodeagent.config import ConfigError, RoutesConfig, ServerConfig, load_config, parse_config
+from nodeagent.config import (
+    ConfigError,
+    RoutesConfig,
+    ServerConfig,
+    load_config,
+    parse_config,
+    redacted,
+)
 from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
 from nodeagent.http.proxy import HttpFront, HttpStats
 from nodeagent.http.tls import TlsConfig
@@ -87,7 +94,11 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             server.bound[name] = [_sockname(lst) for lst in listeners]
         debug = DebugServer(str(config.debug_socket), {
             "/status": server.status,
-            "/config": lambda: server.config.model_dump(mode="json", exclude={"tokens"}),
+            # The running routes (the controller's, in controller mode) over the file's,
+            # secrets redacted.
+            "/config": lambda: redacted({
+                **server.config.model_dump(mode="json"),
+                **server.routes.model_dump(mode="json")}),
         }, registry=server.metrics.registry)
         await nursery.start(debug.run)
         if config.metrics_listen is not None:

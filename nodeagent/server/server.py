@@ -29,6 +29,7 @@ from nodeagent.config import (
     RoutesConfig,
     ServerConfig,
     TcpMapping,
+    valid_node_name,
 )
 from nodeagent.configwatch import WatchStatus
 from nodeagent.gcpause import gc_paused
@@ -38,7 +39,6 @@ from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTabl
 from nodeagent.http.tls import CertStore, context_from_pem
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
-from nodeagent.ops.ratelog import RateLimitedLog
 from nodeagent.pki import node_name_from_certificate
 from tunnel import protocol as p
 from tunnel.endpoint import (
@@ -48,6 +48,7 @@ from tunnel.endpoint import (
     StreamRefusedError,
 )
 from tunnel.errors import StreamFailed
+from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection, relay_incoming
 from tunnel.server import TunnelServer
 from tunnel.tcp import connect_tcp
@@ -182,7 +183,13 @@ class Server:
         node and the claim must match. Token: must match the node's entry (or "*")."""
         node = hello.identity.get("node", "")
         if not node:
+            self.metrics.bad_input.labels("auth").inc()
             raise AuthenticationFailed("HELLO names no node")
+        if not isinstance(node, str) or not valid_node_name(node):
+            # Before anything else: the name becomes a dict key, a metric label, log fields.
+            self.metrics.bad_input.labels("auth").inc()
+            raise AuthenticationFailed("HELLO names an invalid node name (a node name is a "
+                                       "lower-case DNS name of at most 253 characters)")
         if peer.certificate_der is not None:
             cert_node = node_name_from_certificate(peer.certificate_der)
             if cert_node is not None:
@@ -194,6 +201,10 @@ class Server:
         token = hello.identity.get("token") or _bearer(peer)
         if token is None:
             self.metrics.bad_input.labels("auth").inc()
+            if peer.certificate_der is not None:
+                raise AuthenticationFailed(
+                    f"node {node} presented no token, and its certificate names no node "
+                    f"(that takes a nodeagent://node/<name> URI SAN and clientAuth usage)")
             raise AuthenticationFailed(f"node {node} presented no token and no certificate")
         presented = token.encode()
         for allowed_node, secret in self._tokens:
@@ -222,8 +233,9 @@ class Server:
                     (target.host, target.port) == self._controller):
                 return await connect_tcp(target.host, target.port,
                                          connect_timeout=self.config.dial_timeout)
+            # Keyed by node (authenticated, bounded), not by the target the agent names.
             self._egress_refusals.warning(
-                f"{node}:{target}", "agent stream refused: destination not allowed",
+                node, "agent stream refused: destination not allowed",
                 node=node, target=str(target), origin=origin)
             raise StreamFailed(p.StreamReason.FORBIDDEN,
                                f"{target} is not in the server's egress allow list")

@@ -288,6 +288,11 @@ def test_debug_cli_prints_a_table_and_json(stack) -> None:  # type: ignore[no-un
     assert doc["role"] == "server" and doc["agents"][0]["node"] == "edge-1"
     result = run_cli("debug", "status", "--socket", "/nonexistent/x.sock")
     assert result.returncode == 1 and "is the" in result.stderr
+    # Config dumps redact secrets (the stack's server holds an inline agent token).
+    result = run_cli("debug", "config", "--socket", str(server.socket), "--json")
+    assert result.returncode == 0, result.stderr
+    assert TOKEN not in result.stdout
+    assert json.loads(result.stdout)["tokens"][0]["token"] == "[redacted]"
 
 
 def test_sighup_reload_keeps_running_config_on_error(stack) -> None:  # type: ignore[no-untyped-def]

@@ -35,8 +35,8 @@ from nodeagent.agent.intercept.rules import (
 )
 from nodeagent.config import InterceptConfig, intercept_model
 from nodeagent.ops.logs import StructuredLogger, get_logger
-from nodeagent.ops.ratelog import RateLimitedLog
 from tunnel import protocol as p
+from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection
 from tunnel.splice import close_stream
 from tunnel.tcp import connect_tcp
@@ -227,7 +227,9 @@ class Interceptor:
         if relayed.failure is not None:
             outcome = relayed.failure.outcome
             self.outcomes[outcome] += 1
+            # Keyed by rule and reason (bounded by config), not by what pods dial.
             self._refusal_log.warning(
-                f"{target}:{outcome}", "intercepted connection refused; client reset",
+                f"{rule.name if rule else '-'}:{outcome}",
+                "intercepted connection refused; client reset",
                 target=str(target), origin=origin, reason=outcome,
                 error=relayed.failure.message)

@@ -55,9 +55,10 @@ class NodeagentProcess:
                    "--config", str(self.config_path), *self.extra_args]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # The child gets its own copy of the log's descriptor; ours is closed at once.
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return self
 
     def status(self, timeout: float = 2.0) -> dict[str, Any]:

@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from nodeagent import cli, pki
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -49,3 +52,122 @@ def test_help_teaches_both_modes() -> None:
         assert result.returncode == 0
         for word in words:
             assert word in result.stdout, (role, word)
+
+
+TOKEN = "cli-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate and key, a node certificate and key, a stranger's key,
+    a file of junk and a directory, to point config fields at."""
+    d = tmp_path_factory.mktemp("tls")
+    ca = pki.create_ca("cli CA")
+    ca.write(d / "ca.crt", d / "ca.key")
+    pki.issue_server_certificate(ca, ["localhost"]).write(d / "server.crt", d / "server.key")
+    pki.issue_client_certificate(ca, "edge-1").write(d / "edge.crt", d / "edge.key")
+    pki.write_private_key(d / "stranger.key", pki.generate_key())
+    (d / "junk").write_text("not PEM at all\n")
+    (d / "short-token").write_text("short\n")
+    (d / "adir").mkdir()
+    return d
+
+
+def check(role: str, tmp_path: Path, doc: dict[str, object],
+          capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`nodeagent ROLE --config FILE --check`, in this process (the same parser and error
+    printing as the command; no interpreter start-up per case)."""
+    path = tmp_path / f"{role}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    capsys.readouterr()
+    code = cli.main([role, "--config", str(path), "--check"])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([role], code, out, err)
+
+
+def server_doc(d: Path, **tls: str) -> dict[str, object]:
+    return {"tunnel": "tls://127.0.0.1:0", "tokens": [{"node": "*", "token": TOKEN}],
+            "tls": {"cert_file": str(d / "server.crt"), "key_file": str(d / "server.key"),
+                    **{k: str(d / v) for k, v in tls.items()}}}
+
+
+@pytest.mark.parametrize(("tls", "message"), [
+    ({"cert_file": "missing.crt"}, "tls.cert_file: {d}/missing.crt: no such file"),
+    ({"cert_file": "adir"}, "tls.cert_file: {d}/adir: is a directory, not a file"),
+    ({"cert_file": "server.key"},
+     "tls.cert_file: {d}/server.key: not a PEM certificate (it holds a private key)"),
+    ({"key_file": "junk"}, "tls.key_file: {d}/junk: not a PEM private key"),
+    ({"key_file": "server.crt"},
+     "tls.key_file: {d}/server.crt: not a PEM private key (it holds a certificate)"),
+    ({"key_file": "stranger.key"}, "tls.cert_file, tls.key_file: {d}/server.crt and "
+                                   "{d}/stranger.key: certificate and key do not match"),
+    ({"client_ca_file": "junk"}, "tls.client_ca_file: {d}/junk: not a PEM certificate"),
+])
+def test_server_check_names_the_file_the_field_and_the_problem(
+        tls_files: Path, tmp_path: Path, tls: dict[str, str], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    result = check("server", tmp_path, server_doc(tls_files, **tls), capsys)
+    assert result.returncode == 2, result.stderr
+    assert f"{tmp_path}/server.yaml: {message.format(d=tls_files)}\n" in result.stderr
+    assert "Traceback" not in result.stderr and "PEM lib" not in result.stderr
+
+
+def test_server_check_names_an_unreadable_token_file(
+        tls_files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = {**server_doc(tls_files), "tokens": [{"node": "a", "token": TOKEN},
+                                               {"node": "*", "token_file": "/nonexistent/t"}]}
+    result = check("server", tmp_path, doc, capsys)
+    assert result.returncode == 2, result.stderr
+    assert (f"{tmp_path}/server.yaml: tokens[1].token_file: cannot read /nonexistent/t: "
+            "No such file or directory") in result.stderr
+
+
+def agent_doc(d: Path, **fields: object) -> dict[str, object]:
+    return {"node": "edge-1", "server": "tls://127.0.0.1:1", "token": TOKEN,
+            "tls": {"ca_file": str(d / "ca.crt")}, **fields}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tls": {"ca_file": "{d}/missing.crt"}}, "tls.ca_file: {d}/missing.crt: no such file"),
+    ({"tls": {"ca_file": "{d}/ca.key"}},
+     "tls.ca_file: {d}/ca.key: not a PEM certificate (it holds a private key)"),
+    ({"tls": {"ca_file": "{d}/ca.crt", "cert_file": "{d}/junk", "key_file": "{d}/edge.key"}},
+     "tls.cert_file: {d}/junk: not a PEM certificate"),
+    ({"tls": {"ca_file": "{d}/ca.crt", "cert_file": "{d}/edge.crt", "key_file": "{d}/junk"}},
+     "tls.key_file: {d}/junk: not a PEM private key"),
+    ({"tls": {"ca_file": "{d}/ca.crt", "cert_file": "{d}/edge.crt",
+              "key_file": "{d}/server.key"}},
+     "tls.cert_file, tls.key_file: {d}/edge.crt and {d}/server.key: certificate and key do "
+     "not match"),
+    ({"token": None, "token_file": "{d}/short-token"},
+     "token_file: {d}/short-token: token is shorter than 16 characters"),
+])
+def test_agent_check_names_the_file_the_field_and_the_problem(
+        tls_files: Path, tmp_path: Path, fields: dict[str, object], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    filled = yaml.safe_load(yaml.safe_dump(fields).replace("{d}", str(tls_files)))
+    doc = {k: v for k, v in agent_doc(tls_files, **filled).items() if v is not None}
+    result = check("agent", tmp_path, doc, capsys)
+    assert result.returncode == 2, result.stderr
+    assert f"{tmp_path}/agent.yaml: {message.format(d=tls_files)}\n" in result.stderr
+    assert "Traceback" not in result.stderr and "PEM lib" not in result.stderr
+
+
+def test_check_accepts_good_files(tls_files: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    server = check("server", tmp_path, server_doc(tls_files, client_ca_file="ca.crt"), capsys)
+    assert server.returncode == 0 and "valid" in server.stdout, server.stderr
+    agent = check("agent", tmp_path, agent_doc(tls_files, tls={
+        "ca_file": str(tls_files / "ca.crt"), "cert_file": str(tls_files / "edge.crt"),
+        "key_file": str(tls_files / "edge.key")}), capsys)
+    assert agent.returncode == 0 and "valid" in agent.stdout, agent.stderr
+
+
+def test_the_command_prints_the_one_line(tls_files: Path, tmp_path: Path) -> None:
+    """The real process: exit 2 and the line, nothing from ssl, no traceback."""
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump(server_doc(tls_files, key_file="junk")))
+    result = run("server", "--config", str(path), "--check")
+    assert result.returncode == 2
+    assert result.stderr == (f"nodeagent server: invalid config:\n{path}: tls.key_file: "
+                             f"{tls_files}/junk: not a PEM private key\n")

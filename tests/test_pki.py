@@ -12,12 +12,17 @@ import os
 import ssl
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.hazmat.primitives.serialization import (
+    BestAvailableEncryption,
+    Encoding,
+    PrivateFormat,
+)
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from nodeagent import pki
@@ -289,3 +294,37 @@ def test_only_one_valid_node_uri_with_client_auth_names_a_node(
             (["nodeagent://node/" + "a" * 300], client),
             (["nodeagent://node/a\nb"], client)):
         assert pki.node_name_from_certificate(_client_cert(ca, uris, usages)) is None, uris
+
+
+def test_unusable_tls_inputs_say_which_and_why(tmp_path: Path, ca: pki.CertificateAuthority,
+                                              server: pki.IssuedCertificate) -> None:
+    stranger = pki.generate_key()
+    cases: list[tuple[dict[str, Any], str, str | None, str]] = [
+        ({"cert": tmp_path / "none.crt", "key": server.key_pem}, "cert",
+         str(tmp_path / "none.crt"), "no such file"),
+        ({"cert": server.key_pem, "key": server.key_pem}, "cert", None,
+         "not a PEM certificate (it holds a private key)"),
+        ({"cert": server.certificate_pem, "key": b"junk"}, "key", None,
+         "not a PEM private key"),
+        ({"cert": server.certificate_pem, "key": stranger}, "pair", None,
+         "certificate and key do not match"),
+        ({"cert": server.certificate_pem, "key": server.key_pem, "client_ca": b"junk"}, "ca",
+         None, "not a PEM certificate"),
+    ]
+    for kwargs, which, path, problem in cases:
+        with pytest.raises(pki.TlsInputError) as info:
+            pki.server_ssl_context(**kwargs)
+        assert (info.value.which, info.value.path, info.value.problem) == (which, path, problem)
+    encrypted = server.certificate.public_bytes(Encoding.PEM) + stranger.private_bytes(
+        Encoding.PEM, PrivateFormat.PKCS8, BestAvailableEncryption(b"secret"))
+    with pytest.raises(pki.TlsInputError, match="encrypted private key") as info:
+        pki.client_ssl_context(ca.certificate_pem, encrypted, None)
+    assert info.value.which == "key"
+
+
+def test_a_certificate_file_may_hold_its_key(tmp_path: Path, ca: pki.CertificateAuthority,
+                                             server: pki.IssuedCertificate) -> None:
+    both = tmp_path / "both.pem"
+    both.write_bytes(server.certificate_pem + server.key_pem)
+    ctx = pki.client_ssl_context(ca.certificate_pem, both)
+    assert isinstance(ctx, ssl.SSLContext)

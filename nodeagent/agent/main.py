@@ -39,14 +39,26 @@ from tunnel import protocol as p
 log = get_logger("nodeagent.agent")
 
 
-def agent_ssl_context(config: AgentConfig) -> ssl.SSLContext | None:
+# Which setting named each TLS input (pki.TlsInputError.which), in a file and as flags.
+TLS_FIELDS = {"ca": "tls.ca_file", "cert": "tls.cert_file", "key": "tls.key_file",
+              "pair": "tls.cert_file, tls.key_file"}
+TLS_FLAGS = {"ca": "--ca-file"}
+
+
+def agent_ssl_context(config: AgentConfig, source: str = "config",
+                      fields: dict[str, str] = TLS_FIELDS) -> ssl.SSLContext | None:
+    """The tunnel's TLS context; a file that cannot be used is a ConfigError naming the
+    config `source`, the field and the problem ("agent.yaml: tls.ca_file: /ca: no such
+    file")."""
     if not config.server.startswith(("tls://", "wss://")):
         return None
     try:
         ctx = pki.client_ssl_context(config.tls.ca_file, config.tls.cert_file,
                                      config.tls.key_file)
+    except pki.TlsInputError as exc:
+        raise ConfigError(f"{source}: {fields[exc.which]}: {exc}") from None
     except (OSError, ssl.SSLError, ValueError) as exc:
-        raise ConfigError(f"tls: cannot load CA, certificate or key: {exc}") from None
+        raise ConfigError(f"{source}: tls: cannot load CA, certificate or key: {exc}") from None
     if config.tls.insecure_skip_verify:
         log.warning("tls.insecure_skip_verify is set: the server's identity is NOT checked")
         ctx.check_hostname = False
@@ -94,7 +106,11 @@ async def _reload(agent: Agent, config_path: Path) -> None:
 
 def run_agent(config_path: Path, *, check: bool = False) -> int:
     config = load_config(AgentConfig, config_path)
-    ssl_context = agent_ssl_context(config)
+    ssl_context = agent_ssl_context(config, str(config_path))
+    try:
+        config.read_token()
+    except ConfigError as exc:  # token_file: unreadable or too short
+        raise ConfigError(f"{config_path}: token_file: {exc}") from None
     agent = Agent(config, ssl_context=ssl_context)
     if check:
         print(f"{config_path}: valid. node {config.node}, server {config.server}, "
@@ -128,7 +144,7 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
     assert config.controller is not None and config.token_file is not None
     host, port = controller_address(config.controller)
     token = token_reader(config.token_file)
-    agent = Agent(config, ssl_context=agent_ssl_context(config))
+    agent = Agent(config, ssl_context=agent_ssl_context(config, "flags", TLS_FLAGS))
     status = WatchStatus(config.controller)
     agent.config_watch = status
 

@@ -40,15 +40,37 @@ from tunnel.dial import parse_endpoint, serve
 log = get_logger("nodeagent.server")
 
 
-def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+# Which setting named each TLS input (pki.TlsInputError.which), in a file and as flags.
+TLS_FIELDS = {"cert": "tls.cert_file", "key": "tls.key_file", "ca": "tls.client_ca_file",
+              "pair": "tls.cert_file, tls.key_file"}
+TLS_FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "pair": "--tls-cert, --tls-key"}
+
+
+def server_ssl_context(config: ServerConfig, source: str = "config",
+                       fields: dict[str, str] = TLS_FIELDS) -> ssl.SSLContext | None:
+    """The tunnel's TLS context; a file that cannot be used is a ConfigError naming the
+    config `source`, the field and the problem ("server.yaml: tls.key_file: /k: not a PEM
+    private key")."""
     if config.tls is None:
         return None
     try:
         return pki.server_ssl_context(
             config.tls.cert_file, config.tls.key_file, client_ca=config.tls.client_ca_file,
             require_client_cert=config.tls.require_client_cert)
+    except pki.TlsInputError as exc:
+        raise ConfigError(f"{source}: {fields[exc.which]}: {exc}") from None
     except (OSError, ssl.SSLError, ValueError) as exc:
-        raise ConfigError(f"tls: cannot load certificate or key: {exc}") from None
+        raise ConfigError(f"{source}: tls: cannot load certificate or key: {exc}") from None
+
+
+def check_token_files(config: ServerConfig, source: str) -> None:
+    """Read every tokens[].token_file now, so an unreadable one names its field."""
+    for index, entry in enumerate(config.tokens):
+        if entry.token_file is not None:
+            try:
+                entry.read()
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: tokens[{index}].token_file: {exc}") from None
 
 
 async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
@@ -135,7 +157,8 @@ def _sockname(listener: trio.SocketListener) -> str:
 
 def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0) -> int:
     config = load_config(ServerConfig, config_path)
-    ssl_context = server_ssl_context(config)
+    ssl_context = server_ssl_context(config, str(config_path))
+    check_token_files(config, str(config_path))
     server = Server(config)  # reads token files: errors surface before anything listens
     if check:
         print(f"{config_path}: valid. tunnel {config.tunnel.url}, {len(config.tokens)} "
@@ -171,7 +194,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     assert config.controller is not None
     host, port = controller_address(config.controller)
     token = token_reader(Path(str(args.token_file)))
-    ssl_context = server_ssl_context(config)
+    ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
     server = Server(config)
     status = WatchStatus(config.controller)
     server.config_watch = status

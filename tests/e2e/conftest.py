@@ -82,9 +82,12 @@ def upstream() -> Iterator[Upstream]:
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     echo = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
-    yield Upstream(httpd.server_address[1], echo.getsockname()[1])
-    httpd.shutdown()
-    echo.close()
+    try:
+        yield Upstream(httpd.server_address[1], echo.getsockname()[1])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        echo.close()
 
 
 def free_port() -> int:

@@ -61,6 +61,7 @@ def test_node_names_are_dns_names_and_bad_handshakes_cost_bounded_log_lines(
     assert "forged log line" not in logs and "x" * 100 not in logs
 
 
+@pytest.mark.needs("root")  # the agent's tunnel socket carries SO_MARK (CAP_NET_ADMIN)
 @pytest.mark.parametrize("which", ["server", "ca_key"])
 def test_a_certificate_that_names_no_node_is_not_a_node(tmp_path: Path, certs: Certs,
                                                         upstream: Upstream, which: str) -> None:

@@ -19,6 +19,9 @@ from tests.e2e.conftest import Certs, Upstream, free_port
 from tests.e2e.test_standalone import agent_config, server_config
 from tests.procs import NodeagentProcess
 
+# The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
+pytestmark = pytest.mark.needs("root")
+
 
 def raw_get(port: int, host: str, path: str, *, tls_ca: Path | None = None) -> tuple[int, str]:
     """One GET with `host` as Host (and SNI with TLS); (status, whole response)."""

@@ -25,7 +25,7 @@ from nodeagent import pki
 from tests.netns import Topology, in_netns, netns_available
 from tests.procs import NodeagentProcess
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
 TOKEN = "netns-token-0123456789abcdef"
 
 
@@ -101,6 +101,7 @@ def lab(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, An
             proc.kill()
             if not isinstance(proc, NodeagentProcess):
                 proc.wait()
+                proc.stdout.close()
         topo.close()
         for proc in procs:
             if isinstance(proc, NodeagentProcess):
@@ -216,6 +217,7 @@ def test_table_removed_on_shutdown_and_rebuilt_after_kill_9(lab: dict[str, Any])
 
 
 @pytest.mark.parametrize("lab", ["legacy"], indirect=True)
+@pytest.mark.needs("iptables-legacy", "iptables-legacy-restore")
 def test_legacy_iptables_host_gets_chains_there_and_traffic_flows(lab: dict[str, Any]) -> None:
     """A host whose legacy iptables holds kube-proxy's chains gets NODEAGENT-* chains next
     to them, not an nftables table (never mix backends on one host)."""

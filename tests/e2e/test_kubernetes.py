@@ -33,6 +33,9 @@ from nodeagent.kube.resources import (
 from tests.e2e.conftest import Certs, Upstream, free_port
 from tests.procs import NodeagentProcess
 
+# The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
+pytestmark = pytest.mark.needs("root")
+
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "e2e-admin-token"
 AGENT_TOKEN = "e2e-agent-token-0123456789"

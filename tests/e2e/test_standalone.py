@@ -18,6 +18,9 @@ import pytest
 from tests.e2e.conftest import TOKEN, Certs, Upstream, free_port
 from tests.procs import NodeagentProcess
 
+# The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
+pytestmark = pytest.mark.needs("root")
+
 
 def server_config(tmp: Path, certs: Certs, upstream: Upstream, *, scheme: str = "tls",
                   tunnel_port: int | None = None, mtls: bool = False) -> dict[str, Any]:

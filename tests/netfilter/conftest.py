@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from netfilter.nftables import NftablesBackend
 from tests.netfilter.lab import Lab
 from tests.netns import netns_available
 
@@ -27,3 +28,13 @@ def lab(lab_module: Lab) -> Iterator[Lab]:
         yield lab_module
     finally:
         lab_module.reset_node()
+
+
+@pytest.fixture
+def nft(lab: Lab) -> Iterator[NftablesBackend]:
+    """An nftables backend for `node`; its netlink socket is closed however the test ends."""
+    backend = NftablesBackend(lab.ns("node"))
+    try:
+        yield backend
+    finally:
+        backend.close()

@@ -7,20 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from netfilter.iptables import IptablesBackend, ipset_available
+from netfilter.iptables import IptablesBackend
 from netfilter.model import Mode
 from netfilter.routing import PolicyRouting
 from tests.netfilter.lab import REMOTE4, REMOTE6, REMOTE_PORT, Lab
 from tests.netfilter.models import lab_model
 from tests.netfilter.test_render import GOLDEN
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns,
+              pytest.mark.needs("nft", "iptables-legacy", "iptables-legacy-restore")]
 
 FLAVOURS = [
     pytest.param(False, id="rules"),
-    pytest.param(True, id="ipset", marks=pytest.mark.skipif(
-        not ipset_available(), reason="the ipset tool is not installed (apt-get install ipset)"
-    )),
+    pytest.param(True, id="ipset", marks=pytest.mark.needs("ipset")),
 ]
 
 
@@ -118,11 +117,11 @@ def test_pod_traffic_is_intercepted(lab: Lab, use_ipset: bool, mode: Mode) -> No
     assert lab.connect("pod", REMOTE4[0]) == f"direct {REMOTE4[0]} {REMOTE_PORT}"
 
 
-@pytest.mark.parametrize("golden", sorted(GOLDEN.glob("iptables-*.rules")), ids=lambda p: p.name)
+@pytest.mark.parametrize("golden", [
+    pytest.param(p, id=p.name, marks=[pytest.mark.needs("ipset")] if "-ipset-" in p.name else [])
+    for p in sorted(GOLDEN.glob("iptables-*.rules"))])
 def test_iptables_goldens_are_accepted_by_the_kernel(lab: Lab, golden: Path) -> None:
     if "-ipset-" in golden.name:
-        if not ipset_available():
-            pytest.skip("the ipset tool is not installed (apt-get install ipset)")
         mode = "tproxy" if "tproxy" in golden.name else "redirect"
         lab.sh("node", ["ipset", "restore"], input=(GOLDEN / f"ipset-{mode}.txt").read_text())
     tool = "iptables-legacy-restore" if golden.name.endswith("ipv4.rules") else (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,7 @@ from tests.netfilter.lab import CLUSTER_IP, CLUSTER_IP_LEGACY, REMOTE4, REMOTE6,
 from tests.netfilter.models import lab_model, many_destinations
 from tests.netfilter.test_render import GOLDEN
 
-pytestmark = pytest.mark.netns
-
-
-@pytest.fixture
-def nft(lab: Lab) -> Iterator[NftablesBackend]:
-    backend = NftablesBackend(lab.ns("node"))
-    try:
-        yield backend
-    finally:
-        backend.close()
+pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
 
 
 def _route(lab: Lab, model: InterceptModel) -> None:
@@ -174,7 +164,8 @@ def _kube_proxy_iptables(lab: Lab) -> None:
 
 
 @pytest.mark.parametrize("mode", [Mode.REDIRECT, Mode.TPROXY])
-@pytest.mark.parametrize("kube_proxy", ["nftables", "iptables"])
+@pytest.mark.parametrize("kube_proxy", [
+    "nftables", pytest.param("iptables", marks=pytest.mark.needs("iptables-legacy"))])
 def test_cluster_ip_matched_after_kube_proxy_dnat(
     lab: Lab, nft: NftablesBackend, mode: Mode, kube_proxy: str
 ) -> None:

@@ -15,7 +15,7 @@ from netfilter.routing import PolicyRouting
 from tests.netfilter.lab import REMOTE4, Lab, netns
 from tests.netfilter.models import PORTS
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
 
 UDP_PORT = 5353
 
@@ -33,15 +33,13 @@ def _serve_one(listener: socket.socket, ns: str) -> None:
                      source[:2])
 
 
-def test_udp_tproxy_v4(lab: Lab) -> None:
+def test_udp_tproxy_v4(lab: Lab, nft: NftablesBackend) -> None:
     model = InterceptModel(
         rules=(InterceptRule.parse("dns", "udp", ["198.51.100.0/24"], ports=[UDP_PORT]),),
         proxy_ports=PORTS, mode=Mode.TPROXY,
     )
     PolicyRouting(model.tproxy_mark, model.route_table, netns=lab.ns("node")).ensure()
-    nft = NftablesBackend(lab.ns("node"))
     nft.apply(model)
-    nft.close()
 
     with netns(lab.ns("node")):
         listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -590,7 +590,7 @@ async def test_upgrade_headers_reach_the_server(kind: Kind, certs: Certs) -> Non
 # ------------------------------------------------------------------------------ sockets
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="SO_MARK needs CAP_NET_ADMIN (run as root)")
+@pytest.mark.needs("root")  # SO_MARK needs CAP_NET_ADMIN
 async def test_socket_mark_is_set_on_the_dialed_socket(kind: Kind, certs: Certs) -> None:
     async with transport_pair(kind, certs, socket_mark=0x4E41) as (client, server):
         sock = socket_of(client.stream)  # type: ignore[attr-defined]

@@ -59,6 +59,10 @@ _EVENT_FIELDS = frozenset(
     | {"reason", "reportingComponent", "source", "type"})
 
 
+RBAC = "rbac.authorization.k8s.io"
+AUTHZ = "authorization.k8s.io"
+
+
 def builtin_types() -> list[ResourceType]:
     return [
         _t("", "v1", "namespaces", "Namespace", False, status=True, short_names=("ns",),
@@ -87,6 +91,12 @@ def builtin_types() -> list[ResourceType]:
            verbs=frozenset({"create"}), stored=False),
         _t("apiextensions.k8s.io", "v1", "customresourcedefinitions",
            "CustomResourceDefinition", False, status=True, short_names=("crd", "crds")),
+        _t("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, status=True,
+           short_names=("pdb",)),
+        _t(RBAC, "v1", "roles", "Role", True),
+        _t(RBAC, "v1", "clusterroles", "ClusterRole", False),
+        _t(RBAC, "v1", "rolebindings", "RoleBinding", True),
+        _t(RBAC, "v1", "clusterrolebindings", "ClusterRoleBinding", False),
     ]
 
 

@@ -29,7 +29,21 @@ import trio
 
 from tests.fakekube.kubeconfig import write_kubeconfig
 from tests.fakekube.pki import CertificateAuthority, CertPair
-from tests.fakekube.registry import ResourceType
+from tests.fakekube.rbac import (
+    AUTHENTICATED,
+    MASTERS,
+    SA_PREFIX,
+    UNAUTHENTICATED,
+    Decision,
+    RbacAuthorizer,
+    RequestAttributes,
+    UserInfo,
+    bootstrap_policy,
+    forbidden,
+    request_attributes,
+    service_account_groups,
+)
+from tests.fakekube.registry import RBAC, ResourceType
 from tests.fakekube.store import (
     API_AUDIENCE,
     DEFAULT_NAMESPACES,
@@ -143,9 +157,17 @@ class FakeKube:
                  bookmark_interval: float = 1.0, history_limit: int | None = None,
                  namespaces: tuple[str, ...] = DEFAULT_NAMESPACES,
                  watch_queue_limit: int = 10_000, validate_bound_pods: bool = False,
-                 gone_as_http_status: bool = False) -> None:
+                 gone_as_http_status: bool = False, rbac: bool = False) -> None:
         self.store = Store(namespaces=namespaces, history_limit=history_limit,
                            watch_queue_limit=watch_queue_limit)
+        # rbac=True: everyone but system:masters is authorized by RBAC (see rbac.py), over
+        # the bootstrap policy plus whatever Roles and bindings the test stores.
+        self.rbac = rbac
+        self.authorizer = RbacAuthorizer(
+            lambda plural: self.store.objects(self.store.types[(RBAC, plural)]))
+        if rbac:
+            for obj in bootstrap_policy():
+                self.put_object(obj)
         self.tokens: dict[str, TokenInfo] = {}
         self.require_auth = token is not None
         self.admin_token = token
@@ -456,6 +478,8 @@ class FakeKube:
         path = target.path
         query = dict(parse_qsl(target.query, keep_blank_values=True))
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in request.headers}
+        impersonate_groups = [v.decode("latin-1") for k, v in request.headers
+                              if k.lower() == b"impersonate-group"]
         method = request.method.decode()
         record = RecordedRequest(method, path, query, None, trio.current_time())
         if path.startswith("/_fake/"):
@@ -472,12 +496,16 @@ class FakeKube:
             await trio.sleep(delay)
         result: _Response | tuple[Any, ...]
         try:
-            record.user = self._authenticate(headers, peer_user)
+            user = self._authenticate(headers, peer_user)
+            record.user = user.name
+            user = self._impersonate(user, headers, impersonate_groups)
+            record.user = user.name
             self._inject_fault(record)
+            self._authorize(request_attributes(user, method, path, query))
             if path in ("/healthz", "/livez", "/readyz"):
                 result = _Response(200, b"ok", "text/plain")
             else:
-                result = self._route(method, path, query, headers, body, record)
+                result = self._route(method, path, query, headers, body, record, user)
         except ApiError as exc:
             result = _error(exc)
         except Exception as exc:  # a bug in the fake: answer 500 so the test sees it
@@ -492,19 +520,59 @@ class FakeKube:
         return True
 
     def _authenticate(self, headers: dict[str, str],
-                      peer_user: tuple[str, list[str]] | None) -> str:
+                      peer_user: tuple[str, list[str]] | None) -> UserInfo:
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             info = self.tokens.get(auth[7:].strip())
             if info is None or API_AUDIENCE not in info.audiences or (
                     info.expires_at is not None and info.expires_at < time.time()):
                 raise ApiError(401, "Unauthorized", "Unauthorized")
-            return info.username
+            return UserInfo(info.username, tuple(info.groups), info.uid, dict(info.extra))
         if peer_user is not None:
-            return peer_user[0]
+            return UserInfo(peer_user[0], (*peer_user[1], AUTHENTICATED))
         if self.require_auth:
             raise ApiError(401, "Unauthorized", "Unauthorized")
-        return "system:anonymous"
+        return UserInfo("system:anonymous", (UNAUTHENTICATED,))
+
+    def _impersonate(self, user: UserInfo, headers: dict[str, str], groups: list[str]
+                     ) -> UserInfo:
+        """`Impersonate-User`/`-Group`/`-Uid` (kubectl --as/--as-group), each name allowed
+        by an `impersonate` rule on users, serviceaccounts, groups or uids."""
+        name = headers.get("impersonate-user")
+        uid = headers.get("impersonate-uid")
+        if name is None:
+            if groups or uid:
+                raise bad_request("requested impersonation of groups or uid without "
+                                  "impersonating a user")
+            return user
+        sa_namespace = ""
+        if name.startswith(SA_PREFIX) and name.count(":") == 3:
+            sa_namespace, sa_name = name.removeprefix(SA_PREFIX).split(":")
+            self._authorize(RequestAttributes(user, "impersonate", True,
+                                              namespace=sa_namespace,
+                                              resource="serviceaccounts", name=sa_name))
+        else:
+            self._authorize(RequestAttributes(user, "impersonate", True, resource="users",
+                                              name=name))
+        for group in groups:
+            self._authorize(RequestAttributes(user, "impersonate", True, resource="groups",
+                                              name=group))
+        if uid:
+            self._authorize(RequestAttributes(user, "impersonate", True,
+                                              api_group="authentication.k8s.io",
+                                              resource="uids", name=uid))
+        if sa_namespace and not groups:
+            groups = list(service_account_groups(sa_namespace))
+        extra = AUTHENTICATED if name != "system:anonymous" else UNAUTHENTICATED
+        if extra not in groups:
+            groups = [*groups, extra]
+        return UserInfo(name, tuple(groups), uid or "")
+
+    def decide(self, attrs: RequestAttributes) -> Decision:
+        """The authorizer chain: system:masters, then RBAC when on, else allow."""
+        if MASTERS in attrs.user.groups or not self.rbac:
+            return Decision(True)
+        return self.authorizer.authorize(attrs)
 
     def _inject_fault(self, record: RecordedRequest) -> None:
         for fault in self._faults:
@@ -516,24 +584,23 @@ class FakeKube:
                                f"Internal error occurred: injected fault ({fault.status})")
         self._faults = [f for f in self._faults if f.remaining > 0]
 
-    def _authorize(self, verb: str, rt: ResourceType, user: str, namespace: str | None,
-                   name: str | None) -> None:
+    def _authorize(self, attrs: RequestAttributes) -> None:
+        decision = self.decide(attrs)
+        if not decision.allowed:
+            raise forbidden(attrs, decision.reason)
+        if not attrs.resource_request:
+            return
         for d_verb, d_resource, d_user in self._denied:
-            if ((d_verb is None or d_verb == verb) and (d_resource is None
-                                                         or d_resource == rt.plural)
-                    and (d_user is None or d_user == user)):
-                what = f'{rt.qualified} "{name}"' if name else rt.qualified
-                where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
-                raise ApiError(403, "Forbidden",
-                               f'{what} is forbidden: User "{user}" cannot {verb} resource '
-                               f'"{rt.plural}" in API group "{rt.group}"{where}',
-                               details={"name": name or "", "group": rt.group,
-                                        "kind": rt.plural})
+            if ((d_verb is None or d_verb == attrs.verb)
+                    and (d_resource is None or d_resource == attrs.resource)
+                    and (d_user is None or d_user == attrs.user.name)):
+                raise forbidden(attrs)
 
     # -- routing ----------------------------------------------------------------------------
 
     def _route(self, method: str, path: str, query: dict[str, str], headers: dict[str, str],
-               body: bytes, record: RecordedRequest) -> _Response | tuple[Any, ...]:
+               body: bytes, record: RecordedRequest, user: UserInfo
+               ) -> _Response | tuple[Any, ...]:
         parts = [unquote(p) for p in path.split("/") if p]
         if path == "/version":
             return _json(200, SERVER_VERSION)
@@ -577,7 +644,6 @@ class FakeKube:
         if verb is None or verb not in rt.verbs:
             raise ApiError(405, "MethodNotAllowed",
                            "the server does not allow this method on the requested resource")
-        self._authorize(verb, rt, record.user or "", namespace, name)
         store = self.store
         field_manager = query.get("fieldManager")
         if verb == "watch":

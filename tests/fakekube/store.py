@@ -414,7 +414,11 @@ class Store:
             pattern, limit, what = _LABEL, 63, "a lowercase RFC 1123 label"
         elif rt.key == ("", "services"):
             pattern, limit, what = _DNS1035, 63, "a DNS-1035 label"
-        if not pattern.match(name) or len(name) > limit:
+        if rt.group == RBAC:  # any path segment name ("system:discovery")
+            if name in ("", ".", "..") or "/" in name or "%" in name:
+                causes.append(("metadata.name", "FieldValueInvalid",
+                               f'Invalid value: "{name}": may not contain \'/\' or \'%\''))
+        elif not pattern.match(name) or len(name) > limit:
             causes.append(("metadata.name", "FieldValueInvalid",
                            f'Invalid value: "{name}": {what} must consist of lower case '
                            "alphanumeric characters or '-'"))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import trio
+import yaml
 
 from tests.fakekube import FakeKube
 from tests.fakekube.fixtures import ADMIN_TOKEN
@@ -124,3 +127,208 @@ async def test_pod_disruption_budget(api: httpx.AsyncClient) -> None:
     r = await api.post(path, json=both)
     assert r.status_code == 422
     assert "cannot be both set" in r.json()["message"]
+
+
+# -- enforcement --------------------------------------------------------------------------
+
+MANIFEST_RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac.yaml"
+CONTROLLER = "system:serviceaccount:nodeagent:nodeagent-controller"
+
+
+@pytest.fixture
+async def rbac_kube(nursery: trio.Nursery) -> FakeKube:
+    fake = FakeKube(token=ADMIN_TOKEN, rbac=True, bookmark_interval=0.2,
+                    namespaces=("default", "kube-system", "nodeagent", "other"))
+    await nursery.start(fake.serve)
+    return fake
+
+
+def client(fake: FakeKube, token: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=fake.url, timeout=10,
+                             headers={"Authorization": f"Bearer {token}"})
+
+
+async def status_of(c: httpx.AsyncClient, method: str, path: str, **kw: Any) -> int:
+    return (await c.request(method, path, **kw)).status_code
+
+
+async def test_manifest_rbac_gives_the_controller_what_it_needs_and_no_more(
+        rbac_kube: FakeKube) -> None:
+    for doc in yaml.safe_load_all(MANIFEST_RBAC.read_text()):
+        if doc:
+            rbac_kube.put_object(doc)
+    rbac_kube.add_service_account_token("ctl", namespace="nodeagent",
+                                        service_account="nodeagent-controller")
+    rbac_kube.put_object({"apiVersion": "v1", "kind": "Secret",
+                          "metadata": {"name": "s", "namespace": "other"}})
+    async with client(rbac_kube, "ctl") as c:
+        allowed = [
+            ("GET", "/apis/networking.k8s.io/v1/ingresses"),
+            ("GET", "/apis/networking.k8s.io/v1/ingresses?watch=true&timeoutSeconds=1"),
+            ("GET", "/api/v1/nodes"),
+            ("GET", "/api/v1/namespaces/other/secrets/s"),
+            ("GET", "/apis/discovery.k8s.io/v1/endpointslices"),
+            ("GET", "/api/v1/namespaces/nodeagent/configmaps"),
+        ]
+        for method, path in allowed:
+            code = await status_of(c, method, path)
+            assert code == 200, (method, path, code)
+        r = await c.post("/apis/authentication.k8s.io/v1/tokenreviews",
+                         json={"spec": {"token": "ctl"}})
+        assert r.status_code == 201
+        r = await c.post("/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases",
+                         json={"metadata": {"name": "leader"}, "spec": {}})
+        assert r.status_code == 201, r.text
+        leader = r.json()
+        lease = "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases/leader"
+        assert await status_of(c, "GET", lease) == 200
+        assert await status_of(c, "PUT", lease, json=leader) == 200
+        r = await c.post("/api/v1/namespaces/nodeagent/secrets",
+                         json={"metadata": {"name": "ca"}, "stringData": {"k": "v"}})
+        assert r.status_code == 201, r.text
+        denied = [
+            ("DELETE", "/api/v1/nodes/n1"),
+            ("PUT", "/api/v1/namespaces/nodeagent/secrets/ca"),  # get+create only
+            ("POST", "/api/v1/namespaces/other/secrets"),  # create only in its namespace
+            ("GET", "/apis/coordination.k8s.io/v1/namespaces/other/leases"),
+            ("GET", "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases"),  # no list
+            ("DELETE", "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases/leader"),
+            ("GET", "/api/v1/pods"),
+            ("PUT", "/apis/networking.k8s.io/v1/namespaces/default/ingresses/x"),
+            ("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles"),
+            ("DELETE", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/x"),
+        ]
+        for method, path in denied:
+            kw: dict[str, Any] = {"json": {"metadata": {"name": "ca"}}} if method in (
+                "PUT", "POST") else {}
+            r = await c.request(method, path, **kw)
+            assert r.status_code == 403, (method, path, r.status_code)
+            assert r.json()["reason"] == "Forbidden"
+        r = await c.delete("/api/v1/nodes/n1")
+        assert r.json() == {
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "reason": "Forbidden", "code": 403, "details": {"name": "n1", "kind": "nodes"},
+            "message": f'nodes "n1" is forbidden: User "{CONTROLLER}" cannot delete '
+                       'resource "nodes" in API group "" at the cluster scope'}
+        r = await c.put("/api/v1/namespaces/nodeagent/secrets/ca",
+                        json={"metadata": {"name": "ca"}})
+        assert r.json()["message"] == (
+            f'secrets "ca" is forbidden: User "{CONTROLLER}" cannot update resource '
+            '"secrets" in API group "" in the namespace "nodeagent"')
+        # Status subresources are separate resources.
+        ing = "/apis/networking.k8s.io/v1/namespaces/default/ingresses/x"
+        assert await status_of(c, "PUT", f"{ing}/status", json={}) == 404  # allowed: no x
+        assert await status_of(c, "PUT", ing, json={}) == 403
+
+
+async def test_verbs_resource_names_and_field_selectors(rbac_kube: FakeKube) -> None:
+    rbac_kube.put_object(role("r", [
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "watch"],
+         "resourceNames": ["mine"]},
+        {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]}]))
+    rbac_kube.put_object(binding("b", "Role", "r", [{"kind": "User", "name": "u"}]))
+    rbac_kube.add_token("u", username="u")
+    for name in ("mine", "theirs"):
+        rbac_kube.put_object({"apiVersion": "v1", "kind": "ConfigMap",
+                              "metadata": {"name": name, "namespace": "default"}})
+    cms = "/api/v1/namespaces/default/configmaps"
+    async with client(rbac_kube, "u") as c:
+        assert await status_of(c, "GET", f"{cms}/mine") == 200
+        assert await status_of(c, "GET", f"{cms}/theirs") == 403
+        assert await status_of(c, "GET", cms) == 403  # list is not get
+        assert await status_of(c, "GET", cms, params={
+            "fieldSelector": "metadata.name=mine"}) == 403  # a list, and list is not granted
+        params = {"watch": "true", "timeoutSeconds": "1"}
+        for selector in ("metadata.name=mine", "metadata.name==mine",
+                         "metadata.name=mine,metadata.namespace=default"):
+            assert await status_of(c, "GET", cms, params={
+                **params, "fieldSelector": selector}) == 200, selector
+        for selector in ("", "metadata.name!=theirs", "metadata.name=theirs",
+                         "metadata.namespace=default"):
+            assert await status_of(c, "GET", cms, params={
+                **params, "fieldSelector": selector}) == 403, selector
+        assert await status_of(c, "DELETE", f"{cms}/mine") == 403
+        # pods/log is granted, pods is not: authorized, then 404 (no logs in the fake).
+        assert await status_of(c, "GET", "/api/v1/namespaces/default/pods/p/log") == 404
+        assert await status_of(c, "GET", "/api/v1/namespaces/default/pods/p") == 403
+        assert await status_of(c, "GET", "/api/v1/namespaces/other/pods/p/log") == 403
+        r = await c.get("/api/v1/namespaces/other/pods/p/log")
+        assert r.json()["message"] == (
+            'pods "p" is forbidden: User "u" cannot get resource "pods/log" in API group "" '
+            'in the namespace "other"')
+
+
+async def test_cluster_roles_bound_in_a_namespace_and_groups(rbac_kube: FakeKube) -> None:
+    rbac_kube.put_object(role("reader", [
+        {"apiGroups": ["*"], "resources": ["*"], "verbs": ["get", "list"]}], namespace=None))
+    rbac_kube.put_object(binding("sa-read", "ClusterRole", "reader", [
+        {"kind": "Group", "name": "system:serviceaccounts:other"}], namespace="default"))
+    rbac_kube.put_object(binding("all-sa", "ClusterRole", "reader", [
+        {"kind": "ServiceAccount", "name": "x"}], namespace="nodeagent"))
+    rbac_kube.add_service_account_token("a", namespace="other", service_account="any")
+    rbac_kube.add_service_account_token("x", namespace="nodeagent", service_account="x")
+    async with client(rbac_kube, "a") as a, client(rbac_kube, "x") as x:
+        assert await status_of(a, "GET", "/api/v1/namespaces/default/secrets") == 200
+        assert await status_of(a, "GET", "/apis/apps/v1/namespaces/default/deployments") == 200
+        assert await status_of(a, "GET", "/api/v1/namespaces/other/secrets") == 403
+        assert await status_of(a, "GET", "/api/v1/secrets") == 403  # cluster-wide
+        assert await status_of(a, "GET", "/api/v1/nodes") == 403  # cluster-scoped
+        assert await status_of(a, "GET", "/api/v1/namespaces/default") == 200  # its namespace
+        # The ServiceAccount subject's namespace defaults to the RoleBinding's.
+        assert await status_of(x, "GET", "/api/v1/namespaces/nodeagent/configmaps") == 200
+        assert await status_of(x, "GET", "/api/v1/namespaces/default/configmaps") == 403
+        # Discovery and health come from the bootstrap policy (system:authenticated).
+        assert await status_of(x, "GET", "/apis") == 200
+        assert await status_of(x, "GET", "/api/v1") == 200
+        assert await status_of(x, "GET", "/healthz") == 200
+        r = await x.get("/metrics")
+        assert r.status_code == 403
+        assert r.json()["message"] == (
+            'forbidden: User "system:serviceaccount:nodeagent:x" cannot get path "/metrics"')
+
+
+async def test_binding_to_a_missing_role_says_so(rbac_kube: FakeKube) -> None:
+    rbac_kube.put_object(binding("b", "Role", "nope", [{"kind": "User", "name": "u"}]))
+    rbac_kube.add_token("u", username="u")
+    async with client(rbac_kube, "u") as c:
+        r = await c.get("/api/v1/namespaces/default/pods")
+    assert r.status_code == 403
+    assert r.json()["message"].endswith(
+        'in the namespace "default": RBAC: role.rbac.authorization.k8s.io "nope" not found')
+
+
+async def test_masters_and_rbac_off(rbac_kube: FakeKube, fake_kube: FakeKube) -> None:
+    async with client(rbac_kube, ADMIN_TOKEN) as admin:
+        assert await status_of(admin, "DELETE", "/api/v1/nodes/n") == 404
+    fake_kube.add_token("u", username="u")
+    async with client(fake_kube, "u") as c:  # without rbac=True everyone may do anything
+        assert await status_of(c, "GET", "/api/v1/secrets") == 200
+
+
+async def test_impersonation(rbac_kube: FakeKube) -> None:
+    rbac_kube.put_object(role("r", [{"apiGroups": [""], "resources": ["configmaps"],
+                                     "verbs": ["list"]}]))
+    rbac_kube.put_object(binding("b", "Role", "r", [
+        {"kind": "ServiceAccount", "name": "sa", "namespace": "default"},
+        {"kind": "Group", "name": "team"}]))
+    rbac_kube.add_token("u", username="u")
+    cms = "/api/v1/namespaces/default/configmaps"
+    async with client(rbac_kube, ADMIN_TOKEN) as admin, client(rbac_kube, "u") as u:
+        as_sa = {"Impersonate-User": "system:serviceaccount:default:sa"}
+        assert await status_of(admin, "GET", cms, headers=as_sa) == 200
+        r = await admin.get("/api/v1/namespaces/default/secrets", headers=as_sa)
+        assert r.status_code == 403
+        assert 'User "system:serviceaccount:default:sa" cannot list' in r.json()["message"]
+        assert await status_of(admin, "GET", cms, headers={"Impersonate-User": "bob"}) == 403
+        r = await admin.get(cms, headers=[("Impersonate-User", "bob"),
+                                          ("Impersonate-Group", "x"),
+                                          ("Impersonate-Group", "team")])
+        assert r.status_code == 200
+        assert rbac_kube.requests[-1].user == "bob"
+        r = await u.get(cms, headers={"Impersonate-User": "bob"})
+        assert r.status_code == 403
+        assert r.json()["message"] == (
+            'users "bob" is forbidden: User "u" cannot impersonate resource "users" in API '
+            'group "" at the cluster scope')
+        r = await admin.get(cms, headers={"Impersonate-Group": "team"})
+        assert r.status_code == 400

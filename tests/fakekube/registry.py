@@ -97,6 +97,12 @@ def builtin_types() -> list[ResourceType]:
         _t(RBAC, "v1", "clusterroles", "ClusterRole", False),
         _t(RBAC, "v1", "rolebindings", "RoleBinding", True),
         _t(RBAC, "v1", "clusterrolebindings", "ClusterRoleBinding", False),
+        _t(AUTHZ, "v1", "selfsubjectaccessreviews", "SelfSubjectAccessReview", False,
+           verbs=frozenset({"create"}), stored=False),
+        _t(AUTHZ, "v1", "subjectaccessreviews", "SubjectAccessReview", False,
+           verbs=frozenset({"create"}), stored=False),
+        _t(AUTHZ, "v1", "localsubjectaccessreviews", "LocalSubjectAccessReview", True,
+           verbs=frozenset({"create"}), stored=False),
     ]
 
 

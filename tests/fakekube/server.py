@@ -661,6 +661,8 @@ class FakeKube:
             doc = _body(body)
             if rt.key == ("authentication.k8s.io", "tokenreviews"):
                 return _json(201, self._token_review(doc))
+            if rt.group == "authorization.k8s.io":
+                return _json(201, self._access_review(rt, doc, user, namespace))
             return _json(201, store.create(rt, version, namespace, doc,
                                            field_manager=field_manager,
                                            dry_run=query.get("dryRun") == "All"))
@@ -749,6 +751,63 @@ class FakeKube:
             status = {"authenticated": True, "user": info.user(), "audiences": matched}
         return {"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
                 "metadata": {"creationTimestamp": None}, "spec": spec, "status": status}
+
+    def _access_review(self, rt: ResourceType, review: Any, user: UserInfo,
+                       namespace: str | None) -> Obj:
+        """(Self|Local)SubjectAccessReview, answered by the authorizer requests meet."""
+        if not isinstance(review, dict):
+            raise bad_request("the body of the request was in an unknown format")
+        spec = review.get("spec")
+        name = (review.get("metadata") or {}).get("name", "")
+        if not isinstance(spec, dict):
+            spec = {}
+        resource, non_resource = spec.get("resourceAttributes"), spec.get(
+            "nonResourceAttributes")
+        kind = f"{rt.kind}.{rt.group}"
+        if not isinstance(resource, dict | None) or not isinstance(non_resource, dict | None):
+            raise bad_request("resourceAttributes and nonResourceAttributes are objects")
+        if bool(resource) == bool(non_resource):
+            raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: spec.resourceAttributes:'
+                                           " Invalid value: exactly one of "
+                                           "nonResourceAttributes or resourceAttributes must "
+                                           "be specified")
+        if rt.plural != "selfsubjectaccessreviews":
+            groups = spec.get("groups") or []
+            if not spec.get("user") and not groups:
+                raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: spec.user: Invalid '
+                                               'value: "": at least one of user or group must '
+                                               "be specified")
+            user = UserInfo(spec.get("user", ""), tuple(groups), spec.get("uid", ""),
+                            dict(spec.get("extra") or {}))
+        if rt.plural == "localsubjectaccessreviews":
+            if non_resource:
+                raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: '
+                                               "spec.nonResourceAttributes: Invalid value: "
+                                               "disallowed on this kind of request")
+            if resource.get("namespace", namespace) != namespace:
+                raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: '
+                                               "spec.resourceAttributes.namespace: Invalid "
+                                               "value: must match metadata.namespace")
+            resource = {**resource, "namespace": namespace}
+        if resource is not None:
+            attrs = RequestAttributes(
+                user, resource.get("verb", ""), True, namespace=resource.get("namespace", ""),
+                api_group=resource.get("group", ""), api_version=resource.get("version", ""),
+                resource=resource.get("resource", ""),
+                subresource=resource.get("subresource", ""), name=resource.get("name", ""))
+        else:
+            assert non_resource is not None
+            attrs = RequestAttributes(user, non_resource.get("verb", ""), False,
+                                      path=non_resource.get("path", ""))
+        decision = self.decide(attrs)
+        status: Obj = {"allowed": decision.allowed}
+        if decision.reason:
+            status["reason"] = decision.reason
+        meta: Obj = {"creationTimestamp": None}
+        if namespace:
+            meta["namespace"] = namespace
+        return {"kind": rt.kind, "apiVersion": "authorization.k8s.io/v1", "metadata": meta,
+                "spec": spec, "status": status}
 
     def _pod_exists(self, pod: tuple[str, str, str]) -> bool:
         obj = self.get_object("pods", pod[1], pod[0])

@@ -332,3 +332,65 @@ async def test_impersonation(rbac_kube: FakeKube) -> None:
             'group "" at the cluster scope')
         r = await admin.get(cms, headers={"Impersonate-Group": "team"})
         assert r.status_code == 400
+
+
+# -- access reviews ----------------------------------------------------------------------------
+
+AUTHZ = "/apis/authorization.k8s.io/v1"
+
+
+async def test_subject_access_reviews_answer_from_rbac(rbac_kube: FakeKube) -> None:
+    for doc in yaml.safe_load_all(MANIFEST_RBAC.read_text()):
+        if doc:
+            rbac_kube.put_object(doc)
+    sa_groups = ["system:serviceaccounts", "system:serviceaccounts:nodeagent",
+                 "system:authenticated"]
+
+    def sar(**attrs: str) -> dict[str, Any]:
+        return {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                "spec": {"user": CONTROLLER, "groups": sa_groups, "resourceAttributes": attrs}}
+
+    async with client(rbac_kube, ADMIN_TOKEN) as admin:
+        r = await admin.post(f"{AUTHZ}/subjectaccessreviews", json=sar(
+            verb="list", group="networking.k8s.io", resource="ingresses"))
+        assert r.status_code == 201, r.text
+        assert r.json()["status"] == {
+            "allowed": True,
+            "reason": 'RBAC: allowed by ClusterRoleBinding "nodeagent-controller" of '
+                      'ClusterRole "nodeagent-controller" to ServiceAccount '
+                      '"nodeagent-controller/nodeagent"'}
+        r = await admin.post(f"{AUTHZ}/subjectaccessreviews", json=sar(
+            verb="update", resource="secrets", namespace="nodeagent"))
+        assert r.json()["status"] == {"allowed": False}
+        r = await admin.post(f"{AUTHZ}/subjectaccessreviews", json=sar(
+            verb="create", group="coordination.k8s.io", resource="leases",
+            namespace="nodeagent"))
+        assert r.json()["status"]["reason"] == (
+            'RBAC: allowed by RoleBinding "nodeagent-controller/nodeagent" of Role '
+            '"nodeagent-controller" to ServiceAccount "nodeagent-controller/nodeagent"')
+        r = await admin.post(f"{AUTHZ}/namespaces/nodeagent/localsubjectaccessreviews",
+                             json={"spec": {"user": CONTROLLER, "resourceAttributes": {
+                                 "verb": "get", "resource": "secrets"}}})
+        assert r.status_code == 201 and r.json()["status"]["allowed"] is True
+        assert r.json()["metadata"]["namespace"] == "nodeagent"
+        r = await admin.post(f"{AUTHZ}/subjectaccessreviews",
+                             json={"spec": {"user": CONTROLLER}})
+        assert r.status_code == 422 and r.json()["reason"] == "Invalid"
+        r = await admin.post(f"{AUTHZ}/subjectaccessreviews", json={
+            "spec": {"resourceAttributes": {"verb": "get", "resource": "pods"}}})
+        assert r.status_code == 422
+        assert "at least one of user or group" in r.json()["message"]
+        assert await status_of(admin, "GET", f"{AUTHZ}/subjectaccessreviews") == 405
+    rbac_kube.add_service_account_token("ctl", namespace="nodeagent",
+                                        service_account="nodeagent-controller")
+    async with client(rbac_kube, "ctl") as ctl:
+        r = await ctl.post(f"{AUTHZ}/selfsubjectaccessreviews", json={"spec": {
+            "nonResourceAttributes": {"verb": "get", "path": "/apis/apps"}}})
+        assert r.status_code == 201, r.text
+        assert r.json()["status"]["allowed"] is True
+        r = await ctl.post(f"{AUTHZ}/selfsubjectaccessreviews", json={"spec": {
+            "resourceAttributes": {"verb": "delete", "resource": "nodes"}}})
+        assert r.json()["status"] == {"allowed": False}
+        # Reviewing someone else needs create on subjectaccessreviews.
+        assert await status_of(ctl, "POST", f"{AUTHZ}/subjectaccessreviews", json=sar(
+            verb="get", resource="pods")) == 403

@@ -44,3 +44,62 @@ async def test_apply_manifests_creates_every_kind(kubeconfig: tuple[FakeKube, Pa
             "verbs": ["create"]} in rules
     assert fake.get_object("rolebindings", "nodeagent-controller", "nodeagent",
                            group="rbac.authorization.k8s.io") is not None
+
+
+@pytest.fixture
+async def rbac_kubeconfig(nursery: trio.Nursery, tmp_path: Path) -> tuple[FakeKube, Path]:
+    fake = FakeKube(token="kubectl-admin", tls=True, bookmark_interval=0.2, rbac=True)
+    await nursery.start(fake.serve)
+    return fake, fake.write_kubeconfig(tmp_path / "kubeconfig")
+
+
+async def test_auth_can_i_as_the_controller(rbac_kubeconfig: tuple[FakeKube, Path]) -> None:
+    fake, path = rbac_kubeconfig
+    result = await kubectl(path, "apply", "-k", str(MANIFESTS), "--validate=false")
+    assert result.returncode == 0, result.stderr.decode()
+    as_controller = "--as=system:serviceaccount:nodeagent:nodeagent-controller"
+    cases = [
+        (("list", "ingresses", "-A"), "yes"),
+        (("list", "ingresses"), "yes"),
+        (("watch", "endpointslices.discovery.k8s.io", "-A"), "yes"),
+        (("update", "ingresses", "--subresource=status", "-n", "default"), "yes"),
+        (("get", "secrets/nodeagent-ca", "-n", "nodeagent"), "yes"),
+        (("update", "ingresses", "-n", "default"), "no"),
+        (("delete", "nodes"), "no"),
+        (("update", "secrets", "-n", "nodeagent"), "no"),
+        (("create", "secrets", "-n", "nodeagent"), "yes"),
+        (("create", "secrets", "-n", "default"), "no"),
+        (("update", "leases", "-n", "nodeagent"), "yes"),
+        (("list", "leases", "-n", "nodeagent"), "no"),
+        (("create", "tokenreviews"), "yes"),
+        (("get", "/healthz"), "yes"),
+        (("get", "/metrics"), "no"),
+    ]
+    for args, expected in cases:
+        result = await kubectl(path, "auth", "can-i", *args, as_controller)
+        assert result.stdout.decode().strip() == expected, (args, result)
+        assert result.returncode == (0 if expected == "yes" else 1), args
+    # The admin (system:masters) may do anything; a stranger may not impersonate.
+    result = await kubectl(path, "auth", "can-i", "delete", "nodes")
+    assert result.stdout.decode().strip() == "yes"
+    fake.add_token("stranger", username="stranger")
+    other = fake.write_kubeconfig(path.parent / "stranger", token="stranger")
+    result = await kubectl(other, "auth", "can-i", "list", "pods")
+    assert (result.returncode, result.stdout.decode().strip()) == (1, "no")
+    result = await kubectl(other, "get", "pods", as_controller)
+    assert result.returncode == 1
+    assert ('users "system:serviceaccount:nodeagent:nodeagent-controller" is forbidden'
+            not in result.stderr.decode())
+    assert 'serviceaccounts "nodeagent-controller" is forbidden: User "stranger" cannot ' \
+           'impersonate resource "serviceaccounts"' in result.stderr.decode()
+    # The controller itself, with its own token, sees the same as --as says.
+    fake.add_service_account_token("ctl", namespace="nodeagent",
+                                   service_account="nodeagent-controller")
+    ctl = fake.write_kubeconfig(path.parent / "ctl", token="ctl")
+    result = await kubectl(ctl, "get", "ingresses", "-A")
+    assert result.returncode == 0, result.stderr.decode()
+    result = await kubectl(ctl, "delete", "node", "n1")
+    assert result.returncode == 1
+    assert ('nodes "n1" is forbidden: User "system:serviceaccount:nodeagent:'
+            'nodeagent-controller" cannot delete resource "nodes" in API group "" at the '
+            'cluster scope') in result.stderr.decode()

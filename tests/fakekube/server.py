@@ -10,6 +10,7 @@ test can drive a server running in another process (`python -m tests.fakekube`).
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import random
@@ -70,6 +71,9 @@ class TokenInfo:
     extra: dict[str, list[str]] = field(default_factory=dict)
     expires_at: float | None = None  # wall clock (time.time())
     pod: tuple[str, str, str] | None = None  # (namespace, name, uid) the token is bound to
+    # Minted for a pod the store held: checked against it always (as a real apiserver
+    # does); otherwise only with FakeKube(validate_bound_pods=True).
+    pod_checked: bool = False
 
     def user(self) -> Obj:
         doc: Obj = {"username": self.username, "groups": list(self.groups)}
@@ -248,7 +252,12 @@ class FakeKube:
             node_name: str | None = None, node_uid: str | None = None,
             audiences: list[str] | None = None, expires_at: float | None = None,
             sa_uid: str | None = None) -> TokenInfo:
-        """A bound projected ServiceAccount token, with the `extra` a real one carries."""
+        """A bound projected ServiceAccount token, with the `extra` a real one carries.
+
+        Bound to a pod the store holds (its uid unless `pod_uid` says otherwise), the token
+        stops authenticating once that pod is gone or replaced by one with another uid, as a
+        real one does. A real TokenRequest refuses to mint for a pod that does not exist;
+        here such a token is checked only with `validate_bound_pods=True`."""
         extra: dict[str, list[str]] = {
             "authentication.kubernetes.io/credential-id": [f"JTI={token[-12:]}"]}
         if pod_name:
@@ -257,13 +266,19 @@ class FakeKube:
         if node_name:
             extra["authentication.kubernetes.io/node-name"] = [node_name]
             extra["authentication.kubernetes.io/node-uid"] = [node_uid or ""]
-        return self.add_token(
+        pod = self.get_object("pods", pod_name, namespace) if pod_name else None
+        if pod is not None:
+            pod_uid = pod_uid or pod["metadata"]["uid"]
+            extra["authentication.kubernetes.io/pod-uid"] = [pod_uid]
+        info = self.add_token(
             token, username=f"system:serviceaccount:{namespace}:{service_account}",
             uid=sa_uid or f"sa-{namespace}-{service_account}",
             groups=["system:serviceaccounts", f"system:serviceaccounts:{namespace}",
                     "system:authenticated"],
             audiences=audiences, extra=extra, expires_at=expires_at,
             pod=(namespace, pod_name, pod_uid or "") if pod_name else None)
+        info.pod_checked = pod is not None
+        return info
 
     def revoke_token(self, token: str) -> None:
         self.tokens.pop(token, None)
@@ -524,8 +539,7 @@ class FakeKube:
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             info = self.tokens.get(auth[7:].strip())
-            if info is None or API_AUDIENCE not in info.audiences or (
-                    info.expires_at is not None and info.expires_at < time.time()):
+            if info is None or API_AUDIENCE not in info.audiences or self._token_invalid(info):
                 raise ApiError(401, "Unauthorized", "Unauthorized")
             return UserInfo(info.username, tuple(info.groups), info.uid, dict(info.extra))
         if peer_user is not None:
@@ -736,17 +750,15 @@ class FakeKube:
         wanted = spec.get("audiences") or [API_AUDIENCE]
         info = self.tokens.get(token)
         status: Obj
-        if info is None or (info.expires_at is not None and info.expires_at < time.time()):
+        if info is None:
             status = {"user": {}, "error": "[invalid bearer token, service account token "
                                            "has expired or is not valid]"}
         elif not (matched := [a for a in wanted if a in info.audiences]):
             status = {"user": {}, "error": f"[invalid bearer token, token audiences "
                                            f"{json.dumps(info.audiences)} is invalid for the "
                                            f"target audiences {json.dumps(wanted)}]"}
-        elif self.validate_bound_pods and info.pod is not None and not self._pod_exists(
-                info.pod):
-            status = {"user": {}, "error": f'[invalid bearer token, pod "{info.pod[1]}" not '
-                                           "found or has a different uid]"}
+        elif error := self._token_invalid(info):
+            status = {"user": {}, "error": f"[invalid bearer token, {error}]"}
         else:
             status = {"authenticated": True, "user": info.user(), "audiences": matched}
         return {"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
@@ -809,9 +821,19 @@ class FakeKube:
         return {"kind": rt.kind, "apiVersion": "authorization.k8s.io/v1", "metadata": meta,
                 "spec": spec, "status": status}
 
-    def _pod_exists(self, pod: tuple[str, str, str]) -> bool:
-        obj = self.get_object("pods", pod[1], pod[0])
-        return obj is not None and (not pod[2] or obj["metadata"]["uid"] == pod[2])
+    def _token_invalid(self, info: TokenInfo) -> str | None:
+        """Why a known token no longer authenticates (the service account validator's
+        words), or None."""
+        if info.expires_at is not None and info.expires_at < time.time():
+            return "service account token has expired"
+        if info.pod is not None and (info.pod_checked or self.validate_bound_pods):
+            obj = self.get_object("pods", info.pod[1], info.pod[0])
+            if obj is None or (info.pod[2] and obj["metadata"]["uid"] != info.pod[2]):
+                return "service account token has been invalidated"
+            deleting = obj["metadata"].get("deletionTimestamp")
+            if deleting and _age(deleting) > 60:
+                return "service account token has been invalidated"
+        return None
 
     # -- watch ------------------------------------------------------------------------------
 
@@ -926,6 +948,13 @@ def _verb(method: str, name: str | None, query: dict[str, str]) -> str | None:
             return "watch" if query.get("watch") in ("true", "1") else "list"
         return {"POST": "create", "DELETE": "deletecollection"}.get(method)
     return {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method)
+
+
+def _age(timestamp: str) -> float:
+    """Seconds since an RFC 3339 timestamp the store wrote."""
+    moment = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=datetime.UTC)
+    return time.time() - moment.timestamp()
 
 
 def _int(value: str | None) -> int | None:

@@ -1,7 +1,9 @@
-"""RBAC objects stored like a real cluster's, and RBAC authorization in the fake."""
+"""RBAC objects stored like a real cluster's, RBAC authorization, access reviews and bound
+ServiceAccount tokens in the fake."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -394,3 +396,59 @@ async def test_subject_access_reviews_answer_from_rbac(rbac_kube: FakeKube) -> N
         # Reviewing someone else needs create on subjectaccessreviews.
         assert await status_of(ctl, "POST", f"{AUTHZ}/subjectaccessreviews", json=sar(
             verb="get", resource="pods")) == 403
+
+
+# -- bound ServiceAccount tokens ---------------------------------------------------------------
+
+
+async def test_pod_bound_token_dies_with_its_pod(fake_kube: FakeKube) -> None:
+    pods = "/api/v1/namespaces/default/pods"
+    reviews = "/apis/authentication.k8s.io/v1/tokenreviews"
+    async with client(fake_kube, ADMIN_TOKEN) as admin:
+        pod = (await admin.post(pods, json={"metadata": {"name": "agent-1"}})).json()
+
+        async def review(token: str) -> dict[str, Any]:
+            r = await admin.post(reviews, json={"spec": {"token": token}})
+            assert r.status_code == 201
+            status: dict[str, Any] = r.json()["status"]
+            return status
+
+        info = fake_kube.add_service_account_token("bound", namespace="default",
+                                                   service_account="agent",
+                                                   pod_name="agent-1", node_name="edge-1")
+        assert info.extra["authentication.kubernetes.io/pod-uid"] == [pod["metadata"]["uid"]]
+        ok = await review("bound")
+        assert ok["authenticated"] is True
+        assert ok["user"]["extra"]["authentication.kubernetes.io/pod-name"] == ["agent-1"]
+        async with client(fake_kube, "bound") as bound:
+            assert await status_of(bound, "GET", "/api/v1/namespaces/default/configmaps") == 200
+            assert await status_of(admin, "DELETE", f"{pods}/agent-1") == 200
+            gone = await review("bound")
+            assert gone == {"user": {}, "error": "[invalid bearer token, service account "
+                                                 "token has been invalidated]"}
+            r = await bound.get("/api/v1/namespaces/default/configmaps")
+            assert r.status_code == 401 and r.json()["reason"] == "Unauthorized"
+            # A new pod of the same name has another uid: the old token stays dead.
+            await admin.post(pods, json={"metadata": {"name": "agent-1"}})
+            assert "invalidated" in (await review("bound"))["error"]
+            assert await status_of(bound, "GET", "/api/v1/namespaces/default/pods") == 401
+        # A token minted for the new pod works.
+        fake_kube.add_service_account_token("fresh", namespace="default",
+                                            service_account="agent", pod_name="agent-1")
+        assert (await review("fresh"))["authenticated"] is True
+
+
+async def test_expired_token_fails_review_and_requests(fake_kube: FakeKube) -> None:
+    info = fake_kube.add_service_account_token("t", namespace="default",
+                                               service_account="agent",
+                                               expires_at=time.time() + 600)
+    reviews = "/apis/authentication.k8s.io/v1/tokenreviews"
+    async with client(fake_kube, ADMIN_TOKEN) as admin, client(fake_kube, "t") as t:
+        assert (await admin.post(reviews, json={"spec": {"token": "t"}})).json()[
+            "status"]["authenticated"] is True
+        assert await status_of(t, "GET", "/api/v1/namespaces/default/pods") == 200
+        info.expires_at = time.time() - 1
+        status = (await admin.post(reviews, json={"spec": {"token": "t"}})).json()["status"]
+        assert status == {"user": {}, "error": "[invalid bearer token, service account token "
+                                               "has expired]"}
+        assert await status_of(t, "GET", "/api/v1/namespaces/default/pods") == 401

@@ -380,7 +380,7 @@ async def test_token_review(api: httpx.AsyncClient, fake_kube: FakeKube) -> None
         status: dict[str, Any] = r.json()["status"]
         return status
 
-    assert "not found" in (await review("bound"))["error"]  # its pod does not exist
+    assert "invalidated" in (await review("bound"))["error"]  # its pod does not exist
     await api.post("/api/v1/namespaces/default/pods", json={"metadata": {"name": "agent-1"}})
     assert "error" in await review("bound")  # a pod of that name, but another uid
     fake.tokens["bound"].pod = ("default", "agent-1", "")

@@ -25,6 +25,8 @@ class ResourceType:
         {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"})
     stored: bool = True  # tokenreviews are not
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # version → openAPIV3Schema
+    # version → additionalPrinterColumns (CRD versions that declare them)
+    printer_columns: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -125,4 +127,6 @@ def type_from_crd(crd: dict[str, Any]) -> ResourceType:
         custom=True,
         schemas={v["name"]: (v.get("schema") or {}).get("openAPIV3Schema") or {}
                  for v in versions},
+        printer_columns={v["name"]: list(v["additionalPrinterColumns"]) for v in versions
+                         if v.get("additionalPrinterColumns") is not None},
     )

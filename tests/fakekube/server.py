@@ -54,6 +54,7 @@ from tests.fakekube.store import (
     bad_request,
     not_found,
 )
+from tests.fakekube.table import to_table, wants_table
 
 MAX_BODY = 3 * 1024 * 1024  # the real API server's request size limit
 SERVER_VERSION = {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fakekube",
@@ -662,15 +663,20 @@ class FakeKube:
         field_manager = query.get("fieldManager")
         if verb == "watch":
             return (rt, version, namespace, query)
+        table = verb in ("list", "get") and wants_table(headers.get("accept", ""))
         if verb == "list":
-            return _json(200, store.list(
+            listed = store.list(
                 rt, version, namespace, label=query.get("labelSelector"),
                 field=query.get("fieldSelector"), limit=_int(query.get("limit")),
                 continue_token=query.get("continue") or None,
                 resource_version=query.get("resourceVersion"),
-                resource_version_match=query.get("resourceVersionMatch")))
+                resource_version_match=query.get("resourceVersionMatch"))
+            return _json(200, to_table(rt, version, listed, query.get("includeObject"))
+                         if table else listed)
         if verb == "get":
-            return _json(200, store.get(rt, version, namespace, name or ""))
+            got = store.get(rt, version, namespace, name or "")
+            return _json(200, to_table(rt, version, got, query.get("includeObject"))
+                         if table else got)
         if verb == "create":
             doc = _body(body)
             if rt.key == ("authentication.k8s.io", "tokenreviews"):

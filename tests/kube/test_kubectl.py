@@ -103,3 +103,74 @@ async def test_auth_can_i_as_the_controller(rbac_kubeconfig: tuple[FakeKube, Pat
     assert ('nodes "n1" is forbidden: User "system:serviceaccount:nodeagent:'
             'nodeagent-controller" cannot delete resource "nodes" in API group "" at the '
             'cluster scope') in result.stderr.decode()
+
+
+def table(output: bytes) -> list[list[str]]:
+    return [line.split() for line in output.decode().splitlines()]
+
+
+async def test_get_prints_server_side_tables(kubeconfig: tuple[FakeKube, Path]) -> None:
+    fake, path = kubeconfig
+    result = await kubectl(path, "apply", "-k", str(MANIFESTS), "--validate=false")
+    assert result.returncode == 0, result.stderr.decode()
+    deployment = fake.get_object("deployments", "nodeagent-server", "nodeagent", group="apps")
+    assert deployment is not None
+    fake.put_object({**deployment, "status": {"replicas": 2, "readyReplicas": 1,
+                                              "updatedReplicas": 2, "availableReplicas": 1}})
+    result = await kubectl(path, "get", "deployments", "-n", "nodeagent")
+    assert result.returncode == 0, result.stderr.decode()
+    rows = table(result.stdout)
+    assert rows[0] == ["NAME", "READY", "UP-TO-DATE", "AVAILABLE", "AGE"]
+    server = next(r for r in rows if r[0] == "nodeagent-server")
+    replicas = deployment["spec"].get("replicas", 1)
+    assert server[1:4] == [f"1/{replicas}", "2", "1"]
+    assert server[4].endswith("s")
+    wide = table((await kubectl(path, "get", "deploy", "-n", "nodeagent", "-o", "wide")).stdout)
+    assert wide[0][-3:] == ["CONTAINERS", "IMAGES", "SELECTOR"]
+    # -A adds NAMESPACE from each row's object metadata.
+    rows = table((await kubectl(path, "get", "services", "-A")).stdout)
+    assert rows[0] == ["NAMESPACE", "NAME", "TYPE", "CLUSTER-IP", "EXTERNAL-IP", "PORT(S)",
+                       "AGE"]
+    assert ["nodeagent", "nodeagent-controller"] == rows[1][:2] or any(
+        r[:2] == ["nodeagent", "nodeagent-controller"] for r in rows)
+    rows = table((await kubectl(path, "get", "serviceaccounts", "-n", "nodeagent")).stdout)
+    assert rows[0] == ["NAME", "AGE"]
+    assert sorted(r[0] for r in rows[1:]) == ["nodeagent-agent", "nodeagent-controller",
+                                              "nodeagent-server"]
+    rows = table((await kubectl(path, "get", "rolebinding", "-n", "nodeagent")).stdout)
+    assert rows[0] == ["NAME", "ROLE", "AGE"]
+    assert rows[1][:2] == ["nodeagent-controller", "Role/nodeagent-controller"]
+    rows = table((await kubectl(path, "get", "pdb", "-n", "nodeagent")).stdout)
+    assert rows[0] == ["NAME", "MIN", "AVAILABLE", "MAX", "UNAVAILABLE", "ALLOWED",
+                       "DISRUPTIONS", "AGE"]
+
+
+async def test_get_crd_prints_its_printer_columns(kubeconfig: tuple[FakeKube, Path]) -> None:
+    fake, path = kubeconfig
+    result = await kubectl(path, "apply", "-f", str(MANIFESTS / "crds.yaml"),
+                           "--validate=false")
+    assert result.returncode == 0, result.stderr.decode()
+    result = await kubectl(path, "apply", "-f", str(MANIFESTS / "examples" /
+                                                   "clustertunnel.yaml"), "--validate=false")
+    assert result.returncode == 0, result.stderr.decode()
+    rows = table((await kubectl(path, "get", "clustertunnels")).stdout)
+    assert rows[0] == ["NAME", "SERVER", "NODES", "VERSION", "READY", "AGE"]
+    # No status yet: the NODES/VERSION/READY cells are null, which kubectl leaves blank.
+    assert rows[1][:2] == ["default", "wss://nodeagent.example.com:8443/tunnel"]
+    assert len(rows[1]) == 3 and rows[1][2].endswith("s")
+    tunnel = fake.get_object("clustertunnels", "default", group="nodeagent.io")
+    assert tunnel is not None
+    fake.put_object({**tunnel, "status": {
+        "nodesCovered": 4, "nodesConnected": 3, "configVersion": 17,
+        "conditions": [
+            {"type": "Degraded", "status": "False", "reason": "Fine", "message": "",
+             "lastTransitionTime": "2024-01-01T00:00:00Z"},
+            {"type": "Ready", "status": "True", "reason": "Serving", "message": "",
+             "lastTransitionTime": "2024-01-01T00:00:00Z"}]}})
+    rows = table((await kubectl(path, "get", "ct", "default")).stdout)
+    assert rows[1][:5] == ["default", "wss://nodeagent.example.com:8443/tunnel", "3", "17",
+                           "True"]
+    assert rows[1][5].endswith("s")
+    rows = table((await kubectl(path, "get", "crd")).stdout)
+    assert rows[0] == ["NAME", "CREATED", "AT"]
+    assert rows[1][0] == "clustertunnels.nodeagent.io" and rows[1][1].endswith("Z")

@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import h11
 import trio
 
+from tests.fakekube import openapi
 from tests.fakekube.kubeconfig import write_kubeconfig
 from tests.fakekube.pki import CertificateAuthority, CertPair
 from tests.fakekube.rbac import (
@@ -626,6 +627,20 @@ class FakeKube:
                                     "serverAddress": f"{self.host}:{self.port}"}]})
         if parts == ["apis"]:
             return _json(200, self._group_list())
+        if parts[:2] == ["openapi", "v3"]:
+            types = list(self.store.types.values())
+            if len(parts) == 2:
+                return _json(200, openapi.index(types))
+            rest = parts[2:]
+            doc = None
+            if rest[:1] == ["api"] and len(rest) == 2:
+                doc = openapi.document(types, "", rest[1])
+            elif rest[:1] == ["apis"] and len(rest) == 3:
+                doc = openapi.document(types, rest[1], rest[2])
+            if doc is None:
+                raise ApiError(404, "NotFound", "the server could not find the requested "
+                                                "resource")
+            return _json(200, doc)
         if len(parts) == 2 and parts[0] == "apis":
             group = self._group(parts[1])
             if group is None:

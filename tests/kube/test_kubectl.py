@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
 from tests.fakekube import FakeKube
+from tests.fakekube.control import FakeKubeControl
 from tests.fakekube.kubectl import kubectl, needs_kubectl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,3 +178,66 @@ async def test_get_crd_prints_its_printer_columns(kubeconfig: tuple[FakeKube, Pa
     rows = table((await kubectl(path, "get", "crd")).stdout)
     assert rows[0] == ["NAME", "CREATED", "AT"]
     assert rows[1][0] == "clustertunnels.nodeagent.io" and rows[1][1].endswith("Z")
+
+
+async def test_apply_with_validation_and_explain_against_the_process(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "tests.fakekube", "--tls", "--token", "t0k",
+         "--kubeconfig", str(kubeconfig)], cwd=REPO, stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        with trio.fail_after(10):
+            buffer = b""
+            while b"\n" not in buffer:
+                chunk = await process.stdout.receive_some()
+                assert chunk, "fakekube exited before listening"
+                buffer += chunk
+        url = json.loads(buffer.split(b"\n")[0])["url"]
+        result = await kubectl(kubeconfig, "apply", "-k", str(MANIFESTS))  # validation on
+        assert result.returncode == 0, result.stderr.decode()
+        assert "clustertunnels.nodeagent.io created" in result.stdout.decode()
+        assert "daemonset.apps/nodeagent-agent created" in result.stdout.decode()
+        async with FakeKubeControl(url) as control:
+            writes = [r for r in await control.requests() if r["method"] in ("POST", "PATCH")]
+        # kubectl found the fieldValidation parameter in the OpenAPI v3 documents.
+        assert writes and {r["query"].get("fieldValidation") for r in writes} == {"Strict"}
+        result = await kubectl(kubeconfig, "apply", "-f",
+                               str(MANIFESTS / "examples" / "clustertunnel.yaml"))
+        assert result.returncode == 0, result.stderr.decode()
+        explained = await kubectl(kubeconfig, "explain", "clustertunnels.spec")
+        assert explained.returncode == 0, explained.stderr.decode()
+        text = explained.stdout.decode()
+        assert "KIND:       ClusterTunnel" in text and "VERSION:    v1alpha1" in text
+        for field in ("allowedNodePorts", "egress", "intercept", "serverUrl"):
+            assert field in text
+        explained = await kubectl(kubeconfig, "explain", "deployment.spec.replicas")
+        assert explained.returncode == 0, explained.stderr.decode()
+        assert "FIELD: replicas <integer>" in explained.stdout.decode()
+        missing = await kubectl(kubeconfig, "explain", "clustertunnels.spec.nosuchfield")
+        assert missing.returncode != 0
+    finally:
+        process.terminate()
+        with trio.move_on_after(5):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_openapi_v3_documents(kubeconfig: tuple[FakeKube, Path]) -> None:
+    fake, _ = kubeconfig
+    async with httpx.AsyncClient(base_url=fake.url, verify=False,
+                                 headers={"Authorization": "Bearer kubectl-admin"}) as api:
+        paths = (await api.get("/openapi/v3")).json()["paths"]
+        assert {"api/v1", "apis/apps/v1", "apis/rbac.authorization.k8s.io/v1"} <= set(paths)
+        doc = (await api.get(paths["apis/apps/v1"]["serverRelativeURL"])).json()
+        patch = doc["paths"]["/apis/apps/v1/namespaces/{namespace}/deployments/{name}"]["patch"]
+        assert patch["x-kubernetes-group-version-kind"] == {
+            "group": "apps", "version": "v1", "kind": "Deployment"}
+        assert "fieldValidation" in [p["name"] for p in patch["parameters"]]
+        schemas = doc["components"]["schemas"]
+        assert "io.k8s.api.core.v1.PodSpec" in schemas  # referenced definitions come along
+        for schema in schemas.values():
+            assert "$defs" not in json.dumps(schema)
+        assert (await api.get("/openapi/v3/apis/nosuch.io/v1")).status_code == 404

@@ -6,6 +6,9 @@ and a real server does not offer: fault injection (drop every watch, fail the ne
 requests, delay responses, deny verbs), a log of every request, forced compaction, a table
 of tokens for authentication and TokenReview, and control endpoints under `/_fake/` so a
 test can drive a server running in another process (`python -m tests.fakekube`).
+Opt-in RBAC (`rbac=True`, see `rbac.py`), access reviews, Tables for kubectl (`table.py`)
+and OpenAPI v3 (`openapi.py`) are served from here too; each module says where it differs
+from a real cluster.
 """
 
 from __future__ import annotations

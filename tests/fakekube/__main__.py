@@ -1,6 +1,6 @@
 """Run the fake API server as its own process, for end-to-end tests with real processes.
 
-    python -m tests.fakekube --port 0 --token admin --kubeconfig /tmp/kc [--tls]
+    python -m tests.fakekube --port 0 --token admin --kubeconfig /tmp/kc [--tls] [--rbac]
 
 Prints one JSON line on stdout once listening — {"url", "port", "kubeconfig"} — and serves
 until killed. Tests drive faults through the /_fake/ endpoints (see `control.py`).
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--tls", action="store_true", help="HTTPS with a throwaway CA")
     parser.add_argument("--token", help="require this bearer token (user admin)")
+    parser.add_argument("--rbac", action="store_true",
+                        help="authorize everyone but system:masters by stored RBAC objects")
     parser.add_argument("--kubeconfig", help="write a kubeconfig for this server here")
     parser.add_argument("--bookmark-interval", type=float, default=1.0)
     parser.add_argument("--history-limit", type=int, default=None,
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     fake = FakeKube(token=args.token, tls=args.tls, bookmark_interval=args.bookmark_interval,
-                    history_limit=args.history_limit,
+                    history_limit=args.history_limit, rbac=args.rbac,
                     namespaces=(*DEFAULT_NAMESPACES, *args.namespace))
 
     async def run() -> None:

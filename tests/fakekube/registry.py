@@ -25,6 +25,8 @@ class ResourceType:
         {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"})
     stored: bool = True  # tokenreviews are not
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # version → openAPIV3Schema
+    # version → additionalPrinterColumns (CRD versions that declare them)
+    printer_columns: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -59,6 +61,10 @@ _EVENT_FIELDS = frozenset(
     | {"reason", "reportingComponent", "source", "type"})
 
 
+RBAC = "rbac.authorization.k8s.io"
+AUTHZ = "authorization.k8s.io"
+
+
 def builtin_types() -> list[ResourceType]:
     return [
         _t("", "v1", "namespaces", "Namespace", False, status=True, short_names=("ns",),
@@ -87,6 +93,18 @@ def builtin_types() -> list[ResourceType]:
            verbs=frozenset({"create"}), stored=False),
         _t("apiextensions.k8s.io", "v1", "customresourcedefinitions",
            "CustomResourceDefinition", False, status=True, short_names=("crd", "crds")),
+        _t("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, status=True,
+           short_names=("pdb",)),
+        _t(RBAC, "v1", "roles", "Role", True),
+        _t(RBAC, "v1", "clusterroles", "ClusterRole", False),
+        _t(RBAC, "v1", "rolebindings", "RoleBinding", True),
+        _t(RBAC, "v1", "clusterrolebindings", "ClusterRoleBinding", False),
+        _t(AUTHZ, "v1", "selfsubjectaccessreviews", "SelfSubjectAccessReview", False,
+           verbs=frozenset({"create"}), stored=False),
+        _t(AUTHZ, "v1", "subjectaccessreviews", "SubjectAccessReview", False,
+           verbs=frozenset({"create"}), stored=False),
+        _t(AUTHZ, "v1", "localsubjectaccessreviews", "LocalSubjectAccessReview", True,
+           verbs=frozenset({"create"}), stored=False),
     ]
 
 
@@ -109,4 +127,6 @@ def type_from_crd(crd: dict[str, Any]) -> ResourceType:
         custom=True,
         schemas={v["name"]: (v.get("schema") or {}).get("openAPIV3Schema") or {}
                  for v in versions},
+        printer_columns={v["name"]: list(v["additionalPrinterColumns"]) for v in versions
+                         if v.get("additionalPrinterColumns") is not None},
     )

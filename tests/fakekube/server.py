@@ -6,10 +6,14 @@ and a real server does not offer: fault injection (drop every watch, fail the ne
 requests, delay responses, deny verbs), a log of every request, forced compaction, a table
 of tokens for authentication and TokenReview, and control endpoints under `/_fake/` so a
 test can drive a server running in another process (`python -m tests.fakekube`).
+Opt-in RBAC (`rbac=True`, see `rbac.py`), access reviews, Tables for kubectl (`table.py`)
+and OpenAPI v3 (`openapi.py`) are served from here too; each module says where it differs
+from a real cluster.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import random
@@ -27,9 +31,24 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import h11
 import trio
 
+from tests.fakekube import openapi
 from tests.fakekube.kubeconfig import write_kubeconfig
 from tests.fakekube.pki import CertificateAuthority, CertPair
-from tests.fakekube.registry import ResourceType
+from tests.fakekube.rbac import (
+    AUTHENTICATED,
+    MASTERS,
+    SA_PREFIX,
+    UNAUTHENTICATED,
+    Decision,
+    RbacAuthorizer,
+    RequestAttributes,
+    UserInfo,
+    bootstrap_policy,
+    forbidden,
+    request_attributes,
+    service_account_groups,
+)
+from tests.fakekube.registry import RBAC, ResourceType
 from tests.fakekube.store import (
     API_AUDIENCE,
     DEFAULT_NAMESPACES,
@@ -39,6 +58,7 @@ from tests.fakekube.store import (
     bad_request,
     not_found,
 )
+from tests.fakekube.table import to_table, wants_table
 
 MAX_BODY = 3 * 1024 * 1024  # the real API server's request size limit
 SERVER_VERSION = {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fakekube",
@@ -56,6 +76,9 @@ class TokenInfo:
     extra: dict[str, list[str]] = field(default_factory=dict)
     expires_at: float | None = None  # wall clock (time.time())
     pod: tuple[str, str, str] | None = None  # (namespace, name, uid) the token is bound to
+    # Minted for a pod the store held: checked against it always (as a real apiserver
+    # does); otherwise only with FakeKube(validate_bound_pods=True).
+    pod_checked: bool = False
 
     def user(self) -> Obj:
         doc: Obj = {"username": self.username, "groups": list(self.groups)}
@@ -143,9 +166,17 @@ class FakeKube:
                  bookmark_interval: float = 1.0, history_limit: int | None = None,
                  namespaces: tuple[str, ...] = DEFAULT_NAMESPACES,
                  watch_queue_limit: int = 10_000, validate_bound_pods: bool = False,
-                 gone_as_http_status: bool = False) -> None:
+                 gone_as_http_status: bool = False, rbac: bool = False) -> None:
         self.store = Store(namespaces=namespaces, history_limit=history_limit,
                            watch_queue_limit=watch_queue_limit)
+        # rbac=True: everyone but system:masters is authorized by RBAC (see rbac.py), over
+        # the bootstrap policy plus whatever Roles and bindings the test stores.
+        self.rbac = rbac
+        self.authorizer = RbacAuthorizer(
+            lambda plural: self.store.objects(self.store.types[(RBAC, plural)]))
+        if rbac:
+            for obj in bootstrap_policy():
+                self.put_object(obj)
         self.tokens: dict[str, TokenInfo] = {}
         self.require_auth = token is not None
         self.admin_token = token
@@ -226,7 +257,12 @@ class FakeKube:
             node_name: str | None = None, node_uid: str | None = None,
             audiences: list[str] | None = None, expires_at: float | None = None,
             sa_uid: str | None = None) -> TokenInfo:
-        """A bound projected ServiceAccount token, with the `extra` a real one carries."""
+        """A bound projected ServiceAccount token, with the `extra` a real one carries.
+
+        Bound to a pod the store holds (its uid unless `pod_uid` says otherwise), the token
+        stops authenticating once that pod is gone or replaced by one with another uid, as a
+        real one does. A real TokenRequest refuses to mint for a pod that does not exist;
+        here such a token is checked only with `validate_bound_pods=True`."""
         extra: dict[str, list[str]] = {
             "authentication.kubernetes.io/credential-id": [f"JTI={token[-12:]}"]}
         if pod_name:
@@ -235,13 +271,19 @@ class FakeKube:
         if node_name:
             extra["authentication.kubernetes.io/node-name"] = [node_name]
             extra["authentication.kubernetes.io/node-uid"] = [node_uid or ""]
-        return self.add_token(
+        pod = self.get_object("pods", pod_name, namespace) if pod_name else None
+        if pod is not None:
+            pod_uid = pod_uid or pod["metadata"]["uid"]
+            extra["authentication.kubernetes.io/pod-uid"] = [pod_uid]
+        info = self.add_token(
             token, username=f"system:serviceaccount:{namespace}:{service_account}",
             uid=sa_uid or f"sa-{namespace}-{service_account}",
             groups=["system:serviceaccounts", f"system:serviceaccounts:{namespace}",
                     "system:authenticated"],
             audiences=audiences, extra=extra, expires_at=expires_at,
             pod=(namespace, pod_name, pod_uid or "") if pod_name else None)
+        info.pod_checked = pod is not None
+        return info
 
     def revoke_token(self, token: str) -> None:
         self.tokens.pop(token, None)
@@ -456,6 +498,8 @@ class FakeKube:
         path = target.path
         query = dict(parse_qsl(target.query, keep_blank_values=True))
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in request.headers}
+        impersonate_groups = [v.decode("latin-1") for k, v in request.headers
+                              if k.lower() == b"impersonate-group"]
         method = request.method.decode()
         record = RecordedRequest(method, path, query, None, trio.current_time())
         if path.startswith("/_fake/"):
@@ -472,12 +516,16 @@ class FakeKube:
             await trio.sleep(delay)
         result: _Response | tuple[Any, ...]
         try:
-            record.user = self._authenticate(headers, peer_user)
+            user = self._authenticate(headers, peer_user)
+            record.user = user.name
+            user = self._impersonate(user, headers, impersonate_groups)
+            record.user = user.name
             self._inject_fault(record)
+            self._authorize(request_attributes(user, method, path, query))
             if path in ("/healthz", "/livez", "/readyz"):
                 result = _Response(200, b"ok", "text/plain")
             else:
-                result = self._route(method, path, query, headers, body, record)
+                result = self._route(method, path, query, headers, body, record, user)
         except ApiError as exc:
             result = _error(exc)
         except Exception as exc:  # a bug in the fake: answer 500 so the test sees it
@@ -492,19 +540,58 @@ class FakeKube:
         return True
 
     def _authenticate(self, headers: dict[str, str],
-                      peer_user: tuple[str, list[str]] | None) -> str:
+                      peer_user: tuple[str, list[str]] | None) -> UserInfo:
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             info = self.tokens.get(auth[7:].strip())
-            if info is None or API_AUDIENCE not in info.audiences or (
-                    info.expires_at is not None and info.expires_at < time.time()):
+            if info is None or API_AUDIENCE not in info.audiences or self._token_invalid(info):
                 raise ApiError(401, "Unauthorized", "Unauthorized")
-            return info.username
+            return UserInfo(info.username, tuple(info.groups), info.uid, dict(info.extra))
         if peer_user is not None:
-            return peer_user[0]
+            return UserInfo(peer_user[0], (*peer_user[1], AUTHENTICATED))
         if self.require_auth:
             raise ApiError(401, "Unauthorized", "Unauthorized")
-        return "system:anonymous"
+        return UserInfo("system:anonymous", (UNAUTHENTICATED,))
+
+    def _impersonate(self, user: UserInfo, headers: dict[str, str], groups: list[str]
+                     ) -> UserInfo:
+        """`Impersonate-User`/`-Group`/`-Uid` (kubectl --as/--as-group), each name allowed
+        by an `impersonate` rule on users, serviceaccounts, groups or uids."""
+        name = headers.get("impersonate-user")
+        uid = headers.get("impersonate-uid")
+        if name is None:
+            if groups or uid:
+                raise bad_request("requested impersonation of groups or uid without "
+                                  "impersonating a user")
+            return user
+        sa_namespace = ""
+        if name.startswith(SA_PREFIX) and name.count(":") == 3:
+            sa_namespace, sa_name = name.removeprefix(SA_PREFIX).split(":")
+            self._authorize(RequestAttributes(user, "impersonate", True,
+                                              namespace=sa_namespace,
+                                              resource="serviceaccounts", name=sa_name))
+        else:
+            self._authorize(RequestAttributes(user, "impersonate", True, resource="users",
+                                              name=name))
+        for group in groups:
+            self._authorize(RequestAttributes(user, "impersonate", True, resource="groups",
+                                              name=group))
+        if uid:
+            self._authorize(RequestAttributes(user, "impersonate", True,
+                                              api_group="authentication.k8s.io",
+                                              resource="uids", name=uid))
+        if sa_namespace and not groups:
+            groups = list(service_account_groups(sa_namespace))
+        extra = AUTHENTICATED if name != "system:anonymous" else UNAUTHENTICATED
+        if extra not in groups:
+            groups = [*groups, extra]
+        return UserInfo(name, tuple(groups), uid or "")
+
+    def decide(self, attrs: RequestAttributes) -> Decision:
+        """The authorizer chain: system:masters, then RBAC when on, else allow."""
+        if MASTERS in attrs.user.groups or not self.rbac:
+            return Decision(True)
+        return self.authorizer.authorize(attrs)
 
     def _inject_fault(self, record: RecordedRequest) -> None:
         for fault in self._faults:
@@ -516,24 +603,23 @@ class FakeKube:
                                f"Internal error occurred: injected fault ({fault.status})")
         self._faults = [f for f in self._faults if f.remaining > 0]
 
-    def _authorize(self, verb: str, rt: ResourceType, user: str, namespace: str | None,
-                   name: str | None) -> None:
+    def _authorize(self, attrs: RequestAttributes) -> None:
+        decision = self.decide(attrs)
+        if not decision.allowed:
+            raise forbidden(attrs, decision.reason)
+        if not attrs.resource_request:
+            return
         for d_verb, d_resource, d_user in self._denied:
-            if ((d_verb is None or d_verb == verb) and (d_resource is None
-                                                         or d_resource == rt.plural)
-                    and (d_user is None or d_user == user)):
-                what = f'{rt.qualified} "{name}"' if name else rt.qualified
-                where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
-                raise ApiError(403, "Forbidden",
-                               f'{what} is forbidden: User "{user}" cannot {verb} resource '
-                               f'"{rt.plural}" in API group "{rt.group}"{where}',
-                               details={"name": name or "", "group": rt.group,
-                                        "kind": rt.plural})
+            if ((d_verb is None or d_verb == attrs.verb)
+                    and (d_resource is None or d_resource == attrs.resource)
+                    and (d_user is None or d_user == attrs.user.name)):
+                raise forbidden(attrs)
 
     # -- routing ----------------------------------------------------------------------------
 
     def _route(self, method: str, path: str, query: dict[str, str], headers: dict[str, str],
-               body: bytes, record: RecordedRequest) -> _Response | tuple[Any, ...]:
+               body: bytes, record: RecordedRequest, user: UserInfo
+               ) -> _Response | tuple[Any, ...]:
         parts = [unquote(p) for p in path.split("/") if p]
         if path == "/version":
             return _json(200, SERVER_VERSION)
@@ -544,6 +630,20 @@ class FakeKube:
                                     "serverAddress": f"{self.host}:{self.port}"}]})
         if parts == ["apis"]:
             return _json(200, self._group_list())
+        if parts[:2] == ["openapi", "v3"]:
+            types = list(self.store.types.values())
+            if len(parts) == 2:
+                return _json(200, openapi.index(types))
+            rest = parts[2:]
+            doc = None
+            if rest[:1] == ["api"] and len(rest) == 2:
+                doc = openapi.document(types, "", rest[1])
+            elif rest[:1] == ["apis"] and len(rest) == 3:
+                doc = openapi.document(types, rest[1], rest[2])
+            if doc is None:
+                raise ApiError(404, "NotFound", "the server could not find the requested "
+                                                "resource")
+            return _json(200, doc)
         if len(parts) == 2 and parts[0] == "apis":
             group = self._group(parts[1])
             if group is None:
@@ -577,24 +677,30 @@ class FakeKube:
         if verb is None or verb not in rt.verbs:
             raise ApiError(405, "MethodNotAllowed",
                            "the server does not allow this method on the requested resource")
-        self._authorize(verb, rt, record.user or "", namespace, name)
         store = self.store
         field_manager = query.get("fieldManager")
         if verb == "watch":
             return (rt, version, namespace, query)
+        table = verb in ("list", "get") and wants_table(headers.get("accept", ""))
         if verb == "list":
-            return _json(200, store.list(
+            listed = store.list(
                 rt, version, namespace, label=query.get("labelSelector"),
                 field=query.get("fieldSelector"), limit=_int(query.get("limit")),
                 continue_token=query.get("continue") or None,
                 resource_version=query.get("resourceVersion"),
-                resource_version_match=query.get("resourceVersionMatch")))
+                resource_version_match=query.get("resourceVersionMatch"))
+            return _json(200, to_table(rt, version, listed, query.get("includeObject"))
+                         if table else listed)
         if verb == "get":
-            return _json(200, store.get(rt, version, namespace, name or ""))
+            got = store.get(rt, version, namespace, name or "")
+            return _json(200, to_table(rt, version, got, query.get("includeObject"))
+                         if table else got)
         if verb == "create":
             doc = _body(body)
             if rt.key == ("authentication.k8s.io", "tokenreviews"):
                 return _json(201, self._token_review(doc))
+            if rt.group == "authorization.k8s.io":
+                return _json(201, self._access_review(rt, doc, user, namespace))
             return _json(201, store.create(rt, version, namespace, doc,
                                            field_manager=field_manager,
                                            dry_run=query.get("dryRun") == "All"))
@@ -668,25 +774,90 @@ class FakeKube:
         wanted = spec.get("audiences") or [API_AUDIENCE]
         info = self.tokens.get(token)
         status: Obj
-        if info is None or (info.expires_at is not None and info.expires_at < time.time()):
+        if info is None:
             status = {"user": {}, "error": "[invalid bearer token, service account token "
                                            "has expired or is not valid]"}
         elif not (matched := [a for a in wanted if a in info.audiences]):
             status = {"user": {}, "error": f"[invalid bearer token, token audiences "
                                            f"{json.dumps(info.audiences)} is invalid for the "
                                            f"target audiences {json.dumps(wanted)}]"}
-        elif self.validate_bound_pods and info.pod is not None and not self._pod_exists(
-                info.pod):
-            status = {"user": {}, "error": f'[invalid bearer token, pod "{info.pod[1]}" not '
-                                           "found or has a different uid]"}
+        elif error := self._token_invalid(info):
+            status = {"user": {}, "error": f"[invalid bearer token, {error}]"}
         else:
             status = {"authenticated": True, "user": info.user(), "audiences": matched}
         return {"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
                 "metadata": {"creationTimestamp": None}, "spec": spec, "status": status}
 
-    def _pod_exists(self, pod: tuple[str, str, str]) -> bool:
-        obj = self.get_object("pods", pod[1], pod[0])
-        return obj is not None and (not pod[2] or obj["metadata"]["uid"] == pod[2])
+    def _access_review(self, rt: ResourceType, review: Any, user: UserInfo,
+                       namespace: str | None) -> Obj:
+        """(Self|Local)SubjectAccessReview, answered by the authorizer requests meet."""
+        if not isinstance(review, dict):
+            raise bad_request("the body of the request was in an unknown format")
+        spec = review.get("spec")
+        name = (review.get("metadata") or {}).get("name", "")
+        if not isinstance(spec, dict):
+            spec = {}
+        resource, non_resource = spec.get("resourceAttributes"), spec.get(
+            "nonResourceAttributes")
+        kind = f"{rt.kind}.{rt.group}"
+        if not isinstance(resource, dict | None) or not isinstance(non_resource, dict | None):
+            raise bad_request("resourceAttributes and nonResourceAttributes are objects")
+        if bool(resource) == bool(non_resource):
+            raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: spec.resourceAttributes:'
+                                           " Invalid value: exactly one of "
+                                           "nonResourceAttributes or resourceAttributes must "
+                                           "be specified")
+        if rt.plural != "selfsubjectaccessreviews":
+            groups = spec.get("groups") or []
+            if not spec.get("user") and not groups:
+                raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: spec.user: Invalid '
+                                               'value: "": at least one of user or group must '
+                                               "be specified")
+            user = UserInfo(spec.get("user", ""), tuple(groups), spec.get("uid", ""),
+                            dict(spec.get("extra") or {}))
+        if rt.plural == "localsubjectaccessreviews":
+            if non_resource:
+                raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: '
+                                               "spec.nonResourceAttributes: Invalid value: "
+                                               "disallowed on this kind of request")
+            if resource.get("namespace", namespace) != namespace:
+                raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: '
+                                               "spec.resourceAttributes.namespace: Invalid "
+                                               "value: must match metadata.namespace")
+            resource = {**resource, "namespace": namespace}
+        if resource is not None:
+            attrs = RequestAttributes(
+                user, resource.get("verb", ""), True, namespace=resource.get("namespace", ""),
+                api_group=resource.get("group", ""), api_version=resource.get("version", ""),
+                resource=resource.get("resource", ""),
+                subresource=resource.get("subresource", ""), name=resource.get("name", ""))
+        else:
+            assert non_resource is not None
+            attrs = RequestAttributes(user, non_resource.get("verb", ""), False,
+                                      path=non_resource.get("path", ""))
+        decision = self.decide(attrs)
+        status: Obj = {"allowed": decision.allowed}
+        if decision.reason:
+            status["reason"] = decision.reason
+        meta: Obj = {"creationTimestamp": None}
+        if namespace:
+            meta["namespace"] = namespace
+        return {"kind": rt.kind, "apiVersion": "authorization.k8s.io/v1", "metadata": meta,
+                "spec": spec, "status": status}
+
+    def _token_invalid(self, info: TokenInfo) -> str | None:
+        """Why a known token no longer authenticates (the service account validator's
+        words), or None."""
+        if info.expires_at is not None and info.expires_at < time.time():
+            return "service account token has expired"
+        if info.pod is not None and (info.pod_checked or self.validate_bound_pods):
+            obj = self.get_object("pods", info.pod[1], info.pod[0])
+            if obj is None or (info.pod[2] and obj["metadata"]["uid"] != info.pod[2]):
+                return "service account token has been invalidated"
+            deleting = obj["metadata"].get("deletionTimestamp")
+            if deleting and _age(deleting) > 60:
+                return "service account token has been invalidated"
+        return None
 
     # -- watch ------------------------------------------------------------------------------
 
@@ -801,6 +972,13 @@ def _verb(method: str, name: str | None, query: dict[str, str]) -> str | None:
             return "watch" if query.get("watch") in ("true", "1") else "list"
         return {"POST": "create", "DELETE": "deletecollection"}.get(method)
     return {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method)
+
+
+def _age(timestamp: str) -> float:
+    """Seconds since an RFC 3339 timestamp the store wrote."""
+    moment = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=datetime.UTC)
+    return time.time() - moment.timestamp()
 
 
 def _int(value: str | None) -> int | None:

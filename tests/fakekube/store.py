@@ -33,7 +33,8 @@ import yaml
 
 from tests.fakekube import schema as schemas
 from tests.fakekube.patch import PatchError, apply_patch, json_patch, leaf_paths, merge_patch
-from tests.fakekube.registry import ResourceType, builtin_types, type_from_crd
+from tests.fakekube.rbacvalidation import admit as admit_rbac
+from tests.fakekube.registry import RBAC, ResourceType, builtin_types, type_from_crd
 from tests.fakekube.selectors import (
     FieldRequirement,
     Requirement,
@@ -413,7 +414,11 @@ class Store:
             pattern, limit, what = _LABEL, 63, "a lowercase RFC 1123 label"
         elif rt.key == ("", "services"):
             pattern, limit, what = _DNS1035, 63, "a DNS-1035 label"
-        if not pattern.match(name) or len(name) > limit:
+        if rt.group == RBAC:  # any path segment name ("system:discovery")
+            if name in ("", ".", "..") or "/" in name or "%" in name:
+                causes.append(("metadata.name", "FieldValueInvalid",
+                               f'Invalid value: "{name}": may not contain \'/\' or \'%\''))
+        elif not pattern.match(name) or len(name) > limit:
             causes.append(("metadata.name", "FieldValueInvalid",
                            f'Invalid value: "{name}": {what} must consist of lower case '
                            "alphanumeric characters or '-'"))
@@ -760,6 +765,10 @@ class Store:
             _admit_ingress(obj, causes)
         elif rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
             _admit_crd(obj, old, causes)
+        elif rt.group == RBAC:
+            admit_rbac(rt, obj, old, causes)
+        elif rt.key == ("policy", "poddisruptionbudgets"):
+            _admit_pdb(obj, old, causes)
         if causes:
             raise invalid(rt, name, causes)
 
@@ -910,6 +919,26 @@ def _admit_ingress(obj: Obj, causes: list[tuple[str, str, str]]) -> None:
     for i, tls in enumerate(spec.get("tls") or []):
         if not isinstance(tls, dict):
             causes.append((f"spec.tls[{i}]", "FieldValueTypeInvalid", "must be an object"))
+
+
+def _admit_pdb(obj: Obj, old: Obj | None, causes: list[tuple[str, str, str]]) -> None:
+    spec = obj.get("spec") or {}
+    if "minAvailable" in spec and "maxUnavailable" in spec:
+        causes.append(("spec", "FieldValueInvalid", "Invalid value: minAvailable and "
+                                                    "maxUnavailable cannot be both set"))
+    for key in ("minAvailable", "maxUnavailable"):
+        value = spec.get(key)
+        if isinstance(value, str) and not re.fullmatch(r"\d+%", value):
+            causes.append((f"spec.{key}", "FieldValueInvalid",
+                           f'Invalid value: "{value}": a valid percent string must be a '
+                           "numeric string followed by an ending '%'"))
+        elif isinstance(value, int) and value < 0:
+            causes.append((f"spec.{key}", "FieldValueInvalid",
+                           f"Invalid value: {value}: must be greater than or equal to 0"))
+    if old is None:
+        # The disruption controller fills this in; a new PDB starts with the empty status.
+        obj["status"] = {"disruptionsAllowed": 0, "currentHealthy": 0, "desiredHealthy": 0,
+                         "expectedPods": 0}
 
 
 def _admit_crd(crd: Obj, old: Obj | None, causes: list[tuple[str, str, str]]) -> None:

@@ -380,7 +380,7 @@ async def test_token_review(api: httpx.AsyncClient, fake_kube: FakeKube) -> None
         status: dict[str, Any] = r.json()["status"]
         return status
 
-    assert "not found" in (await review("bound"))["error"]  # its pod does not exist
+    assert "invalidated" in (await review("bound"))["error"]  # its pod does not exist
     await api.post("/api/v1/namespaces/default/pods", json={"metadata": {"name": "agent-1"}})
     assert "error" in await review("bound")  # a pod of that name, but another uid
     fake.tokens["bound"].pod = ("default", "agent-1", "")
@@ -473,3 +473,39 @@ async def test_direct_store_helpers_for_test_setup(fake_kube: FakeKube) -> None:
     assert fake_kube.get_object("nodes", "edge-1") is not None
     fake_kube.delete_object("nodes", "edge-1")
     assert fake_kube.get_object("nodes", "edge-1") is None
+
+
+TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"
+
+
+async def test_table_output(api: httpx.AsyncClient) -> None:
+    await api.post(CM, json=cm("a"))
+    t = (await api.get(CM, headers={"Accept": TABLE})).json()
+    assert t["kind"] == "Table" and t["apiVersion"] == "meta.k8s.io/v1"
+    assert [c["name"] for c in t["columnDefinitions"]] == ["Name", "Data", "Age"]
+    assert t["rows"][0]["cells"][:2] == ["a", 1]
+    assert t["rows"][0]["object"]["kind"] == "PartialObjectMetadata"
+    assert t["metadata"]["resourceVersion"]
+    one = (await api.get(f"{CM}/a", headers={"Accept": TABLE},
+                         params={"includeObject": "Object"})).json()
+    assert one["rows"][0]["object"]["data"] == {"a": "1"}
+    r = await api.get(CM, headers={"Accept": TABLE}, params={"includeObject": "Everything"})
+    assert r.status_code == 400
+    plain = (await api.get(CM, headers={"Accept": "application/json"})).json()
+    assert plain["kind"] == "ConfigMapList"
+
+
+def test_printer_column_jsonpath() -> None:
+    from tests.fakekube.table import evaluate, human_duration, parse_jsonpath
+    obj = {"status": {"conditions": [{"type": "A", "status": "False"},
+                                     {"type": "Ready", "status": "True"}], "n": 0}}
+    assert evaluate(parse_jsonpath('.status.conditions[?(@.type=="Ready")].status'),
+                    obj) == ["True"]
+    assert evaluate(parse_jsonpath(".status.conditions[*].type"), obj) == ["A", "Ready"]
+    assert evaluate(parse_jsonpath(".status.conditions[-1].type"), obj) == ["Ready"]
+    assert evaluate(parse_jsonpath(".status.n"), obj) == [0]
+    assert evaluate(parse_jsonpath(".status.missing"), obj) == []
+    with pytest.raises(ValueError, match="unsupported JSONPath"):
+        parse_jsonpath(".a..b")
+    assert [human_duration(s) for s in (5, 150, 3600 * 5 + 60, 86400 * 3)] == [
+        "5s", "2m30s", "5h1m", "3d"]

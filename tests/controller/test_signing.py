@@ -274,3 +274,29 @@ async def test_the_api_being_down_is_a_503_not_a_refusal_of_the_client(rig: Rig)
     # ... and the same token works once the API answers.
     pem = await request_certificate(rig.url, rig.ca_pem, token, "node", pki.generate_key())
     assert uris(pem) == ["nodeagent://node/edge-1"]
+
+
+async def test_an_oversized_body_is_refused_without_reading_on(rig: Rig) -> None:
+    context = pki.client_ssl_context(rig.ca_pem)
+    stream = trio.SSLStream(await trio.open_tcp_stream("127.0.0.1", rig.port), context,
+                            server_hostname="127.0.0.1")
+    body = b"x" * (64 * 1024)
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        await stream.send_all(conn.send(h11.Request(method="POST", target="/v1/certificates",
+                                                    headers=[("host", "127.0.0.1"),
+                                                             ("content-length", str(len(body)))]
+                                                    )))
+        with trio.move_on_after(5):
+            try:
+                await stream.send_all(conn.send(h11.Data(data=body)))
+            except trio.BrokenResourceError:
+                pass  # the server answered and closed before reading it all
+        data = b""
+        with trio.fail_after(5):
+            while b"\r\n\r\n" not in data:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                data += chunk
+    assert data.startswith(b"HTTP/1.1 413 "), data[:100]

@@ -182,7 +182,7 @@ def controller_address(url: str) -> tuple[str, int]:
     `http://host:port`."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"--controller {url!r}: use https://host:port")
+        raise ConfigError(f"--controller {url!r}: use http://host:port or https://host:port")
     return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 

@@ -118,14 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         "controller", help="run the cluster controller (Kubernetes)",
         description="Watch the Kubernetes API (Nodes, Services, EndpointSlices, Ingresses, "
                     "IngressClasses, Secrets, ClusterTunnels), compute every node's and the "
-                    "servers' config, and serve it as a watch stream. Replicas elect a leader "
-                    "with a Lease; only the leader writes (CRDs, Events, the agent token).")
+                    "servers' config, and serve it as a watch stream over TLS, with the "
+                    "certificates agents and servers read it with. Replicas elect a leader "
+                    "with a Lease; only the leader writes (CRDs, Events, the CA).")
     controller.add_argument("--kubeconfig", type=Path, metavar="FILE",
                             help="default: in-cluster service account, else ~/.kube/config")
     controller.add_argument("--namespace", default="nodeagent",
                             help="namespace of the Lease and Secrets (default nodeagent)")
     controller.add_argument("--listen", default="0.0.0.0:8090", metavar="HOST:PORT",
-                            help="config stream listener (default 0.0.0.0:8090)")
+                            help="config stream (TLS) listener (default 0.0.0.0:8090)")
+    controller.add_argument("--tls-name", action="append", metavar="NAME|IP",
+                            help="also name this in the config stream's certificate, besides "
+                                 "the nodeagent-controller Service names (repeatable)")
     controller.add_argument("--identity", default=None, metavar="NAME",
                             help="this replica in the Lease (default: $POD_NAME or hostname)")
     controller.add_argument("--lease-name", default="nodeagent-controller", metavar="NAME")

@@ -6,11 +6,17 @@ reads ndjson lines with h11, validates each config with the one config model and
 to `apply`. It reconnects with jittered backoff and resumes from the last version it
 applied. A config that fails to apply is logged once and not retried until a newer
 version arrives; the process keeps running its previous config.
+
+With `tls` (a callable giving the client context at each connect, so a renewed certificate
+is used from the next one on) the watch runs TLS over that stream itself, verifying the
+controller for `host` and presenting the client certificate the controller authorizes by:
+end to end even through an agent's tunnel. Without it the watch is plain HTTP (tests).
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +55,9 @@ class WatchError(Exception):
 
 async def watch_config(
     *, open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str, path: str,
-    token: Callable[[], str], model: type[M], apply: Callable[[M], Awaitable[None]],
-    status: WatchStatus, backoff: Backoff | None = None, idle_timeout: float = 45.0,
+    model: type[M], apply: Callable[[M], Awaitable[None]], status: WatchStatus,
+    token: Callable[[], str] | None = None, tls: Callable[[], ssl.SSLContext] | None = None,
+    backoff: Backoff | None = None, idle_timeout: float = 45.0,
     log: StructuredLogger | None = None,
 ) -> None:
     """Run until cancelled. `idle_timeout`: no line (not even a heartbeat) for this long
@@ -61,7 +68,10 @@ async def watch_config(
     while True:
         status.state = "connecting"
         try:
-            stream = await open_stream()
+            stream: trio.abc.Stream = await open_stream()
+            if tls is not None:
+                stream = trio.SSLStream(stream, tls(), server_hostname=host,
+                                        https_compatible=True)
         except Exception as exc:  # any reason the controller is unreachable right now
             await _pause(status, backoff, log, f"cannot reach the controller: {exc}")
             continue
@@ -69,9 +79,11 @@ async def watch_config(
             async with stream:
                 conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)
                 after = status.applied_version
-                request = h11.Request(method="GET", target=f"{path}?after={after}", headers=[
-                    ("host", host), ("authorization", f"Bearer {token()}"),
-                    ("accept", "application/x-ndjson")])
+                headers = [("host", host), ("accept", "application/x-ndjson")]
+                if token is not None:
+                    headers.append(("authorization", f"Bearer {token()}"))
+                request = h11.Request(method="GET", target=f"{path}?after={after}",
+                                      headers=headers)
                 await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
                 async for doc in _lines(conn, stream, idle_timeout):
                     status.state = "watching"
@@ -99,7 +111,7 @@ async def watch_config(
                     status.last_error = None
                     log.info("config applied", version=version)
         except (WatchError, ConfigError, h11.ProtocolError, trio.BrokenResourceError,
-                trio.ClosedResourceError, OSError) as exc:
+                trio.ClosedResourceError, OSError, ssl.SSLError) as exc:
             await _pause(status, backoff, log, str(exc))
             continue
         await _pause(status, backoff, log, "the controller ended the watch")
@@ -166,10 +178,12 @@ async def _body(conn: h11.Connection, stream: trio.abc.Stream) -> str:
 
 
 def controller_address(url: str) -> tuple[str, int]:
+    """(host, port) of `https://host:port` (the controller's TLS stream) or, in tests,
+    `http://host:port`."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ConfigError(f"--controller {url!r}: use http://host:port")
-    return parts.hostname, parts.port or 80
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--controller {url!r}: use http://host:port or https://host:port")
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _token_reader(path: Path) -> Callable[[], str]:

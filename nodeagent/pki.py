@@ -30,6 +30,7 @@ from nodeagent.config import valid_node_name
 
 __all__ = [
     "NODE_URI_PREFIX",
+    "SERVER_URI_PREFIX",
     "CertificateAuthority",
     "IssuedCertificate",
     "TlsInputError",
@@ -39,17 +40,23 @@ __all__ = [
     "generate_key",
     "issue_client_certificate",
     "issue_server_certificate",
+    "issue_server_identity",
+    "key_signing_request",
     "load_certificate",
     "load_certificates",
     "load_private_key",
     "node_name_from_certificate",
+    "server_name_from_certificate",
     "server_ssl_context",
     "sign_node_csr",
+    "sign_server_csr",
     "write_certificate",
     "write_private_key",
 ]
 
 NODE_URI_PREFIX = "nodeagent://node/"
+# A server replica's identity (its pod name) for the controller's config stream.
+SERVER_URI_PREFIX = "nodeagent://server/"
 
 CA_VALIDITY = dt.timedelta(days=3650)
 SERVER_VALIDITY = dt.timedelta(days=365)
@@ -276,6 +283,86 @@ def node_name_from_certificate(der: bytes) -> str | None:
         return None
     names = [uri[len(NODE_URI_PREFIX):] for uri in uris if uri.startswith(NODE_URI_PREFIX)]
     if len(names) != 1 or not valid_node_name(names[0]):
+        return None
+    return names[0]
+
+
+def _check_server_name(server_name: str) -> None:
+    # A pod name: a DNS subdomain (lower case), so it fits a URI path segment as is.
+    if not server_name or len(server_name) > 253 or not all(
+            c.islower() or c.isdigit() or c in "-." for c in server_name) or \
+            not server_name[0].isalnum() or not server_name[-1].isalnum():
+        raise ValueError(f"invalid server name {server_name[:64]!r}: a server name is a "
+                         f"pod name (lower-case DNS name)")
+
+
+def issue_server_identity(
+    ca: CertificateAuthority, server_name: str, *, valid_for: dt.timedelta = CLIENT_VALIDITY,
+    not_before: dt.datetime | None = None, key: PrivateKey | None = None,
+    public_key: ec.EllipticCurvePublicKey | None = None,
+) -> IssuedCertificate:
+    """A server replica's client identity: URI SAN nodeagent://server/<name>, clientAuth
+    only. Its subject is O=nodeagent:servers without a CN, so nothing that reads a CN can
+    take it for a node. Pass `public_key` to certify a key held elsewhere."""
+    _check_server_name(server_name)
+    if public_key is None:
+        key = key or generate_key()
+        public_key = key.public_key()
+    else:
+        key = None
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "nodeagent:servers")])
+    cert = _leaf(ca, subject, public_key,
+                 [x509.UniformResourceIdentifier(SERVER_URI_PREFIX + server_name)],
+                 [ExtendedKeyUsageOID.CLIENT_AUTH], valid_for=valid_for, not_before=not_before)
+    return IssuedCertificate(cert, key)
+
+
+def _csr_public_key(csr_pem: bytes) -> ec.EllipticCurvePublicKey:
+    """The key a CSR proves possession of (its signature checked); ValueError otherwise."""
+    csr = x509.load_pem_x509_csr(csr_pem)
+    if not csr.is_signature_valid:
+        raise ValueError("CSR signature is invalid")
+    public_key = csr.public_key()
+    if not isinstance(public_key, ec.EllipticCurvePublicKey):
+        raise ValueError("CSR key must be an EC key")
+    return public_key
+
+
+def sign_server_csr(ca: CertificateAuthority, csr_pem: bytes, server_name: str, *,
+                    valid_for: dt.timedelta = CLIENT_VALIDITY) -> IssuedCertificate:
+    """The controller's side for a server replica: certify the CSR's key for
+    `server_name`, the name the controller authenticated (the CSR's names are ignored)."""
+    return issue_server_identity(ca, server_name, valid_for=valid_for,
+                                 public_key=_csr_public_key(csr_pem))
+
+
+def key_signing_request(key: PrivateKey, common_name: str = "nodeagent") -> bytes:
+    """A PEM CSR that only proves possession of `key`: the controller decides the names."""
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+           .sign(key, hashes.SHA256()))
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def server_name_from_certificate(der: bytes) -> str | None:
+    """The server replica a (verified) client certificate names: exactly one
+    `nodeagent://server/<name>` URI SAN holding a valid name, on a certificate with
+    clientAuth usage. None for anything else (no CN fallback)."""
+    try:
+        cert = x509.load_der_x509_certificate(der)
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    except (x509.ExtensionNotFound, ValueError):
+        return None
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
+        return None
+    names = [u[len(SERVER_URI_PREFIX):] for u in uris if u.startswith(SERVER_URI_PREFIX)]
+    if len(names) != 1:
+        return None
+    try:
+        _check_server_name(names[0])
+    except ValueError:
         return None
     return names[0]
 

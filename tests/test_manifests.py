@@ -25,16 +25,17 @@ MANIFESTS = ROOT / "manifests"
 K8S_VERSION = "1.33.0"
 # Secrets and ConfigMaps the controller creates at start (never in the manifests: they
 # hold generated keys).
-BOOTSTRAPPED = {("Secret", "nodeagent-agent-token"), ("Secret", "nodeagent-ca"),
-                ("Secret", "nodeagent-server-tls"), ("ConfigMap", "nodeagent-ca")}
+BOOTSTRAPPED = {("Secret", "nodeagent-ca"), ("Secret", "nodeagent-server-tls"),
+                ("ConfigMap", "nodeagent-ca")}
 # The CLI contract of controller mode (nodeagent/cli.py implements it).
 FLAGS = {
     "agent": {"--node", "--server", "--token-file", "--ca-file", "--controller",
               "--debug-socket", "--metrics-listen"},
-    "server": {"--controller", "--token-file", "--tunnel-listen", "--tls-cert", "--tls-key",
-               "--ingress-http", "--ingress-https", "--server-id", "--metrics-listen"},
+    "server": {"--controller", "--token-file", "--ca-file", "--tunnel-listen", "--tls-cert",
+               "--tls-key", "--ingress-http", "--ingress-https", "--server-id",
+               "--metrics-listen"},
     "controller": {"--kubeconfig", "--namespace", "--listen", "--identity", "--lease-name",
-                   "--metrics-listen"},
+                   "--metrics-listen", "--tls-name"},
 }
 
 
@@ -241,3 +242,70 @@ def test_containerfile_essentials() -> None:
     for package in ("nftables", "iptables", "iproute2"):
         assert package in text
     assert 'ENTRYPOINT ["nodeagent"]' in text
+
+
+def _workload(component: str) -> dict[str, Any]:
+    (workload,) = [w for w in workloads()
+                   if w["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return workload
+
+
+def _args(workload: dict[str, Any]) -> dict[str, str]:
+    (container,) = _containers(workload)
+    return dict(a.split("=", 1) for a in container["args"][1:] if "=" in a)
+
+
+def _mounted_file(workload: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volume that provides `path` in the workload's container."""
+    (container,) = _containers(workload)
+    pod = workload["spec"]["template"]["spec"]
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            return dict(volume)
+    raise AssertionError(f"{_id(workload)}: nothing mounted at {path}")
+
+
+@pytest.mark.parametrize(("component", "account"), [("agent", "nodeagent-agent"),
+                                                    ("server", "nodeagent-server")])
+def test_agent_and_server_prove_their_pod_with_a_projected_token_and_trust_the_ca(
+        component: str, account: str) -> None:
+    """What the controller's signing endpoint expects: a projected token of audience
+    nodeagent from the ServiceAccount it checks (SigningPolicy's defaults), no shared
+    token Secret, and the CA ConfigMap to verify the controller's TLS stream with."""
+    from nodeagent.controller.signing import AUDIENCE, SigningPolicy
+
+    workload = _workload(component)
+    pod = workload["spec"]["template"]["spec"]
+    policy = SigningPolicy(namespace=workload["metadata"]["namespace"])
+    assert pod["serviceAccountName"] == account
+    kind = {"agent": "node", "server": "server"}[component]
+    assert policy.username(kind) == f"system:serviceaccount:nodeagent:{account}"
+    args = _args(workload)
+    token = _mounted_file(workload, args["--token-file"])
+    (source,) = token["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == AUDIENCE
+    assert args["--token-file"].endswith("/" + source["serviceAccountToken"]["path"])
+    assert _mounted_file(workload, args["--ca-file"])["configMap"]["name"] == "nodeagent-ca"
+    assert args["--ca-file"].endswith("/ca.crt")
+    assert args["--controller"].startswith("https://nodeagent-controller.nodeagent.svc:")
+    assert not any("secret" in v and v["secret"]["secretName"] == "nodeagent-agent-token"
+                   for v in pod["volumes"])
+
+
+def test_controller_can_read_pods_and_review_tokens() -> None:
+    rules = [(rule, o) for o in objects() if o["kind"] in ("Role", "ClusterRole")
+             and o["metadata"]["name"] == "nodeagent-controller" for rule in o["rules"]]
+
+    def allowed(resource: str, verb: str, namespaced_ok: bool = True) -> bool:
+        return any(resource in r["resources"] and verb in r["verbs"] and
+                   (namespaced_ok or o["kind"] == "ClusterRole") for r, o in rules)
+
+    assert allowed("tokenreviews", "create", namespaced_ok=False)
+    assert allowed("pods", "get")
+    (service,) = [s for s in by_kind("Service")
+                  if s["metadata"]["name"] == "nodeagent-controller"]
+    (port,) = service["spec"]["ports"]
+    assert port["appProtocol"] == "https"
+    controller_port = int(_args(_workload("agent"))["--controller"].rsplit(":", 1)[1])
+    assert port["port"] == controller_port

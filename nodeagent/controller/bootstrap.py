@@ -1,17 +1,18 @@
-"""What a fresh cluster needs before anything connects, and its upkeep: the shared agent
-token Secret, and the PKI the manifests mount — the CA (Secret nodeagent-ca, and its
-certificate alone for agents in ConfigMap nodeagent-ca) and the servers' tunnel
-certificate (Secret nodeagent-server-tls).
+"""What a fresh cluster needs before anything connects, and its upkeep: the PKI the
+manifests mount — the CA (Secret nodeagent-ca, and its certificate alone for agents and
+servers in ConfigMap nodeagent-ca) and the servers' tunnel certificate (Secret
+nodeagent-server-tls).
 
-Every replica reads the token from its Secrets cache (the config stream checks it); only
-the leader creates or re-issues anything.
+Every replica reads the CA from its Secrets cache (it signs clients' certificates and its
+own serving certificate with it); only the leader creates or re-issues anything. There is
+no shared token any more: agents and servers prove who they are with their projected
+ServiceAccount tokens (signing.py).
 """
 
 from __future__ import annotations
 
 import base64
 import ipaddress
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,6 @@ from nodeagent import pki
 from nodeagent.kube import (
     CONFIGMAPS,
     SECRETS,
-    AlreadyExists,
     Cache,
     KubeClient,
     KubeError,
@@ -28,18 +28,16 @@ from nodeagent.kube import (
 from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.controller")
-TOKEN_SECRET = "nodeagent-agent-token"
 CA_SECRET = "nodeagent-ca"  # the CA's certificate and key
-CA_CONFIGMAP = "nodeagent-ca"  # its certificate alone, for agents (ca.crt)
+CA_CONFIGMAP = "nodeagent-ca"  # its certificate alone, for agents and servers (ca.crt)
 SERVER_TLS_SECRET = "nodeagent-server-tls"  # the servers' tunnel certificate
 SERVER_SERVICE = "nodeagent-server"  # the servers' Service: its names go into their cert
 MANAGED_LABEL = "nodeagent.io/managed"
 
 
 class Bootstrap:
-    """The agent token and the PKI. `server_hosts` gives the public names the servers'
-    certificate must carry besides the Service names (ClusterTunnel serverUrl hosts, the
-    LoadBalancer address)."""
+    """The PKI. `server_hosts` gives the public names the servers' certificate must carry
+    besides the Service names (ClusterTunnel serverUrl hosts, the LoadBalancer address)."""
 
     def __init__(self, kube: KubeClient, secrets_cache: Cache, namespace: str,
                  server_hosts: Callable[[], list[str]]) -> None:
@@ -47,35 +45,31 @@ class Bootstrap:
         self.secrets = secrets_cache
         self.namespace = namespace
         self.server_hosts = server_hosts
-        self.token = ""
+        self.ca: pki.CertificateAuthority | None = None
+        self._ca_pem = ""
         self._ca_published = False
 
-    def read_token(self) -> None:
-        """The shared agent token (until node identity), from the Secrets cache; called
-        whenever its Secret changes, so a rotated token takes effect at once."""
-        secret = self.secrets.get(TOKEN_SECRET, self.namespace)
-        token = secret_value(secret, "token") if secret is not None else ""
-        if token and token != self.token:
-            self.token = token
-            log.info("agent token loaded", secret=f"{self.namespace}/{TOKEN_SECRET}")
+    def read_ca(self) -> bool:
+        """The CA (certificate and key) from the Secrets cache; called whenever its Secret
+        changes. True if it changed."""
+        secret = self.secrets.get(CA_SECRET, self.namespace)
+        if secret is None:
+            return False
+        cert, key = secret_value(secret, "tls.crt"), secret_value(secret, "tls.key")
+        if not cert or not key or cert + key == self._ca_pem:
+            return False
+        try:
+            ca = pki.CertificateAuthority.load(cert.encode(), key.encode())
+        except ValueError as exc:
+            log.error("the CA Secret does not hold a usable CA", error=str(exc)[:200],
+                      secret=f"{self.namespace}/{CA_SECRET}")
+            return False
+        self.ca, self._ca_pem = ca, cert + key
+        log.info("CA loaded", secret=f"{self.namespace}/{CA_SECRET}")
+        return True
 
     def start_leading(self) -> None:
         self._ca_published = False  # checked once per leadership
-
-    async def create_token_if_missing(self) -> None:
-        """Leader only: a fresh cluster gets a random token once."""
-        ns = self.namespace
-        if self.secrets.get(TOKEN_SECRET, ns) is not None:
-            return
-        try:
-            await self.kube.create(SECRETS, {
-                "apiVersion": "v1", "kind": "Secret",
-                "metadata": {"name": TOKEN_SECRET, "namespace": ns,
-                             "labels": {"app.kubernetes.io/name": "nodeagent"}},
-                "stringData": {"token": secrets.token_urlsafe(32)}})
-            log.info("agent token Secret created", secret=f"{ns}/{TOKEN_SECRET}")
-        except AlreadyExists:
-            pass
 
     def server_names(self) -> tuple[list[str], list[str]]:
         """DNS names and IPs the servers' tunnel certificate must carry: the in-cluster

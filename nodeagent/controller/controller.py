@@ -8,13 +8,14 @@ watching a standby keep their config and get updates.
 
 A recompute only computes and publishes config: it never waits on the API. Only the
 leader (a coordination.k8s.io Lease) writes, in a task of its own (`LeaderWrites`) that
-works from the latest recompute's outcome and the caches: bootstrap (`bootstrap`: token
-Secret, PKI) and what users see (`status`: Ingress and ClusterTunnel status, Events). A
+works from the latest recompute's outcome and the caches: bootstrap (`bootstrap`: the
+PKI) and what users see (`status`: Ingress and ClusterTunnel status, Events). A
 slow or failing API write therefore never delays config delivery.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from urllib.parse import urlsplit
 import trio
 
 from nodeagent.config import NodeConfig
-from nodeagent.controller.bootstrap import TOKEN_SECRET, Bootstrap
+from nodeagent.controller.bootstrap import CA_SECRET, Bootstrap
 from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import translate_ingresses
@@ -36,6 +37,9 @@ from nodeagent.controller.inputs import (
     secret_feeds_config,
     secret_references,
 )
+from nodeagent.controller.metrics import ControllerMetrics
+from nodeagent.controller.servingtls import ServingTLS, service_names
+from nodeagent.controller.signing import CertificateSigner, SigningPolicy
 from nodeagent.controller.status import (
     WATCHERS_LABEL,
     Outcome,
@@ -79,6 +83,12 @@ class ControllerSettings:
     debounce: float = 0.05
     metrics_listen: tuple[str, int] | None = None
     leader_retry: float = 5.0  # a failed leader write is tried again after this
+    # The config stream's TLS and the certificates it signs (signing.py).
+    service_name: str = "nodeagent-controller"  # its names go into the serving certificate
+    tls_names: tuple[str, ...] = ()  # more DNS names or IPs for it (--tls-name)
+    node_service_account: str = "nodeagent-agent"
+    server_service_account: str = "nodeagent-server"
+    certificate_validity: float = 24 * 3600.0  # seconds
 
 
 class LeaderWrites:
@@ -122,6 +132,7 @@ class Controller:
     versions: ConfigVersions = field(default_factory=ConfigVersions)
     recomputes: int = 0  # recomputes run
     recompute_triggers: int = 0  # cache changes that asked for one (debounced into runs)
+    listen_port: int = 0  # the config stream's, once listening (settings may say 0)
 
     def __post_init__(self) -> None:
         ns = self.settings.namespace
@@ -131,7 +142,15 @@ class Controller:
         self.caches["watchers"] = self.informers.cache(
             CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
-        self.stream = ConfigStreamServer(self.versions, lambda: self.bootstrap.token)
+        self.metrics = ControllerMetrics()
+        dns, ips = service_names(self.settings.service_name, ns, self.settings.tls_names)
+        self.tls = ServingTLS(lambda: self.bootstrap.ca, dns, ips)
+        self.signer = CertificateSigner(self.kube, lambda: self.bootstrap.ca, SigningPolicy(
+            namespace=ns, node_service_account=self.settings.node_service_account,
+            server_service_account=self.settings.server_service_account,
+            validity=dt.timedelta(seconds=self.settings.certificate_validity)), self.metrics)
+        self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
+                                         signer=self.signer, metrics=self.metrics)
         self.watchers = WatcherReports(self.kube, self.caches["watchers"], ns,
                                        self.settings.identity, self.stream.subscribers)
         self.status = StatusWriter(self.kube, self.caches, ns, self.settings.identity,
@@ -155,8 +174,9 @@ class Controller:
         def handle(event: CacheEvent) -> None:
             if plural == SECRETS.plural:
                 meta = event.object.get("metadata") or {}
-                if (meta.get("namespace"), meta.get("name")) == (ns, TOKEN_SECRET):
-                    self.bootstrap.read_token()
+                if (meta.get("namespace"), meta.get("name")) == (ns, CA_SECRET) and \
+                        self.bootstrap.read_ca():
+                    self.tls.notify()
                 wanted = secret_feeds_config(event, self._secret_refs)
             else:
                 wanted = feeds_config(plural, event)
@@ -229,7 +249,6 @@ class Controller:
         self.bootstrap.start_leading()
         log.info("leading", identity=self.settings.identity)
         try:
-            await self.bootstrap.create_token_if_missing()
             self.leader.mark(*LeaderWrite)
             await self.leader.run()
         finally:
@@ -258,16 +277,17 @@ async def serve_controller(settings: ControllerSettings, *,
         async with trio.open_nursery() as nursery:
             await nursery.start(informers.run)
             await nursery.start(controller.debouncer.run)
-            controller.bootstrap.read_token()
+            controller.bootstrap.read_ca()
             await controller.recompute()
             nursery.start_soon(controller.watchers.publish)
-            await nursery.start(controller.stream.run, settings.listen_host,
-                                settings.listen_port)
+            listeners = await nursery.start(controller.stream.run, settings.listen_host,
+                                            settings.listen_port)
+            controller.listen_port = listeners[0].socket.getsockname()[1]
             if settings.metrics_listen is not None:
                 # Ready once the caches have synced (informers.run returned from start).
-                health = HealthServer(None, lambda: None)
+                health = HealthServer(controller.metrics.registry, lambda: None)
                 await nursery.start(health.run, *settings.metrics_listen)
             log.info("controller ready", identity=settings.identity,
-                     config_stream=f"{settings.listen_host}:{settings.listen_port}")
+                     config_stream=f"{settings.listen_host}:{controller.listen_port}")
             task_status.started(controller)
             await elector.run(controller.lead)

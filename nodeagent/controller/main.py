@@ -29,7 +29,8 @@ def run_controller(args: argparse.Namespace) -> int:
     settings = ControllerSettings(
         namespace=args.namespace, identity=identity, listen_host=listen.host,
         listen_port=listen.port, lease_name=args.lease_name, kubeconfig=args.kubeconfig,
-        lease_duration=args.lease_seconds, metrics_listen=metrics)
+        lease_duration=args.lease_seconds, metrics_listen=metrics,
+        tls_names=tuple(getattr(args, "tls_name", None) or ()))
     try:
         trio.run(serve_controller, settings)
     except CredentialsError as exc:

@@ -1,56 +1,131 @@
-"""The controller's config watch stream, over HTTP/1.1 (`ops.jsonhttp`'s server).
+"""The controller's config watch stream: HTTP/1.1 (`ops.jsonhttp`'s server) over TLS.
 
-    GET /v1/config/nodes/{node}?after=N     an agent's NodeConfig
-    GET /v1/config/servers/{id}?after=N     the servers' RoutesConfig
-    Authorization: Bearer <token>
+    GET  /v1/config/nodes/{node}?after=N     an agent's NodeConfig
+    GET  /v1/config/servers/{id}?after=N     the servers' RoutesConfig
+    POST /v1/certificates                    how a client gets its certificate (signing.py)
 
-The answer is `200`, `Content-Type: application/x-ndjson`, chunked, and never ends: one
+Every connection is TLS with this replica's serving certificate (`servingtls`); a client
+certificate from the controller's CA is optional at the handshake and decides what the
+client may read (`peer_identity`, `may_read`): a node certificate reads its own node's
+config only, a server identity the servers' config (which holds Ingress TLS keys), and a
+client without a certificate nothing but the signing endpoint. Agents reach this through
+their tunnel with TLS end to end, so a server relaying their bytes can neither read nor
+forge a node's config.
+
+A watch answers `200`, `Content-Type: application/x-ndjson`, chunked, and never ends: one
 line `{"version": V, "config": {...}}` at once if the subscriber's current version V is
 newer than `after` (an unknown node gets an empty NodeConfig at version 0), then one line
 per new version, and `{}` as a heartbeat every `heartbeat` seconds so either side notices a
 dead peer. A slow subscriber is never queued for: each wake-up sends only the newest
-version. Agents reach this through their tunnel; servers directly.
-
-Authentication is one replaceable piece (`authorize`): today the shared agent token from a
-Secret; with node identity it becomes the certificate's node name, which must match the
-path.
+version. A refusal is one JSON line `{"error": ..., "reason": <code>}`, counted by reason
+and logged at most once a minute per reason.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hmac
 import json
+import ssl
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
+from cryptography import x509
 
-from nodeagent.config import NodeConfig
+from nodeagent import pki
+from nodeagent.config import DNS_NAME, NodeConfig
 from nodeagent.controller.compute import ConfigVersions
+from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.ops.jsonhttp import (
+    Handler,
     Reply,
     Request,
     StreamingReply,
     serve_http,
-    text_reply,
 )
 from nodeagent.ops.logs import get_logger
+from nodeagent.ops.ratelog import RateLimitedLog
 
 log = get_logger("nodeagent.controller.stream")
 MAX_REQUEST_BYTES = 16 * 1024
+CERTIFICATES_PATH = "/v1/certificates"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a verified client certificate says the client is."""
+
+    kind: str  # "node" | "server"
+    name: str
+
+
+def peer_identity(der: bytes | None) -> Identity | None:
+    """The identity in a client certificate the TLS handshake verified against our CA:
+    exactly one `nodeagent://server/<pod>` or `nodeagent://node/<node>` URI SAN with
+    clientAuth. None for no certificate or any other certificate of the CA (the servers'
+    tunnel certificate, the controller's own)."""
+    if not der:
+        return None
+    server = pki.server_name_from_certificate(der)
+    if server is not None:
+        return Identity("server", server)
+    node = pki.node_name_from_certificate(der)
+    # node_name_from_certificate may still fall back to a certificate's CN (certificates
+    # of other PKIs); here only our node URI names a node.
+    if node is None or not DNS_NAME.match(node) or _uris(der) != [pki.NODE_URI_PREFIX + node]:
+        return None
+    return Identity("node", node)
+
+
+def _uris(der: bytes) -> list[str]:
+    try:
+        san = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value
+    except (x509.ExtensionNotFound, ValueError):
+        return []
+    return [u for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+            if u.startswith("nodeagent://")]
+
+
+def may_read(identity: Identity | None, kind: str, name: str) -> bool:
+    """`kind` is the path's "nodes" or "servers": a node reads only its own config; any
+    server replica reads the servers' config; nobody else reads anything."""
+    if identity is None:
+        return False
+    if kind == "nodes":
+        return identity.kind == "node" and identity.name == name
+    return kind == "servers" and identity.kind == "server"
+
+
+def refusal(status: int, reason: str, message: str) -> Reply:
+    """One JSON line saying why, and the connection closes: a refused client reconnects
+    with backoff, no reason to keep its connection."""
+    body = json.dumps({"error": message, "reason": reason}, separators=(",", ":")) + "\n"
+    return Reply(status, body.encode(), headers=(("connection", "close"),))
 
 
 class ConfigStreamServer:
-    def __init__(self, versions: ConfigVersions, token: Callable[[], str], *,
+    """`tls()` gives the current serving context (it waits until there is one: a fresh
+    cluster has no CA until the leader creates it); `signer` answers POST
+    /v1/certificates; `authorize(identity, kind, name)` decides each watch."""
+
+    def __init__(self, versions: ConfigVersions, *,
+                 tls: Callable[[], Awaitable[ssl.SSLContext]],
+                 signer: Handler | None = None,
+                 authorize: Callable[[Identity | None, str, str], bool] = may_read,
+                 metrics: ControllerMetrics | None = None,
                  heartbeat: float = 15.0, request_timeout: float = 10.0) -> None:
         self.versions = versions
-        self._token = token
+        self._tls = tls
+        self._signer = signer
+        self._authorize = authorize
+        self.metrics = metrics or ControllerMetrics()
         self.heartbeat = heartbeat
         self.request_timeout = request_timeout
         self._changed = trio.Event()
+        self._refusals = RateLimitedLog(log)
         self.subscribers: Counter[str] = Counter()  # key → open watches
 
     def notify(self) -> None:
@@ -58,35 +133,65 @@ class ConfigStreamServer:
         self._changed.set()
         self._changed = trio.Event()
 
-    def authorize(self, headers: dict[str, str]) -> bool:
-        presented = headers.get("authorization", "")
-        expected = f"Bearer {self._token()}"
-        return hmac.compare_digest(presented.encode(), expected.encode())
-
     async def run(self, host: str, port: int, *,
                   task_status: trio.TaskStatus[list[trio.SocketListener]]
                   = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
         log.info("config stream listening", address=f"{host}:{port}")
         task_status.started(listeners)
-        await trio.serve_listeners(functools.partial(
-            serve_http, handler=self.answer, idle_timeout=self.request_timeout,
-            max_request_bytes=MAX_REQUEST_BYTES), listeners)
+        # Until there is a serving certificate, dialers wait in the listen backlog.
+        await self._tls()
+        await trio.serve_listeners(self._connection, listeners)
 
-    async def answer(self, request: Request) -> Reply | StreamingReply:
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        tls = trio.SSLStream(stream, await self._tls(), server_side=True,
+                             https_compatible=True)
+        try:
+            with trio.fail_after(self.request_timeout):
+                await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+            # Scanners, health checks, clients with a certificate of another CA.
+            self.metrics.config("tls_handshake")
+            cause = exc.__cause__ if isinstance(exc.__cause__, ssl.SSLError) else exc
+            self._refusals.warning("tls_handshake", "config stream TLS handshake failed",
+                                   reason="tls_handshake", error=str(cause)[:200])
+            await trio.aclose_forcefully(tls)
+            return
+        identity = peer_identity(tls.getpeercert(binary_form=True))
+        await serve_http(tls, handler=functools.partial(self.answer, identity),
+                         idle_timeout=self.request_timeout, max_request_bytes=MAX_REQUEST_BYTES)
+
+    async def answer(self, identity: Identity | None, request: Request
+                     ) -> Reply | StreamingReply:
+        if request.path == CERTIFICATES_PATH and self._signer is not None:
+            return await self._signer(request)
         parts = request.path.strip("/").split("/")
-        if request.method != "GET" or len(parts) != 4 or parts[:2] != ["v1", "config"] \
+        if len(parts) != 4 or parts[:2] != ["v1", "config"] \
                 or parts[2] not in ("nodes", "servers") or not parts[3]:
-            return _close(text_reply(404, "use /v1/config/nodes/NAME or "
-                                          "/v1/config/servers/ID\n"))
-        if not self.authorize(dict(request.headers)):
-            log.warning("config watch refused: bad token", path=request.path)
-            return _close(text_reply(401, "missing or wrong bearer token\n"))
+            return self._refuse(404, "not_found", "use /v1/config/nodes/NAME, "
+                                "/v1/config/servers/ID or POST /v1/certificates")
+        if request.method != "GET":
+            return self._refuse(405, "method_not_allowed", "config paths take GET")
+        if not self._authorize(identity, parts[2], parts[3]):
+            who = "no client certificate" if identity is None else \
+                f"{identity.kind} {identity.name}"
+            # Keyed by what kind of client asked for what kind of path: a bounded set.
+            key = f"forbidden:{identity.kind if identity else 'anonymous'}:{parts[2]}"
+            return self._refuse(403, "forbidden", f"{who} may not read {request.path}",
+                                log_key=key, client=who)
         try:
             after = int(request.query.get("after", ["-1"])[0])
         except ValueError:
-            return _close(text_reply(400, "after must be an integer\n"))
+            return self._refuse(400, "bad_after", "after must be an integer")
+        self.metrics.config("watching")
         return StreamingReply(self._watch(parts[2], parts[3], after))
+
+    def _refuse(self, status: int, reason: str, message: str, *, log_key: str | None = None,
+                **fields: Any) -> Reply:
+        self.metrics.config(reason)
+        self._refusals.warning(log_key or reason, "config request refused", status=status,
+                               reason=reason, **fields)
+        return refusal(status, reason, message)
 
     async def _watch(self, kind: str, name: str, after: int) -> AsyncGenerator[bytes, None]:
         key = f"node/{name}" if kind == "nodes" else "servers"
@@ -118,7 +223,3 @@ class ConfigStreamServer:
 def _line(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
-
-def _close(reply: Reply) -> Reply:
-    # A refused watcher reconnects with backoff; no reason to keep its connection.
-    return dataclasses.replace(reply, headers=(*reply.headers, ("connection", "close")))

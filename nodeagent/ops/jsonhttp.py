@@ -5,8 +5,8 @@ socket, the metrics/health listener and the controller's config watch stream.
 `handler(request)` returns: a `Reply` (a complete body; the connection stays open for the
 next request) or a `StreamingReply` (chunked, for as long as its iterator yields; the
 connection ends with it). Malformed HTTP gets h11's status hint and a one-line JSON error;
-a request body is read and ignored (h11 bounds what it buffers); an idle connection is
-closed after `idle_timeout`.
+a request body up to `max_request_bytes` is in `Request.body` (a larger one gets 413); an
+idle connection is closed after `idle_timeout`.
 
 `JsonRoutes` is the handler the debug socket and the health listener share: GET/HEAD of a
 path → a callable returning JSON-able data (or `HttpStatus` for another status), plus
@@ -45,6 +45,7 @@ class Request:
     path: str  # without the query string
     query: Mapping[str, list[str]]
     headers: Mapping[str, str]  # lower-case names; repeated headers: the last one
+    body: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,16 @@ async def serve_http(stream: trio.abc.Stream, handler: Handler, *, idle_timeout:
                 event = await next_event()
             if type(event) is not h11.Request:
                 return
-            while type(await next_event()) is not h11.EndOfMessage:
-                pass  # a request body means nothing here
-            request = _request(event)
+            body = b""
+            while type(part := await next_event()) is not h11.EndOfMessage:
+                if type(part) is h11.Data:
+                    body += bytes(part.data)
+                    if len(body) > max_request_bytes:
+                        await _send(conn, stream, json_reply(
+                            413, {"error": f"request body over {max_request_bytes} bytes"},
+                            ("connection", "close")))
+                        return
+            request = dataclasses.replace(_request(event), body=body)
             reply = await handler(request)
             if isinstance(reply, StreamingReply):
                 await _stream(conn, stream, reply)

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from nodeagent.controller.bootstrap import SERVER_SERVICE
+from nodeagent.controller.bootstrap import CA_CONFIGMAP, SERVER_SERVICE
 from nodeagent.controller.controller import Controller, ControllerSettings, serve_controller
 from nodeagent.controller.status import WATCHERS_LABEL
 from nodeagent.kube import (
@@ -30,6 +30,8 @@ from nodeagent.kube import (
     Resource,
 )
 from nodeagent.kube.events import rfc3339
+from tests.controller.identity import add_agent_token, obtain_identity
+from tests.controller.test_stream import get
 from tests.fakekube.server import FakeKube
 
 NS = "default"
@@ -54,7 +56,7 @@ async def start_controller(nursery: trio.Nursery, fake: FakeKube, tmp_path: Path
     settings = ControllerSettings(
         namespace=NS, identity="c1", listen_host="127.0.0.1", listen_port=0,
         kubeconfig=fake.write_kubeconfig(tmp_path / "controller-kubeconfig"),
-        lease_duration=3.0, leader_retry=0.5)
+        lease_duration=3.0, leader_retry=0.5, tls_names=("127.0.0.1",))
     controller: Controller = await nursery.start(functools.partial(serve_controller, settings))
     await wait_for(lambda: controller.is_leader, "leadership")
     return controller
@@ -198,3 +200,24 @@ async def test_a_tls_secret_an_ingress_names_feeds_config(
     await seen(controller.caches["secrets"], secret)
     assert controller.recompute_triggers == triggers + 1
     await wait_for(lambda: problems() == ["TLSSecretInvalid"], "the Secret read")
+
+
+async def test_the_leaders_ca_signs_node_certificates_that_read_the_nodes_config(
+        nursery: trio.Nursery, fake_kube: FakeKube, kube: KubeClient, tmp_path: Path) -> None:
+    """The whole wiring: the leader creates the CA; the replica's TLS listener serves with a
+    certificate from it; an agent's token gets a certificate; it reads its node's config."""
+    controller = await start_controller(nursery, fake_kube, tmp_path)
+    await create_app(kube)
+    await wait_for(lambda: controller.versions.get("node/edge-1") is not None, "edge-1 config")
+    with trio.fail_after(10):
+        await controller.caches["secrets"].wait_until(lambda _: controller.bootstrap.ca
+                                                      is not None)
+    ca_pem = (await kube.get(CONFIGMAPS, CA_CONFIGMAP, namespace=NS))["data"]["ca.crt"]
+    url = f"https://127.0.0.1:{controller.listen_port}"
+    identity = await obtain_identity(url, ca_pem, add_agent_token(fake_kube, "edge-1",
+                                                                  namespace=NS), "node")
+    status, body = await get(controller.listen_port, "/v1/config/nodes/edge-1",
+                             identity.client_context())
+    assert status == 200 and b"10.1.0.5" in body, body
+    assert (await get(controller.listen_port, "/v1/config/nodes/edge-2",
+                      identity.client_context()))[0] == 403

@@ -1,54 +1,102 @@
-"""The config watch stream: ConfigStreamServer and watch_config over real sockets."""
+"""The config watch stream over real TLS sockets: ConfigStreamServer (with its in-memory
+serving certificate) and watch_config presenting node and server certificates."""
 
 from __future__ import annotations
 
 import functools
+import ssl
+from collections.abc import Callable
 from typing import Any
 
-import httpx
+import h11
 import pytest
 import trio
 
+from nodeagent import pki
 from nodeagent.config import AllowRule, NodeConfig, RoutesConfig
 from nodeagent.configwatch import WatchStatus, watch_config
 from nodeagent.controller.compute import ConfigVersions
-from nodeagent.controller.stream import ConfigStreamServer
+from nodeagent.controller.servingtls import ServingTLS, service_names
+from nodeagent.controller.stream import ConfigStreamServer, Identity, peer_identity
 from tunnel.backoff import Backoff
 
-TOKEN = "stream-token-0123456789"
+NS = "nodeagent"
+CA = pki.create_ca("stream test CA")
 
 
-async def start(nursery: trio.Nursery, versions: ConfigVersions, heartbeat: float = 15.0
+def node_context(node: str, ca: pki.CertificateAuthority = CA) -> ssl.SSLContext:
+    leaf = pki.issue_client_certificate(ca, node)
+    return pki.client_ssl_context(CA.certificate, leaf.certificate, leaf.key_pem)
+
+
+def server_context(pod: str) -> ssl.SSLContext:
+    leaf = pki.issue_server_identity(CA, pod)
+    return pki.client_ssl_context(CA.certificate, leaf.certificate, leaf.key_pem)
+
+
+ANONYMOUS = pki.client_ssl_context(CA.certificate)
+
+
+async def start(nursery: trio.Nursery, versions: ConfigVersions, heartbeat: float = 15.0,
+                extra_names: tuple[str, ...] = ("127.0.0.1",)
                 ) -> tuple[ConfigStreamServer, int]:
-    server = ConfigStreamServer(versions, lambda: TOKEN, heartbeat=heartbeat)
+    dns, ips = service_names("nodeagent-controller", NS, extra_names)
+    tls = ServingTLS(lambda: CA, dns, ips)
+    server = ConfigStreamServer(versions, tls=tls.context, heartbeat=heartbeat)
     listeners = await nursery.start(server.run, "127.0.0.1", 0)
     return server, listeners[0].socket.getsockname()[1]
 
 
 def watcher(port: int, path: str, model: Any, applied: list[Any], status: WatchStatus,
-            token: str = TOKEN, apply: Any = None) -> Any:
+            tls: ssl.SSLContext, apply: Any = None, host: str = "127.0.0.1") -> Any:
     async def default_apply(config: Any) -> None:
         applied.append(config)
     return functools.partial(
         watch_config, open_stream=functools.partial(trio.open_tcp_stream, "127.0.0.1", port),
-        host="controller", path=path, token=lambda: token, model=model,
+        host=host, path=path, tls=lambda: tls, model=model,
         apply=apply or default_apply, status=status,
         backoff=Backoff(initial=0.05, maximum=0.2), idle_timeout=2.0)
 
 
-async def wait_until(predicate: Any, within: float = 5.0) -> None:
+async def wait_until(predicate: Callable[[], bool], within: float = 5.0) -> None:
     """Poll a condition on plain data the code under test updates (no event to wait on)."""
     with trio.fail_after(within):
         while not predicate():  # noqa: ASYNC110
             await trio.sleep(0.01)
 
 
+async def get(port: int, path: str, context: ssl.SSLContext, host: str = "127.0.0.1",
+              method: str = "GET") -> tuple[int, bytes]:
+    """One request over TLS; the status and the body (the first chunk of a watch)."""
+    stream = trio.SSLStream(await trio.open_tcp_stream("127.0.0.1", port), context,
+                            server_hostname=host)
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        await stream.send_all(conn.send(h11.Request(method=method, target=path, headers=[
+            ("host", host), ("content-length", "0")])) + conn.send(h11.EndOfMessage()))
+        status, body = 0, b""
+        with trio.fail_after(5):
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(bytes(await stream.receive_some(65536)))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    body += bytes(event.data)
+                    if status == 200:
+                        return status, body  # a watch never ends
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    return status, body
+
+
 async def test_node_watch_gets_current_then_each_new_version(nursery: trio.Nursery) -> None:
     versions = ConfigVersions()
     server, port = await start(nursery, versions)
     applied: list[NodeConfig] = []
-    status = WatchStatus("http://controller")
-    nursery.start_soon(watcher(port, "/v1/config/nodes/edge-1", NodeConfig, applied, status))
+    status = WatchStatus("https://controller")
+    nursery.start_soon(watcher(port, "/v1/config/nodes/edge-1", NodeConfig, applied, status,
+                               node_context("edge-1")))
     # Unknown node: an empty config at version 0 until the controller knows it.
     await wait_until(lambda: len(applied) == 1)
     assert applied[0].version == 0 and applied[0].allow == ()
@@ -66,8 +114,9 @@ async def test_server_watch_stays_alive_on_heartbeats(nursery: trio.Nursery) -> 
     versions.update("servers", RoutesConfig(egress=(AllowRule(host="10.1.0.1"),)))
     server, port = await start(nursery, versions, heartbeat=0.1)
     applied: list[RoutesConfig] = []
-    status = WatchStatus("http://controller")
-    watch = watcher(port, "/v1/config/servers/s1", RoutesConfig, applied, status)
+    status = WatchStatus("https://controller")
+    watch = watcher(port, "/v1/config/servers/s1", RoutesConfig, applied, status,
+                    server_context("nodeagent-server-0"))
     nursery.start_soon(functools.partial(watch, idle_timeout=0.3))
     await wait_until(lambda: len(applied) == 1)
     # Quiet for longer than the client's idle timeout: heartbeats keep the watch alive.
@@ -79,14 +128,54 @@ async def test_server_watch_stays_alive_on_heartbeats(nursery: trio.Nursery) -> 
     assert [c.version for c in applied] == [1, 2]
 
 
-async def test_wrong_token_is_refused_and_retried_with_backoff(nursery: trio.Nursery) -> None:
+def forbidden_count(server: ConfigStreamServer) -> float:
+    value = server.metrics.registry.get_sample_value(
+        "nodeagent_controller_config_requests_total",
+        {"outcome": "refused", "reason": "forbidden"})
+    return value or 0.0
+
+
+@pytest.mark.parametrize(("path", "who"), [
+    ("/v1/config/nodes/edge-2", "node edge-1"),     # another node's config
+    ("/v1/config/servers/s1", "node edge-1"),       # a node on the servers' routes
+    ("/v1/config/nodes/edge-1", "anonymous"),       # no certificate
+    ("/v1/config/servers/s1", "anonymous"),
+    ("/v1/config/nodes/edge-1", "server s1"),       # a server identity is no node
+    # The servers' tunnel certificate (clientAuth, CN nodeagent-server) names nobody.
+    ("/v1/config/nodes/nodeagent-server", "tunnel certificate"),
+])
+async def test_identity_decides_what_a_client_reads(nursery: trio.Nursery, path: str,
+                                                    who: str) -> None:
     versions = ConfigVersions()
-    _, port = await start(nursery, versions)
-    status = WatchStatus("http://controller")
-    nursery.start_soon(watcher(port, "/v1/config/nodes/a", NodeConfig, [], status,
-                               token="wrong-token-xxxxxxxx"))
-    await wait_until(lambda: status.last_error is not None and "401" in status.last_error)
-    assert status.applied_version == -1
+    versions.update("servers", RoutesConfig())
+    versions.update("node/edge-2", NodeConfig(allow=(AllowRule(host="10.2.0.9"),)))
+    server, port = await start(nursery, versions)
+    tunnel = pki.issue_server_certificate(CA, ["nodeagent-server"],
+                                          common_name="nodeagent-server")
+    contexts = {"node edge-1": node_context("edge-1"), "anonymous": ANONYMOUS,
+                "server s1": server_context("s1"),
+                "tunnel certificate": pki.client_ssl_context(
+                    CA.certificate, tunnel.certificate, tunnel.key_pem)}
+    status, body = await get(port, path, contexts[who])
+    assert status == 403, body
+    assert b'"reason":"forbidden"' in body and b"10.2.0.9" not in body
+    assert body.count(b"\n") == 1  # one line
+    assert forbidden_count(server) == 1
+
+
+async def test_own_config_is_readable_and_refusals_are_counted_per_request(
+        nursery: trio.Nursery) -> None:
+    versions = ConfigVersions()
+    versions.update("node/edge-1", NodeConfig(allow=(AllowRule(host="10.1.0.5"),)))
+    versions.update("servers", RoutesConfig(egress=(AllowRule(host="10.7.0.1"),)))
+    server, port = await start(nursery, versions)
+    status, body = await get(port, "/v1/config/nodes/edge-1?after=-1", node_context("edge-1"))
+    assert status == 200 and b"10.1.0.5" in body
+    status, body = await get(port, "/v1/config/servers/any", server_context("s1"))
+    assert status == 200 and b"10.7.0.1" in body
+    for _ in range(3):
+        assert (await get(port, "/v1/config/nodes/edge-1", ANONYMOUS))[0] == 403
+    assert forbidden_count(server) == 3
 
 
 async def test_a_config_that_fails_to_apply_is_not_retried(nursery: trio.Nursery) -> None:
@@ -100,9 +189,9 @@ async def test_a_config_that_fails_to_apply_is_not_retried(nursery: trio.Nursery
         if config.version == 1:
             raise ValueError("interface cni0 does not exist")
 
-    status = WatchStatus("http://controller")
+    status = WatchStatus("https://controller")
     nursery.start_soon(watcher(port, "/v1/config/nodes/a", NodeConfig, [], status,
-                               apply=failing))
+                               node_context("a"), apply=failing))
     await wait_until(lambda: attempts == [1])
     await trio.sleep(0.3)  # heartbeats come and go: version 1 is not tried again
     assert attempts == [1] and "cni0" in (status.last_error or "")
@@ -112,14 +201,62 @@ async def test_a_config_that_fails_to_apply_is_not_retried(nursery: trio.Nursery
     assert status.applied_version == 2 and status.last_error is None
 
 
-@pytest.mark.parametrize(("path", "headers", "code"), [
-    ("/v1/config/nodes/a", {}, 401),
-    ("/v1/config/bogus/a", {"authorization": f"Bearer {TOKEN}"}, 404),
-    ("/v1/config/nodes/a?after=x", {"authorization": f"Bearer {TOKEN}"}, 400),
+async def test_a_forbidden_watch_is_retried_with_backoff(nursery: trio.Nursery) -> None:
+    _, port = await start(nursery, ConfigVersions())
+    status = WatchStatus("https://controller")
+    nursery.start_soon(watcher(port, "/v1/config/nodes/a", NodeConfig, [], status,
+                               node_context("b")))
+    await wait_until(lambda: "403" in (status.last_error or ""))
+    assert status.applied_version == -1 and "forbidden" in (status.last_error or "")
+
+
+@pytest.mark.parametrize(("path", "method", "code", "reason"), [
+    ("/v1/config/bogus/a", "GET", 404, b"not_found"),
+    ("/v1/config/nodes/a?after=x", "GET", 400, b"bad_after"),
+    ("/v1/config/nodes/a", "POST", 405, b"method_not_allowed"),
 ])
 async def test_bad_requests_get_clear_statuses(nursery: trio.Nursery, path: str,
-                                               headers: dict[str, str], code: int) -> None:
+                                               method: str, code: int, reason: bytes) -> None:
     _, port = await start(nursery, ConfigVersions())
-    async with httpx.AsyncClient(timeout=5) as client:
-        response = await client.get(f"http://127.0.0.1:{port}{path}", headers=headers)
-    assert response.status_code == code and response.text
+    status, body = await get(port, path, node_context("a"), method=method)
+    assert status == code and b'"reason":"' + reason + b'"' in body
+
+
+@pytest.mark.parametrize("name", ["nodeagent-controller", "nodeagent-controller.nodeagent",
+                                  "nodeagent-controller.nodeagent.svc",
+                                  "nodeagent-controller.nodeagent.svc.cluster.local",
+                                  "127.0.0.1", "controller.test"])
+async def test_listener_presents_a_certificate_for_the_configured_names(
+        nursery: trio.Nursery, name: str) -> None:
+    _, port = await start(nursery, ConfigVersions(),
+                          extra_names=("127.0.0.1", "controller.test"))
+    status, _ = await get(port, "/v1/config/nodes/a", node_context("a"), host=name)
+    assert status == 200
+
+
+async def test_listener_is_not_valid_for_other_names_nor_for_clients_of_another_ca(
+        nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, ConfigVersions())
+    with pytest.raises(trio.BrokenResourceError) as info:
+        await get(port, "/v1/config/nodes/a", node_context("a"), host="evil.example")
+    assert isinstance(info.value.__cause__, ssl.SSLCertVerificationError)
+    # A certificate from another CA does not get through the handshake at all.
+    other = pki.create_ca("another CA")
+    leaf = pki.issue_client_certificate(other, "a")
+    foreign = pki.client_ssl_context(CA.certificate, leaf.certificate, leaf.key_pem)
+    with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError)):
+        await get(port, "/v1/config/nodes/a", foreign)
+    await wait_until(lambda: (server.metrics.registry.get_sample_value(
+        "nodeagent_controller_config_requests_total",
+        {"outcome": "refused", "reason": "tls_handshake"}) or 0) >= 1)
+
+
+def test_peer_identity_reads_only_our_identities() -> None:
+    def der(issued: pki.IssuedCertificate) -> bytes:
+        return issued.certificate.public_bytes(pki.serialization.Encoding.DER)
+    assert peer_identity(der(pki.issue_client_certificate(CA, "edge-1"))) == \
+        Identity("node", "edge-1")
+    assert peer_identity(der(pki.issue_server_identity(CA, "server-0"))) == \
+        Identity("server", "server-0")
+    assert peer_identity(der(pki.issue_server_certificate(CA, ["x"]))) is None
+    assert peer_identity(None) is None and peer_identity(b"") is None

@@ -1,0 +1,201 @@
+"""The certificate signing endpoint, on the config stream's TLS listener: how an agent or a
+server replica gets the certificate that the config stream (and the tunnel) trusts.
+
+    POST /v1/certificates
+    Authorization: Bearer <projected ServiceAccount token, audience "nodeagent">
+    {"kind": "node" | "server", "csr": "<PEM CSR>"}
+
+    200 {"certificate": "<PEM leaf>", "ca": "<PEM CA bundle>", "not_after": "<RFC3339>"}
+    400 bad_request | bad_csr                                 the body
+    401 no_token | token_invalid | wrong_audience             the token
+    403 wrong_service_account | not_pod_bound | pod_not_found | pod_uid_mismatch |
+        pod_not_scheduled | bad_name                          who the token is
+    503 no_ca | api_unavailable                               try again later
+
+A refusal is one JSON line `{"error": ..., "reason": <code>}`, counted by kind and reason,
+and logged at most once a minute per reason (never with the token or the CSR).
+
+The token proves the pod (TokenReview, audience `nodeagent`); the certificate names what
+the API server says about that pod, never what the CSR asks for — the CSR only proves the
+key, which never leaves the client:
+- kind node, ServiceAccount `nodeagent-agent`: the node the token is bound to (the bound
+  node claim; on clusters without it, the bound pod's spec.nodeName, its uid checked);
+  certificate URI SAN `nodeagent://node/<node>`.
+- kind server, ServiceAccount `nodeagent-server`: the bound pod (uid checked); URI SAN
+  `nodeagent://server/<pod>`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from nodeagent import pki
+from nodeagent.config import DNS_NAME
+from nodeagent.controller.metrics import ControllerMetrics
+from nodeagent.controller.stream import refusal
+from nodeagent.kube import PODS, KubeClient, KubeError, NotFound
+from nodeagent.ops.jsonhttp import Reply, Request
+from nodeagent.ops.logs import get_logger
+from nodeagent.ops.ratelog import RateLimitedLog
+
+log = get_logger("nodeagent.controller.signing")
+AUDIENCE = "nodeagent"
+_CLAIM = "authentication.kubernetes.io/"
+KINDS = ("node", "server")
+
+
+class SigningRefused(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SigningPolicy:
+    namespace: str  # the ServiceAccounts' (and their pods') namespace: the controller's
+    node_service_account: str = "nodeagent-agent"
+    server_service_account: str = "nodeagent-server"
+    validity: dt.timedelta = pki.CLIENT_VALIDITY
+
+    def username(self, kind: str) -> str:
+        account = self.node_service_account if kind == "node" else self.server_service_account
+        return f"system:serviceaccount:{self.namespace}:{account}"
+
+
+def _claim(user: dict[str, Any], name: str) -> str:
+    values = (user.get("extra") or {}).get(_CLAIM + name) or []
+    return str(values[0]) if isinstance(values, list) and len(values) == 1 else ""
+
+
+async def authenticate(kube: KubeClient, token: str, kind: str, policy: SigningPolicy) -> str:
+    """The name a certificate of `kind` may carry for the bearer of `token`; raises
+    SigningRefused. KubeError (the API unreachable, RBAC) propagates."""
+    status = await kube.review_token(token, audiences=[AUDIENCE])
+    if status.get("authenticated") is not True:
+        raise SigningRefused(401, "token_invalid", "the token is not valid (expired, "
+                             "revoked, or not for audience nodeagent)")
+    if AUDIENCE not in (status.get("audiences") or []):
+        raise SigningRefused(401, "wrong_audience", "the token is not for audience nodeagent")
+    user = status.get("user") or {}
+    if user.get("username") != policy.username(kind):
+        raise SigningRefused(403, "wrong_service_account",
+                             f"a {kind} certificate needs a token of {policy.username(kind)}")
+    node = _claim(user, "node-name") if kind == "node" else ""
+    if not node:
+        pod_name, pod_uid = _claim(user, "pod-name"), _claim(user, "pod-uid")
+        if not pod_name or not pod_uid:
+            raise SigningRefused(403, "not_pod_bound", "the token is not bound to a pod "
+                                 "(use a projected ServiceAccount token)")
+        try:
+            pod = await kube.get(PODS, pod_name, namespace=policy.namespace)
+        except NotFound:
+            raise SigningRefused(403, "pod_not_found",
+                                 f"pod {pod_name} no longer exists") from None
+        if (pod.get("metadata") or {}).get("uid") != pod_uid:
+            raise SigningRefused(403, "pod_uid_mismatch",
+                                 f"pod {pod_name} was replaced since the token was issued")
+        if kind == "server":
+            node = pod_name
+        else:
+            node = str((pod.get("spec") or {}).get("nodeName") or "")
+            if not node:
+                raise SigningRefused(403, "pod_not_scheduled",
+                                     f"pod {pod_name} is not on a node")
+    if not DNS_NAME.match(node):
+        raise SigningRefused(403, "bad_name", f"{node[:64]!r} is not a DNS name")
+    return node
+
+
+def rfc3339(when: dt.datetime) -> str:
+    return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class CertificateSigner:
+    """The POST /v1/certificates handler. `ca()` is the CA as this replica knows it (None
+    until the leader has created it)."""
+
+    def __init__(self, kube: KubeClient, ca: Callable[[], pki.CertificateAuthority | None],
+                 policy: SigningPolicy, metrics: ControllerMetrics) -> None:
+        self.kube = kube
+        self.ca = ca
+        self.policy = policy
+        self.metrics = metrics
+        self._refusals = RateLimitedLog(log)
+
+    async def __call__(self, request: Request) -> Reply:
+        kind = "invalid"
+        try:
+            if request.method != "POST":
+                raise SigningRefused(405, "method_not_allowed", "POST a CSR here")
+            kind, csr = _parse(request.body)
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise SigningRefused(401, "no_token", "Authorization: Bearer <projected "
+                                     "ServiceAccount token> is required")
+            ca = self.ca()
+            if ca is None:
+                raise SigningRefused(503, "no_ca", "the CA does not exist yet; try again")
+            issued = await self._issue(ca, token.strip(), kind, csr)
+        except SigningRefused as refused:
+            self.metrics.certificate(kind, refused.reason)
+            self._refusals.warning(f"{kind}:{refused.reason}", "certificate refused",
+                                   kind=kind, status=refused.status, reason=refused.reason,
+                                   error=str(refused))
+            return refusal(refused.status, refused.reason, str(refused))
+        cert = issued.certificate
+        self.metrics.certificate(kind, "issued")
+        log.info("certificate issued", kind=kind, name=_name(issued),
+                 serial=f"{cert.serial_number:x}", not_after=rfc3339(cert.not_valid_after_utc))
+        body = {"certificate": issued.certificate_pem.decode(),
+                "ca": ca.certificate_pem.decode(),
+                "not_after": rfc3339(cert.not_valid_after_utc)}
+        return Reply(200, json.dumps(body).encode() + b"\n")
+
+    async def _issue(self, ca: pki.CertificateAuthority, token: str, kind: str, csr: bytes
+                     ) -> pki.IssuedCertificate:
+        try:
+            name = await authenticate(self.kube, token, kind, self.policy)
+        except KubeError as exc:
+            log.error("cannot check a certificate request with the API", kind=kind,
+                      error=str(exc)[:300])
+            raise SigningRefused(503, "api_unavailable",
+                                 "the Kubernetes API cannot check the token now") from None
+        sign = pki.sign_node_csr if kind == "node" else pki.sign_server_csr
+        try:
+            return sign(ca, csr, name, valid_for=self.policy.validity)
+        except ValueError as exc:
+            raise SigningRefused(400, "bad_csr", f"the CSR cannot be signed: {exc}") from None
+
+
+def _parse(body: bytes) -> tuple[str, bytes]:
+    """(kind, CSR PEM) from the request body, the CSR's signature checked; SigningRefused
+    otherwise. Checked before the token, so garbage costs no TokenReview."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise SigningRefused(400, "bad_request", "the body must be JSON: "
+                             '{"kind": "node"|"server", "csr": "<PEM>"}') from None
+    if not isinstance(doc, dict) or doc.get("kind") not in KINDS or \
+            not isinstance(doc.get("csr"), str):
+        raise SigningRefused(400, "bad_request",
+                             'the body must be {"kind": "node"|"server", "csr": "<PEM>"}')
+    csr = doc["csr"].encode()
+    try:
+        if not x509.load_pem_x509_csr(csr).is_signature_valid:
+            raise ValueError("its signature is invalid")
+    except ValueError as exc:
+        raise SigningRefused(400, "bad_csr", f"the CSR is not valid: {exc}") from None
+    return str(doc["kind"]), csr
+
+
+def _name(issued: pki.IssuedCertificate) -> str:
+    der = issued.certificate.public_bytes(serialization.Encoding.DER)
+    return pki.server_name_from_certificate(der) or pki.node_name_from_certificate(der) or "?"

@@ -62,7 +62,9 @@ class TunnelClient:
         self.endpoint = endpoint
         self._hello = hello
         self._handler = handler
-        self._ssl_context = ssl_context
+        # Read at every dial: replace it to present a renewed certificate from the next
+        # connection on (the running one stays up; TLS checked validity at its handshake).
+        self.ssl_context = ssl_context
         self._server_hostname = server_hostname
         self._headers = headers
         self.settings = settings or EndpointSettings()
@@ -141,7 +143,7 @@ class TunnelClient:
         self.status.state = "connecting"
         try:
             transport = await dial(
-                self.endpoint, ssl_context=self._ssl_context,
+                self.endpoint, ssl_context=self.ssl_context,
                 server_hostname=self._server_hostname,
                 connect_timeout=self._connect_timeout, socket_mark=self._socket_mark,
                 headers=tuple(self._headers()))

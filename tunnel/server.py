@@ -18,6 +18,7 @@ import trio
 
 from tunnel import protocol as p
 from tunnel.endpoint import (
+    AuthenticationFailed,
     EndpointSettings,
     HandshakeError,
     IncomingStream,
@@ -29,8 +30,20 @@ from tunnel.endpoint import (
 from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
 from tunnel.transports import PeerInfo, Transport
 
-# Decides who a dialer is: returns the node name, or raises AuthenticationFailed.
-Authenticator = Callable[[p.Hello, PeerInfo], Awaitable[str]]
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """An authenticator's answer for a dialer that has no credentials yet and may only
+    fetch them: its connection is never registered as a node, lives at most
+    `bootstrap_seconds`, and its streams go to the server's `bootstrap_handler` (which
+    lets them reach the certificate signer, nothing else)."""
+
+    claimed_node: str
+
+
+# Decides who a dialer is: returns the node name (or Bootstrap), or raises
+# AuthenticationFailed.
+Authenticator = Callable[[p.Hello, PeerInfo], Awaitable["str | Bootstrap"]]
 # Serves a stream an agent opened: (node, stream) -> None.
 NodeStreamHandler = Callable[[str, IncomingStream], Awaitable[None]]
 
@@ -56,12 +69,20 @@ class TunnelServer:
         server_id: str = "nodeagent-server",
         settings: EndpointSettings | None = None,
         stream_handler: NodeStreamHandler | None = None,
+        bootstrap_handler: NodeStreamHandler | None = None,
+        max_bootstrap_sessions: int = 64,
+        bootstrap_seconds: float = 30.0,
         log: StructuredLogger | None = None,
     ) -> None:
         self._authenticate = authenticate
         self.server_id = server_id
         self.settings = settings or EndpointSettings()
         self._stream_handler = stream_handler
+        self._bootstrap_handler = bootstrap_handler
+        self.max_bootstrap_sessions = max_bootstrap_sessions
+        self.bootstrap_seconds = bootstrap_seconds
+        self.bootstrap_sessions = 0  # open now
+        self.bootstrap_served = 0  # ever
         self.log = log or get_logger("tunnel.server")
         self.sessions: dict[str, AgentSession] = {}
         self.handshake_failures = 0
@@ -110,34 +131,56 @@ class TunnelServer:
     async def handle_transport(self, transport: Transport) -> None:
         """Serve one accepted transport until it ends (give this to tunnel.dial.serve)."""
         log = self.log.bind(peer=transport.peer.address)
-        node: str | None = None
+        identity: str | Bootstrap | None = None
+        reserved = False  # a bootstrap slot taken by vet(), released below
 
         async def vet(hello: p.Hello, peer: PeerInfo) -> p.Hello:
-            nonlocal node
-            node = await self._authenticate(hello, peer)
+            nonlocal identity, reserved
+            identity = await self._authenticate(hello, peer)
+            if isinstance(identity, Bootstrap):
+                if self._bootstrap_handler is None:
+                    raise AuthenticationFailed("this server issues no credentials: present a "
+                                               "node certificate or token")
+                if self.bootstrap_sessions >= self.max_bootstrap_sessions:
+                    raise AuthenticationFailed("too many agents are fetching credentials; "
+                                               "retry later")
+                self.bootstrap_sessions += 1
+                reserved = True
             return p.Hello(identity={"server": self.server_id})
 
         handler = None
-        if self._stream_handler is not None:
-            stream_handler = self._stream_handler
+        if self._stream_handler is not None or self._bootstrap_handler is not None:
+            stream_handler, bootstrap_handler = self._stream_handler, self._bootstrap_handler
 
             async def handler(incoming: IncomingStream) -> None:
-                assert node is not None
-                await stream_handler(node, incoming)
+                if isinstance(identity, Bootstrap):
+                    if bootstrap_handler is not None:
+                        await bootstrap_handler(identity.claimed_node, incoming)
+                        return
+                elif identity is not None and stream_handler is not None:
+                    await stream_handler(identity, incoming)
+                    return
+                await incoming.refuse(p.StreamReason.FORBIDDEN, "no streams on this connection")
 
         conn = TunnelConnection(transport, p.Role.ACCEPTOR, self.settings, handler, log=log)
         try:
             await conn.accept_handshake(vet)
         except HandshakeError as exc:
+            if reserved:
+                self.bootstrap_sessions -= 1
             self.handshake_failures += 1
             code = exc.code.name.lower()
             self.handshake_failures_by_code[code] += 1
             # One line per failure code a minute: a scanner or a misconfigured fleet must
-            # not flood the log. The claimed name is cut short: it is whatever was sent.
+            # not flood the log. What the peer claimed is not echoed: it is whatever it sent.
             self._handshake_log.warning(code, "agent handshake failed", code=code,
-                                        reason=str(exc)[:200], claimed_node=(node or "")[:64])
+                                        reason=str(exc)[:200])
             await transport.aclose()
             return
+        if isinstance(identity, Bootstrap):
+            await self._serve_bootstrap(conn, identity, log)
+            return
+        node = identity
         assert node is not None
         if self._draining:
             await conn.aclose(p.ErrorCode.SHUTTING_DOWN, "server is shutting down")
@@ -162,6 +205,22 @@ class TunnelServer:
                 self._notify()
             reason = conn.end_reason
             log.info("agent disconnected", reason=str(reason) if reason else "cancelled")
+
+    async def _serve_bootstrap(self, conn: TunnelConnection, bootstrap: Bootstrap,
+                               log: StructuredLogger) -> None:
+        """A connection that may only fetch credentials: never a node, time-boxed."""
+        self.bootstrap_served += 1
+        log.info("agent fetching credentials", claimed_node=bootstrap.claimed_node)
+        try:
+            with trio.move_on_after(self.bootstrap_seconds) as scope:
+                await conn.run()
+            if scope.cancelled_caught:
+                log.info("credential fetch took too long; closing",
+                         claimed_node=bootstrap.claimed_node)
+        finally:
+            self.bootstrap_sessions -= 1
+            with trio.CancelScope(shield=True):
+                await conn.aclose(p.ErrorCode.NO_ERROR, "credentials fetched")
 
     def _notify(self) -> None:
         self._changed.set()

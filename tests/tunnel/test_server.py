@@ -9,8 +9,8 @@ import trio.testing
 from tests.tunnel.memtransport import memory_transport_pair
 from tests.tunnel.test_endpoint import echo_handler
 from tunnel import protocol as p
-from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
-from tunnel.server import NodeNotConnected, TunnelServer
+from tunnel.endpoint import EndpointSettings, HandshakeError, IncomingStream, TunnelConnection
+from tunnel.server import Bootstrap, NodeNotConnected, TunnelServer
 from tunnel.transports import PeerInfo
 
 T = p.Target("svc", 80)
@@ -74,3 +74,67 @@ async def test_open_to_an_unknown_node_is_refused_as_not_connected() -> None:
     with pytest.raises(NodeNotConnected) as info:
         await server.open_stream("nobody", T)
     assert info.value.reason is p.StreamReason.UNREACHABLE
+
+
+async def bootstrap_unless_token(hello: p.Hello, peer: PeerInfo) -> str | Bootstrap:
+    if hello.identity.get("bootstrap"):
+        return Bootstrap(hello.identity["node"])
+    return hello.identity["node"]
+
+
+async def dial_hello(server: TunnelServer, nursery: trio.Nursery,
+                     identity: dict[str, str]) -> TunnelConnection:
+    ours, theirs = memory_transport_pair()
+    nursery.start_soon(server.handle_transport, theirs)
+    agent = TunnelConnection(ours, p.Role.DIALER, SETTINGS, None)
+    await agent.dial_handshake(p.Hello(identity=identity))
+    await nursery.start(agent.run)
+    return agent
+
+
+async def test_a_bootstrap_connection_is_never_a_node_and_only_reaches_the_signer() -> None:
+    seen: list[tuple[str, str]] = []
+
+    async def to_signer(claimed: str, incoming: IncomingStream) -> None:
+        seen.append((claimed, str(incoming.target)))
+        await echo_handler(incoming)
+
+    server = TunnelServer(authenticate=bootstrap_unless_token, settings=SETTINGS,
+                          bootstrap_handler=to_signer, bootstrap_seconds=0.5)
+    async with trio.open_nursery() as nursery:
+        real = await connect_agent(server, nursery, echo_handler)
+        ours, theirs = memory_transport_pair()
+        nursery.start_soon(server.handle_transport, theirs)
+        fetcher = TunnelConnection(ours, p.Role.DIALER, SETTINGS, None)
+        await fetcher.dial_handshake(p.Hello(identity={"node": "edge-1", "bootstrap": "1"}))
+        with trio.fail_after(5):
+            # The server ends the connection after bootstrap_seconds: run() returns.
+            async with trio.open_nursery() as inner:
+                await inner.start(fetcher.run)
+                # The real edge-1 keeps its registration; the fetcher is not a node.
+                assert server.connection_for("edge-1") is real
+                assert server.bootstrap_sessions == 1
+                stream = await fetcher.open_stream(p.Target("signer", 443))
+                await stream.send_all(b"csr")
+                assert await stream.receive_some() == b"csr"
+        assert seen[0][0] == "edge-1" and "signer" in seen[0][1]
+        assert server.bootstrap_sessions == 0 and server.bootstrap_served == 1
+        assert server.connection_for("edge-1") is real
+        nursery.cancel_scope.cancel()
+
+
+async def test_bootstrap_is_refused_without_a_handler_and_beyond_the_cap() -> None:
+    async def to_signer(claimed: str, incoming: IncomingStream) -> None:
+        await incoming.refuse(p.StreamReason.FORBIDDEN, "")
+
+    plain = TunnelServer(authenticate=bootstrap_unless_token, settings=SETTINGS)
+    capped = TunnelServer(authenticate=bootstrap_unless_token, settings=SETTINGS,
+                          bootstrap_handler=to_signer, max_bootstrap_sessions=1)
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(HandshakeError, match="issues no credentials"):
+            await dial_hello(plain, nursery, {"node": "edge-1", "bootstrap": "1"})
+        await dial_hello(capped, nursery, {"node": "edge-1", "bootstrap": "1"})
+        with pytest.raises(HandshakeError, match="too many agents"):
+            await dial_hello(capped, nursery, {"node": "edge-2", "bootstrap": "1"})
+        assert capped.bootstrap_sessions == 1 and plain.bootstrap_sessions == 0
+        nursery.cancel_scope.cancel()

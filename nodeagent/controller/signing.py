@@ -43,7 +43,7 @@ from nodeagent.controller.stream import refusal
 from nodeagent.kube import PODS, KubeClient, KubeError, NotFound
 from nodeagent.ops.jsonhttp import Reply, Request
 from nodeagent.ops.logs import get_logger
-from nodeagent.ops.ratelog import RateLimitedLog
+from tunnel.log import RateLimitedLog
 
 log = get_logger("nodeagent.controller.signing")
 AUDIENCE = "nodeagent"

@@ -46,7 +46,7 @@ from nodeagent.ops.jsonhttp import (
     serve_http,
 )
 from nodeagent.ops.logs import get_logger
-from nodeagent.ops.ratelog import RateLimitedLog
+from tunnel.log import RateLimitedLog
 
 log = get_logger("nodeagent.controller.stream")
 MAX_REQUEST_BYTES = 16 * 1024

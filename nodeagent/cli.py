@@ -70,13 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = server.add_argument_group(
         "controller mode (Kubernetes; instead of --config): routes come from the controller")
     cluster.add_argument("--controller", metavar="URL",
-                         help="the controller's config stream, http://host:port")
+                         help="the controller, https://host:port (its config stream and the "
+                              "certificate signer)")
     cluster.add_argument("--token-file", type=Path, metavar="PATH",
-                         help="the shared agent token (accepted for any node name)")
+                         help="this pod's projected ServiceAccount token (audience "
+                              "nodeagent): proves the replica to the controller, which signs "
+                              "its certificate")
     cluster.add_argument("--tunnel-listen", default="wss://0.0.0.0:8443/tunnel", metavar="URL",
                          help="where agents dial in (default wss://0.0.0.0:8443/tunnel)")
     cluster.add_argument("--tls-cert", type=Path, metavar="FILE", help="tunnel certificate")
     cluster.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key")
+    cluster.add_argument("--ca-file", type=Path, metavar="PATH",
+                         help="the cluster CA (ConfigMap nodeagent-ca): verifies the "
+                              "controller and the agents' node certificates")
     cluster.add_argument("--ingress-http", metavar="HOST:PORT", help="Ingress over HTTP")
     cluster.add_argument("--ingress-https", metavar="HOST:PORT",
                          help="Ingress over HTTPS (certificates by SNI from Ingress TLS)")
@@ -103,11 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         "controller, reached through the tunnel")
     cluster.add_argument("--node", metavar="NAME", help="this node (default: $NODE_NAME)")
     cluster.add_argument("--server", metavar="URL", help="tunnel URL, wss://host:port/path")
-    cluster.add_argument("--token-file", type=Path, metavar="PATH", help="the agent token")
+    cluster.add_argument("--token-file", type=Path, metavar="PATH",
+                         help="this pod's projected ServiceAccount token (audience nodeagent):"
+                              " sent only to the controller, inside TLS end to end, which "
+                              "signs this node's certificate for it")
     cluster.add_argument("--ca-file", type=Path, metavar="PATH",
-                         help="CA of the server's certificate (default: system store)")
+                         help="the cluster CA (ConfigMap nodeagent-ca): verifies the server "
+                              "and the controller")
     cluster.add_argument("--controller", metavar="URL",
-                         help="the controller's config stream, http://host:port")
+                         help="the controller, https://host:port (reached through the tunnel)")
     cluster.add_argument("--debug-socket", type=Path, metavar="PATH",
                          help="debug socket (default /run/nodeagent/agent.sock)")
     cluster.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus /metrics")

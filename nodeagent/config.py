@@ -544,6 +544,10 @@ class AgentConfig(NodeConfig):
     reconnect: Reconnect = Reconnect()
     # tcp:// and ws:// with a token send it in clear: only when said explicitly.
     insecure: bool = False
+    # Controller mode: the projected ServiceAccount token (audience nodeagent) that proves
+    # this pod to the controller, which signs the node's certificate for it. It goes only
+    # to the controller, inside TLS end to end: never to the server.
+    identity_token_file: Path | None = None
     # Controller mode: URL of the controller's config stream (http://host:port), reached
     # through the tunnel. Set, the controller's NodeConfig replaces the file's.
     controller: str | None = None
@@ -564,7 +568,14 @@ class AgentConfig(NodeConfig):
     def _credentials(self) -> AgentConfig:
         if self.token is not None and self.token_file is not None:
             raise ValueError("give token or token_file, not both")
-        if self.token is None and self.token_file is None and self.tls.cert_file is None:
+        if self.identity_token_file is not None:
+            if self.controller is None:
+                raise ValueError("identity_token_file needs controller (it proves this pod "
+                                 "to the controller, which signs the node's certificate)")
+            if self.token is not None or self.token_file is not None:
+                raise ValueError("with identity_token_file the node's certificate is its "
+                                 "only credential: drop token and token_file")
+        elif self.token is None and self.token_file is None and self.tls.cert_file is None:
             raise ValueError("no credentials: set token, token_file, or tls.cert_file "
                              "(mutual TLS)")
         if self.server.startswith(("tcp://", "ws://")) and not self.insecure and (

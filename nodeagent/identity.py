@@ -21,12 +21,17 @@ import json
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import h11
 import trio
 from cryptography.hazmat.primitives import serialization
 
 from nodeagent import pki
+from tunnel.backoff import Backoff
+from tunnel.endpoint import HandshakeError
+from tunnel.errors import StreamFailed
+from tunnel.transports import TransportError
 
 MAX_RESPONSE = 64 * 1024
 KINDS = ("node", "server")
@@ -133,3 +138,78 @@ async def _post(open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str
                     raise ValueError("the controller's answer is too large")
             elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                 return status, answer
+
+
+Requester = Callable[[pki.PrivateKey], Awaitable[IssuedIdentity]]
+
+
+class IdentityKeeper:
+    """This process's certificate from the controller: `obtain()` gets the first one
+    (retrying with capped, jittered backoff until it succeeds), `renew_forever()` replaces
+    it at half-life with a fresh key, retrying until it expires. `request(key)` is how to
+    ask (through the tunnel for an agent, directly for a server); `on_renewed` hears of
+    every new certificate (to swap TLS contexts)."""
+
+    def __init__(self, kind: str, request: Requester, *, log: Any,
+                 on_renewed: Callable[[IssuedIdentity], None] = lambda _: None,
+                 attempt_timeout: float = 20.0, retry_initial: float = 0.5,
+                 retry_maximum: float = 30.0) -> None:
+        self.kind = kind
+        self._request = request
+        self._log = log
+        self._on_renewed = on_renewed
+        self._attempt_timeout = attempt_timeout
+        self._backoff = Backoff(initial=retry_initial, maximum=retry_maximum)
+        self.identity: IssuedIdentity | None = None
+        self.renewals = 0
+        self.failures = 0
+        self.last_error: str | None = None
+
+    async def obtain(self) -> IssuedIdentity:
+        while True:
+            try:
+                return self._took(await self._attempt())
+            except CertificateRefused as exc:
+                # 401/403 will not heal by retrying fast (wrong account, pod gone): slow.
+                self._failed(str(exc), slow=exc.status in (401, 403))
+            except (OSError, ssl.SSLError, ValueError, trio.BrokenResourceError,
+                    trio.TooSlowError, StreamFailed, HandshakeError, TransportError) as exc:
+                self._failed(f"{type(exc).__name__}: {exc}", slow=False)
+            await trio.sleep(self._backoff.next_delay())
+
+    async def renew_forever(self) -> None:
+        while True:
+            assert self.identity is not None
+            wait = (self.identity.renew_at - dt.datetime.now(dt.UTC)).total_seconds()
+            await trio.sleep(max(wait, 0.0))
+            self._backoff.reset()
+            await self.obtain()
+            self.renewals += 1
+
+    def status(self) -> dict[str, Any]:
+        identity = self.identity
+        return {"kind": self.kind, "renewals": self.renewals, "failures": self.failures,
+                "last_error": self.last_error,
+                "not_after": identity.not_after.isoformat() if identity else None,
+                "renew_at": identity.renew_at.isoformat() if identity else None}
+
+    async def _attempt(self) -> IssuedIdentity:
+        with trio.fail_after(self._attempt_timeout):
+            return await self._request(pki.generate_key())
+
+    def _took(self, identity: IssuedIdentity) -> IssuedIdentity:
+        self.identity = identity
+        self.last_error = None
+        self._backoff.reset()
+        self._log.info("certificate issued", kind=self.kind,
+                       not_after=identity.not_after.isoformat())
+        self._on_renewed(identity)
+        return identity
+
+    def _failed(self, message: str, *, slow: bool) -> None:
+        self.failures += 1
+        self.last_error = message
+        if slow:
+            self._backoff.to_maximum()
+        self._log.warning("certificate request failed; retrying", kind=self.kind,
+                          error=message[:300], failures=self.failures)

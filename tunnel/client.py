@@ -65,10 +65,10 @@ class TunnelClient:
         # Read at every dial: replace it to present a renewed certificate from the next
         # connection on (the running one stays up; TLS checked validity at its handshake).
         self.ssl_context = ssl_context
-        self._server_hostname = server_hostname
+        self.server_hostname = server_hostname
         self._headers = headers
         self.settings = settings or EndpointSettings()
-        self._socket_mark = socket_mark
+        self.socket_mark = socket_mark
         self.backoff = backoff or Backoff()
         self._connect_timeout = connect_timeout
         self.log = log or get_logger("tunnel.client", server=str(endpoint))
@@ -144,8 +144,8 @@ class TunnelClient:
         try:
             transport = await dial(
                 self.endpoint, ssl_context=self.ssl_context,
-                server_hostname=self._server_hostname,
-                connect_timeout=self._connect_timeout, socket_mark=self._socket_mark,
+                server_hostname=self.server_hostname,
+                connect_timeout=self._connect_timeout, socket_mark=self.socket_mark,
                 headers=tuple(self._headers()))
         except TransportError as exc:
             self._failed(f"dial failed: {exc}")

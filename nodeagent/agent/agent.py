@@ -22,6 +22,7 @@ from nodeagent import __version__
 from nodeagent.agent.intercept.listener import Interceptor
 from nodeagent.config import AgentConfig, NodeConfig
 from nodeagent.configwatch import WatchStatus
+from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from tunnel import protocol as p
@@ -45,6 +46,8 @@ class Agent:
         self.metrics.config_version.set(self.node_config.version)
         self.outcomes: Counter[str] = Counter()
         self.config_watch: WatchStatus | None = None
+        # Controller mode: the node certificate the controller signs (status only here).
+        self.identity: IdentityKeeper | None = None
         self.log = log.bind(node=config.node)
         self._forbidden_log = RateLimitedLog(self.log, period=60.0)
         token = config.read_token()
@@ -170,6 +173,7 @@ class Agent:
             if self.interceptor is not None else {},
             # Controller mode: the config watch (controller URL, version applied, errors).
             "config_watch": self.config_watch.as_dict() if self.config_watch else None,
+            "identity": self.identity.status() if self.identity else None,
         }
 
     def rules(self) -> dict[str, Any]:

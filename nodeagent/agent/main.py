@@ -22,6 +22,7 @@ import trio
 from netfilter.model import NetfilterError
 from nodeagent import pki
 from nodeagent.agent.agent import Agent
+from nodeagent.agent.identity import node_certificate_requester
 from nodeagent.config import (
     AgentConfig,
     ConfigError,
@@ -31,6 +32,7 @@ from nodeagent.config import (
     redacted,
 )
 from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
+from nodeagent.identity import IdentityKeeper, IssuedIdentity
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
@@ -125,13 +127,16 @@ def agent_config_from_flags(args: argparse.Namespace) -> AgentConfig:
     missing = [flag for flag, value in (("--node (or NODE_NAME)", node),
                                         ("--server", args.server),
                                         ("--token-file", args.token_file),
+                                        ("--ca-file", args.ca_file),
                                         ("--controller", args.controller)) if not value]
     if missing:
         raise ConfigError(f"controller mode needs {', '.join(missing)} (or use --config FILE)")
     controller_address(args.controller)
+    # The token file is the projected ServiceAccount token: it goes to the controller
+    # only (for the node's certificate), never to the server as a tunnel credential.
     doc: dict[str, Any] = {"node": node, "server": args.server,
-                           "token_file": str(args.token_file), "controller": args.controller,
-                           "tls": {"ca_file": str(args.ca_file)} if args.ca_file else {}}
+                           "identity_token_file": str(args.token_file),
+                           "controller": args.controller, "tls": {"ca_file": str(args.ca_file)}}
     if args.debug_socket:
         doc["debug_socket"] = str(args.debug_socket)
     if args.metrics_listen:
@@ -141,12 +146,32 @@ def agent_config_from_flags(args: argparse.Namespace) -> AgentConfig:
 
 def run_agent_cluster(args: argparse.Namespace) -> int:
     config = agent_config_from_flags(args)
-    assert config.controller is not None and config.token_file is not None
+    assert config.controller is not None and config.identity_token_file is not None
+    assert config.tls.ca_file is not None
     host, port = controller_address(config.controller)
-    token = token_reader(config.token_file)
-    agent = Agent(config, ssl_context=agent_ssl_context(config, "flags", TLS_FLAGS))
+    token = token_reader(config.identity_token_file)
+    server_ca = agent_ssl_context(config, "flags", TLS_FLAGS)  # verifies the tunnel server
+    try:
+        ca_pem = config.tls.ca_file.read_bytes()
+        pki.load_certificates(ca_pem)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"flags: --ca-file: {config.tls.ca_file}: {exc}") from None
+    agent = Agent(config, ssl_context=server_ca)
     status = WatchStatus(config.controller)
     agent.config_watch = status
+    watch_tls: list[ssl.SSLContext] = []
+
+    def renewed(identity: IssuedIdentity) -> None:
+        # The tunnel presents the node certificate from its next connection on; the
+        # config watch (TLS to the controller inside the tunnel) from its next reconnect.
+        tunnel = pki.client_ssl_context(ca_pem, identity.certificate_pem, identity.key_pem)
+        agent.client.ssl_context = tunnel
+        watch_tls[:] = [identity.client_context()]
+
+    keeper = IdentityKeeper("node", node_certificate_requester(
+        agent.client, node=config.node, controller=(host, port), token=token, ca_pem=ca_pem,
+        server_ca=server_ca), log=log.bind(node=config.node), on_renewed=renewed)
+    agent.identity = keeper
 
     async def open_stream() -> trio.abc.Stream:
         stream: trio.abc.Stream = await agent.client.open_stream(p.Target(host, port))
@@ -156,11 +181,14 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
         await agent.apply_node_config(node_config)
 
     async def main() -> None:
+        log.info("asking the controller for this node's certificate", node=config.node)
+        await keeper.obtain()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.renew_forever)
             nursery.start_soon(lambda: watch_config(
-                open_stream=open_stream, host=f"{host}:{port}",
-                path=f"/v1/config/nodes/{config.node}", token=token, model=NodeConfig,
-                apply=apply, status=status, log=log.bind(node=config.node)))
+                open_stream=open_stream, host=host,
+                path=f"/v1/config/nodes/{config.node}", tls=lambda: watch_tls[0],
+                model=NodeConfig, apply=apply, status=status, log=log.bind(node=config.node)))
             await serve_agent(agent)  # returns on SIGTERM/SIGINT
             nursery.cancel_scope.cancel()
 

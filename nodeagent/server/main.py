@@ -31,6 +31,7 @@ from nodeagent.config import (
 from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
 from nodeagent.http.proxy import HttpFront, HttpStats
 from nodeagent.http.tls import TlsConfig
+from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
@@ -43,7 +44,8 @@ log = get_logger("nodeagent.server")
 # Which setting named each TLS input (pki.TlsInputError.which), in a file and as flags.
 TLS_FIELDS = {"cert": "tls.cert_file", "key": "tls.key_file", "ca": "tls.client_ca_file",
               "pair": "tls.cert_file, tls.key_file"}
-TLS_FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "pair": "--tls-cert, --tls-key"}
+TLS_FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "pair": "--tls-cert, --tls-key",
+             "ca": "--ca-file"}
 
 
 def server_ssl_context(config: ServerConfig, source: str = "config",
@@ -172,16 +174,20 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
 
 def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
     missing = [flag for flag, value in (("--token-file", args.token_file),
+                                        ("--ca-file", args.ca_file),
+                                        ("--tls-cert", args.tls_cert),
+                                        ("--tls-key", args.tls_key),
                                         ("--controller", args.controller)) if not value]
     if missing:
         raise ConfigError(f"controller mode needs {', '.join(missing)} (or use --config FILE)")
     controller_address(args.controller)
+    # No tokens: agents present the node certificates the controller signs (verified
+    # against --ca-file); one without a certificate may only fetch one (bootstrap).
     doc: dict[str, Any] = {
         "server_id": args.server_id or os.environ.get("POD_NAME") or "nodeagent-server",
         "tunnel": args.tunnel_listen, "controller": args.controller,
-        "tokens": [{"node": "*", "token_file": str(args.token_file)}]}
-    if args.tls_cert or args.tls_key:
-        doc["tls"] = {"cert_file": str(args.tls_cert), "key_file": str(args.tls_key)}
+        "tls": {"cert_file": str(args.tls_cert), "key_file": str(args.tls_key),
+                "client_ca_file": str(args.ca_file)}}
     for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
         value = getattr(args, key, None)
         if value:
@@ -191,25 +197,47 @@ def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
 
 def run_server_cluster(args: argparse.Namespace) -> int:
     config = server_config_from_flags(args)
-    assert config.controller is not None
+    assert config.controller is not None and config.tls is not None
+    assert config.tls.client_ca_file is not None
     host, port = controller_address(config.controller)
     token = token_reader(Path(str(args.token_file)))
     ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
+    try:
+        ca_pem = config.tls.client_ca_file.read_bytes()
+        pki.load_certificates(ca_pem)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"flags: --ca-file: {config.tls.client_ca_file}: {exc}") from None
     server = Server(config)
     status = WatchStatus(config.controller)
     server.config_watch = status
+    watch_tls: list[ssl.SSLContext] = []
 
     async def open_stream() -> trio.abc.Stream:
         return await trio.open_tcp_stream(host, port)
+
+    async def request(key: pki.PrivateKey) -> IssuedIdentity:
+        return await request_certificate(open_stream, host=host, token=token(),
+                                         kind="server", key=key, ca_pem=ca_pem)
+
+    def renewed(identity: IssuedIdentity) -> None:
+        watch_tls[:] = [identity.client_context()]  # from the watch's next reconnect
+
+    keeper = IdentityKeeper("server", request, log=log.bind(server=config.server_id),
+                            on_renewed=renewed)
+    server.identity = keeper
 
     async def apply(routes: RoutesConfig) -> None:
         server.apply_routes(routes)
 
     async def main() -> None:
+        log.info("asking the controller for this server's certificate",
+                 server=config.server_id)
+        await keeper.obtain()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.renew_forever)
             nursery.start_soon(lambda: watch_config(
-                open_stream=open_stream, host=f"{host}:{port}",
-                path=f"/v1/config/servers/{config.server_id}", token=token,
+                open_stream=open_stream, host=host,
+                path=f"/v1/config/servers/{config.server_id}", tls=lambda: watch_tls[0],
                 model=RoutesConfig, apply=apply, status=status,
                 log=log.bind(server=config.server_id)))
             await serve_server(server, ssl_context)  # returns on SIGTERM/SIGINT

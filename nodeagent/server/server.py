@@ -37,6 +37,7 @@ from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.proxy import HttpStats
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
 from nodeagent.http.tls import CertStore, context_from_pem
+from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from nodeagent.pki import node_name_from_certificate
@@ -50,7 +51,7 @@ from tunnel.endpoint import (
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection, relay_incoming
-from tunnel.server import TunnelServer
+from tunnel.server import Bootstrap, TunnelServer
 from tunnel.tcp import connect_tcp
 from tunnel.transports import PeerInfo
 
@@ -131,13 +132,19 @@ class Server:
         self.metrics.config_version.set(self.routes.version)
         self.outcomes: Counter[str] = Counter()
         self.config_watch: WatchStatus | None = None
+        # Controller mode: this replica's certificate for the config stream (status only).
+        self.identity: IdentityKeeper | None = None
         self.log = log.bind(server=config.server_id)
         self._tokens = [(entry.node, entry.read().encode()) for entry in config.tokens]
         settings = EndpointSettings(ping_interval=config.keepalive.interval,
                                     ping_timeout=config.keepalive.timeout)
-        self.tunnel = TunnelServer(authenticate=self.authenticate, server_id=config.server_id,
-                                   settings=settings, stream_handler=self.handle_agent_stream,
-                                   log=self.log)
+        # Controller mode: agents without a certificate yet may open a bootstrap
+        # connection, whose streams reach the controller's signer and nothing else.
+        self.tunnel = TunnelServer(
+            authenticate=self.authenticate, server_id=config.server_id, settings=settings,
+            stream_handler=self.handle_agent_stream,
+            bootstrap_handler=self.handle_bootstrap_stream if config.controller else None,
+            log=self.log)
         self._egress_refusals = RateLimitedLog(self.log, period=60.0)
         self.tables: dict[int, RouteTable] = {
             i: build_route_table(h) for i, h in enumerate(self.routes.http)}
@@ -178,9 +185,11 @@ class Server:
 
     # ---------------------------------------------------------------- identity
 
-    async def authenticate(self, hello: p.Hello, peer: PeerInfo) -> str:
+    async def authenticate(self, hello: p.Hello, peer: PeerInfo) -> str | Bootstrap:
         """Decide which node a dialing agent is. Mutual TLS: the certificate names the
-        node and the claim must match. Token: must match the node's entry (or "*")."""
+        node and the claim must match. Token: must match the node's entry (or "*").
+        Controller mode: an agent with neither that asks for `bootstrap` may fetch its
+        certificate (Bootstrap), nothing else."""
         node = hello.identity.get("node", "")
         if not node:
             self.metrics.bad_input.labels("auth").inc()
@@ -199,6 +208,8 @@ class Server:
                         f"certificate is for node {cert_node}, HELLO claims {node}")
                 return node
         token = hello.identity.get("token") or _bearer(peer)
+        if token is None and hello.identity.get("bootstrap") and self.config.controller:
+            return Bootstrap(node)
         if token is None:
             self.metrics.bad_input.labels("auth").inc()
             if peer.certificate_der is not None:
@@ -244,6 +255,26 @@ class Server:
                                        on_accepted=lambda: self._count_in(via))
         if relayed.failure is not None:
             self._count_in(relayed.failure.outcome)
+
+    async def handle_bootstrap_stream(self, claimed_node: str, incoming: IncomingStream) -> None:
+        """A stream on a bootstrap connection: to the controller (whose signer checks the
+        agent's token, inside TLS end to end) or nowhere."""
+        target = incoming.target
+
+        async def open_upstream() -> trio.abc.HalfCloseableStream:
+            if (target.host, target.port) != self._controller:
+                self._egress_refusals.warning(
+                    "bootstrap", "bootstrap stream refused: only the controller is reachable",
+                    claimed_node=claimed_node, target=str(target))
+                raise StreamFailed(p.StreamReason.FORBIDDEN, "a connection without a "
+                                   "certificate may only reach the controller")
+            return await connect_tcp(target.host, target.port,
+                                     connect_timeout=self.config.dial_timeout)
+
+        relayed = await relay_incoming(incoming, open_upstream,
+                                       on_accepted=lambda: self._count_in("bootstrap"))
+        if relayed.failure is not None:
+            self._count_in(f"bootstrap_{relayed.failure.outcome}")
 
     def _count_in(self, outcome: str) -> None:
         self.outcomes[f"agent_opened:{outcome}"] += 1
@@ -347,6 +378,9 @@ class Server:
             "handshake_failures": self.tunnel.handshake_failures,
             "http": {name: stats.as_dict() for name, stats in self.http_stats.items()},
             "config_watch": self.config_watch.as_dict() if self.config_watch else None,
+            "identity": self.identity.status() if self.identity else None,
+            "bootstrap": {"open": self.tunnel.bootstrap_sessions,
+                          "served": self.tunnel.bootstrap_served},
         }
 
 

@@ -195,6 +195,15 @@ def refused_token(rig: Rig, case: str) -> tuple[str, str]:
         if case == "pod_replaced":  # same name, new uid: the token's pod is gone
             add_pod(fake, pod["metadata"]["name"], node="edge-1")
         return token, "node"
+    if case == "pod_unknown":
+        # A token bound to a pod the API has never had: the fake's TokenReview lets it
+        # pass (lenient for pods it does not store), so the controller's own check of
+        # the bound pod must refuse it.
+        token = "unknown-pod-token-0123456789"
+        fake.add_service_account_token(token, namespace=NS, service_account="nodeagent-agent",
+                                       pod_name="ghost", pod_uid="ghost-uid",
+                                       audiences=["nodeagent"])
+        return token, "node"
     if case == "pod_not_scheduled":
         token = "unscheduled-token-0123456789"
         uid = add_pod(fake, "pending-agent", node=None)
@@ -218,8 +227,11 @@ def refused_token(rig: Rig, case: str) -> tuple[str, str]:
     ("server_asks_for_node", 403, "wrong_service_account"),
     ("other_account", 403, "wrong_service_account"),
     ("other_namespace", 403, "wrong_service_account"),
-    ("pod_deleted", 403, "pod_not_found"),
-    ("pod_replaced", 403, "pod_uid_mismatch"),
+    # A deleted or replaced pod's token no longer authenticates at all (the API server's
+    # bound-token check); the controller's own pod check backs it up (pod_unknown).
+    ("pod_deleted", 401, "token_invalid"),
+    ("pod_replaced", 401, "token_invalid"),
+    ("pod_unknown", 403, "pod_not_found"),
     ("pod_not_scheduled", 403, "pod_not_scheduled"),
     ("not_pod_bound", 403, "not_pod_bound"),
 ])

@@ -50,6 +50,7 @@ pytestmark = pytest.mark.needs("root")
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "e2e-admin-token"
 AGENT_TOKEN = "e2e-agent-token-0123456789"
+SERVER_TOKEN = "e2e-server-token-0123456789"
 NS = "shop"
 
 
@@ -149,6 +150,7 @@ def controllers(tmp_path: Path) -> Iterator[dict[str, Any]]:
          "--namespace", "nodeagent", "--namespace", NS],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     procs: list[NodeagentProcess] = []
+    api: Api | None = None
     try:
         assert fake.stdout is not None
         ready = json.loads(fake.stdout.readline())
@@ -169,32 +171,44 @@ def controllers(tmp_path: Path) -> Iterator[dict[str, Any]]:
     finally:
         for proc in procs:
             proc.kill()
+        if api is not None:
+            api.http.close()
         fake.kill()
         fake.wait()
     for proc in procs:
         assert "Traceback" not in proc.logs(), proc.logs()
 
 
-# The agent and the server do not get their certificates from the controller yet (their
-# side of node identity is built on another branch): until it lands they cannot watch the
-# TLS config stream, and these tests cannot pass. Their flags below are the old ones.
-NEEDS_AGENT_IDENTITY = pytest.mark.skip(
-    reason="agent/server side of node identity not merged: they cannot watch the "
-           "controller's TLS config stream yet")
-
-
 @pytest.fixture
 def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
             upstream: Upstream) -> Iterator[dict[str, Any]]:
+    """A server replica and an agent on edge-1, started only with flags and projected
+    ServiceAccount tokens: each gets its certificate from the controller (the agent
+    through a bootstrap tunnel connection), then watches its config over TLS."""
     api, procs = controllers["api"], controllers["procs"]
     ports = {name: free_port() for name in ("tunnel", "http")}
-    token_file = tmp_path / "agent-token"
-    token_file.write_text(AGENT_TOKEN)
+    wait_for(lambda: "ca.crt" in (api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent").get(
+        "data") or {}), "the leader published the CA")
+    cluster_ca = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
+    (tmp_path / "cluster-ca.crt").write_text(cluster_ca)
+    # The agent verifies the tunnel server's certificate (the test CA's, for 127.0.0.1)
+    # and the controller's (the cluster CA's): a bundle of both, as --ca-file.
+    (tmp_path / "agent-ca.crt").write_text(cluster_ca + certs.ca.read_text())
+    uid = pod(api, "nodeagent-agent-x1", "edge-1", "nodeagent-agent")
+    add_token(api, AGENT_TOKEN, namespace="nodeagent", service_account="nodeagent-agent",
+              pod_name="nodeagent-agent-x1", pod_uid=uid, node_name="edge-1", node_uid="n1",
+              audiences=["nodeagent"])
+    (tmp_path / "agent-token").write_text(AGENT_TOKEN)
+    uid = pod(api, "s1", "cloud-1", "nodeagent-server")
+    add_token(api, SERVER_TOKEN, namespace="nodeagent", service_account="nodeagent-server",
+              pod_name="s1", pod_uid=uid, audiences=["nodeagent"])
+    (tmp_path / "server-token").write_text(SERVER_TOKEN)
     # Server and agent watch the standby (c2): when the leader dies, they keep going.
     controller_url = f"https://127.0.0.1:{controllers['ports']['c2']}"
     server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
                               tmp_path, "server", args=[
-        "--controller", controller_url, "--token-file", str(token_file),
+        "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
+        "--ca-file", str(tmp_path / "cluster-ca.crt"),
         "--tunnel-listen", f"tls://127.0.0.1:{ports['tunnel']}",
         "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
         "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
@@ -204,11 +218,18 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     agent = NodeagentProcess("agent", {"debug_socket": str(tmp_path / "a.sock")},
                              tmp_path, "agent", args=[
         "--node", "edge-1", "--server", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--token-file", str(token_file), "--ca-file", str(certs.ca),
-        "--controller", controller_url, "--debug-socket", str(tmp_path / "a.sock")]).start()
+        "--token-file", str(tmp_path / "agent-token"), "--ca-file",
+        str(tmp_path / "agent-ca.crt"), "--controller", controller_url,
+        "--debug-socket", str(tmp_path / "a.sock")]).start()
     procs.append(agent)
-    agent.wait_ready()
+    agent.wait_ready(timeout=30)
     server.wait_for(lambda s: s["agents"], what="agent connected")
+    # The agent's first certificate came through a bootstrap connection, which the
+    # server registered as no node; both now hold certificates from the controller.
+    status = server.status()
+    assert status["bootstrap"]["served"] >= 1
+    assert status["identity"]["not_after"] and agent.status()["identity"]["not_after"]
+    assert [a["node"] for a in status["agents"]] == ["edge-1"]
     yield {"api": api, "http": ports["http"], "procs": procs, "server": server,
            "agent": agent, "upstream": upstream}
 
@@ -281,7 +302,6 @@ def test_agents_and_servers_get_certificates_and_read_only_their_config(
         s["metadata"]["name"] for s in api.list(SECRETS, "nodeagent")}
 
 
-@NEEDS_AGENT_IDENTITY
 def test_ingress_reaches_the_edge_pod_and_follows_every_change(
         cluster: dict[str, Any]) -> None:
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
@@ -357,7 +377,6 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
              "node deleted: its agent no longer allows the target")
 
 
-@NEEDS_AGENT_IDENTITY
 def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]) -> None:
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
     c1 = cluster["procs"][0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import operator
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -203,7 +204,12 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             await trio.lowlevel.checkpoint()
 
     async def wait_send_all_might_not_block(self) -> None:
-        await trio.lowlevel.checkpoint()
+        # Returning at once is allowed ("may return early"), but like send_all() it is
+        # one sender's call, and a closed stream must say so.
+        with self._send_guard:
+            if self._closed:
+                raise trio.ClosedResourceError("stream is closed")
+            await trio.lowlevel.checkpoint()
 
     async def send_eof(self) -> None:
         with self._send_guard:
@@ -220,6 +226,10 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             await self._conn._after_output()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)  # TypeError for a float, as trio wants
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
         with self._recv_guard:
             while True:
                 if self._closed:

@@ -30,9 +30,19 @@ from tunnel.protocol import (
     StreamReason,
     StreamRefused,
     StreamReset,
+    StreamState,
     Target,
 )
 
+MIRROR = {
+    StreamState.IDLE: StreamState.IDLE,
+    StreamState.OPEN_SENT: StreamState.OPEN_RECEIVED,
+    StreamState.OPEN_RECEIVED: StreamState.OPEN_SENT,
+    StreamState.OPEN: StreamState.OPEN,
+    StreamState.HALF_CLOSED_LOCAL: StreamState.HALF_CLOSED_REMOTE,
+    StreamState.HALF_CLOSED_REMOTE: StreamState.HALF_CLOSED_LOCAL,
+    StreamState.CLOSED: StreamState.CLOSED,
+}
 SETTINGS = Settings(max_frame_size=16 * 1024, initial_stream_window=64 * 1024,
                     connection_window=256 * 1024, max_streams=16)
 BUDGET = 512 * 1024
@@ -193,6 +203,14 @@ class TwoPeers(RuleBasedStateMachine):
             if key[1] in self.reset:
                 continue
             assert bytes(self.got.get(key, b"")) == bytes(sent)
+
+    @invariant()
+    def both_sides_agree_on_every_stream_state(self) -> None:
+        # After a pump nothing is in flight, so each side's view of a stream mirrors
+        # the other's (our FIN is their remote FIN).
+        d, a = self.pair.dialer, self.pair.acceptor
+        for sid in range(1, max(self.accepted | self.reset | {0}) + 1):
+            assert a.stream_state(sid) is MIRROR[d.stream_state(sid)], sid
 
     @invariant()
     def nothing_unacked_after_pump(self) -> None:

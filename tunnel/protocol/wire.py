@@ -1,0 +1,258 @@
+"""The wire format: frame header, frame types, and the codec of each frame's payload.
+
+Every frame is a 9-byte header followed by its payload::
+
+    +-----------------------+--------+--------+--------------------------------+
+    | payload length (24)   | type(8)| flags(8)| stream id (32)                 |
+    +-----------------------+--------+--------+--------------------------------+
+
+Frames: HELLO (handshake, stream 0), OPEN / ACCEPT / REFUSE (stream set-up), DATA (with
+the FIN flag for half-close), WINDOW (credit; stream 0 is the connection), RST (abort one
+stream), PING (with ACK), GOAWAY (drain or terminate the connection).
+
+This module owns the bytes: constants and limits of the format, the values that travel in
+frames (`Settings`, `Hello`, `Target`) and the encode/decode functions of each payload.
+Decoders raise `RemoteProtocolError` with the code the connection answers with. What a
+frame means in a given state is not decided here (see state.py and connection.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from tunnel.protocol.errors import ErrorCode, RemoteProtocolError, StreamReason
+
+# The protocol versions this implementation speaks; the handshake picks the highest
+# version both sides support.
+MIN_VERSION = 1
+MAX_VERSION = 1
+
+MAGIC = b"nodeagent"
+HEADER = struct.Struct("!IBI")  # (length << 8 | type), flags, stream id
+HEADER_SIZE = HEADER.size  # 9
+MAX_WINDOW = 2**31 - 1
+# Before the peer's HELLO tells us its limits, frames must fit this.
+HANDSHAKE_FRAME_LIMIT = 16 * 1024
+MAX_MESSAGE_BYTES = 1024  # REFUSE / RST / GOAWAY human-readable messages
+MAX_HOST_LENGTH = 253
+PING_PAYLOAD_SIZE = 8
+
+_GOAWAY_HEAD = struct.Struct("!IB")  # last stream id, error code
+_WINDOW = struct.Struct("!I")  # increment
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 0
+    OPEN = 1
+    ACCEPT = 2
+    REFUSE = 3
+    DATA = 4
+    WINDOW = 5
+    RST = 6
+    PING = 7
+    GOAWAY = 8
+
+
+FLAG_FIN = 0x1  # DATA: the sender will send no more on this stream
+FLAG_ACK = 0x1  # PING: this is the answer
+
+
+class Role(enum.Enum):
+    DIALER = "dialer"  # the agent: opens the transport, sends HELLO first, odd stream ids
+    ACCEPTOR = "acceptor"  # the server: even stream ids
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Limits one side announces about itself in its HELLO; the peer must respect them."""
+
+    max_frame_size: int = 64 * 1024  # largest payload we accept
+    initial_stream_window: int = 1024 * 1024  # credit the peer gets on each new stream
+    connection_window: int = 8 * 1024 * 1024  # credit the peer gets for the connection
+    max_streams: int = 10_000  # streams the peer may have open towards us at once
+    max_open_size: int = 8 * 1024  # largest OPEN payload (target + metadata) we accept
+
+    def validate(self) -> None:
+        """Raise ValueError if any value is outside what the protocol allows."""
+        if not 16 * 1024 <= self.max_frame_size <= 16 * 1024 * 1024 - 1:
+            raise ValueError(f"max_frame_size {self.max_frame_size} not in [16 KiB, 16 MiB)")
+        if not 1 <= self.initial_stream_window <= MAX_WINDOW:
+            raise ValueError(f"initial_stream_window {self.initial_stream_window} out of range")
+        if not 1 <= self.connection_window <= MAX_WINDOW:
+            raise ValueError(f"connection_window {self.connection_window} out of range")
+        if not 1 <= self.max_streams <= 2**24:
+            raise ValueError(f"max_streams {self.max_streams} out of range")
+        if not 512 <= self.max_open_size <= HANDSHAKE_FRAME_LIMIT:
+            raise ValueError(f"max_open_size {self.max_open_size} not in [512, 16 KiB]")
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "max_frame_size": self.max_frame_size,
+            "initial_stream_window": self.initial_stream_window,
+            "connection_window": self.connection_window,
+            "max_streams": self.max_streams,
+            "max_open_size": self.max_open_size,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Settings:
+        if not isinstance(doc, dict):
+            raise ValueError("settings must be an object")
+        values: dict[str, int] = {}
+        for name in cls().to_json():
+            if name in doc:
+                value = doc[name]
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"setting {name} must be an integer")
+                values[name] = value
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The handshake: versions spoken, limits, who we are, optional features."""
+
+    settings: Settings = field(default_factory=Settings)
+    # Who is speaking: e.g. {"node": "edge-1", "token": "...", "agent_version": "0.1.0"}.
+    # The acceptor decides whether to believe it (token, or the mTLS certificate).
+    identity: dict[str, str] = field(default_factory=dict)
+    features: tuple[str, ...] = ()
+    min_version: int = MIN_VERSION
+    max_version: int = MAX_VERSION
+
+    def encode(self) -> bytes:
+        body = json.dumps(
+            {"settings": self.settings.to_json(), "identity": self.identity,
+             "features": list(self.features)},
+            separators=(",", ":"),
+        ).encode()
+        return MAGIC + struct.pack("!HH", self.min_version, self.max_version) + body
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Hello:
+        """Parse a HELLO payload; raises RemoteProtocolError with the right code."""
+        if not payload.startswith(MAGIC) or len(payload) < len(MAGIC) + 4:
+            raise RemoteProtocolError("peer does not speak the nodeagent tunnel protocol")
+        min_v, max_v = struct.unpack_from("!HH", payload, len(MAGIC))
+        try:
+            doc = json.loads(payload[len(MAGIC) + 4:])
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RemoteProtocolError(f"HELLO body is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise RemoteProtocolError("HELLO body must be a JSON object")
+        try:
+            settings = Settings.from_json(doc.get("settings", {}))
+        except ValueError as exc:
+            raise RemoteProtocolError(f"HELLO settings invalid: {exc}") from None
+        identity = doc.get("identity", {})
+        if not isinstance(identity, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in identity.items()
+        ):
+            raise RemoteProtocolError("HELLO identity must map strings to strings")
+        features = doc.get("features", [])
+        if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+            raise RemoteProtocolError("HELLO features must be a list of strings")
+        return cls(settings=settings, identity=identity, features=tuple(features),
+                   min_version=min_v, max_version=max_v)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a stream connects to on the far side."""
+
+    host: str
+    port: int
+    protocol: str = "tcp"  # "tcp" | "udp"
+
+    def validate(self) -> None:
+        if self.protocol not in ("tcp", "udp"):
+            raise ValueError(f"protocol must be tcp or udp, not {self.protocol!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} out of range 1-65535")
+        if not self.host or len(self.host) > MAX_HOST_LENGTH:
+            raise ValueError("host must be 1-253 characters")
+        if any(c.isspace() or not c.isprintable() for c in self.host):
+            raise ValueError("host contains whitespace or control characters")
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.protocol}://{host}:{self.port}"
+
+
+# ------------------------------------------------------------------ payload codecs
+
+
+def encode_open(target: Target, metadata: dict[str, str]) -> bytes:
+    return json.dumps(
+        {"proto": target.protocol, "host": target.host, "port": target.port, "meta": metadata},
+        separators=(",", ":"),
+    ).encode()
+
+
+def decode_open(payload: bytes) -> tuple[Target, dict[str, str]]:
+    try:
+        doc = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RemoteProtocolError(f"OPEN payload is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise RemoteProtocolError("OPEN payload must be a JSON object")
+    host, port, proto = doc.get("host"), doc.get("port"), doc.get("proto", "tcp")
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) \
+            or not isinstance(proto, str):
+        raise RemoteProtocolError("OPEN needs string host, integer port, string proto")
+    target = Target(host=host, port=port, protocol=proto)
+    try:
+        target.validate()
+    except ValueError as exc:
+        raise RemoteProtocolError(f"OPEN target invalid: {exc}") from None
+    meta = doc.get("meta", {})
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise RemoteProtocolError("OPEN meta must map strings to strings")
+    return target, meta
+
+
+def encode_reason(reason: int, message: str) -> bytes:
+    """REFUSE and RST payload: one reason byte, then a UTF-8 message."""
+    return bytes([reason]) + message.encode()[:MAX_MESSAGE_BYTES]
+
+
+def decode_reason(payload: memoryview, frame: str) -> tuple[StreamReason, str]:
+    if len(payload) < 1:
+        raise RemoteProtocolError(f"{frame} without a reason")
+    return StreamReason.from_wire(payload[0]), decode_text(bytes(payload[1:]))
+
+
+def decode_text(payload: bytes) -> str:
+    return payload[:MAX_MESSAGE_BYTES].decode("utf-8", errors="replace")
+
+
+def encode_window(increment: int) -> bytes:
+    return _WINDOW.pack(increment)
+
+
+def decode_window(payload: memoryview) -> int:
+    if len(payload) != 4:
+        raise RemoteProtocolError("WINDOW payload must be 4 bytes")
+    (increment,) = _WINDOW.unpack(payload)
+    if increment == 0:
+        raise RemoteProtocolError("WINDOW increment of 0")
+    return int(increment)
+
+
+def encode_goaway(last_stream_id: int, code: int, message: str) -> bytes:
+    return _GOAWAY_HEAD.pack(last_stream_id, code) + message.encode()[:MAX_MESSAGE_BYTES]
+
+
+def decode_goaway(payload: memoryview) -> tuple[int, ErrorCode, str]:
+    if len(payload) < _GOAWAY_HEAD.size:
+        raise RemoteProtocolError("GOAWAY payload too short")
+    last_id, code = _GOAWAY_HEAD.unpack_from(payload)
+    return last_id, ErrorCode.from_wire(code), decode_text(bytes(payload[_GOAWAY_HEAD.size:]))

@@ -22,7 +22,7 @@ import trio
 from nodeagent import pki
 from nodeagent.config import ConfigError, RoutesConfig, ServerConfig, load_config, parse_config
 from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
-from nodeagent.http.proxy import HttpFront, HttpStats
+from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.tls import TlsConfig
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer

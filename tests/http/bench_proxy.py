@@ -52,7 +52,8 @@ def _run_upstream(port: int) -> None:
 
 
 def _run_front(port: int, upstream_port: int) -> None:
-    from nodeagent.http import Backend, HttpFront, Route, RouteSpec, RouteTable, open_direct
+    from nodeagent.http import Backend, HttpFront, Route, RouteSpec, RouteTable
+    from tests.http.helpers import open_direct
 
     route = Route("bench", (Backend(None, "127.0.0.1", upstream_port),))
     table = RouteTable.build([RouteSpec(None, "/", route)])

@@ -1,6 +1,7 @@
 """One client connection of the HTTP front: its request loop, request by request.
 
-`serve_http_connection` serves one client connection until it closes. h11 parses every
+`HttpConnection` serves one client connection until it closes (its entry point is
+`front.serve_http_connection`). h11 parses every
 client request (all the protocol checks a public listener needs: framing, smuggling,
 limits); the response is written directly from what the upstream codec (`h1`) validated,
 and each keep-alive request gets a fresh h11 parser (cheaper than h11's own send path,
@@ -11,9 +12,9 @@ raises `UpstreamUnavailable` when it cannot give one: nothing here knows about t
 Per request, in named steps:
 1. read the head (timeouts: `header_timeout` from accept or from the first byte of a
    request to its end → 408; `idle_timeout` between keep-alive requests → silent close);
-2. policy: `headers.read_request` reads it (pure);
-3. route: `route_request` looks it up in the table current at that moment (pure; a
-   `Refusal` is a 404/405/308/503/413 answered here);
+2. policy (`_route`): `headers.read_request` reads it (pure);
+3. route (`_route`): `dispatch.route_request` looks it up in the table current at that
+   moment (pure; a `Refusal` is a 404/405/308/503/413 answered by `_refuse`);
 4. forward with retry (`_forward`): pick an upstream (reuse the connection's own if the
    route still lists its backend, else the `Balancer`'s order, at most
    `max_dial_attempts`), send the request and relay the response with bodies streamed both
@@ -28,9 +29,9 @@ Performance notes (2-core VM, 1 KiB GETs, 16 keep-alive connections, bench_proxy
 front does about half of what a bare trio byte relay does; of its CPU about a third is the
 loopback socket syscalls themselves, the rest is shared by trio's I/O machinery, h11's
 request parsing and this module. The hot path allocates one header list, one upstream
-request head, one response head, and two cancel scopes per request; a request without a
-body runs in the connection's task (only a request body gets a second task, to stream both
-ways at once).
+request head, one response head, one `ClientRequest` and two cancel scopes per request; a
+request without a body runs in the connection's task (only a request body gets a second
+task, to stream both ways at once).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class HttpConnection:
         "balancer",
         "client_addr",
         "conn",
+        "creq",
         "head_request",
         "http11",
         "keep",
@@ -151,6 +153,7 @@ class HttpConnection:
         self.access_log = access_log
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.up: Upstream | None = None
+        self.creq: ClientRequest  # the request being served, as `read_request` read it
         self.started = False  # the final response head went out: errors can only close
         self.keep = True  # the client connection may serve another request
         self.http11 = True
@@ -167,7 +170,13 @@ class HttpConnection:
                 if req is None:
                     return
                 first = False
-                keep = await self._handle(req)
+                # The request's steps: policy and route (no I/O), then forward with retry.
+                route = self._route(req)
+                if type(route) is Route:
+                    keep = await self._forward(req, route)
+                else:
+                    assert type(route) is Refusal
+                    keep = await self._refuse(route, req)
                 conn = self.conn
                 if not keep or conn.their_state is not h11.DONE:
                     return
@@ -255,26 +264,24 @@ class HttpConnection:
 
     # -- one request --------------------------------------------------------------------
 
-    async def _handle(self, req: h11.Request) -> bool:
-        """Policy → route → forward with retry; returns whether the connection goes on."""
+    def _route(self, req: h11.Request) -> Route | Refusal:
+        """Policy, then route: read the request (`headers`), look it up (`dispatch`).
+
+        Not a coroutine: on this path each await level costs at every later suspension.
+        """
         self.stats.requests += 1
-        method = req.method
         self.started = False
-        self.head_request = method == b"HEAD"
+        self.head_request = req.method == b"HEAD"
         self.http11 = req.http_version == b"1.1"
-        creq = read_request(req.http_version, req.target, req.headers)
+        creq = self.creq = read_request(req.http_version, req.target, req.headers)
         self.keep = creq.keep_alive
-        route = route_request(
+        return route_request(
             self.table(),
-            method,
+            req.method,
             creq,
             https=self.scheme != "http",
             max_body=self.limits.max_body_bytes,
         )
-        if type(route) is Refusal:
-            return await self._refuse(route, req)
-        assert type(route) is Route
-        return await self._forward(req, creq, route)
 
     async def _refuse(self, refusal: Refusal, req: h11.Request) -> bool:
         if refusal.location is not None:
@@ -282,7 +289,7 @@ class HttpConnection:
         keep = await self._error(refusal.status, refusal.reason, req)
         return keep and not refusal.close
 
-    async def _forward(self, req: h11.Request, creq: ClientRequest, route: Route) -> bool:
+    async def _forward(self, req: h11.Request, route: Route) -> bool:
         """Send the request to one of the route's backends and relay the response.
 
         A kept-alive upstream that turns out to have closed before answering gets the
@@ -291,10 +298,11 @@ class HttpConnection:
         """
         stats = self.stats
         method = req.method
+        creq = self.creq
         upgrade = creq.upgrade is not None
         headers = upstream_headers(
             creq,
-            default_host=route.backends[0].host.encode("idna"),
+            default_host=route.backends[0].host,
             client=self.client_addr,
             proto=self.xfp,
         )

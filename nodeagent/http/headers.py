@@ -27,7 +27,7 @@ when something has to be removed from the middle of it.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -73,7 +73,7 @@ class HopByHop:
     __slots__ = ("chunked", "connection", "upgrade")
 
     def __init__(self) -> None:
-        self.connection: list[bytes] = []
+        self.connection: Sequence[bytes] = ()
         """Connection options, lowercased, stripped, in order (may repeat or be empty)."""
         self.chunked = False
         """A Transfer-Encoding was present."""
@@ -89,11 +89,13 @@ def strip_hop_by_hop(
     Fields named by Connection options are removed too, except those in `_PROXY_OWNED`.
     """
     out: Headers = []
-    connection: list[bytes] = [] if hop is None else hop.connection
+    connection: list[bytes] | None = None
     hop_by_hop = HOP_BY_HOP
     for name, value in headers:
         if name in hop_by_hop or name.startswith(b"proxy-"):
             if name == b"connection":
+                if connection is None:
+                    connection = []
                 connection.extend(t.strip().lower() for t in value.split(b","))
             elif hop is None:
                 pass
@@ -103,61 +105,45 @@ def strip_hop_by_hop(
                 hop.upgrade = value
             continue
         out.append((name, value))
-    if connection:
+    if connection is not None:
+        if hop is not None:
+            hop.connection = connection
         named = [t for t in connection if t not in _CONNECTION_OPTIONS and t not in _PROXY_OWNED]
         if named:
             out = [(n, v) for n, v in out if n not in named]
     return out
 
 
-class ClientRequest:
-    """A client's request head as the proxy reads it (see `read_request`)."""
+class ClientRequest(HopByHop):
+    """A client's request head as the proxy reads it; made by `read_request` only.
 
-    __slots__ = (
-        "chunked",
-        "content_length",
-        "forwarded_for",
-        "headers",
-        "host",
-        "keep_alive",
-        "target",
-        "upgrade",
-    )
+    The `HopByHop` fields are what the request's hop-by-hop fields said, except that
+    `upgrade` is kept only when the request asks to switch protocols (Connection names
+    upgrade). One object per request: it is its own `HopByHop` for `strip_hop_by_hop`.
+    """
 
-    def __init__(
-        self,
-        target: bytes,
-        host: bytes,
-        headers: Headers,
-        content_length: int,
-        chunked: bool,
-        upgrade: bytes | None,
-        keep_alive: bool,
-        forwarded_for: bytes | None,
-    ) -> None:
-        self.target = target
-        """Origin form (an absolute-form target is reduced to its path), or `*`."""
-        self.host = host
-        """The Host, or the absolute-form authority; b"" when there is none."""
-        self.headers = headers
-        """End-to-end fields to forward: no hop-by-hop, X-Forwarded-* or Host when empty."""
-        self.content_length = content_length
-        """-1 when absent."""
-        self.chunked = chunked
-        self.upgrade = upgrade
-        """The Upgrade value when the request asks to switch protocols, else None."""
-        self.keep_alive = keep_alive
-        """HTTP/1.1 without `Connection: close`: the client may send another request."""
-        self.forwarded_for = forwarded_for
-        """The incoming X-Forwarded-For values joined, or None."""
+    __slots__ = ("content_length", "forwarded_for", "headers", "host", "keep_alive", "target")
+
+    target: bytes
+    """Origin form (an absolute-form target is reduced to its path), or `*`."""
+    host: bytes
+    """The Host, or the absolute-form authority; b"" when there is none."""
+    headers: Headers
+    """End-to-end fields to forward: no hop-by-hop, X-Forwarded-* or Host when empty."""
+    content_length: int
+    """-1 when absent."""
+    keep_alive: bool
+    """HTTP/1.1 without `Connection: close`: the client may send another request."""
+    forwarded_for: bytes | None
+    """The incoming X-Forwarded-For values joined, or None."""
 
 
 def read_request(
     http_version: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]]
 ) -> ClientRequest:
     """Read a request head (as h11 parsed it) for routing and forwarding."""
-    hop = HopByHop()
-    kept = strip_hop_by_hop(fields(headers), hop)
+    req = ClientRequest()
+    kept = strip_hop_by_hop(fields(headers), req)
     host = b""
     has_host = False
     content_length = -1
@@ -184,27 +170,26 @@ def read_request(
     elif has_xf or (has_host and not host):
         # An empty Host goes too: the backend's name replaces it (one Host, never two).
         kept = [(n, v) for n, v in kept if n not in X_FORWARDED and (host or n != b"host")]
-    connection = hop.connection
-    upgrade = hop.upgrade if hop.upgrade is not None and b"upgrade" in connection else None
-    return ClientRequest(
-        target,
-        host,
-        kept,
-        content_length,
-        hop.chunked,
-        upgrade,
-        http_version == b"1.1" and b"close" not in connection,
-        forwarded_for,
-    )
+    connection = req.connection
+    if req.upgrade is not None and b"upgrade" not in connection:
+        req.upgrade = None
+    req.target = target
+    req.host = host
+    req.headers = kept
+    req.content_length = content_length
+    req.keep_alive = http_version == b"1.1" and b"close" not in connection
+    req.forwarded_for = forwarded_for
+    return req
 
 
 def upstream_headers(
-    req: ClientRequest, *, default_host: bytes, client: bytes, proto: bytes
+    req: ClientRequest, *, default_host: str, client: bytes, proto: bytes
 ) -> Headers:
     """The header list sent upstream: `req.headers` (extended in place) plus the proxy's own.
 
-    `default_host` is the Host when the client sent none; `client` the address appended to
-    X-Forwarded-For; `proto` the X-Forwarded-Proto (the listener's scheme).
+    `default_host` is the Host when the client sent none (IDNA-encoded only then: it costs
+    more than the rest of this function); `client` the address appended to X-Forwarded-For;
+    `proto` the X-Forwarded-Proto (the listener's scheme).
     """
     headers = req.headers
     if req.upgrade is not None:
@@ -212,7 +197,7 @@ def upstream_headers(
         headers.append((b"upgrade", req.upgrade))
     host = req.host
     if not host:
-        headers.append((b"host", default_host))
+        headers.append((b"host", default_host.encode("idna")))
     xff = req.forwarded_for
     headers.append((b"x-forwarded-for", client if xff is None else xff + b", " + client))
     headers.append((b"x-forwarded-proto", proto))

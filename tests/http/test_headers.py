@@ -34,7 +34,7 @@ def parse(raw: bytes, max_head: int = 64 * 1024) -> h11.Request:
 def rewrite(raw: bytes, proto: bytes = b"http") -> tuple[ClientRequest, Headers]:
     req = parse(raw)
     creq = read_request(req.http_version, req.target, req.headers)
-    headers = upstream_headers(creq, default_host=b"backend.svc", client=CLIENT, proto=proto)
+    headers = upstream_headers(creq, default_host="backend.svc", client=CLIENT, proto=proto)
     return creq, headers
 
 
@@ -261,6 +261,13 @@ def test_fields_reads_h11_headers_as_h11_iterates_them() -> None:
     assert list(fields(req.headers))[1] == (b"x-mixed-case", b"V a l")
     plain = [(b"a", b"1")]
     assert fields(plain) is plain
+
+
+def test_the_backend_host_goes_idna_encoded() -> None:
+    req = parse(b"GET / HTTP/1.0\r\n\r\n")
+    creq = read_request(req.http_version, req.target, req.headers)
+    headers = upstream_headers(creq, default_host="bücher.example", client=CLIENT, proto=b"http")
+    assert values(headers, b"host") == [b"xn--bcher-kva.example"]
 
 
 def test_content_length_and_proto() -> None:

@@ -21,24 +21,34 @@ class SpliceResult:
     error: str | None = None  # why it ended abnormally, for the log line
 
 
-async def splice(a: trio.abc.Stream, b: trio.abc.Stream, *, chunk: int = CHUNK) -> SpliceResult:
+async def splice(a: trio.abc.Stream, b: trio.abc.Stream, *, chunk: int = CHUNK,
+                 a_leftover: bytes = b"", b_leftover: bytes = b"") -> SpliceResult:
     """Copy a→b and b→a concurrently. EOF on one side becomes a half-close (send_eof) on
-    the other, so request/response protocols that half-close work. If either direction
-    breaks, both streams are aborted (a TCP peer sees a reset, a tunnel stream an RST):
-    a failure is never turned into a clean-looking EOF. Closes both streams at the end."""
+    the other, so request/response protocols that half-close work; a side that cannot be
+    half-closed (TLS) is closed, which ends both directions. If either direction breaks,
+    both streams are aborted (a TCP peer sees a reset, a tunnel stream an RST): a failure
+    is never turned into a clean-looking EOF. Closes both streams at the end.
+
+    `a_leftover` / `b_leftover`: bytes already read from a / b (past an HTTP head, say),
+    written to the other side before anything else."""
     result = SpliceResult()
 
     # One coroutine per direction (no helper frames): an idle spliced connection is
     # mostly these two suspended tasks, and there may be thousands of them.
     async def guarded(src: trio.abc.Stream, dst: trio.abc.Stream, forward: bool,
-                      scope: trio.CancelScope) -> None:
+                      leftover: bytes, scope: trio.CancelScope) -> None:
         moved = 0
         try:
+            if leftover:
+                await dst.send_all(leftover)
+                moved += len(leftover)
             while True:
                 data = await src.receive_some(chunk)
                 if not data:
                     if isinstance(dst, trio.abc.HalfCloseableStream):
                         await dst.send_eof()
+                    else:
+                        scope.cancel()
                     return
                 await dst.send_all(data)
                 moved += len(data)
@@ -54,8 +64,8 @@ async def splice(a: trio.abc.Stream, b: trio.abc.Stream, *, chunk: int = CHUNK) 
 
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(guarded, a, b, True, nursery.cancel_scope)
-            nursery.start_soon(guarded, b, a, False, nursery.cancel_scope)
+            nursery.start_soon(guarded, a, b, True, a_leftover, nursery.cancel_scope)
+            nursery.start_soon(guarded, b, a, False, b_leftover, nursery.cancel_scope)
     finally:
         with trio.CancelScope(shield=True):
             aborted = result.error is not None

@@ -1,23 +1,26 @@
 """The public HTTP front: Host/path routing (Ingress semantics) and the HTTP/1.1 proxy.
 
-`routes` is the pure route table; `proxy` is the h11-based front that serves client
-connections and relays them to upstream streams it gets from a caller-supplied opener;
-`tls` selects certificates by SNI; `errors` holds the error the opener raises.
+One job per module:
+- `front`: the listener (`HttpFront`), TLS by SNI, one task per client connection;
+- `connection`: one client connection's request loop (read, route, forward, relay, repeat);
+- `headers`: the header policy both ways, pure (hop-by-hop, X-Forwarded-*, Host, framing);
+- `dispatch`: the route step, pure (a `Route`, or the 404/405/308/503/413 answered here);
+- `upstream`: the connection's upstream and dialing a route's backends;
+- `balancer`: which backend a new upstream goes to;
+- `h1`: the sans-IO codec for upstream responses; `routes`: the route table;
+- `tls`: certificates by SNI; `limits`, `stats`, `errors`: the front's settings, counters,
+  and the error an opener raises.
 Nothing here knows about the tunnel: an upstream is any `trio.abc.HalfCloseableStream`.
 """
 
+from nodeagent.http.balancer import Balancer
 from nodeagent.http.errors import UpstreamUnavailable
-from nodeagent.http.proxy import (
-    Balancer,
-    HttpFront,
-    HttpStats,
-    Limits,
-    Opener,
-    open_direct,
-    serve_http_connection,
-)
+from nodeagent.http.front import HttpFront, serve_http_connection
+from nodeagent.http.limits import Limits
 from nodeagent.http.routes import Backend, Match, PathType, Route, RouteSpec, RouteTable
+from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import CertStore, TlsConfig, context_from_pem
+from nodeagent.http.upstream import Opener
 
 __all__ = [
     "Backend",
@@ -35,6 +38,5 @@ __all__ = [
     "TlsConfig",
     "UpstreamUnavailable",
     "context_from_pem",
-    "open_direct",
     "serve_http_connection",
 ]

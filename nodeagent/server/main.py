@@ -29,7 +29,7 @@ from nodeagent.config import (
     redacted,
 )
 from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
-from nodeagent.http.proxy import HttpFront, HttpStats
+from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.tls import TlsConfig
 from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
 from nodeagent.ops.debug import DebugServer

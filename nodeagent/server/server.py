@@ -34,8 +34,8 @@ from nodeagent.config import (
 from nodeagent.configwatch import WatchStatus
 from nodeagent.gcpause import gc_paused
 from nodeagent.http.errors import UpstreamUnavailable
-from nodeagent.http.proxy import HttpStats
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
+from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import CertStore, context_from_pem
 from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger

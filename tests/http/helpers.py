@@ -20,8 +20,20 @@ from nodeagent.http import (
     Route,
     RouteSpec,
     RouteTable,
-    open_direct,
+    UpstreamUnavailable,
 )
+from tunnel.protocol import StreamReason
+from tunnel.tcp import DialFailed, connect_tcp
+
+
+async def open_direct(backend: Backend, route: Route) -> trio.SocketStream:
+    """An opener that dials every backend itself over TCP (the server's direct backends do
+    the same through `Server.open_upstream`), failures mapped as the server maps them."""
+    try:
+        return await connect_tcp(backend.host, backend.port, connect_timeout=10.0)
+    except DialFailed as exc:
+        status = 504 if exc.reason is StreamReason.TIMEOUT else 502
+        raise UpstreamUnavailable(status, f"cannot connect to {backend}: {exc.message}") from None
 
 
 async def _next_event(conn: h11.Connection, stream: trio.abc.Stream) -> Any:

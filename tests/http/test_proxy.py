@@ -182,6 +182,24 @@ async def test_forwarded_and_hop_by_hop_headers(nursery: trio.Nursery) -> None:
         assert "x-secret-hop" not in r.headers
 
 
+async def test_connection_option_cannot_unframe_the_body(nursery: trio.Nursery) -> None:
+    """`Connection: content-length` must not strip the body's framing on the way upstream:
+    the body would then reach the upstream as a second, smuggled request."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n"
+    async with running_front([RouteSpec(None, "/", route_to(port))]) as f:
+        out = await raw_exchange(
+            f.port,
+            b"POST /form HTTP/1.1\r\nHost: h\r\nConnection: close, content-length, host\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(smuggled), smuggled),
+        )
+    assert out.startswith(b"HTTP/1.1 200 ")
+    assert [r["target"] for r in up.requests] == ["/form"]
+    assert up.requests[0]["body_length"] == len(smuggled)
+    assert ["host", "h"] in up.requests[0]["headers"]
+
+
 async def test_large_chunked_bodies_stream_with_bounded_memory(nursery: trio.Nursery) -> None:
     up = Upstream()
     port = await start_tcp(nursery, up.handle)
@@ -251,6 +269,99 @@ async def test_websocket_upgrade_passthrough(nursery: trio.Nursery, no_traceback
                 await trio.sleep(0.01)
         assert f.front.stats.upgrades == 1
         assert f.front.stats.responses_1xx == 1
+
+
+def switching_upstream(received: list[bytes], close_first: bool = False) -> Any:
+    """A raw upstream that switches protocols and talks at once in the same write, then
+    records what the client sent until its half-close (or, with `close_first`, until it
+    has `early;done`), answers `bye` and closes."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += await stream.receive_some(65536)
+        data = buf.split(b"\r\n\r\n", 1)[1]
+        await stream.send_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: raw\r\nConnection: upgrade\r\n"
+            b"Keep-Alive: timeout=5\r\n\r\nhello;"
+        )
+        while not (close_first and data == b"early;done"):
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            data += chunk
+        received.append(data)
+        await stream.send_all(b"bye")
+        await stream.aclose()
+
+    return handle
+
+
+UPGRADE = b"GET /raw HTTP/1.1\r\nHost: h\r\nConnection: upgrade\r\nUpgrade: raw\r\n\r\n"
+
+
+async def read_until_eof(stream: trio.abc.Stream) -> bytes:
+    out = b""
+    try:
+        while chunk := await stream.receive_some(65536):
+            out += chunk
+    except trio.BrokenResourceError:
+        pass
+    return out
+
+
+async def test_upgrade_relays_early_bytes_and_half_close(nursery: trio.Nursery) -> None:
+    received: list[bytes] = []
+    port = await start_tcp(nursery, switching_upstream(received))
+    async with running_front([RouteSpec(None, "/", route_to(port))]) as f:
+        stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+        # Bytes of the new protocol in the request's own segment: h11 has already read
+        # them when the 101 arrives, and they must still reach the upstream first.
+        await stream.send_all(UPGRADE + b"early;")
+        await stream.send_all(b"later")
+        head = b""
+        with trio.fail_after(5):
+            while not head.endswith(b"hello;"):
+                head += await stream.receive_some(65536)
+            await stream.send_eof()  # the half-close reaches the upstream as EOF
+            rest = await read_until_eof(stream)
+        assert head.startswith(b"HTTP/1.1 101 ")
+        assert b"upgrade: raw" in head and b"keep-alive" not in head
+        assert rest == b"bye"
+        assert received == [b"early;later"]
+        await stream.aclose()
+        assert f.front.stats.upgrades == 1
+
+
+async def test_upgrade_over_tls_ends_when_the_upstream_closes(nursery: trio.Nursery) -> None:
+    """A TLS client cannot be half-closed: the upstream's EOF closes the connection."""
+    received: list[bytes] = []
+    port = await start_tcp(nursery, switching_upstream(received, close_first=True))
+    ca = trustme.CA()
+    cert = ca.issue_cert("h")
+    store = CertStore(
+        {"h": context_from_pem(cert.cert_chain_pems[0].bytes(), cert.private_key_pem.bytes())}
+    )
+    specs = [RouteSpec(None, "/", route_to(port))]
+    async with running_front(specs, tls=TlsConfig(store)) as f:
+        ctx = ssl.create_default_context()
+        ca.configure_trust(ctx)
+        tcp = await trio.open_tcp_stream("127.0.0.1", f.port)
+        stream = trio.SSLStream(tcp, ctx, server_hostname="h")
+        await stream.send_all(UPGRADE + b"early;")
+        head = b""
+        with trio.fail_after(5):
+            while not head.endswith(b"hello;"):
+                head += await stream.receive_some(65536)
+            await stream.send_all(b"done")
+            # The client never closes: only the upstream's close can end the connection.
+            rest = await read_until_eof(stream)
+            while f.front.stats.connections_open:  # noqa: ASYNC110 - a counter, no event
+                await trio.sleep(0.01)
+        assert head.startswith(b"HTTP/1.1 101 ")
+        assert rest == b"bye"
+        assert received == [b"early;done"]
+        await trio.aclose_forcefully(stream)
 
 
 async def test_error_statuses(nursery: trio.Nursery, no_tracebacks: None) -> None:

@@ -1,0 +1,62 @@
+"""The route step of a request: the route it goes to, or the answer it gets here instead.
+
+`route_request` is pure (the route table and the request as `headers.read_request` read
+it, in; a `Route` or a `Refusal`, out), so every way a request is turned away without
+reaching an upstream is tested without a socket: CONNECT (405, then close), no route (404),
+a plain-HTTP request to a route that redirects to HTTPS (308), a route without ready
+backends (503), a declared body over the limit (413).
+"""
+
+from __future__ import annotations
+
+from nodeagent.http.headers import ClientRequest
+from nodeagent.http.routes import Route, RouteTable, normalize_host
+
+
+class Refusal:
+    """The answer to a request that goes to no upstream (see `route_request`)."""
+
+    __slots__ = ("close", "location", "reason", "status")
+
+    def __init__(
+        self, status: int, reason: str, *, location: str | None = None, close: bool = False
+    ) -> None:
+        self.status = status
+        self.reason = reason
+        self.location = location
+        """For a 308: where the client should go instead."""
+        self.close = close
+        """Close the connection after answering, whatever the client asked."""
+
+    def __repr__(self) -> str:
+        return f"Refusal({self.status}, {self.reason!r}, location={self.location!r})"
+
+
+def route_request(
+    table: RouteTable,
+    method: bytes,
+    req: ClientRequest,
+    *,
+    https: bool,
+    max_body: int | None,
+) -> Route | Refusal:
+    """The route a request goes to, or why it goes nowhere. Pure: table and request in."""
+    if method == b"CONNECT":
+        return Refusal(405, "CONNECT is not served on this listener", close=True)
+    host = req.host.decode("latin-1")
+    path = req.target.decode("latin-1")
+    match = table.lookup(host, path)
+    if match is None:
+        return Refusal(404, f"no route for {host}{path}")
+    route = match.route
+    if route.tls_redirect and not https:
+        location = f"https://{normalize_host(host)}{path}"
+        return Refusal(308, f"redirect to {location}", location=location)
+    if not route.backends:
+        return Refusal(503, f"route {route.name} has no ready backends")
+    if max_body is not None and req.content_length > max_body:
+        return Refusal(413, f"request body over {max_body} bytes")
+    return route
+
+
+__all__ = ["Refusal", "route_request"]

@@ -1,0 +1,183 @@
+"""The HTTP front's listener: accepts TCP connections, terminates TLS (certificate chosen by
+SNI, see `tls`) when configured, and serves each connection in a task of its own nursery.
+
+`HttpFront` owns the listeners, the connection tasks, the counters (`HttpStats`) and the
+`Balancer` its connections share; `serve_http_connection` is the per-connection entry,
+usable on any stream (tests and embedders call it directly). A bug in serving one
+connection costs that connection, never the listener.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import trio
+
+from nodeagent.http.balancer import Balancer
+from nodeagent.http.connection import HttpConnection
+from nodeagent.http.limits import Limits
+from nodeagent.http.routes import RouteTable
+from nodeagent.http.stats import HttpStats
+from nodeagent.http.tls import TlsConfig
+from nodeagent.http.upstream import Opener
+from nodeagent.ops.logs import get_logger
+
+log = get_logger("nodeagent.http")
+
+
+async def serve_http_connection(
+    stream: trio.abc.Stream,
+    *,
+    table: Callable[[], RouteTable],
+    open_upstream: Opener,
+    scheme: str = "http",
+    client_addr: str,
+    limits: Limits | None = None,
+    stats: HttpStats | None = None,
+    balancer: Balancer | None = None,
+    access_log: bool = False,
+) -> None:
+    """Serve one client connection until it closes; closes `stream` (and upstreams) at the end.
+
+    `table` is called for every request, so the owner swaps routes by changing what it
+    returns. Never raises for anything a client or upstream does; cancellation propagates.
+    """
+    limits = limits or Limits()
+    await HttpConnection(
+        stream,
+        table,
+        open_upstream,
+        scheme,
+        client_addr,
+        limits,
+        stats if stats is not None else HttpStats(),
+        balancer if balancer is not None else Balancer(limits.failed_backend_cooldown),
+        access_log,
+    ).run()
+
+
+class HttpFront:
+    """A listening HTTP (or HTTPS) front that owns its connection tasks.
+
+    `run(host, port)` / `serve(listeners)` return when cancelled or after `stop()`; every
+    connection task lives in the front's nursery and ends with it.
+    """
+
+    def __init__(
+        self,
+        *,
+        table: Callable[[], RouteTable],
+        open_upstream: Opener,
+        tls: TlsConfig | None = None,
+        limits: Limits | None = None,
+        stats: HttpStats | None = None,
+        access_log: bool = False,
+    ) -> None:
+        self.table = table
+        self.open_upstream = open_upstream
+        self.tls = tls
+        self.limits = limits or Limits()
+        self.stats = stats if stats is not None else HttpStats()
+        self.balancer = Balancer(self.limits.failed_backend_cooldown)
+        self.access_log = access_log
+        self._ssl_context = tls.server_context() if tls is not None else None
+        self._scope: trio.CancelScope | None = None
+        self.listeners: list[trio.SocketListener] = []
+
+    async def run(
+        self,
+        host: str | None,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        await self.serve(listeners, task_status=task_status)
+
+    async def serve(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.listeners = listeners
+        for listener in listeners:
+            addr = listener.socket.getsockname()
+            log.info(
+                "http front listening", address=f"{addr[0]}:{addr[1]}", tls=self.tls is not None
+            )
+        try:
+            async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
+                await nursery.start(
+                    functools.partial(
+                        trio.serve_listeners, self._handle, listeners, handler_nursery=nursery
+                    )
+                )
+                task_status.started(listeners)
+        finally:
+            self._scope = None
+
+    def stop(self) -> None:
+        """Close the listeners and every connection (the run/serve call returns)."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    @property
+    def port(self) -> int:
+        """The port of the first listener (handy with port 0)."""
+        return int(self.listeners[0].socket.getsockname()[1])
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        stats = self.stats
+        stats.connections_accepted += 1
+        stats.connections_open += 1
+        try:
+            try:
+                peer = stream.socket.getpeername()
+                client_addr = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            except OSError:
+                client_addr = "unknown"
+            conn_stream: trio.abc.Stream = stream
+            scheme = "http"
+            if self._ssl_context is not None and self.tls is not None:
+                ssl_stream = trio.SSLStream(
+                    stream, self._ssl_context, server_side=True, https_compatible=True
+                )
+                ok = False
+                with trio.move_on_after(self.tls.handshake_timeout):
+                    try:
+                        await ssl_stream.do_handshake()
+                        ok = True
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        log.info(
+                            "tls handshake failed",
+                            client=client_addr,
+                            error=str(exc.__cause__ or exc),
+                        )
+                if not ok:
+                    stats.tls_handshake_errors += 1
+                    await trio.aclose_forcefully(stream)
+                    return
+                conn_stream = ssl_stream
+                scheme = "https"
+            await serve_http_connection(
+                conn_stream,
+                table=self.table,
+                open_upstream=self.open_upstream,
+                scheme=scheme,
+                client_addr=client_addr,
+                limits=self.limits,
+                stats=stats,
+                balancer=self.balancer,
+                access_log=self.access_log,
+            )
+        except Exception as exc:
+            # A bug here must cost one connection, not the listener and all its clients.
+            log.error("http connection failed", error=repr(exc), exc_info=True)
+        finally:
+            stats.connections_open -= 1
+
+
+__all__ = ["HttpFront", "serve_http_connection"]

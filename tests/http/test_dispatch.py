@@ -1,0 +1,82 @@
+"""The route step without sockets: every answer a request gets before any upstream."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodeagent.http.dispatch import Refusal, route_request
+from nodeagent.http.headers import read_request
+from nodeagent.http.routes import Backend, Route, RouteSpec, RouteTable
+
+SHOP = Route("shop", (Backend("edge-1", "10.0.0.5", 8080),))
+SECURE = Route("secure", (Backend(None, "127.0.0.1", 8443),), tls_redirect=True)
+EMPTY = Route("empty", ())
+TABLE = RouteTable.build(
+    [
+        RouteSpec("shop.example", "/", SHOP),
+        RouteSpec("secure.example", "/", SECURE),
+        RouteSpec("empty.example", "/", EMPTY),
+    ]
+)
+
+
+def decide(
+    method: bytes,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    https: bool = False,
+    max_body: int | None = None,
+) -> Route | Refusal:
+    req = read_request(b"1.1", target, headers)
+    return route_request(TABLE, method, req, https=https, max_body=max_body)
+
+
+def test_routes_by_host_and_path() -> None:
+    assert decide(b"GET", b"/cart", [(b"host", b"shop.example")]) is SHOP
+    assert decide(b"GET", b"/cart", [(b"host", b"SHOP.example.:80")]) is SHOP
+    # the absolute-form authority routes, not the Host field
+    assert decide(b"GET", b"http://shop.example/x", [(b"host", b"other.example")]) is SHOP
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "host", "max_body", "status", "close", "location"),
+    [
+        (b"CONNECT", b"shop.example:443", b"shop.example", None, 405, True, None),
+        (b"GET", b"/", b"nowhere.example", None, 404, False, None),
+        (b"GET", b"/", b"", None, 404, False, None),
+        (b"GET", b"/", b"a" * 8000, None, 404, False, None),
+        (
+            b"GET",
+            b"/a?b=1",
+            b"Secure.Example:80",
+            None,
+            308,
+            False,
+            "https://secure.example/a?b=1",
+        ),
+        (b"GET", b"/", b"empty.example", None, 503, False, None),
+        (b"POST", b"/", b"shop.example", 99, 413, False, None),
+    ],
+)
+def test_refusals(
+    method: bytes,
+    target: bytes,
+    host: bytes,
+    max_body: int | None,
+    status: int,
+    close: bool,
+    location: str | None,
+) -> None:
+    headers = [(b"host", host), (b"content-length", b"100")]
+    got = decide(method, target, headers, max_body=max_body)
+    assert isinstance(got, Refusal)
+    assert (got.status, got.close, got.location) == (status, close, location)
+    assert got.reason
+
+
+def test_https_requests_are_not_redirected_and_bodies_within_limit_pass() -> None:
+    assert decide(b"GET", b"/", [(b"host", b"secure.example")], https=True) is SECURE
+    headers = [(b"host", b"shop.example"), (b"content-length", b"99")]
+    assert decide(b"POST", b"/", headers, max_body=99) is SHOP
+    assert decide(b"POST", b"/", [(b"host", b"shop.example")], max_body=0) is SHOP

@@ -34,11 +34,12 @@ at build time, so a lookup allocates only the path slices it probes.
 from __future__ import annotations
 
 import enum
-import gc
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from nodeagent.gcpause import gc_paused
+from nodeagent.routerules import check_rule_host, check_rule_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +74,6 @@ class PathType(enum.Enum):
     IMPLEMENTATION_SPECIFIC = "ImplementationSpecific"
 
 
-_LABEL = r"[a-z0-9]([-a-z0-9_]{0,61}[a-z0-9])?"
-_BAD_PATH = re.compile(r"[ ?#\r\n\t]")
-_HOST_RE = re.compile(rf"^(\*\.)?{_LABEL}(\.{_LABEL})*$|^\[[0-9a-f:.]+\]$")
 
 
 class _RouteSpecFields(NamedTuple):
@@ -99,20 +97,10 @@ class RouteSpec(_RouteSpecFields):
 
     def __new__(cls, host: str | None, path: str, route: Route,
                 path_type: PathType = PathType.PREFIX, rank: str = "") -> RouteSpec:
+        # The same rule syntax the controller checks Ingresses with (routerules).
         if host is not None:
-            given = host
-            host = host.lower()
-            if host.endswith("."):
-                host = host[:-1]
-            if not _HOST_RE.match(host) or len(host) > 253:
-                raise ValueError(
-                    f"host {given!r}: not a DNS name or a wildcard '*.' followed by one"
-                )
-        if not path.startswith("/"):
-            raise ValueError(f"path {path!r}: must start with '/'")
-        if _BAD_PATH.search(path):
-            raise ValueError(f"path {path!r}: must not contain spaces, '?' or '#'")
-        return super().__new__(cls, host, path, route, path_type, rank)
+            host = check_rule_host(host)
+        return super().__new__(cls, host, check_rule_path(path), route, path_type, rank)
 
 
 class Match(NamedTuple):
@@ -209,15 +197,8 @@ class RouteTable:
 
     @classmethod
     def build(cls, specs: Iterable[RouteSpec], default: Route | None = None) -> RouteTable:
-        # A rebuild allocates tens of thousands of small objects at once; letting the cyclic
-        # GC walk the growing heap meanwhile costs more than the rest (none of it is garbage).
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():  # tens of thousands of small objects at once, none garbage
             return cls._build(specs, default)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
 
     @classmethod
     def _build(cls, specs: Iterable[RouteSpec], default: Route | None) -> RouteTable:

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
+from tunnel.transport import PeerInfo
 
 from tests.tunnel.memtransport import memory_transport_pair
 from tunnel import protocol as p
@@ -31,7 +32,6 @@ from tunnel.endpoint import (
     TunnelConnection,
     TunnelStream,
 )
-from tunnel.transport import PeerInfo
 
 T = p.Target("svc", 80)
 

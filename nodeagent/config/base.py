@@ -1,0 +1,274 @@
+"""What every part of the config model is built from: the strict pydantic base `Model`,
+addresses (`HostPort`, `ListenAddress`, `PortRange`, CIDRs), node names, timing
+(`Keepalive`, `Reconnect`), and loading: `parse_config` / `load_config` turn a document
+into a model or one `ConfigError` naming the file and every bad field; `redacted` is what
+config dumps show."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+DNS_NAME = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def valid_node_name(name: str) -> bool:
+    """A Kubernetes node name: a DNS-1123 subdomain (lower case, at most 253 characters).
+    Node names become dict keys, metric labels and log fields: nothing else gets in."""
+    return bool(DNS_NAME.match(name))
+
+
+DEFAULT_AGENT_SOCKET = "/run/nodeagent/agent.sock"
+
+
+DEFAULT_SERVER_SOCKET = "/run/nodeagent/server.sock"
+
+
+# SO_MARK of the agent's own sockets; its netfilter rules skip this mark. Bit 20: clear
+# of kube-proxy's 0x4000/0x8000 masquerade/drop bits.
+DEFAULT_SOCKET_MARK = 0x100000
+
+
+M = TypeVar("M", bound="BaseModel")
+
+
+class ConfigError(Exception):
+    """Invalid configuration; the message names the source, the field and the problem."""
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+# ------------------------------------------------------------------ small types
+
+
+def _cidr_as_text(value: Any) -> Any:
+    # pydantic would read a bare number as an address (5 → 0.0.0.5/32): in a config
+    # file that is always a mistake, so a CIDR must be written as text.
+    if isinstance(value, str | ipaddress.IPv4Network | ipaddress.IPv6Network):
+        return value
+    raise ValueError(f"{value!r} is not a CIDR; write it as text, e.g. 10.0.0.0/8")
+
+
+Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, BeforeValidator(_cidr_as_text)]
+
+
+def _split_host_port(text: str) -> tuple[str, str]:
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"{text!r}: expected [ipv6]:port")
+        return host, rest[1:]
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r}: expected host:port")
+    return host, port
+
+
+def _parse_port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"port {text!r} out of range 1-65535")
+    return int(text)
+
+
+def _check_host(host: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if not DNS_NAME.match(host.lower()):
+        raise ValueError(f"{host!r} is neither an IP address nor a DNS name")
+    return host.lower()
+
+
+class HostPort(Model):
+    """`host:port`, `[v6]:port`; parsed from that string form."""
+
+    host: str
+    port: int
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            host, port = _split_host_port(value)
+            return {"host": host, "port": _parse_port(port)}
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return _check_host(v)
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 0 < v < 65536:
+            raise ValueError(f"port {v} out of range 1-65535")
+        return v
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+class ListenAddress(HostPort):
+    """Like HostPort but also accepts `:port` for all addresses, and port 0 (tests)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value.startswith(":"):
+                value = "0.0.0.0" + value
+            host, port = _split_host_port(value)
+            if not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(f"port {port!r} out of range 0-65535")
+            return {"host": host, "port": int(port)}
+        return value
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 0 <= v < 65536:
+            raise ValueError(f"port {v} out of range 0-65535")
+        return v
+
+
+class PortRange(Model):
+    first: int
+    last: int
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_scalar(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"first": value, "last": value}
+        if isinstance(value, str):
+            a, _, b = value.partition("-")
+            first = _parse_port(a.strip())
+            return {"first": first, "last": _parse_port(b.strip()) if b else first}
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PortRange:
+        for v in (self.first, self.last):
+            if not 0 < v < 65536:
+                raise ValueError(f"port {v} out of range 1-65535")
+        if self.first > self.last:
+            raise ValueError(f"port range {self.first}-{self.last} is reversed")
+        return self
+
+    def contains(self, port: int) -> bool:
+        return self.first <= port <= self.last
+
+
+def _read_secret(path: Path) -> str:
+    try:
+        value = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    if len(value) < 16:
+        raise ConfigError(f"{path}: token is shorter than 16 characters")
+    return value
+
+
+class Keepalive(Model):
+    interval: float = Field(default=15.0, gt=0, le=3600)
+    timeout: float = Field(default=10.0, gt=0, le=3600)
+
+
+class Reconnect(Model):
+    initial: float = Field(default=0.2, gt=0, le=60)
+    maximum: float = Field(default=15.0, gt=0, le=3600)
+
+
+# ------------------------------------------------------------------ what a node does
+
+
+def _check_tunnel_url(url: str) -> str:
+    if not re.match(r"^(tls|tcp|wss|ws)://", url):
+        raise ValueError(f"{url!r}: use tls://host:port, wss://host[:port]/path, ws://, tcp://")
+    return url
+
+
+def format_errors(source: str, exc: ValidationError) -> str:
+    """pydantic errors as one line per field: `source: field.path: problem`."""
+    lines = []
+    for err in exc.errors():
+        loc = ""
+        for part in err["loc"]:
+            loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = "unknown field (typo?)"
+        elif err["type"] == "missing":
+            message = "required field is missing"
+        lines.append(f"{source}: {loc or '(top level)'}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(model: type[M], doc: Any, source: str) -> M:
+    """Validate a parsed document; raises ConfigError naming every bad field."""
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, "
+                          f"got {type(doc).__name__}")
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(source, exc)) from None
+
+
+def load_config(model: type[M], path: Path) -> M:
+    """Read and validate a YAML file; raises ConfigError with a human message."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    return parse_config(model, doc, str(path))
+
+
+# Fields whose values are secrets wherever they appear in a config document.
+SECRET_FIELDS = frozenset({"key_pem", "token"})
+
+
+REDACTED = "[redacted]"
+
+
+def redacted(doc: Any) -> Any:
+    """A JSON config document with every secret value replaced (as Envoy's config_dump
+    does): what the debug socket and `nodeagent debug config` show, so a dump pasted
+    into a ticket leaks no private key or token. File paths to secrets stay visible."""
+    if isinstance(doc, dict):
+        return {key: REDACTED if key in SECRET_FIELDS and value is not None
+                else redacted(value) for key, value in doc.items()}
+    if isinstance(doc, list):
+        return [redacted(value) for value in doc]
+    return doc

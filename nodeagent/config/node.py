@@ -1,0 +1,251 @@
+"""What an agent does and needs: `NodeConfig` (allow list, interception — the part the
+controller computes per node) and `AgentConfig` (a node's file or flags: its identity,
+server, credentials). `intercept_model` is the intercept section as the netfilter
+package's model: files are validated with it at load time."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from netfilter.model import (
+    InterceptModel,
+    InterceptRule,
+    InvalidRule,
+    Mode,
+    NetfilterError,
+    ProxyPorts,
+    parse_cidrs,
+    validate_model,
+)
+from nodeagent.config.base import (
+    DEFAULT_AGENT_SOCKET,
+    DEFAULT_SOCKET_MARK,
+    DNS_NAME,
+    Cidr,
+    Keepalive,
+    ListenAddress,
+    Model,
+    PortRange,
+    Reconnect,
+    _check_host,
+    _check_tunnel_url,
+    _read_secret,
+    _split_host_port,
+)
+
+
+class AllowRule(Model):
+    """A target the server may ask this agent to dial. String form: `10.0.0.0/8:80-443`,
+    `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`."""
+
+    cidr: Cidr | None = None
+    host: str | None = None
+    ports: tuple[PortRange, ...] = ()  # empty: any port
+    protocol: Literal["tcp", "udp"] = "tcp"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        where, port = _split_host_port(value)
+        ports: list[str] = [] if port == "*" else [port]
+        try:
+            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports}
+        except ValueError as exc:
+            if "/" in where:
+                raise ValueError(f"{where!r} is not a valid CIDR: {exc}") from None
+        return {"host": where, "ports": ports}
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        return None if v is None else _check_host(v)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> AllowRule:
+        if (self.cidr is None) == (self.host is None):
+            raise ValueError("give exactly one of cidr or host")
+        return self
+
+    def allows(self, host: str, port: int, protocol: str) -> bool:
+        if protocol != self.protocol:
+            return False
+        if self.ports and not any(r.contains(port) for r in self.ports):
+            return False
+        if self.host is not None:
+            return host.lower() == self.host
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        assert self.cidr is not None
+        return address.version == self.cidr.version and address in self.cidr
+
+
+class ClientTls(Model):
+    """How the agent verifies the server and (for mutual TLS) proves itself."""
+
+    ca_file: Path | None = None  # None: the system trust store
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None  # SNI / verification name if not the URL's host
+    insecure_skip_verify: bool = False
+
+    @model_validator(mode="after")
+    def _pair(self) -> ClientTls:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
+class InterceptRuleConfig(Model):
+    """Connections from pods (or the node itself) to catch and carry elsewhere."""
+
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*$")
+    protocol: Literal["tcp", "udp"] = "tcp"
+    destinations: tuple[str, ...] = Field(min_length=1)
+    ports: tuple[int | str, ...] = ()  # empty: every port
+    source_interfaces: tuple[str, ...] = ()
+    source_cidrs: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    host_traffic: bool = False  # also the node's own processes (OUTPUT hook)
+    # tunnel: the server dials the destination (egress allow list) or relays it to the
+    # node that owns it; direct: the agent dials it itself, marked so it is not caught.
+    via: Literal["tunnel", "direct"] = "tunnel"
+
+
+class InterceptConfig(Model):
+    mode: Literal["redirect", "tproxy"] = "redirect"
+    backend: Literal["auto", "nftables", "iptables"] = "auto"
+    proxy_port: int = Field(default=15001, ge=1, le=65535)
+    exclude: tuple[str, ...] = ()  # never intercepted, whatever the rules say
+    rules: tuple[InterceptRuleConfig, ...] = ()
+
+    @model_validator(mode="after")
+    def _valid_for_netfilter(self) -> InterceptConfig:
+        # The netfilter model's own validation (overlapping or invalid CIDRs, port
+        # ranges, duplicate names), so a bad file is refused at load with the rule's
+        # name; interfaces are checked against the host when applied.
+        try:
+            intercept_model(self, skip_mark=DEFAULT_SOCKET_MARK)
+        except NetfilterError as exc:
+            # pydantic reports ValueErrors as field errors; anything else would escape as
+            # a traceback instead of "agent.yaml: intercept: ...".
+            raise ValueError(str(exc)) from None
+        return self
+
+
+def intercept_model(config: InterceptConfig, *, skip_mark: int,
+                interfaces: list[str] | None = None) -> InterceptModel:
+    """The intercept section as the netfilter package's model, validated. Raises NetfilterError (its
+    InvalidRule names the rule) for overlapping or invalid CIDRs, bad ports, unknown
+    interfaces (when `interfaces` is given)."""
+    for rule in config.rules:
+        if rule.protocol != "tcp":
+            # The rule model and both backends render udp, but the agent has no UDP relay
+            # yet: a udp rule would divert datagrams to a port nobody serves.
+            raise InvalidRule(rule.name, "protocol udp is not supported by the agent yet; "
+                                         "intercept rules are tcp only")
+    rules = tuple(
+        InterceptRule.parse(
+            rule.name, rule.protocol, rule.destinations, ports=rule.ports,
+            source_interfaces=rule.source_interfaces, source_cidrs=rule.source_cidrs,
+            exclude=rule.exclude, host_traffic=rule.host_traffic)
+        for rule in config.rules
+    )
+    model = InterceptModel(
+        rules=rules,
+        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port),
+        mode=Mode(config.mode),
+        exclude=parse_cidrs("(global)", "exclude", config.exclude),
+        skip_mark=skip_mark,
+    )
+    return validate_model(model, interfaces)
+
+
+class NodeConfig(Model):
+    """What an agent does: the part the controller computes per node."""
+
+    version: int = Field(default=0, ge=0)
+    allow: tuple[AllowRule, ...] = ()
+    intercept: InterceptConfig | None = None
+
+    def allows(self, host: str, port: int, protocol: str = "tcp") -> bool:
+        return any(rule.allows(host, port, protocol) for rule in self.allow)
+
+
+class AgentConfig(NodeConfig):
+    """An agent's config file: who it is, where the server is, and its NodeConfig."""
+
+    node: str
+    server: str
+    token: str | None = Field(default=None, min_length=16)
+    token_file: Path | None = None
+    tls: ClientTls = ClientTls()
+    debug_socket: Path = Path(DEFAULT_AGENT_SOCKET)
+    metrics_listen: ListenAddress | None = None
+    socket_mark: int = Field(default=DEFAULT_SOCKET_MARK, ge=1, le=0xFFFFFFFF)
+    dial_timeout: float = Field(default=5.0, gt=0, le=300)
+    keepalive: Keepalive = Keepalive()
+    reconnect: Reconnect = Reconnect()
+    # tcp:// and ws:// with a token send it in clear: only when said explicitly.
+    insecure: bool = False
+    # Controller mode: the projected ServiceAccount token (audience nodeagent) that proves
+    # this pod to the controller, which signs the node's certificate for it. It goes only
+    # to the controller, inside TLS end to end: never to the server.
+    identity_token_file: Path | None = None
+    # Controller mode: URL of the controller's config stream (http://host:port), reached
+    # through the tunnel. Set, the controller's NodeConfig replaces the file's.
+    controller: str | None = None
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, v: str) -> str:
+        if not DNS_NAME.match(v):
+            raise ValueError(f"{v!r} is not a valid node name (lower-case DNS name)")
+        return v
+
+    @field_validator("server")
+    @classmethod
+    def _server(cls, v: str) -> str:
+        return _check_tunnel_url(v)
+
+    @model_validator(mode="after")
+    def _credentials(self) -> AgentConfig:
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        if self.identity_token_file is not None:
+            if self.controller is None:
+                raise ValueError("identity_token_file needs controller (it proves this pod "
+                                 "to the controller, which signs the node's certificate)")
+            if self.token is not None or self.token_file is not None:
+                raise ValueError("with identity_token_file the node's certificate is its "
+                                 "only credential: drop token and token_file")
+        elif self.token is None and self.token_file is None and self.tls.cert_file is None:
+            raise ValueError("no credentials: set token, token_file, or tls.cert_file "
+                             "(mutual TLS)")
+        if self.server.startswith(("tcp://", "ws://")) and not self.insecure and (
+                self.token is not None or self.token_file is not None):
+            raise ValueError(f"server {self.server}: the token would cross the network in "
+                             f"clear; use tls:// or wss://, or set insecure: true (a lab "
+                             f"on one host)")
+        return self
+
+    def read_token(self) -> str | None:
+        if self.token is not None:
+            return self.token
+        if self.token_file is not None:
+            return _read_secret(self.token_file)
+        return None
+
+    def node_config(self) -> NodeConfig:
+        return NodeConfig(version=self.version, allow=self.allow, intercept=self.intercept)

@@ -1,0 +1,248 @@
+"""What a server does and needs: `RoutesConfig` (TCP mappings, HTTP and Ingress routes,
+egress, node CIDRs — what the controller computes for the servers) and `ServerConfig`
+(a server's file or flags: its tunnel listener, TLS, the agent credentials it accepts)."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from nodeagent.config.base import (
+    DEFAULT_SERVER_SOCKET,
+    DNS_NAME,
+    Cidr,
+    HostPort,
+    Keepalive,
+    ListenAddress,
+    Model,
+    _check_tunnel_url,
+    _read_secret,
+)
+from nodeagent.config.node import (
+    AllowRule,
+)
+
+
+class ServerTls(Model):
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None  # set: agents may (or must) present certificates
+    require_client_cert: bool = False
+
+    @model_validator(mode="after")
+    def _mtls(self) -> ServerTls:
+        if self.require_client_cert and self.client_ca_file is None:
+            raise ValueError("require_client_cert needs client_ca_file")
+        return self
+
+
+class TokenEntry(Model):
+    """A token an agent may present. node "*" accepts any node name (a shared token:
+    convenient for a lab, weaker: any holder can claim any node)."""
+
+    node: str
+    token: str | None = Field(default=None, min_length=16)
+    token_file: Path | None = None
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, v: str) -> str:
+        if v != "*" and not DNS_NAME.match(v):
+            raise ValueError(f"{v!r} is not a valid node name (lower-case DNS name)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenEntry:
+        if (self.token is None) == (self.token_file is None):
+            raise ValueError("give exactly one of token or token_file")
+        return self
+
+    def read(self) -> str:
+        if self.token is not None:
+            return self.token
+        assert self.token_file is not None
+        return _read_secret(self.token_file)
+
+
+class Backend(Model):
+    node: str | None = None  # None: the server dials it directly
+    target: HostPort
+
+
+class TcpMapping(Model):
+    """A public TCP port on the server that leads to a target through a node."""
+
+    name: str | None = None
+    listen: ListenAddress
+    node: str
+    target: HostPort
+
+
+class HttpRoute(Model):
+    host: str | None = None  # exact or "*.example.com"; None: any host
+    path: str = "/"
+    path_type: Literal["Prefix", "Exact", "ImplementationSpecific"] = "Prefix"
+    node: str | None = None
+    target: HostPort
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        name = v.lower()
+        if not DNS_NAME.match(name.removeprefix("*.")):
+            raise ValueError(f"{v!r} is not a host name (wildcards: *.example.com)")
+        return name
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"path {v!r} must start with /")
+        return v
+
+
+class HttpListener(Model):
+    name: str | None = None
+    listen: ListenAddress
+    routes: tuple[HttpRoute, ...] = ()
+
+
+class IngressRule(Model):
+    """One Ingress path (controller mode): requests for `host` + `path` are balanced across
+    `backends`. No backends: 503."""
+
+    name: str  # "namespace/ingress", for logs, metrics and Events
+    host: str | None = None  # exact or "*.example.com"; None: any host
+    path: str = "/"
+    path_type: Literal["Prefix", "Exact", "ImplementationSpecific"] = "Prefix"
+    backends: tuple[Backend, ...] = ()
+    # Tie-break between Ingresses claiming the same host+path: the smallest rank wins (the
+    # controller uses creationTimestamp, so the oldest Ingress wins).
+    rank: str = ""
+    tls_redirect: bool = False  # answer plain HTTP with 308 to https://
+
+
+class IngressTls(Model):
+    """A certificate the HTTPS listener serves by SNI for `hosts`."""
+
+    name: str  # "namespace/secret"
+    hosts: tuple[str, ...] = ()
+    cert_pem: str
+    key_pem: str
+
+
+class IngressRoutes(Model):
+    """What the server's Ingress listeners (`ingress_http`, `ingress_https`) serve."""
+
+    rules: tuple[IngressRule, ...] = ()
+    default_backend: IngressRule | None = None
+    tls: tuple[IngressTls, ...] = ()
+
+
+class RoutesConfig(Model):
+    """What a server does: the part the controller computes per server."""
+
+    version: int = Field(default=0, ge=0)
+    tcp: tuple[TcpMapping, ...] = ()
+    http: tuple[HttpListener, ...] = ()
+    # Destinations the server dials itself for streams agents open (intercepted traffic).
+    egress: tuple[AllowRule, ...] = ()
+    # Which node owns which addresses (pod CIDRs, site ranges): streams agents open to
+    # such an address are relayed to that node's agent.
+    node_cidrs: dict[str, tuple[Cidr, ...]] = {}
+    # Routes for the Ingress listeners (controller mode).
+    ingress: IngressRoutes = IngressRoutes()
+
+    def node_for_address(self, host: str) -> str | None:
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return None
+        for node, cidrs in self.node_cidrs.items():
+            if any(address.version == c.version and address in c for c in cidrs):
+                return node
+        return None
+
+    def egress_allows(self, host: str, port: int, protocol: str = "tcp") -> bool:
+        return any(rule.allows(host, port, protocol) for rule in self.egress)
+
+    @model_validator(mode="after")
+    def _unique_ports(self) -> RoutesConfig:
+        seen: dict[tuple[str, int], str] = {}
+        listens = [(f"tcp[{i}]", m.listen) for i, m in enumerate(self.tcp)]
+        listens += [(f"http[{i}]", h.listen) for i, h in enumerate(self.http)]
+        for where, addr in listens:
+            key = (addr.host, addr.port)
+            if addr.port and key in seen:
+                raise ValueError(f"{where} listens on {addr}, already used by {seen[key]}")
+            seen[key] = where
+        return self
+
+
+# ------------------------------------------------------------------ process settings
+
+
+class TunnelListen(Model):
+    url: str = "tls://0.0.0.0:8443"
+    # tcp:// and ws:// carry agents' tokens in clear: only when said explicitly.
+    insecure: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _check_tunnel_url(v)
+
+
+class ServerConfig(RoutesConfig):
+    """A server's config file: its listener, credentials it accepts, and RoutesConfig."""
+
+    server_id: str = "nodeagent-server"
+    tunnel: TunnelListen = TunnelListen()
+    tls: ServerTls | None = None
+    tokens: tuple[TokenEntry, ...] = ()
+    debug_socket: Path = Path(DEFAULT_SERVER_SOCKET)
+    metrics_listen: ListenAddress | None = None
+    dial_timeout: float = Field(default=10.0, gt=0, le=300)
+    keepalive: Keepalive = Keepalive()
+    # Controller mode: URL of the controller's config stream; set, the controller's
+    # RoutesConfig replaces the file's.
+    controller: str | None = None
+    # Listeners that serve `ingress` routes: plain HTTP and HTTPS (certificates by SNI).
+    ingress_http: ListenAddress | None = None
+    ingress_https: ListenAddress | None = None
+
+    @model_validator(mode="after")
+    def _secure(self) -> ServerConfig:
+        scheme = self.tunnel.url.split("://")[0]
+        if scheme in ("tls", "wss") and self.tls is None:
+            raise ValueError(f"tunnel {self.tunnel.url} needs a tls section (cert_file, key_file)")
+        if not self.tokens and (self.tls is None or self.tls.client_ca_file is None):
+            raise ValueError("no way to authenticate agents: add tokens, or "
+                             "tls.client_ca_file for mutual TLS")
+        if scheme in ("tcp", "ws") and self.tokens and not self.tunnel.insecure:
+            raise ValueError(f"tunnel {self.tunnel.url}: agents' tokens would cross the "
+                             f"network in clear; use tls:// or wss://, or set "
+                             f"tunnel.insecure: true (a lab on one host)")
+        return self
+
+    def routes(self) -> RoutesConfig:
+        return RoutesConfig(version=self.version, tcp=self.tcp, http=self.http,
+                            egress=self.egress, node_cidrs=self.node_cidrs,
+                            ingress=self.ingress)
+
+
+# ------------------------------------------------------------------ loading

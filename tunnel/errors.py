@@ -1,4 +1,6 @@
-"""The one error for "this stream could not be set up", whoever found out.
+"""The errors the tunnel's endpoints and dialers raise to their callers.
+
+`StreamFailed` is the one error for "this stream could not be set up", whoever found out.
 
 A stream's upstream can fail in the tunnel (the peer refused the OPEN, the node is not
 connected, the open timed out: `endpoint.StreamRefusedError`) or at a socket (the target
@@ -9,6 +11,9 @@ the incoming stream with the reason, reset the client, answer 502/504 — so bot
 
 from __future__ import annotations
 
+import trio
+
+from tunnel import protocol as p
 from tunnel.protocol import StreamReason
 
 
@@ -24,3 +29,40 @@ class StreamFailed(Exception):
     def outcome(self) -> str:
         """The reason as a word for metrics labels and logs (`refused`, `timeout`, ...)."""
         return self.reason.name.lower()
+
+
+class TunnelError(Exception):
+    """Base of the errors endpoints raise to their callers."""
+
+
+class TunnelClosedError(TunnelError, trio.BrokenResourceError):
+    """The connection ended; `code` and `message` say why."""
+
+    def __init__(self, message: str, code: p.ErrorCode = p.ErrorCode.NO_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StreamRefusedError(StreamFailed, TunnelError):
+    """The peer (or this side's limits) refused to open a stream."""
+
+
+class StreamResetError(TunnelError, trio.BrokenResourceError):
+    """The stream was reset (by the peer, or because the connection ended)."""
+
+    def __init__(self, reason: p.StreamReason, message: str) -> None:
+        super().__init__(f"stream reset ({reason.name.lower()}): {message}")
+        self.reason = reason
+        self.message = message
+
+
+class HandshakeError(TunnelError):
+    """The handshake failed; `code` is what the peer (or we) said."""
+
+    def __init__(self, message: str, code: p.ErrorCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AuthenticationFailed(Exception):
+    """Raised by an authenticate callback; the message goes to the peer and the log."""

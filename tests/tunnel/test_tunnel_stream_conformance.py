@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
-from tunnel.transport import PeerInfo
+from tunnel.transports import PeerInfo
 
 from tests.tunnel.memtransport import memory_transport_pair
 from tunnel import protocol as p

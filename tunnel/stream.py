@@ -1,0 +1,280 @@
+"""A tunnel stream as trio code sees it: `TunnelStream`, a trio HalfCloseableStream over one
+stream of a `TunnelConnection` (flow-controlled sends, a coalescing receive buffer,
+half-close with FIN, abort with RST), and `IncomingStream`, a stream the peer opened that
+the handler accepts or refuses. The connection (endpoint.py) drives them; they hold no
+tasks of their own.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import trio
+import trio.lowlevel
+
+from tunnel import protocol as p
+from tunnel.errors import StreamResetError
+
+if TYPE_CHECKING:  # the connection creates its streams; they call back into it
+    from tunnel.endpoint import TunnelConnection
+
+# receive_some() without max_bytes joins buffered frames up to this size.
+RECEIVE_COALESCE = 256 * 1024
+
+
+class TunnelStream(trio.abc.HalfCloseableStream):
+    """One stream of a tunnel connection, usable like a TCP connection."""
+
+    # Thousands of these sit idle on a busy tunnel: no per-instance dict, and the
+    # receive buffer is made on first data.
+    __slots__ = (
+        "__weakref__",
+        "_buffer",
+        "_buffered",
+        "_closed",
+        "_conn",
+        "_data_ready",
+        "_eof",
+        "_fin_sent",
+        "_recv_guard",
+        "_reset",
+        "_send_guard",
+        "_window_ready",
+        "bytes_received",
+        "bytes_sent",
+        "metadata",
+        "stream_id",
+        "target",
+    )
+
+    def __init__(self, conn: TunnelConnection, stream_id: int, target: p.Target,
+                 metadata: dict[str, str]) -> None:
+        self._conn = conn
+        self.stream_id = stream_id
+        self.target = target
+        self.metadata = metadata
+        self._buffer: collections.deque[bytes] | None = None
+        self._buffered = 0
+        self._eof = False
+        self._fin_sent = False
+        self._closed = False
+        self._reset: StreamResetError | None = None
+        self._data_ready = trio.Event()
+        self._window_ready = trio.Event()
+        self._send_guard = _Guard("another task is already sending on this stream")
+        self._recv_guard = _Guard("another task is already receiving on this stream")
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def __repr__(self) -> str:
+        return f"<TunnelStream {self.stream_id} {self.target}>"
+
+    # ---- called by the connection's reader
+
+    def _on_data(self, data: bytes) -> None:
+        if self._closed:
+            # Already closed locally: consume at once so connection credit returns.
+            self._conn._ack(self.stream_id, len(data))
+            return
+        if self._buffer is None:
+            self._buffer = collections.deque()
+        self._buffer.append(data)
+        self._buffered += len(data)
+        self._data_ready.set()
+
+    def _on_eof(self) -> None:
+        self._eof = True
+        self._data_ready.set()
+
+    def _on_reset(self, reason: p.StreamReason, message: str) -> None:
+        if self._reset is None:
+            self._reset = StreamResetError(reason, message)
+        self._data_ready.set()
+        self._window_ready.set()
+
+    def _on_window(self) -> None:
+        self._window_ready.set()
+
+    # ---- trio.abc.HalfCloseableStream
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with self._send_guard:
+            if self._closed:
+                raise trio.ClosedResourceError("stream is closed")
+            if self._fin_sent:
+                raise trio.ClosedResourceError("send_eof() was called")
+            view = memoryview(data)
+            conn = self._conn
+            while view:
+                if self._reset is not None:
+                    raise self._reset
+                window = conn._core.send_window(self.stream_id)
+                if window <= 0:
+                    if not conn._core.has_stream(self.stream_id):
+                        raise self._reset or StreamResetError(
+                            p.StreamReason.CANCELLED, "stream closed")
+                    self._window_ready = trio.Event()
+                    conn._window_waiters.add(self)
+                    await self._window_ready.wait()
+                    continue
+                chunk = view[:window]
+                conn._core.send_data(self.stream_id, chunk)
+                view = view[window:]
+                self.bytes_sent += len(chunk)
+                await conn._after_output()
+            await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        # Returning at once is allowed ("may return early"), but like send_all() it is
+        # one sender's call, and a closed stream must say so.
+        with self._send_guard:
+            if self._closed:
+                raise trio.ClosedResourceError("stream is closed")
+            await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        with self._send_guard:
+            await trio.lowlevel.checkpoint()
+            if self._fin_sent or self._closed:
+                return
+            if self._reset is not None:
+                raise self._reset
+            self._fin_sent = True
+            try:
+                self._conn._core.end_stream(self.stream_id)
+            except p.LocalProtocolError as exc:
+                raise StreamResetError(p.StreamReason.CANCELLED, str(exc)) from None
+            await self._conn._after_output()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)  # TypeError for a float, as trio wants
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
+        with self._recv_guard:
+            while True:
+                if self._closed:
+                    raise trio.ClosedResourceError("stream is closed")
+                buffer = self._buffer
+                if buffer:
+                    data = buffer.popleft()
+                    if max_bytes is not None and len(data) > max_bytes:
+                        buffer.appendleft(data[max_bytes:])
+                        data = data[:max_bytes]
+                    elif buffer:
+                        data = self._coalesce(buffer, data, max_bytes or RECEIVE_COALESCE)
+                    self._buffered -= len(data)
+                    self.bytes_received += len(data)
+                    self._conn._ack(self.stream_id, len(data))
+                    await trio.lowlevel.checkpoint()
+                    return data
+                if self._eof:
+                    await trio.lowlevel.checkpoint()
+                    return b""
+                if self._reset is not None:
+                    raise self._reset
+                self._data_ready = trio.Event()
+                await self._data_ready.wait()
+
+    @staticmethod
+    def _coalesce(buffer: collections.deque[bytes], data: bytes, limit: int) -> bytes:
+        """Join further whole frames already buffered, up to `limit` bytes: one copy
+        saves the reader a loop iteration and a syscall per frame in bulk transfers."""
+        total = len(data)
+        if total + len(buffer[0]) > limit:
+            return data
+        parts = [data]
+        while buffer and total + len(buffer[0]) <= limit:
+            chunk = buffer.popleft()
+            parts.append(chunk)
+            total += len(chunk)
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        """Close. A stream still open in either direction is reset (CANCELLED), like a
+        TCP close with data in flight; one finished both ways just goes away."""
+        await self.abort(p.StreamReason.CANCELLED, "closed by the local side")
+
+    async def abort(self, reason: p.StreamReason, message: str) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._buffered:
+            self._conn._ack(self.stream_id, self._buffered)
+            if self._buffer is not None:
+                self._buffer.clear()
+            self._buffered = 0
+        self._conn._forget(self)
+        if self._reset is None:
+            self._conn._core.reset_stream(self.stream_id, reason, message)
+            self._reset = StreamResetError(reason, message)
+            self._conn._wake_writer()
+        self._data_ready.set()
+        self._window_ready.set()
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def reset_reason(self) -> StreamResetError | None:
+        return self._reset
+
+
+class _Guard:
+    """Raises trio.BusyResourceError when two tasks use one direction at once."""
+
+    __slots__ = ("_held", "_message")
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+        self._held = False
+
+    def __enter__(self) -> None:
+        if self._held:
+            raise trio.BusyResourceError(self._message)
+        self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._held = False
+
+
+class IncomingStream:
+    """A stream the peer asked for; the handler accepts or refuses it."""
+
+    def __init__(self, conn: TunnelConnection, stream: TunnelStream) -> None:
+        self.connection = conn
+        self.stream = stream
+        self.answered = False
+
+    @property
+    def target(self) -> p.Target:
+        return self.stream.target
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.stream.metadata
+
+    async def accept(self) -> TunnelStream:
+        self._answer()
+        self.connection._core.accept_stream(self.stream.stream_id)
+        await self.connection._after_output()
+        return self.stream
+
+    async def refuse(self, reason: p.StreamReason, message: str = "") -> None:
+        self._answer()
+        self.connection._core.refuse_stream(self.stream.stream_id, reason, message)
+        self.connection._forget(self.stream)
+        self.stream._closed = True
+        await self.connection._after_output()
+
+    def _answer(self) -> None:
+        if self.answered:
+            raise p.LocalProtocolError("stream already answered")
+        self.answered = True
+        if self.stream._reset is not None:
+            raise self.stream._reset
+
+
+StreamHandler = Callable[[IncomingStream], Awaitable[None]]

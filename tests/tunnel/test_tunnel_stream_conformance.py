@@ -21,7 +21,6 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
-from tunnel.transports import PeerInfo
 
 from tests.tunnel.memtransport import memory_transport_pair
 from tunnel import protocol as p
@@ -32,6 +31,7 @@ from tunnel.endpoint import (
     TunnelConnection,
     TunnelStream,
 )
+from tunnel.transports import PeerInfo
 
 T = p.Target("svc", 80)
 

@@ -70,6 +70,7 @@ class TunnelServer:
         settings: EndpointSettings | None = None,
         stream_handler: NodeStreamHandler | None = None,
         bootstrap_handler: NodeStreamHandler | None = None,
+        max_sessions: int = 10_000,
         max_bootstrap_sessions: int = 64,
         bootstrap_seconds: float = 30.0,
         log: StructuredLogger | None = None,
@@ -79,6 +80,9 @@ class TunnelServer:
         self.settings = settings or EndpointSettings()
         self._stream_handler = stream_handler
         self._bootstrap_handler = bootstrap_handler
+        # Registered agents at most: beyond it a new node is refused (one already
+        # registered may still reconnect), so no stream of names can grow the registry.
+        self.max_sessions = max_sessions
         self.max_bootstrap_sessions = max_bootstrap_sessions
         self.bootstrap_seconds = bootstrap_seconds
         self.bootstrap_sessions = 0  # open now
@@ -137,6 +141,10 @@ class TunnelServer:
         async def vet(hello: p.Hello, peer: PeerInfo) -> p.Hello:
             nonlocal identity, reserved
             identity = await self._authenticate(hello, peer)
+            if (isinstance(identity, str) and identity not in self.sessions
+                    and len(self.sessions) >= self.max_sessions):
+                raise AuthenticationFailed(f"this server holds its maximum of "
+                                           f"{self.max_sessions} agents; try another replica")
             if isinstance(identity, Bootstrap):
                 if self._bootstrap_handler is None:
                     raise AuthenticationFailed("this server issues no credentials: present a "

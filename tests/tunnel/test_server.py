@@ -138,3 +138,15 @@ async def test_bootstrap_is_refused_without_a_handler_and_beyond_the_cap() -> No
             await dial_hello(capped, nursery, {"node": "edge-2", "bootstrap": "1"})
         assert capped.bootstrap_sessions == 1 and plain.bootstrap_sessions == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_full_server_refuses_new_nodes_but_lets_known_ones_reconnect() -> None:
+    server = TunnelServer(authenticate=node_from_hello, settings=SETTINGS, max_sessions=1)
+    async with trio.open_nursery() as nursery:
+        first = await connect_agent(server, nursery, echo_handler)
+        with pytest.raises(HandshakeError, match="maximum of 1 agents"):
+            await dial_hello(server, nursery, {"node": "edge-2"})
+        assert set(server.sessions) == {"edge-1"}
+        again = await connect_agent(server, nursery, echo_handler)  # edge-1 reconnecting
+        assert again is not first and set(server.sessions) == {"edge-1"}
+        nursery.cancel_scope.cancel()

@@ -147,9 +147,9 @@ class LeakWarning(UserWarning):
 @pytest.fixture(autouse=True, scope="module")
 def _no_leaks_in_module(request: pytest.FixtureRequest) -> Iterator[None]:
     # Collected here, each module's leaks surface in the module that made them, never in
-    # a later test. Passing tests' leaks are reported as a warning (one known today:
-    # tests/test_debug.py's refused connection, inside httpx's UDS transport); a failed
-    # test's leaks fail it (_no_leaks).
+    # a later test. Passing tests' leaks are reported as a warning, so the run names
+    # them without turning red over timing of the garbage collector; a failed test's
+    # leaks fail it (_no_leaks).
     yield
     left = _garbage()
     if left:

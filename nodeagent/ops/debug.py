@@ -140,6 +140,26 @@ def fetch_debug(path: str | os.PathLike[str], route: str, *, timeout: float = 5.
     if not route.startswith("/"):
         route = "/" + route
     hint = "(--socket to choose another)"
+    # Connect once ourselves first: httpx's Unix-socket transport leaks its socket when
+    # connect() fails (seen with httpx 0.28 / httpcore 1.0), and our own error says
+    # exactly what is wrong. A socket that vanishes in between still fails cleanly below.
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(timeout)
+        probe.connect(path)
+    except PermissionError as exc:
+        raise DebugUnavailable(
+            f"permission denied on {path}: run as root or as the agent's user {hint}") from exc
+    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
+        raise DebugUnavailable(
+            f"no agent is listening on {path}: is the agent running? {hint}") from exc
+    except TimeoutError as exc:
+        raise DebugUnavailable(
+            f"the agent on {path} did not answer within {timeout:g}s {hint}") from exc
+    except OSError as exc:
+        raise DebugUnavailable(f"cannot read {path}: {exc.strerror or exc} {hint}") from exc
+    finally:
+        probe.close()
     try:
         transport = httpx.HTTPTransport(uds=path)
         with httpx.Client(transport=transport, timeout=timeout, trust_env=False) as client:

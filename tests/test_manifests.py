@@ -223,7 +223,7 @@ def test_agent_and_server_get_no_api_permissions() -> None:
         "nodeagent"
     assert pod["hostNetwork"] is True
     caps = pod["containers"][0]["securityContext"]["capabilities"]["add"]
-    assert set(caps) == {"NET_ADMIN", "NET_RAW"}
+    assert set(caps) == set(AGENT_CAPABILITIES)
     assert {"operator": "Exists"} in pod["tolerations"]
 
 
@@ -242,6 +242,118 @@ def test_containerfile_essentials() -> None:
     for package in ("nftables", "iptables", "iproute2"):
         assert package in text
     assert 'ENTRYPOINT ["nodeagent"]' in text
+
+
+# The agent's capabilities, each with the reason; agent.yaml adds exactly these (and lists
+# the same reasons next to them). Measured in a network namespace with only NET_ADMIN:
+# nft, SO_MARK and IP_TRANSPARENT work; iptables-legacy fails ("can't initialize
+# iptables table ... Permission denied") because libiptc opens a SOCK_RAW socket.
+AGENT_CAPABILITIES = {
+    "NET_ADMIN": "nftables/iptables rules, policy routing, SO_MARK, IP_TRANSPARENT",
+    "NET_RAW": "iptables-legacy hosts only: libiptc's SOCK_RAW socket",
+}
+
+
+def _pod_security_context(workload: dict[str, Any]) -> dict[str, Any]:
+    return dict(workload["spec"]["template"]["spec"].get("securityContext") or {})
+
+
+@pytest.mark.parametrize("workload", workloads(), ids=_id)
+def test_every_container_runs_with_the_runtime_default_seccomp_profile(
+        workload: dict[str, Any]) -> None:
+    pod_profile = _pod_security_context(workload).get("seccompProfile")
+    pod = workload["spec"]["template"]["spec"]
+    for container in pod["containers"] + pod.get("initContainers", []):
+        profile = (container.get("securityContext") or {}).get("seccompProfile", pod_profile)
+        assert profile == {"type": "RuntimeDefault"}, (_id(workload), container["name"])
+
+
+@pytest.mark.parametrize("workload", workloads(), ids=_id)
+def test_containers_drop_every_capability_and_add_only_the_agents(
+        workload: dict[str, Any]) -> None:
+    is_agent = workload["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"
+    for container in _containers(workload):
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["readOnlyRootFilesystem"] is True
+        assert not context.get("privileged")
+        caps = context["capabilities"]
+        assert caps["drop"] == ["ALL"]
+        assert sorted(caps.get("add", [])) == (sorted(AGENT_CAPABILITIES) if is_agent else [])
+    if is_agent:
+        text = (MANIFESTS / "agent.yaml").read_text()
+        for cap in AGENT_CAPABILITIES:  # the reason is written next to the manifest too
+            assert re.search(rf"^\s*#\s+{cap}\s+\S", text, re.M), cap
+
+
+@pytest.mark.parametrize("component", ["controller", "server"])
+def test_controller_and_server_meet_the_restricted_pod_security_level(
+        component: str) -> None:
+    """The `restricted` profile's checks that apply to these pods; only the agent needs
+    the namespace's `privileged` level."""
+    workload = _workload(component)
+    pod = workload["spec"]["template"]["spec"]
+    context = _pod_security_context(workload)
+    assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert not any("hostPath" in v for v in pod.get("volumes", []))
+    for container in _containers(workload):
+        assert not (container.get("securityContext") or {}).get("runAsUser")
+        assert not any("hostPort" in p for p in container.get("ports", []))
+
+
+def test_namespace_pod_security_level_admits_the_agent_and_warns_at_restricted() -> None:
+    (namespace,) = by_kind("Namespace")
+    labels = namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    assert labels["pod-security.kubernetes.io/audit"] == "restricted"
+    # Why privileged: what `baseline` forbids and the agent needs.
+    agent = _workload("agent")["spec"]["template"]["spec"]
+    assert agent["hostNetwork"] is True
+    assert any("hostPath" in v for v in agent["volumes"])
+    assert "NET_ADMIN" in AGENT_CAPABILITIES  # not in baseline's allowed set
+    assert {w["metadata"]["namespace"] for w in workloads()} == {
+        namespace["metadata"]["name"]}
+
+
+def _controller_rules() -> list[tuple[dict[str, Any], str]]:
+    return [(rule, o["kind"]) for o in objects() if o["kind"] in ("Role", "ClusterRole")
+            and o["metadata"]["name"] == "nodeagent-controller" for rule in o["rules"]]
+
+
+def test_crd_writes_are_limited_to_nodeagents_own_crds() -> None:
+    ours = {m["metadata"]["name"] for m in crd_manifests()}
+    crd_rules = [r for r, _ in _controller_rules()
+                 if "customresourcedefinitions" in r["resources"]]
+    for rule in crd_rules:
+        if set(rule["verbs"]) & {"get", "update", "patch", "delete", "*"}:
+            assert set(rule.get("resourceNames", [])) == ours, rule
+    # create cannot carry resourceNames (the API would never match it); it is the only
+    # unrestricted CRD verb.
+    unrestricted = {v for r in crd_rules if not r.get("resourceNames") for v in r["verbs"]}
+    assert unrestricted == {"create"}
+
+
+def test_secret_rbac_documents_the_controllers_field_selector() -> None:
+    """The ClusterRole cannot enforce the informer's field selector; rbac.yaml must name
+    the selector the controller really uses, and nothing but the servers' certificate may
+    be updated."""
+    from nodeagent.controller.controller import SECRET_FIELD_SELECTOR
+    from nodeagent.kube.client import selector_string
+
+    selector = selector_string(SECRET_FIELD_SELECTOR)
+    assert selector == "type=kubernetes.io/tls"
+    text = (MANIFESTS / "rbac.yaml").read_text()
+    assert f"`{selector}`" in text
+    assert "RBAC has no conditions on" in text
+    secret_rules = [(r, kind) for r, kind in _controller_rules() if "secrets" in r["resources"]]
+    cluster_verbs = {v for r, kind in secret_rules if kind == "ClusterRole" for v in r["verbs"]}
+    assert cluster_verbs <= {"get", "list", "watch"}
+    writes = [r for r, _ in secret_rules
+              if set(r["verbs"]) & {"update", "patch", "delete", "deletecollection", "*"}]
+    assert [(r.get("resourceNames"), sorted(r["verbs"])) for r in writes] == [
+        (["nodeagent-server-tls"], ["update"])]
 
 
 def _workload(component: str) -> dict[str, Any]:

@@ -70,6 +70,14 @@ from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.controller")
 
+# The only Secrets the controller caches: Ingress TLS certificates and its own (the CA and
+# the servers' certificate, which bootstrap creates as kubernetes.io/tls too). The API
+# server filters, so Helm release records, tokens and other Opaque Secrets never reach
+# this process. RBAC cannot enforce a field selector on type: the ClusterRole still grants
+# list/watch of every Secret (manifests/rbac.yaml says so).
+TLS_SECRET_TYPE = "kubernetes.io/tls"
+SECRET_FIELD_SELECTOR = {"type": TLS_SECRET_TYPE}
+
 
 @dataclass
 class ControllerSettings:
@@ -137,8 +145,9 @@ class Controller:
     def __post_init__(self) -> None:
         ns = self.settings.namespace
         self.caches = {r.plural: self.informers.cache(r) for r in (
-            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, SECRETS,
-            CLUSTER_TUNNELS)}
+            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, CLUSTER_TUNNELS)}
+        self.caches["secrets"] = self.informers.cache(
+            SECRETS, field_selector=SECRET_FIELD_SELECTOR)
         self.caches["watchers"] = self.informers.cache(
             CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)

@@ -167,11 +167,13 @@ async def test_status_writes_do_not_recompute_but_the_leader_keeps_status_right(
             {"type": "Ready", "status": "True", "lastHeartbeatTime": rfc3339()}])),
         status=True)
     await seen(controller.caches["nodes"], node)
-    # A Secret no Ingress names (e.g. a Helm release record) is not one either.
-    helm = await kube.create(SECRETS, {"metadata": {"name": "sh.helm.release.v1.x.v1",
-                                                    "namespace": NS},
-                                       "stringData": {"release": "H4sI"}})
-    await seen(controller.caches["secrets"], helm)
+    # A TLS Secret no Ingress names (e.g. another controller's certificate) is not one
+    # either. (Opaque Secrets such as Helm release records are not even cached: the
+    # informer's field selector asks only for kubernetes.io/tls.)
+    unnamed = await kube.create(SECRETS, {"metadata": {"name": "other-tls", "namespace": NS},
+                                          "type": "kubernetes.io/tls",
+                                          "stringData": {"tls.crt": "x", "tls.key": "y"}})
+    await seen(controller.caches["secrets"], unnamed)
     assert controller.recompute_triggers == triggers
 
     node = await replace(kube, NODES, node, lambda o: o["metadata"]["labels"].update(

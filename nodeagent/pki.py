@@ -567,6 +567,10 @@ def _ca_data(ca: CertLike) -> str:
 def _harden(ctx: ssl.SSLContext, alpn: Sequence[str] | None) -> None:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # 1.3 is negotiated whenever both can
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
+    # A TCP FIN without close_notify is a truncation, not a clean end. Some Python builds
+    # (Debian's 3.11.2) set OP_IGNORE_UNEXPECTED_EOF by default, and TLS then reports a
+    # cut connection as a clean EOF: always clear it.
+    ctx.options &= ~ssl.OP_IGNORE_UNEXPECTED_EOF
     if alpn:
         ctx.set_alpn_protocols(list(alpn))
 

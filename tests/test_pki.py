@@ -328,3 +328,12 @@ def test_a_certificate_file_may_hold_its_key(tmp_path: Path, ca: pki.Certificate
     both.write_bytes(server.certificate_pem + server.key_pem)
     ctx = pki.client_ssl_context(ca.certificate_pem, both)
     assert isinstance(ctx, ssl.SSLContext)
+
+
+def test_contexts_never_ignore_a_missing_close_notify(ca: pki.CertificateAuthority,
+                                                      server: pki.IssuedCertificate) -> None:
+    """Some Python builds (Debian's 3.11.2) set OP_IGNORE_UNEXPECTED_EOF by default: a cut
+    TLS connection would then read as a clean end. Ours always clear it."""
+    for ctx in (pki.server_ssl_context(server.certificate_pem, server.key_pem),
+                pki.client_ssl_context(ca.certificate_pem)):
+        assert not ctx.options & ssl.OP_IGNORE_UNEXPECTED_EOF

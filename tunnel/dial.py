@@ -172,6 +172,8 @@ async def dial(
     if endpoint.uses_tls and ssl_context is None:
         ssl_context = ssl.create_default_context()
         ssl_context.minimum_version = ssl.TLSVersion.TLSv1_2
+        # A cut connection must not read as a clean end (see nodeagent.pki._harden).
+        ssl_context.options &= ~ssl.OP_IGNORE_UNEXPECTED_EOF
     try:
         with trio.fail_after(connect_timeout):
             return await _dial(endpoint, ssl_context=ssl_context,

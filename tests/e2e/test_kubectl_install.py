@@ -279,6 +279,7 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
     row = wait_for(tunnel_row, "kubectl get ct shows the tunnel covered and ready")
     assert row[:2] == ["edge", f"wss://127.0.0.1:{ports['tunnel']}/tunnel"]
     assert int(row[3]) >= 1 and row[5].endswith("s")
+    assert k.ok("get", "ct", "edge", "-o", "jsonpath={.status.nodesCovered}") == "1"
     # No Deployment controller here: its status from what the probes say of our processes.
     for name, port in (("nodeagent-controller", ports["c-metrics"]),
                        ("nodeagent-server", ports["s-metrics"])):
@@ -315,7 +316,9 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
     assert re.search(r"Warning\s+TLSSecretMissing\s+.*missing-tls", events), described
     assert shop().status_code == 200  # the good one is still served
 
-    # 6. Deleting the ClusterTunnel waits for the controller to release its finalizer.
+    # 6. Deleting the ClusterTunnel waits for the controller to release its finalizer: with
+    # the controller paused (SIGSTOP) the object stays, marked for deletion; resumed, it
+    # releases it and the object is gone.
     finalizers = k.ok("get", "ct", "edge", "-o", "jsonpath={.metadata.finalizers}")
     assert json.loads(finalizers) == ["nodeagent.io/cleanup"]
     controller.signal(signal.SIGSTOP)

@@ -74,7 +74,10 @@ def admit(rt: ResourceType, obj: Obj, old: Obj | None, causes: Causes) -> None:
         if kind in ("User", "Group"):
             subject.setdefault("apiGroup", RBAC)
         elif kind == "ServiceAccount":
-            subject.setdefault("apiGroup", "")
+            # Defaulted to "", which the API omits when it writes the object (omitempty);
+            # kept, it makes every `kubectl apply` of a binding "configured".
+            if not subject.get("apiGroup"):
+                subject.pop("apiGroup", None)
             if not subject.get("namespace") and not rt.namespaced:
                 causes.append((f"{path}.namespace", "FieldValueRequired", "Required value"))
         else:

@@ -1,4 +1,9 @@
-"""The resource types the fake API server serves: built-ins and CRD-registered ones."""
+"""The resource types the fake API server serves: built-ins and CRD-registered ones.
+
+Only the types nodeagent and its tests use. Not served, unlike a real cluster: core v1
+Endpoints and events.k8s.io (`kubectl describe` reads core v1 Events, by involvedObject
+field selectors, which are served). Nothing fills in workload status: there is no kubelet
+and no Deployment controller."""
 
 from __future__ import annotations
 

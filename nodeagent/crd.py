@@ -15,7 +15,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
-from nodeagent.config import AllowRule, ConfigError, InterceptConfig, PortRange, format_errors
+from nodeagent.config import (
+    AllowRule,
+    Cidr,
+    ConfigError,
+    InterceptConfig,
+    PortRange,
+    format_errors,
+)
 from nodeagent.kube.resources import custom_resource
 
 CLUSTER_TUNNELS = custom_resource("clustertunnels", "ClusterTunnel", namespaced=False)
@@ -40,8 +47,13 @@ class ClusterTunnelSpec(CrdModel):
         default=(), description="Ports on each node's own addresses that servers may reach "
         "through the tunnel (kubelet 10250, node-exporter 9100, ...).")
     egress: tuple[AllowRule, ...] = Field(
-        default=(), description="Destinations servers dial for agents' intercepted "
-        "traffic: each {cidr or host, ports, protocol}.")
+        default=(), description="Destinations servers dial for the intercepted traffic of "
+        "the nodes this tunnel covers: each {cidr or host, ports, protocol}. Loopback, "
+        "link-local, the API server's addresses and the Service range are refused unless "
+        "a rule's cidr lies inside that range (a wider rule does not unlock them).")
+    service_cidrs: tuple[Cidr, ...] = Field(
+        default=(), description="The cluster's Service range(s), refused as egress unless "
+        "a rule names them; unset in every tunnel: the ClusterIPs of the Services seen.")
     intercept: InterceptConfig | None = Field(
         default=None, description="Traffic the agents catch on their node and carry "
         "through the tunnel (same model as the agent config file).")

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import trio
+from prometheus_client import Counter as MetricCounter
 from prometheus_client.core import GaugeMetricFamily
 
 from nodeagent import __version__
@@ -146,6 +147,10 @@ class Server:
             bootstrap_handler=self.handle_bootstrap_stream if config.controller else None,
             log=self.log)
         self._egress_refusals = RateLimitedLog(self.log, period=60.0)
+        # Streams refused by policy, by why (a fixed set: see _refuse).
+        self.refusals = MetricCounter(
+            "nodeagent_server_refusals_total", "Agent streams and registrations the "
+            "server refused by policy, by reason", ["reason"], registry=self.metrics.registry)
         self.tables: dict[int, RouteTable] = {
             i: build_route_table(h) for i, h in enumerate(self.routes.http)}
         self.ingress_table, refused = build_ingress_table(self.routes.ingress)
@@ -240,16 +245,22 @@ class Server:
             if owner is not None and owner != node:
                 via = "relay"
                 return await self.open_to(owner, target.host, target.port, f"{node}/{origin}")
-            if self.routes.egress_allows(target.host, target.port, target.protocol) or (
-                    (target.host, target.port) == self._controller):
+            if (target.host, target.port) == self._controller:
+                # The config and signing streams: always, whatever the egress rules.
                 return await connect_tcp(target.host, target.port,
                                          connect_timeout=self.config.dial_timeout)
-            # Keyed by node (authenticated, bounded), not by the target the agent names.
-            self._egress_refusals.warning(
-                node, "agent stream refused: destination not allowed",
-                node=node, target=str(target), origin=origin)
-            raise StreamFailed(p.StreamReason.FORBIDDEN,
-                               f"{target} is not in the server's egress allow list")
+            why = self.routes.check_egress(node, target.host, target.port, target.protocol)
+            if why is None:
+                return await connect_tcp(target.host, target.port,
+                                         connect_timeout=self.config.dial_timeout)
+            if why == "not_allowed":
+                raise self._refuse("egress_not_allowed", node,
+                                   f"{target} is not in node {node}'s egress allow list",
+                                   target=str(target), origin=origin)
+            raise self._refuse("egress_protected", node,
+                               f"{target} is protected (loopback, link-local, the API server "
+                               f"or the Service range) and no egress rule of node {node} "
+                               f"names its range", target=str(target), origin=origin)
 
         relayed = await relay_incoming(incoming, open_upstream,
                                        on_accepted=lambda: self._count_in(via))
@@ -275,6 +286,15 @@ class Server:
                                        on_accepted=lambda: self._count_in("bootstrap"))
         if relayed.failure is not None:
             self._count_in(f"bootstrap_{relayed.failure.outcome}")
+
+    def _refuse(self, reason: str, node: str, message: str, **fields: Any) -> StreamFailed:
+        """Count a policy refusal (`reason` from a fixed set), log it at most once a minute
+        per (reason, node) — keys the server bounds, never what the agent names — and
+        return the FORBIDDEN failure to raise."""
+        self.refusals.labels(reason).inc()
+        self._egress_refusals.warning(f"{reason}:{node}", "agent stream refused",
+                                      reason=reason, node=node, problem=message, **fields)
+        return StreamFailed(p.StreamReason.FORBIDDEN, message)
 
     def _count_in(self, outcome: str) -> None:
         self.outcomes[f"agent_opened:{outcome}"] += 1

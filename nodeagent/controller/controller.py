@@ -196,11 +196,12 @@ class Controller:
         ingresses = c["ingresses"].list()
         self._secret_refs = secret_references(ingresses)
         services, endpoint_slices = c["services"].list(), c["endpointslices"].list()
+        nodes = c["nodes"].list()
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
-            services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list())
+            services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
+            nodes=nodes)
         tunnel_objects = c["clustertunnels"].list()
-        nodes = c["nodes"].list()
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
                       services=services, endpoint_slices=endpoint_slices)

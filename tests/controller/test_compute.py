@@ -33,7 +33,7 @@ def translation() -> Any:
     return translate_ingresses(
         ingresses=[ingress("shop", [rule("shop.test", path("/"))])], ingress_classes=[OURS],
         services=[service()], endpoint_slices=[slice_("web", endpoint("10.1.0.5"))],
-        secrets=[])
+        secrets=[], nodes=[node("edge-1", "192.168.1.10", pod_cidrs=["10.1.0.0/24"])])
 
 
 def test_nodes_allow_their_ingress_backends_and_the_tunnels_node_ports() -> None:
@@ -130,3 +130,4 @@ def test_the_api_server_and_service_range_are_protected_even_under_a_wide_rule()
     assert out.routes.check_egress("e1", "172.18.0.2", 443) is None
     assert out.routes.check_egress("e1", "172.18.0.2", 6443) == "protected"
     assert out.routes.check_egress("e1", "10.96.4.4", 443) == "protected"
+

@@ -271,8 +271,11 @@ def test_agents_and_servers_get_certificates_and_read_only_their_config(
     wait_for(lambda: "ca.crt" in (api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent").get(
         "data") or {}), "the leader published the CA")
     ca_pem = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
+    # The "pod" is the test's upstream on 127.0.0.1: an address of the node (an endpoint
+    # only reaches a node's allow list with an address of that node's).
     api.create(NODES, {"metadata": {"name": "edge-1"}, "spec": {"podCIDRs": ["10.1.0.0/24"]},
-                       "status": {"addresses": [{"type": "InternalIP",
+                       "status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                                                {"type": "ExternalIP",
                                                  "address": "192.168.7.10"}]}})
     uid = pod(api, "nodeagent-agent-x1", "edge-1", "nodeagent-agent")
     add_token(api, "e2e-projected-agent-0123456789", namespace="nodeagent",
@@ -311,8 +314,11 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
         "nodeagent-ca", "nodeagent-server-tls"}, "CA and server certificate Secrets")
     ca_pem = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
     assert "BEGIN CERTIFICATE" in ca_pem
+    # The "pod" is the test's upstream on 127.0.0.1: an address of the node (an endpoint
+    # only reaches a node's allow list with an address of that node's).
     api.create(NODES, {"metadata": {"name": "edge-1"}, "spec": {"podCIDRs": ["10.1.0.0/24"]},
-                       "status": {"addresses": [{"type": "InternalIP",
+                       "status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                                                {"type": "ExternalIP",
                                                  "address": "192.168.7.10"}]}})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
@@ -369,18 +375,20 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
     api.delete(INGRESSES, "shop", NS)
     wait_for(lambda: get(port, "shop.test", "/api/x").status_code == 404, "Ingress removed")
 
-    # The Node deleted: its agent's config loses the targets, the route 502s or 404s.
+    # The Node deleted: its endpoints are no node's any more (no backends: 503) and its
+    # agent's config loses the targets.
     api.create(INGRESSES, ingress("shop2", "shop2.test", "/"))
     wait_for(lambda: get(port, "shop2.test", "/").status_code == 200, "second Ingress")
     api.delete(NODES, "edge-1")
-    wait_for(lambda: get(port, "shop2.test", "/").status_code == 502,
-             "node deleted: its agent no longer allows the target")
+    wait_for(lambda: get(port, "shop2.test", "/").status_code == 503,
+             "node deleted: its endpoints are no backends")
 
 
 def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]) -> None:
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
     c1 = cluster["procs"][0]
-    api.create(NODES, {"metadata": {"name": "edge-1"}})
+    api.create(NODES, {"metadata": {"name": "edge-1"}, "status": {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"}]}})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80}]}})
     api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [

@@ -37,6 +37,21 @@ class CrdModel(BaseModel):
                               alias_generator=to_camel)
 
 
+class RelayPolicy(CrdModel):
+    """Which covered nodes' agents may reach which addresses of other nodes (pod CIDRs
+    and site ranges the servers relay to the owning node's agent)."""
+
+    from_node_selector: dict[str, str] = Field(
+        default={}, description="Labels the source Node must carry (besides being covered "
+        "by this tunnel); empty: every node the tunnel covers.")
+    to: tuple[AllowRule, ...] = Field(
+        min_length=1, description="Destinations on other nodes: each {cidr, ports, "
+        "protocol}.")
+
+    def covers(self, node_labels: dict[str, str]) -> bool:
+        return all(node_labels.get(k) == v for k, v in self.from_node_selector.items())
+
+
 class ClusterTunnelSpec(CrdModel):
     """Tunnel-wide settings for every node the tunnel covers."""
 
@@ -54,6 +69,10 @@ class ClusterTunnelSpec(CrdModel):
     service_cidrs: tuple[Cidr, ...] = Field(
         default=(), description="The cluster's Service range(s), refused as egress unless "
         "a rule names them; unset in every tunnel: the ClusterIPs of the Services seen.")
+    relays: tuple[RelayPolicy, ...] = Field(
+        default=(), description="Node-to-node paths: a stream a covered node's agent opens "
+        "to an address another node owns is relayed only where a policy here allows it; "
+        "none: no relays.")
     intercept: InterceptConfig | None = Field(
         default=None, description="Traffic the agents catch on their node and carry "
         "through the tunnel (same model as the agent config file).")

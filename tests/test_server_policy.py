@@ -117,3 +117,33 @@ def test_new_routes_rescope_egress() -> None:
     assert server.routes.check_egress("a", "10.5.0.1", 1) is None
     server.apply_routes(RoutesConfig(version=2))
     assert server.routes.check_egress("a", "10.5.0.1", 1) == "not_allowed"
+
+
+async def test_relays_between_nodes_need_a_policy() -> None:
+    """Agent A opens a stream to an address node B owns: relayed to B's agent only where a
+    scope's relays name it; otherwise FORBIDDEN, and B never sees the OPEN."""
+    seen: list[str] = []
+
+    async def b_handler(incoming: IncomingStream) -> None:
+        seen.append(f"{incoming.target.host}:{incoming.target.port}")
+        stream = await incoming.accept()
+        async with stream:
+            await stream.send_all(b"from b")
+
+    cidrs = {"node_cidrs": {"node-b": ["10.2.0.0/24"]}}
+    async with trio.open_nursery() as nursery:
+        server = make_server(cidrs)
+        await connect(server, nursery, "node-b", b_handler)
+        a = await connect(server, nursery, "node-a")
+        error = await refused(a, "10.2.0.7", 8080)
+        assert error.reason is p.StreamReason.FORBIDDEN
+        assert "no relay policy lets node node-a" in error.message
+        assert seen == [] and refusals(server, "relay_not_allowed") == 1
+        server.apply_routes(RoutesConfig(scopes=[  # type: ignore[list-item]
+            {"name": "t/relays[0]", "nodes": ["node-a"], "relays": ["10.2.0.0/24:8080"]}],
+            **cidrs))  # type: ignore[arg-type]
+        stream = await a.open_stream(p.Target("10.2.0.7", 8080))
+        assert await stream.receive_some() == b"from b"
+        assert seen == ["10.2.0.7:8080"]
+        assert (await refused(a, "10.2.0.7", 22)).reason is p.StreamReason.FORBIDDEN
+        nursery.cancel_scope.cancel()

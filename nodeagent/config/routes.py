@@ -164,12 +164,15 @@ ALWAYS_PROTECTED: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = tu
 
 
 class NodeScope(Model):
-    """Egress for the streams of some nodes' agents (controller mode: one per ClusterTunnel,
-    for the nodes it covers). Node "*" means every node."""
+    """Egress and relays for the streams of some nodes' agents (controller mode: one per
+    ClusterTunnel for the nodes it covers, one per relay policy). Node "*": every node."""
 
     name: str = ""  # the ClusterTunnel, for logs
     nodes: tuple[str, ...] = ()
     egress: tuple[AllowRule, ...] = ()
+    # Addresses of other nodes (their node_cidrs) these nodes' streams may be relayed to;
+    # no scope naming a destination: no relay.
+    relays: tuple[AllowRule, ...] = ()
 
 
 class RoutesConfig(Model):
@@ -202,16 +205,28 @@ class RoutesConfig(Model):
         return None
 
     _egress_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
+    _relays_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: Any, /) -> None:
-        by_node: dict[str, list[AllowRule]] = {}
+        egress: dict[str, list[AllowRule]] = {}
+        relays: dict[str, list[AllowRule]] = {}
         for scope in self.scopes:
             for node in scope.nodes:
-                by_node.setdefault(node, []).extend(scope.egress)
-        everyone = [*self.egress, *by_node.pop("*", [])]
+                egress.setdefault(node, []).extend(scope.egress)
+                relays.setdefault(node, []).extend(scope.relays)
+        everyone = [*self.egress, *egress.pop("*", [])]
         self._egress_by_node = {"*": tuple(everyone)}
-        for node, rules in by_node.items():
+        for node, rules in egress.items():
             self._egress_by_node[node] = (*everyone, *rules)
+        everyone = relays.pop("*", [])
+        self._relays_by_node = {"*": tuple(everyone)}
+        for node, rules in relays.items():
+            self._relays_by_node[node] = (*everyone, *rules)
+
+    def relay_allows(self, node: str, host: str, port: int, protocol: str = "tcp") -> bool:
+        """Whether `node`'s agent may reach host:port on the node that owns it."""
+        rules = self._relays_by_node.get(node) or self._relays_by_node["*"]
+        return any(rule.allows(host, port, protocol) for rule in rules)
 
     def egress_rules(self, node: str) -> tuple[AllowRule, ...]:
         """The egress rules for `node`'s agent: the global ones and its scopes'."""

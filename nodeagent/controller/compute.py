@@ -14,7 +14,8 @@ is tested with plain dicts.
   and its EndpointSlices' addresses) and the Service CIDR (the ClusterTunnels'
   `serviceCidrs`, or when none gives one, the ClusterIPs of every Service seen); and
   `node_cidrs` from each Node's spec.podCIDRs (so a stream to a pod address is relayed to
-  the agent of the node that owns it).
+  the agent of the node that owns it — only where a ClusterTunnel's `relays` policy
+  allows it: each policy is a scope of the covered nodes its fromNodeSelector matches).
 
 `ConfigVersions` turns successive computations into versioned configs: a subscriber's
 version goes up only when its content changes, so an unrelated object event sends nothing.
@@ -129,7 +130,8 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     problems: list[Problem] = list(translation.problems)
     node_configs: dict[str, NodeConfig] = {}
     node_cidrs: dict[str, tuple[Network, ...]] = {}
-    covered: dict[str, list[str]] = {t.name: [] for t in tunnels}  # tunnel → its nodes
+    # tunnel → the nodes it covers, with their labels
+    covered: dict[str, list[tuple[str, dict[str, str]]]] = {t.name: [] for t in tunnels}
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
@@ -142,7 +144,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         intercept: InterceptConfig | None = None
         if covering:
             tunnel = covering[0]
-            covered[tunnel.name].append(name)
+            covered[tunnel.name].append((name, labels))
             for extra in covering[1:]:
                 problems.append(Problem(
                     "ClusterTunnel", "", extra.name, "Overlapping",
@@ -162,10 +164,18 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                                         f"spec.podCIDRs: {text!r} is not a CIDR"))
         if cidrs:
             node_cidrs[name] = tuple(cidrs)
-    scopes = tuple(NodeScope(name=t.name, nodes=tuple(sorted(covered[t.name])),
-                             egress=t.spec.egress)
-                   for t in tunnels if covered[t.name] and t.spec.egress)
-    routes = RoutesConfig(ingress=translation.routes, scopes=scopes, node_cidrs=node_cidrs,
+    scopes: list[NodeScope] = []
+    for t in tunnels:
+        names = sorted(n for n, _ in covered[t.name])
+        if names and t.spec.egress:
+            scopes.append(NodeScope(name=t.name, nodes=tuple(names), egress=t.spec.egress))
+        for i, policy in enumerate(t.spec.relays):
+            sources = sorted(n for n, labels in covered[t.name] if policy.covers(labels))
+            if sources:
+                scopes.append(NodeScope(name=f"{t.name}/relays[{i}]", nodes=tuple(sources),
+                                        relays=policy.to))
+    routes = RoutesConfig(ingress=translation.routes, scopes=tuple(scopes),
+                          node_cidrs=node_cidrs,
                           protected=protected_ranges(tunnels, services, endpoint_slices))
     return Computed(nodes=node_configs, routes=routes, problems=problems)
 

@@ -233,8 +233,9 @@ class Server:
 
     async def handle_agent_stream(self, node: str, incoming: IncomingStream) -> None:
         """A stream an agent opened (intercepted traffic): relay it to the node that owns
-        the destination, or dial it if the egress allow list permits; otherwise refuse.
-        Nothing is an open proxy."""
+        the destination if a relay policy lets this node reach it, or dial it if this
+        node's egress allows it (protected ranges only when a rule names them); otherwise
+        refuse (FORBIDDEN, counted, logged). Nothing is an open proxy."""
         target = incoming.target
         origin = incoming.metadata.get("origin", "")
         owner = self.routes.node_for_address(target.host)
@@ -244,6 +245,11 @@ class Server:
             nonlocal via
             if owner is not None and owner != node:
                 via = "relay"
+                if not self.routes.relay_allows(node, target.host, target.port,
+                                                target.protocol):
+                    raise self._refuse("relay_not_allowed", node, f"{target} belongs to "
+                                       f"node {owner}; no relay policy lets node {node} "
+                                       f"reach it", target=str(target), origin=origin)
                 return await self.open_to(owner, target.host, target.port, f"{node}/{origin}")
             if (target.host, target.port) == self._controller:
                 # The config and signing streams: always, whatever the egress rules.

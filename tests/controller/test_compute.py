@@ -131,3 +131,16 @@ def test_the_api_server_and_service_range_are_protected_even_under_a_wide_rule()
     assert out.routes.check_egress("e1", "172.18.0.2", 6443) == "protected"
     assert out.routes.check_egress("e1", "10.96.4.4", 443) == "protected"
 
+
+def test_relays_only_where_a_tunnels_policy_names_source_nodes_and_destinations() -> None:
+    nodes = [node("a", "192.168.1.1", {"role": "gw"}, ["10.1.0.0/24"]),
+             node("b", "192.168.1.2", {}, ["10.2.0.0/24"])]
+    out = run(nodes, parse_tunnels([tunnel("t", {})])[0])
+    assert not out.routes.relay_allows("a", "10.2.0.5", 80)  # default: none
+    tunnels, problems = parse_tunnels([tunnel("t", {"relays": [
+        {"fromNodeSelector": {"role": "gw"}, "to": ["10.2.0.0/24:80"]}]})])
+    assert problems == []
+    out = run(nodes, tunnels)
+    assert out.routes.relay_allows("a", "10.2.0.5", 80)
+    assert not out.routes.relay_allows("a", "10.2.0.5", 22)
+    assert not out.routes.relay_allows("b", "10.1.0.5", 80)  # b is not selected

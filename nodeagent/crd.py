@@ -73,6 +73,9 @@ class ClusterTunnelSpec(CrdModel):
         default=(), description="Node-to-node paths: a stream a covered node's agent opens "
         "to an address another node owns is relayed only where a policy here allows it; "
         "none: no relays.")
+    denied_nodes: tuple[str, ...] = Field(
+        default=(), description="Nodes whose agents the servers refuse and disconnect "
+        "(revocation), whichever tunnel covers them.")
     intercept: InterceptConfig | None = Field(
         default=None, description="Traffic the agents catch on their node and carry "
         "through the tunnel (same model as the agent config file).")

@@ -17,7 +17,13 @@ from nodeagent.config import RoutesConfig, ServerConfig
 from nodeagent.server.server import Server
 from tests.tunnel.memtransport import memory_transport_pair
 from tunnel import protocol as p
-from tunnel.endpoint import EndpointSettings, IncomingStream, StreamRefusedError, TunnelConnection
+from tunnel.endpoint import (
+    EndpointSettings,
+    HandshakeError,
+    IncomingStream,
+    StreamRefusedError,
+    TunnelConnection,
+)
 
 TOKEN = "0123456789abcdef0123"
 SETTINGS = EndpointSettings(ping_interval=0)
@@ -146,4 +152,37 @@ async def test_relays_between_nodes_need_a_policy() -> None:
         assert await stream.receive_some() == b"from b"
         assert seen == ["10.2.0.7:8080"]
         assert (await refused(a, "10.2.0.7", 22)).reason is p.StreamReason.FORBIDDEN
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_deleted_or_denied_node_is_disconnected_and_refused() -> None:
+    controller = {"controller": "https://127.0.0.1:1"}
+    async with trio.open_nursery() as nursery:
+        server = make_server({}, **controller)
+        with pytest.raises(HandshakeError):  # no routes yet: no node is known
+            await connect(server, nursery, "edge-1")
+        server.apply_routes(RoutesConfig(nodes=("edge-1", "edge-2")))
+        assert await server.close_revoked() == []
+        agent = await connect(server, nursery, "edge-1")
+        other = await connect(server, nursery, "edge-2")
+        with pytest.raises(HandshakeError):
+            await connect(server, nursery, "ghost")
+        # edge-1's Node deleted, edge-2 denied: both tunnels closed when the routes apply.
+        server.apply_routes(RoutesConfig(nodes=("edge-2",), denied_nodes=("edge-2",)))
+        assert sorted(await server.close_revoked()) == ["edge-1", "edge-2"]
+        await trio.testing.wait_all_tasks_blocked()
+        assert not agent.is_open and not other.is_open and server.tunnel.sessions == {}
+        for node in ("edge-1", "edge-2"):
+            with pytest.raises(HandshakeError):
+                await connect(server, nursery, node)
+        assert refusals(server, "node_revoked") == 2
+        assert refusals(server, "node_not_admitted") == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_standalone_servers_keep_their_token_rules() -> None:
+    async with trio.open_nursery() as nursery:
+        server = make_server({})  # no controller: no node list
+        agent = await connect(server, nursery, "anything")
+        assert agent.is_open and await server.close_revoked() == []
         nursery.cancel_scope.cancel()

@@ -193,6 +193,11 @@ class RoutesConfig(Model):
     node_cidrs: dict[str, tuple[Cidr, ...]] = {}
     # Routes for the Ingress listeners (controller mode).
     ingress: IngressRoutes = IngressRoutes()
+    # Controller mode: the nodes that exist (Node objects) and those revoked; a server
+    # accepts only agents of `nodes` not in `denied_nodes`, and disconnects the others
+    # when new routes apply. None: no such list (a file's routes: its tokens decide).
+    nodes: tuple[str, ...] | None = None
+    denied_nodes: tuple[str, ...] = ()
 
     def node_for_address(self, host: str) -> str | None:
         try:
@@ -206,8 +211,12 @@ class RoutesConfig(Model):
 
     _egress_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
     _relays_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
+    _known: frozenset[str] | None = PrivateAttr(default=None)
+    _denied: frozenset[str] = PrivateAttr(default=frozenset())
 
     def model_post_init(self, context: Any, /) -> None:
+        self._known = None if self.nodes is None else frozenset(self.nodes)
+        self._denied = frozenset(self.denied_nodes)
         egress: dict[str, list[AllowRule]] = {}
         relays: dict[str, list[AllowRule]] = {}
         for scope in self.scopes:
@@ -222,6 +231,10 @@ class RoutesConfig(Model):
         self._relays_by_node = {"*": tuple(everyone)}
         for node, rules in relays.items():
             self._relays_by_node[node] = (*everyone, *rules)
+
+    def admits(self, node: str) -> bool:
+        """Whether `node`'s agent may hold a tunnel (known, not denied)."""
+        return node not in self._denied and (self._known is None or node in self._known)
 
     def relay_allows(self, node: str, host: str, port: int, protocol: str = "tcp") -> bool:
         """Whether `node`'s agent may reach host:port on the node that owns it."""
@@ -334,7 +347,8 @@ class ServerConfig(RoutesConfig):
         return RoutesConfig(version=self.version, tcp=self.tcp, http=self.http,
                             egress=self.egress, scopes=self.scopes,
                             protected=self.protected, node_cidrs=self.node_cidrs,
-                            ingress=self.ingress)
+                            ingress=self.ingress, nodes=self.nodes,
+                            denied_nodes=self.denied_nodes)
 
 
 # ------------------------------------------------------------------ loading

@@ -15,7 +15,9 @@ is tested with plain dicts.
   `serviceCidrs`, or when none gives one, the ClusterIPs of every Service seen); and
   `node_cidrs` from each Node's spec.podCIDRs (so a stream to a pod address is relayed to
   the agent of the node that owns it — only where a ClusterTunnel's `relays` policy
-  allows it: each policy is a scope of the covered nodes its fromNodeSelector matches).
+  allows it: each policy is a scope of the covered nodes its fromNodeSelector matches);
+  `nodes` (every Node) and `denied_nodes` (the ClusterTunnels' `deniedNodes`): the
+  servers accept and keep only agents of known, not denied nodes (revocation).
 
 `ConfigVersions` turns successive computations into versioned configs: a subscriber's
 version goes up only when its content changes, so an unrelated object event sends nothing.
@@ -132,6 +134,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     node_cidrs: dict[str, tuple[Network, ...]] = {}
     # tunnel → the nodes it covers, with their labels
     covered: dict[str, list[tuple[str, dict[str, str]]]] = {t.name: [] for t in tunnels}
+    denied = frozenset(n for t in tunnels for n in t.spec.denied_nodes)
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
@@ -154,7 +157,9 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                 for host in ["127.0.0.1", *node_addresses(node)]:
                     allow.append(AllowRule(host=host, ports=tunnel.spec.allowed_node_ports))
             intercept = tunnel.spec.intercept
-        node_configs[name] = NodeConfig(allow=tuple(allow), intercept=intercept)
+        # A denied node's agent is disconnected by the servers; its config allows nothing.
+        node_configs[name] = (NodeConfig() if name in denied else
+                              NodeConfig(allow=tuple(allow), intercept=intercept))
         cidrs = []
         for text in (node.get("spec") or {}).get("podCIDRs") or []:
             try:
@@ -176,7 +181,8 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                                         relays=policy.to))
     routes = RoutesConfig(ingress=translation.routes, scopes=tuple(scopes),
                           node_cidrs=node_cidrs,
-                          protected=protected_ranges(tunnels, services, endpoint_slices))
+                          protected=protected_ranges(tunnels, services, endpoint_slices),
+                          nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)))
     return Computed(nodes=node_configs, routes=routes, problems=problems)
 
 

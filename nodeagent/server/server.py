@@ -211,10 +211,10 @@ class Server:
                     self.metrics.bad_input.labels("auth").inc()
                     raise AuthenticationFailed(
                         f"certificate is for node {cert_node}, HELLO claims {node}")
-                return node
+                return self._admitted(node)
         token = hello.identity.get("token") or _bearer(peer)
         if token is None and hello.identity.get("bootstrap") and self.config.controller:
-            return Bootstrap(node)
+            return Bootstrap(node)  # reaches only the controller, which checks the token
         if token is None:
             self.metrics.bad_input.labels("auth").inc()
             if peer.certificate_der is not None:
@@ -225,9 +225,36 @@ class Server:
         presented = token.encode()
         for allowed_node, secret in self._tokens:
             if allowed_node in (node, "*") and hmac.compare_digest(presented, secret):
-                return node
+                return self._admitted(node)
         self.metrics.bad_input.labels("auth").inc()
         raise AuthenticationFailed(f"token not valid for node {node}")
+
+    def _admitted(self, node: str) -> str:
+        """Controller mode: an authenticated node must also exist and not be denied (the
+        routes' `nodes`, `denied_nodes`); before the first routes, no node is known."""
+        if self.config.controller is None or (
+                self.routes.nodes is not None and self.routes.admits(node)):
+            return node
+        self.refusals.labels("node_not_admitted").inc()
+        self._egress_refusals.warning(f"node_not_admitted:{node}", "agent refused",
+                                      reason="node_not_admitted", node=node)
+        raise AuthenticationFailed(f"node {node} is not a known Node or is denied")
+
+    async def close_revoked(self) -> list[str]:
+        """Close the tunnels of nodes the current routes no longer admit (a Node deleted,
+        or in a ClusterTunnel's deniedNodes); returns their names."""
+        if self.config.controller is None or self.routes.nodes is None:
+            return []
+        revoked = [n for n in self.tunnel.sessions if not self.routes.admits(n)]
+        for node in revoked:
+            session = self.tunnel.sessions.get(node)
+            if session is None:
+                continue
+            self.refusals.labels("node_revoked").inc()
+            self.log.warning("agent disconnected: node deleted or denied", node=node)
+            await session.connection.aclose(p.ErrorCode.UNAUTHORIZED,
+                                            f"node {node} is no longer admitted")
+        return revoked
 
     # ---------------------------------------------------------------- streams in
 

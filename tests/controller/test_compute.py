@@ -144,3 +144,14 @@ def test_relays_only_where_a_tunnels_policy_names_source_nodes_and_destinations(
     assert out.routes.relay_allows("a", "10.2.0.5", 80)
     assert not out.routes.relay_allows("a", "10.2.0.5", 22)
     assert not out.routes.relay_allows("b", "10.1.0.5", 80)  # b is not selected
+
+
+def test_routes_list_the_known_nodes_and_the_denied_ones() -> None:
+    tunnels, _ = parse_tunnels([tunnel("t", {"allowedNodePorts": [10250],
+                                             "deniedNodes": ["b"]})])
+    out = run([node("a", "192.168.1.1"), node("b", "192.168.1.2")], tunnels)
+    assert out.routes.nodes == ("a", "b") and out.routes.denied_nodes == ("b",)
+    assert out.routes.admits("a") and not out.routes.admits("b")
+    assert not out.routes.admits("gone")
+    assert out.nodes["a"].allows("192.168.1.1", 10250)
+    assert out.nodes["b"] == NodeConfig()  # revoked: allows nothing

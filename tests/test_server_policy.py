@@ -110,6 +110,9 @@ async def test_egress_follows_the_nodes_scope(caplog: pytest.LogCaptureFixture) 
             assert error.reason is p.StreamReason.FORBIDDEN
             assert "not in node cloud-1's egress allow list" in error.message
         assert refusals(server, "egress_not_allowed") == 3
+        # Three refusals, one log line (rate-limited per reason and node).
+        assert sum("destination not allowed" in r.getMessage()
+                   for r in caplog.records) == 1
         inside = await connect(server, nursery, "edge-1")
         stream = await inside.open_stream(p.Target("127.0.0.1", port))
         await stream.send_all(b"x")

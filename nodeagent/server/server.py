@@ -124,6 +124,14 @@ def _path_type(name: str) -> PathType:
     return _PATH_TYPES[name]
 
 
+# The log line of each policy refusal (`Server._refuse`), by its metric reason.
+_REFUSAL_LOG = {
+    "egress_not_allowed": "agent stream refused: destination not allowed",
+    "egress_protected": "agent stream refused: protected destination",
+    "relay_not_allowed": "agent stream refused: relay not allowed",
+}
+
+
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -325,7 +333,7 @@ class Server:
         per (reason, node) — keys the server bounds, never what the agent names — and
         return the FORBIDDEN failure to raise."""
         self.refusals.labels(reason).inc()
-        self._egress_refusals.warning(f"{reason}:{node}", "agent stream refused",
+        self._egress_refusals.warning(f"{reason}:{node}", _REFUSAL_LOG[reason],
                                       reason=reason, node=node, problem=message, **fields)
         return StreamFailed(p.StreamReason.FORBIDDEN, message)
 

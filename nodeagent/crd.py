@@ -15,7 +15,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
-from nodeagent.config import AllowRule, ConfigError, InterceptConfig, PortRange, format_errors
+from nodeagent.config import (
+    AllowRule,
+    Cidr,
+    ConfigError,
+    InterceptConfig,
+    PortRange,
+    format_errors,
+)
 from nodeagent.kube.resources import custom_resource
 
 CLUSTER_TUNNELS = custom_resource("clustertunnels", "ClusterTunnel", namespaced=False)
@@ -30,6 +37,21 @@ class CrdModel(BaseModel):
                               alias_generator=to_camel)
 
 
+class RelayPolicy(CrdModel):
+    """Which covered nodes' agents may reach which addresses of other nodes (pod CIDRs
+    and site ranges the servers relay to the owning node's agent)."""
+
+    from_node_selector: dict[str, str] = Field(
+        default={}, description="Labels the source Node must carry (besides being covered "
+        "by this tunnel); empty: every node the tunnel covers.")
+    to: tuple[AllowRule, ...] = Field(
+        min_length=1, description="Destinations on other nodes: each {cidr, ports, "
+        "protocol}.")
+
+    def covers(self, node_labels: dict[str, str]) -> bool:
+        return all(node_labels.get(k) == v for k, v in self.from_node_selector.items())
+
+
 class ClusterTunnelSpec(CrdModel):
     """Tunnel-wide settings for every node the tunnel covers."""
 
@@ -40,8 +62,20 @@ class ClusterTunnelSpec(CrdModel):
         default=(), description="Ports on each node's own addresses that servers may reach "
         "through the tunnel (kubelet 10250, node-exporter 9100, ...).")
     egress: tuple[AllowRule, ...] = Field(
-        default=(), description="Destinations servers dial for agents' intercepted "
-        "traffic: each {cidr or host, ports, protocol}.")
+        default=(), description="Destinations servers dial for the intercepted traffic of "
+        "the nodes this tunnel covers: each {cidr or host, ports, protocol}. Loopback, "
+        "link-local, the API server's addresses and the Service range are refused unless "
+        "a rule's cidr lies inside that range (a wider rule does not unlock them).")
+    service_cidrs: tuple[Cidr, ...] = Field(
+        default=(), description="The cluster's Service range(s), refused as egress unless "
+        "a rule names them; unset in every tunnel: the ClusterIPs of the Services seen.")
+    relays: tuple[RelayPolicy, ...] = Field(
+        default=(), description="Node-to-node paths: a stream a covered node's agent opens "
+        "to an address another node owns is relayed only where a policy here allows it; "
+        "none: no relays.")
+    denied_nodes: tuple[str, ...] = Field(
+        default=(), description="Nodes whose agents the servers refuse and disconnect "
+        "(revocation), whichever tunnel covers them.")
     intercept: InterceptConfig | None = Field(
         default=None, description="Traffic the agents catch on their node and carry "
         "through the tunnel (same model as the agent config file).")

@@ -218,3 +218,39 @@ def test_redacted_hides_every_secret_value_and_keeps_the_shape() -> None:
 def server_doc_with_token() -> dict[str, object]:
     return {"tunnel": {"url": "tcp://127.0.0.1:0", "insecure": True},
             "tokens": [{"node": "edge-1", "token": TOKEN}]}
+
+
+def test_protected_addresses_need_a_rule_inside_their_range() -> None:
+    """The egress floor: loopback, link-local, "this host" and the config's `protected`
+    ranges are refused unless a rule's CIDR lies inside every protected range holding the
+    address; a wider rule covering them does not count."""
+    wide = RoutesConfig(egress=("0.0.0.0/0:*", "::/0:*"),  # type: ignore[arg-type]
+                        protected=("10.96.0.0/12", "172.18.0.2/32"))  # type: ignore[arg-type]
+    for host in ("169.254.169.254", "127.0.0.1", "127.9.9.9", "0.0.0.0", "::1", "fe80::1",
+                 "::ffff:169.254.169.254", "::ffff:127.0.0.1", "10.96.0.1", "172.18.0.2"):
+        assert wide.check_egress("n1", host, 80) == "protected", host
+    assert wide.check_egress("n1", "203.0.113.5", 80) is None
+    assert wide.check_egress("n1", "2001:db8::1", 80) is None
+    assert RoutesConfig().check_egress("n1", "203.0.113.5", 80) == "not_allowed"
+    named = RoutesConfig(egress=("169.254.169.254/32:80", "10.96.0.0/12:443"),  # type: ignore[arg-type]
+                         protected=("10.96.0.0/12", "10.96.0.1/32"))  # type: ignore[arg-type]
+    assert named.check_egress("n1", "169.254.169.254", 80) is None
+    assert named.check_egress("n1", "169.254.169.254", 81) == "not_allowed"
+    assert named.check_egress("n1", "169.254.169.253", 80) == "not_allowed"
+    assert named.check_egress("n1", "10.96.5.5", 443) is None  # the Service range, named
+    # The apiserver's ClusterIP sits in the named Service range, but is protected on its
+    # own: the Service range's rule is wider than 10.96.0.1/32.
+    assert named.check_egress("n1", "10.96.0.1", 443) == "protected"
+
+
+def test_scoped_egress_applies_to_the_scopes_nodes_only() -> None:
+    routes = RoutesConfig(egress=("10.1.0.0/16:80",),  # type: ignore[arg-type]
+                          scopes=[{"name": "edge", "nodes": ["a"], "egress": ["10.2.0.0/16:*"]},
+                                  {"name": "all", "nodes": ["*"], "egress": ["10.3.0.0/16:*"]}])
+    assert routes.egress_allows("10.2.0.1", 22, node="a")
+    assert not routes.egress_allows("10.2.0.1", 22, node="b")
+    for node in ("a", "b"):
+        assert routes.egress_allows("10.1.0.1", 80, node=node)
+        assert routes.egress_allows("10.3.0.1", 80, node=node)
+    # model_copy (how versions are stamped) keeps the index.
+    assert routes.model_copy(update={"version": 3}).egress_allows("10.2.0.1", 22, node="a")

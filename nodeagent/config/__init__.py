@@ -52,12 +52,14 @@ from nodeagent.config.node import (
     intercept_model,
 )
 from nodeagent.config.routes import (
+    ALWAYS_PROTECTED,
     Backend,
     HttpListener,
     HttpRoute,
     IngressRoutes,
     IngressRule,
     IngressTls,
+    NodeScope,
     RoutesConfig,
     ServerConfig,
     ServerTls,
@@ -67,6 +69,7 @@ from nodeagent.config.routes import (
 )
 
 __all__ = [
+    "ALWAYS_PROTECTED",
     "DEFAULT_AGENT_SOCKET",
     "DEFAULT_SERVER_SOCKET",
     "DEFAULT_SOCKET_MARK",
@@ -93,6 +96,7 @@ __all__ = [
     "M",
     "Model",
     "NodeConfig",
+    "NodeScope",
     "PortRange",
     "Reconnect",
     "RoutesConfig",

@@ -1,6 +1,13 @@
 """What a server does and needs: `RoutesConfig` (TCP mappings, HTTP and Ingress routes,
 egress, node CIDRs — what the controller computes for the servers) and `ServerConfig`
-(a server's file or flags: its tunnel listener, TLS, the agent credentials it accepts)."""
+(a server's file or flags: its tunnel listener, TLS, the agent credentials it accepts).
+
+Egress is deny by default with a floor: `check_egress` refuses an address in a protected
+range (`ALWAYS_PROTECTED`: loopback, link-local, "this host"; plus the config's
+`protected`: the kube-apiserver's addresses and the Service CIDR) unless one of the node's
+egress rules names it by a CIDR that lies inside every protected range holding the
+address (the exact CIDR containment rule): `169.254.169.254/32` or `169.254.0.0/16`
+unlock the metadata address, `0.0.0.0/0` or `10.0.0.0/8` never do."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import (
     Field,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
@@ -148,19 +156,48 @@ class IngressRoutes(Model):
     tls: tuple[IngressTls, ...] = ()
 
 
+# Never egress unless a rule names them (see check_egress): loopback, link-local (cloud
+# metadata at 169.254.169.254), and 0.0.0.0/8 and :: which a connect() treats as this host.
+ALWAYS_PROTECTED: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = tuple(
+    ipaddress.ip_network(c) for c in ("127.0.0.0/8", "169.254.0.0/16", "0.0.0.0/8",
+                                      "::1/128", "::/128", "fe80::/10"))
+
+
+class NodeScope(Model):
+    """Egress and relays for the streams of some nodes' agents (controller mode: one per
+    ClusterTunnel for the nodes it covers, one per relay policy). Node "*": every node."""
+
+    name: str = ""  # the ClusterTunnel, for logs
+    nodes: tuple[str, ...] = ()
+    egress: tuple[AllowRule, ...] = ()
+    # Addresses of other nodes (their node_cidrs) these nodes' streams may be relayed to;
+    # no scope naming a destination: no relay.
+    relays: tuple[AllowRule, ...] = ()
+
+
 class RoutesConfig(Model):
     """What a server does: the part the controller computes per server."""
 
     version: int = Field(default=0, ge=0)
     tcp: tuple[TcpMapping, ...] = ()
     http: tuple[HttpListener, ...] = ()
-    # Destinations the server dials itself for streams agents open (intercepted traffic).
+    # Destinations the server dials itself for streams agents open (intercepted traffic),
+    # for every node; `scopes` add egress for some nodes only.
     egress: tuple[AllowRule, ...] = ()
+    scopes: tuple[NodeScope, ...] = ()
+    # Refused as egress unless a rule names them, besides ALWAYS_PROTECTED: the
+    # kube-apiserver's addresses and the Service CIDR (the controller computes them).
+    protected: tuple[Cidr, ...] = ()
     # Which node owns which addresses (pod CIDRs, site ranges): streams agents open to
     # such an address are relayed to that node's agent.
     node_cidrs: dict[str, tuple[Cidr, ...]] = {}
     # Routes for the Ingress listeners (controller mode).
     ingress: IngressRoutes = IngressRoutes()
+    # Controller mode: the nodes that exist (Node objects) and those revoked; a server
+    # accepts only agents of `nodes` not in `denied_nodes`, and disconnects the others
+    # when new routes apply. None: no such list (a file's routes: its tokens decide).
+    nodes: tuple[str, ...] | None = None
+    denied_nodes: tuple[str, ...] = ()
 
     def node_for_address(self, host: str) -> str | None:
         try:
@@ -172,8 +209,75 @@ class RoutesConfig(Model):
                 return node
         return None
 
-    def egress_allows(self, host: str, port: int, protocol: str = "tcp") -> bool:
-        return any(rule.allows(host, port, protocol) for rule in self.egress)
+    _egress_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
+    _relays_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
+    _known: frozenset[str] | None = PrivateAttr(default=None)
+    _denied: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._known = None if self.nodes is None else frozenset(self.nodes)
+        self._denied = frozenset(self.denied_nodes)
+        egress: dict[str, list[AllowRule]] = {}
+        relays: dict[str, list[AllowRule]] = {}
+        for scope in self.scopes:
+            for node in scope.nodes:
+                egress.setdefault(node, []).extend(scope.egress)
+                relays.setdefault(node, []).extend(scope.relays)
+        everyone = [*self.egress, *egress.pop("*", [])]
+        self._egress_by_node = {"*": tuple(everyone)}
+        for node, rules in egress.items():
+            self._egress_by_node[node] = (*everyone, *rules)
+        everyone = relays.pop("*", [])
+        self._relays_by_node = {"*": tuple(everyone)}
+        for node, rules in relays.items():
+            self._relays_by_node[node] = (*everyone, *rules)
+
+    def admits(self, node: str) -> bool:
+        """Whether `node`'s agent may hold a tunnel (known, not denied)."""
+        return node not in self._denied and (self._known is None or node in self._known)
+
+    def relay_allows(self, node: str, host: str, port: int, protocol: str = "tcp") -> bool:
+        """Whether `node`'s agent may reach host:port on the node that owns it."""
+        rules = self._relays_by_node.get(node) or self._relays_by_node["*"]
+        return any(rule.allows(host, port, protocol) for rule in rules)
+
+    def egress_rules(self, node: str) -> tuple[AllowRule, ...]:
+        """The egress rules for `node`'s agent: the global ones and its scopes'."""
+        return self._egress_by_node.get(node) or self._egress_by_node["*"]
+
+    def check_egress(self, node: str, host: str, port: int,
+                     protocol: str = "tcp") -> str | None:
+        """None if the server may dial host:port for `node`'s agent; otherwise why not:
+        "not_allowed" (no rule of the node's) or "protected" (only wider rules cover a
+        protected address)."""
+        matching = [r for r in self.egress_rules(node) if r.allows(host, port, protocol)]
+        if not matching:
+            return "not_allowed"
+        ranges = self.protected_ranges(host)
+        if not ranges:
+            return None
+        for rule in matching:
+            if rule.cidr is not None and all(
+                    rule.cidr.version == r.version and rule.cidr.subnet_of(r)  # type: ignore[arg-type]
+                    for r in ranges):
+                return None
+        return "protected"
+
+    def protected_ranges(self, host: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """The protected ranges that hold `host` (an IPv4-mapped IPv6 address counts as
+        its IPv4 address); none for a name."""
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return []
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return [net for net in (*ALWAYS_PROTECTED, *self.protected)
+                if net.version == address.version and address in net]
+
+    def egress_allows(self, host: str, port: int, protocol: str = "tcp",
+                      node: str = "*") -> bool:
+        return self.check_egress(node, host, port, protocol) is None
 
     @model_validator(mode="after")
     def _unique_ports(self) -> RoutesConfig:
@@ -241,8 +345,10 @@ class ServerConfig(RoutesConfig):
 
     def routes(self) -> RoutesConfig:
         return RoutesConfig(version=self.version, tcp=self.tcp, http=self.http,
-                            egress=self.egress, node_cidrs=self.node_cidrs,
-                            ingress=self.ingress)
+                            egress=self.egress, scopes=self.scopes,
+                            protected=self.protected, node_cidrs=self.node_cidrs,
+                            ingress=self.ingress, nodes=self.nodes,
+                            denied_nodes=self.denied_nodes)
 
 
 # ------------------------------------------------------------------ loading

@@ -7,9 +7,17 @@ is tested with plain dicts.
   `allowedNodePorts` on the node's own addresses (InternalIP/ExternalIP) and 127.0.0.1.
 - A node's interception: the `intercept` of the ClusterTunnel whose nodeSelector covers
   it (the oldest such tunnel if several do; the others get a Problem).
-- The servers' routes: the Ingress routes, the ClusterTunnels' egress rules, and
+- The servers' routes: the Ingress routes; per ClusterTunnel a `NodeScope` with its
+  egress rules and the nodes it covers (only those: a node's egress is its tunnel's, not
+  the union of all); `protected`, the ranges refused as egress unless a rule names them:
+  the kube-apiserver's addresses (the `kubernetes` Service in `default`: its ClusterIPs
+  and its EndpointSlices' addresses) and the Service CIDR (the ClusterTunnels'
+  `serviceCidrs`, or when none gives one, the ClusterIPs of every Service seen); and
   `node_cidrs` from each Node's spec.podCIDRs (so a stream to a pod address is relayed to
-  the agent of the node that owns it).
+  the agent of the node that owns it — only where a ClusterTunnel's `relays` policy
+  allows it: each policy is a scope of the covered nodes its fromNodeSelector matches);
+  `nodes` (every Node) and `denied_nodes` (the ClusterTunnels' `deniedNodes`): the
+  servers accept and keep only agents of known, not denied nodes (revocation).
 
 `ConfigVersions` turns successive computations into versioned configs: a subscriber's
 version goes up only when its content changes, so an unrelated object event sends nothing.
@@ -28,13 +36,15 @@ from nodeagent.config import (
     ConfigError,
     InterceptConfig,
     NodeConfig,
+    NodeScope,
     PortRange,
     RoutesConfig,
 )
-from nodeagent.controller.ingress import IngressTranslation, Problem
+from nodeagent.controller.ingress import SERVICE_NAME_LABEL, IngressTranslation, Problem
 from nodeagent.crd import ClusterTunnelSpec, parse_cluster_tunnel
 
 Obj = dict[str, Any]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,49 @@ def _allow_exact(host: str, port: int) -> AllowRule:
     return AllowRule(host=host, ports=(PortRange(first=port, last=port),))
 
 
-def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
-            translation: IngressTranslation) -> Computed:
+def _host_network(text: Any) -> Network | None:
+    try:
+        return ipaddress.ip_network(str(text))  # one address: /32 or /128
+    except ValueError:
+        return None
+
+
+def protected_ranges(tunnels: list[Tunnel], services: Iterable[Obj],
+                     endpoint_slices: Iterable[Obj]) -> tuple[Network, ...]:
+    """The kube-apiserver's addresses and the Service CIDR: never egress unless a
+    ClusterTunnel's rule names them (the servers add loopback and link-local)."""
+    out: set[Network] = set()
+    declared = {c for t in tunnels for c in t.spec.service_cidrs}
+    out.update(declared)
+    for svc in services:
+        meta = svc.get("metadata") or {}
+        spec = svc.get("spec") or {}
+        apiserver = meta.get("namespace") == "default" and meta.get("name") == "kubernetes"
+        if not (apiserver or not declared):
+            continue
+        for ip in [*(spec.get("clusterIPs") or []), spec.get("clusterIP")]:
+            if ip and ip != "None" and (net := _host_network(ip)) is not None:
+                out.add(net)
+    for es in endpoint_slices:
+        meta = es.get("metadata") or {}
+        if meta.get("namespace") != "default" or (
+                (meta.get("labels") or {}).get(SERVICE_NAME_LABEL) != "kubernetes"):
+            continue
+        for endpoint in es.get("endpoints") or []:
+            for ip in endpoint.get("addresses") or []:
+                if (net := _host_network(ip)) is not None:
+                    out.add(net)
+    return tuple(sorted(out, key=lambda n: (n.version, n.network_address, n.prefixlen)))
+
+
+def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: IngressTranslation,
+            services: Iterable[Obj], endpoint_slices: Iterable[Obj]) -> Computed:
     problems: list[Problem] = list(translation.problems)
     node_configs: dict[str, NodeConfig] = {}
-    node_cidrs: dict[str, tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]] = {}
+    node_cidrs: dict[str, tuple[Network, ...]] = {}
+    # tunnel → the nodes it covers, with their labels
+    covered: dict[str, list[tuple[str, dict[str, str]]]] = {t.name: [] for t in tunnels}
+    denied = frozenset(n for t in tunnels for n in t.spec.denied_nodes)
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
@@ -99,6 +147,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
         intercept: InterceptConfig | None = None
         if covering:
             tunnel = covering[0]
+            covered[tunnel.name].append((name, labels))
             for extra in covering[1:]:
                 problems.append(Problem(
                     "ClusterTunnel", "", extra.name, "Overlapping",
@@ -108,7 +157,9 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
                 for host in ["127.0.0.1", *node_addresses(node)]:
                     allow.append(AllowRule(host=host, ports=tunnel.spec.allowed_node_ports))
             intercept = tunnel.spec.intercept
-        node_configs[name] = NodeConfig(allow=tuple(allow), intercept=intercept)
+        # A denied node's agent is disconnected by the servers; its config allows nothing.
+        node_configs[name] = (NodeConfig() if name in denied else
+                              NodeConfig(allow=tuple(allow), intercept=intercept))
         cidrs = []
         for text in (node.get("spec") or {}).get("podCIDRs") or []:
             try:
@@ -118,8 +169,20 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
                                         f"spec.podCIDRs: {text!r} is not a CIDR"))
         if cidrs:
             node_cidrs[name] = tuple(cidrs)
-    egress = tuple(rule for t in tunnels for rule in t.spec.egress)
-    routes = RoutesConfig(ingress=translation.routes, egress=egress, node_cidrs=node_cidrs)
+    scopes: list[NodeScope] = []
+    for t in tunnels:
+        names = sorted(n for n, _ in covered[t.name])
+        if names and t.spec.egress:
+            scopes.append(NodeScope(name=t.name, nodes=tuple(names), egress=t.spec.egress))
+        for i, policy in enumerate(t.spec.relays):
+            sources = sorted(n for n, labels in covered[t.name] if policy.covers(labels))
+            if sources:
+                scopes.append(NodeScope(name=f"{t.name}/relays[{i}]", nodes=tuple(sources),
+                                        relays=policy.to))
+    routes = RoutesConfig(ingress=translation.routes, scopes=tuple(scopes),
+                          node_cidrs=node_cidrs,
+                          protected=protected_ranges(tunnels, services, endpoint_slices),
+                          nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)))
     return Computed(nodes=node_configs, routes=routes, problems=problems)
 
 

@@ -204,14 +204,16 @@ class Controller:
         c = self.caches
         ingresses = c["ingresses"].list()
         self._secret_refs = secret_references(ingresses)
+        services, endpoint_slices = c["services"].list(), c["endpointslices"].list()
+        nodes = c["nodes"].list()
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
-            services=c["services"].list(), endpoint_slices=c["endpointslices"].list(),
-            secrets=c["secrets"].list())
+            services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
+            nodes=nodes)
         tunnel_objects = c["clustertunnels"].list()
-        nodes = c["nodes"].list()
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
-        out = compute(nodes=nodes, tunnels=tunnels, translation=translation)
+        out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
+                      services=services, endpoint_slices=endpoint_slices)
         changed = [name for name, config in out.nodes.items()
                    if self.versions.update(f"node/{name}", config)]
         for key in self.versions.keys():

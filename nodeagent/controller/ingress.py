@@ -8,8 +8,13 @@ marked `ingressclass.kubernetes.io/is-default-class: "true"`.
 Each rule path (and the defaultBackend) becomes an `IngressRule` whose backends are the
 Service's EndpointSlice endpoints: ready ones, or — only when none is ready — serving ones
 that are terminating. An endpoint with a `nodeName` is reached through that node's agent
-(its (ip, port) goes into `node_targets` so the node's config allows it); one without is
-dialed by the server directly. An ExternalName Service is one direct backend. A Service
+(its (ip, port) goes into `node_targets` so the node's config allows it) — only if the
+address is the node's own: inside its spec.podCIDRs or one of its addresses; otherwise
+(whoever can write an EndpointSlice could name 169.254.169.254 on any node) it is dropped
+with a Problem. Direct backends — an ExternalName Service, an endpoint without a
+`nodeName` — are dialed by the server itself, from the server pod and around
+NetworkPolicy, so they are refused (a Problem, the rest of the Ingress still served)
+unless the Ingress opts in with `nodeagent.io/allow-direct-backends: "true"`. A Service
 port is matched by number or by name (Service port name → the EndpointSlice port of the
 same name carries the real target port).
 
@@ -25,6 +30,7 @@ raises on bad input.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +48,7 @@ LEGACY_ANNOTATION = "kubernetes.io/ingress.class"
 DEFAULT_CLASS_ANNOTATION = "ingressclass.kubernetes.io/is-default-class"
 SSL_REDIRECT_ANNOTATION = "nodeagent.io/ssl-redirect"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+DIRECT_BACKENDS_ANNOTATION = "nodeagent.io/allow-direct-backends"
 
 Obj = dict[str, Any]
 
@@ -71,6 +78,8 @@ class _Index:
     services: dict[tuple[str, str], Obj]
     slices: dict[tuple[str, str], list[Obj]]
     secrets: dict[tuple[str, str], Obj]
+    # node → the networks its endpoints may use: its podCIDRs and its own addresses
+    node_networks: dict[str, list[ipaddress.IPv4Network | ipaddress.IPv6Network]]
 
 
 @dataclass
@@ -119,17 +128,44 @@ def is_ours(ingress: Obj, classes: set[str], default: bool) -> bool:
 
 def translate_ingresses(*, ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                         services: Iterable[Obj], endpoint_slices: Iterable[Obj],
-                        secrets: Iterable[Obj]) -> IngressTranslation:
+                        secrets: Iterable[Obj], nodes: Iterable[Obj]) -> IngressTranslation:
     with gc_paused():
-        return _translate(ingresses, ingress_classes, services, endpoint_slices, secrets)
+        return _translate(ingresses, ingress_classes, services, endpoint_slices, secrets,
+                          nodes)
+
+
+def node_networks(nodes: Iterable[Obj]
+                  ) -> dict[str, list[ipaddress.IPv4Network | ipaddress.IPv6Network]]:
+    """Node → its spec.podCIDRs and its status addresses (IPs, as /32 or /128)."""
+    out: dict[str, list[ipaddress.IPv4Network | ipaddress.IPv6Network]] = {}
+    for node in nodes:
+        nets = out.setdefault(str(_meta(node).get("name", "")), [])
+        texts = [*((node.get("spec") or {}).get("podCIDRs") or []),
+                 *(a.get("address") for a in (node.get("status") or {}).get("addresses") or []
+                   if isinstance(a, dict))]
+        for text in texts:
+            try:
+                nets.append(ipaddress.ip_network(str(text), strict=False))
+            except ValueError:
+                continue  # a Hostname address, or a bad podCIDR (compute reports those)
+    return out
+
+
+def _on_node(address: str,
+             networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip.version == net.version and ip in net for net in networks)
 
 
 def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                services: Iterable[Obj], endpoint_slices: Iterable[Obj],
-               secrets: Iterable[Obj]) -> IngressTranslation:
+               secrets: Iterable[Obj], nodes: Iterable[Obj]) -> IngressTranslation:
     classes, default = our_classes(ingress_classes)
     index = _Index(services={_key(s): s for s in services}, slices={}, secrets={
-        _key(s): s for s in secrets})
+        _key(s): s for s in secrets}, node_networks=node_networks(nodes))
     for es in endpoint_slices:
         svc = (_meta(es).get("labels") or {}).get(SERVICE_NAME_LABEL)
         if svc:
@@ -160,11 +196,12 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
     tls_hosts = _tls(ingress, index, out, problem)
     annotations = _meta(ingress).get("annotations") or {}
     redirect = annotations.get(SSL_REDIRECT_ANNOTATION, "true").lower() != "false"
+    direct = str(annotations.get(DIRECT_BACKENDS_ANNOTATION, "")).lower() == "true"
 
     default_backend = spec.get("defaultBackend")
     if default_backend is not None:
         backends = _backends(namespace, default_backend, index, out, problem,
-                             where="defaultBackend")
+                             where="defaultBackend", direct=direct)
         if backends is not None:
             rule = IngressRule(name=label, path="/", backends=backends, rank=rank)
             # The spec leaves two defaultBackends undefined; the oldest Ingress wins,
@@ -190,7 +227,7 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
                 problem("InvalidRule", f"{where}: {exc}")
                 continue
             backends = _backends(namespace, path.get("backend") or {}, index, out, problem,
-                                 where=f"{where}.backend")
+                                 where=f"{where}.backend", direct=direct)
             if backends is None:
                 continue
             out.rules.append(IngressRule(
@@ -254,7 +291,7 @@ def tls_pair(secret: Obj) -> tuple[str, str]:
 
 
 def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: Any, *,
-              where: str) -> tuple[Backend, ...] | None:
+              where: str, direct: bool) -> tuple[Backend, ...] | None:
     """The backends of one Ingress backend reference; None (and a Problem) if unusable."""
     service_ref = backend.get("service")
     if not isinstance(service_ref, dict):
@@ -274,6 +311,11 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
             svc_port = port
             break
     if svc_spec.get("type") == "ExternalName":
+        if not direct:
+            problem("DirectBackendRefused", f"{where}: Service {namespace}/{svc_name} is "
+                    f"ExternalName, which the server would dial itself; set the annotation "
+                    f'{DIRECT_BACKENDS_ANNOTATION}: "true" on the Ingress to allow it')
+            return None
         number = port_ref.get("number") or (svc_port or {}).get("port")
         if not number:
             problem("ServicePortNotFound", f"{where}: ExternalName Service {svc_name} needs "
@@ -287,6 +329,8 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
         return None
     ready: list[Backend] = []
     terminating: list[Backend] = []
+    nodeless: set[str] = set()
+    off_node: set[str] = set()
     for es in index.slices.get((namespace, svc_name), []):
         port = _slice_port(es, svc_port)
         if port is None:
@@ -299,8 +343,25 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
                 continue
             node = endpoint.get("nodeName")
             for address in endpoint.get("addresses") or []:
+                if node is None and not direct:
+                    nodeless.add(str(address))
+                    continue
+                if node is not None and not _on_node(
+                        str(address), index.node_networks.get(str(node), [])):
+                    off_node.add(f"{address} on {node}")
+                    continue
                 item = Backend(node=node, target=HostPort(host=address, port=port))
                 (ready if is_ready else terminating).append(item)
+    if nodeless:
+        problem("DirectBackendRefused", f"{where}: Service {namespace}/{svc_name}: endpoints "
+                f"without a nodeName ({len(nodeless)}: {', '.join(sorted(nodeless)[:3])}) "
+                f"would be dialed by "
+                f"the server itself; set the annotation {DIRECT_BACKENDS_ANNOTATION}: "
+                f'"true" on the Ingress to allow them')
+    if off_node:
+        problem("EndpointNotOnNode", f"{where}: Service {namespace}/{svc_name}: endpoint "
+                f"addresses outside their node's podCIDRs and addresses are ignored "
+                f"({len(off_node)}: {', '.join(sorted(off_node)[:3])})")
     chosen = ready or terminating
     for item in chosen:
         if item.node is not None:

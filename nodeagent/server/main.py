@@ -228,6 +228,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
 
     async def apply(routes: RoutesConfig) -> None:
         server.apply_routes(routes)
+        await server.close_revoked()  # a deleted or denied Node's tunnel
 
     async def main() -> None:
         log.info("asking the controller for this server's certificate",

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import trio
+from prometheus_client import Counter as MetricCounter
 from prometheus_client.core import GaugeMetricFamily
 
 from nodeagent import __version__
@@ -123,6 +124,14 @@ def _path_type(name: str) -> PathType:
     return _PATH_TYPES[name]
 
 
+# The log line of each policy refusal (`Server._refuse`), by its metric reason.
+_REFUSAL_LOG = {
+    "egress_not_allowed": "agent stream refused: destination not allowed",
+    "egress_protected": "agent stream refused: protected destination",
+    "relay_not_allowed": "agent stream refused: relay not allowed",
+}
+
+
 class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -146,6 +155,10 @@ class Server:
             bootstrap_handler=self.handle_bootstrap_stream if config.controller else None,
             log=self.log)
         self._egress_refusals = RateLimitedLog(self.log, period=60.0)
+        # Streams refused by policy, by why (a fixed set: see _refuse).
+        self.refusals = MetricCounter(
+            "nodeagent_server_refusals_total", "Agent streams and registrations the "
+            "server refused by policy, by reason", ["reason"], registry=self.metrics.registry)
         self.tables: dict[int, RouteTable] = {
             i: build_route_table(h) for i, h in enumerate(self.routes.http)}
         self.ingress_table, refused = build_ingress_table(self.routes.ingress)
@@ -206,10 +219,10 @@ class Server:
                     self.metrics.bad_input.labels("auth").inc()
                     raise AuthenticationFailed(
                         f"certificate is for node {cert_node}, HELLO claims {node}")
-                return node
+                return self._admitted(node)
         token = hello.identity.get("token") or _bearer(peer)
         if token is None and hello.identity.get("bootstrap") and self.config.controller:
-            return Bootstrap(node)
+            return Bootstrap(node)  # reaches only the controller, which checks the token
         if token is None:
             self.metrics.bad_input.labels("auth").inc()
             if peer.certificate_der is not None:
@@ -220,16 +233,44 @@ class Server:
         presented = token.encode()
         for allowed_node, secret in self._tokens:
             if allowed_node in (node, "*") and hmac.compare_digest(presented, secret):
-                return node
+                return self._admitted(node)
         self.metrics.bad_input.labels("auth").inc()
         raise AuthenticationFailed(f"token not valid for node {node}")
+
+    def _admitted(self, node: str) -> str:
+        """Controller mode: an authenticated node must also exist and not be denied (the
+        routes' `nodes`, `denied_nodes`); before the first routes, no node is known."""
+        if self.config.controller is None or (
+                self.routes.nodes is not None and self.routes.admits(node)):
+            return node
+        self.refusals.labels("node_not_admitted").inc()
+        self._egress_refusals.warning(f"node_not_admitted:{node}", "agent refused",
+                                      reason="node_not_admitted", node=node)
+        raise AuthenticationFailed(f"node {node} is not a known Node or is denied")
+
+    async def close_revoked(self) -> list[str]:
+        """Close the tunnels of nodes the current routes no longer admit (a Node deleted,
+        or in a ClusterTunnel's deniedNodes); returns their names."""
+        if self.config.controller is None or self.routes.nodes is None:
+            return []
+        revoked = [n for n in self.tunnel.sessions if not self.routes.admits(n)]
+        for node in revoked:
+            session = self.tunnel.sessions.get(node)
+            if session is None:
+                continue
+            self.refusals.labels("node_revoked").inc()
+            self.log.warning("agent disconnected: node deleted or denied", node=node)
+            await session.connection.aclose(p.ErrorCode.UNAUTHORIZED,
+                                            f"node {node} is no longer admitted")
+        return revoked
 
     # ---------------------------------------------------------------- streams in
 
     async def handle_agent_stream(self, node: str, incoming: IncomingStream) -> None:
         """A stream an agent opened (intercepted traffic): relay it to the node that owns
-        the destination, or dial it if the egress allow list permits; otherwise refuse.
-        Nothing is an open proxy."""
+        the destination if a relay policy lets this node reach it, or dial it if this
+        node's egress allows it (protected ranges only when a rule names them); otherwise
+        refuse (FORBIDDEN, counted, logged). Nothing is an open proxy."""
         target = incoming.target
         origin = incoming.metadata.get("origin", "")
         owner = self.routes.node_for_address(target.host)
@@ -239,17 +280,28 @@ class Server:
             nonlocal via
             if owner is not None and owner != node:
                 via = "relay"
+                if not self.routes.relay_allows(node, target.host, target.port,
+                                                target.protocol):
+                    raise self._refuse("relay_not_allowed", node, f"{target} belongs to "
+                                       f"node {owner}; no relay policy lets node {node} "
+                                       f"reach it", target=str(target), origin=origin)
                 return await self.open_to(owner, target.host, target.port, f"{node}/{origin}")
-            if self.routes.egress_allows(target.host, target.port, target.protocol) or (
-                    (target.host, target.port) == self._controller):
+            if (target.host, target.port) == self._controller:
+                # The config and signing streams: always, whatever the egress rules.
                 return await connect_tcp(target.host, target.port,
                                          connect_timeout=self.config.dial_timeout)
-            # Keyed by node (authenticated, bounded), not by the target the agent names.
-            self._egress_refusals.warning(
-                node, "agent stream refused: destination not allowed",
-                node=node, target=str(target), origin=origin)
-            raise StreamFailed(p.StreamReason.FORBIDDEN,
-                               f"{target} is not in the server's egress allow list")
+            why = self.routes.check_egress(node, target.host, target.port, target.protocol)
+            if why is None:
+                return await connect_tcp(target.host, target.port,
+                                         connect_timeout=self.config.dial_timeout)
+            if why == "not_allowed":
+                raise self._refuse("egress_not_allowed", node,
+                                   f"{target} is not in node {node}'s egress allow list",
+                                   target=str(target), origin=origin)
+            raise self._refuse("egress_protected", node,
+                               f"{target} is protected (loopback, link-local, the API server "
+                               f"or the Service range) and no egress rule of node {node} "
+                               f"names its range", target=str(target), origin=origin)
 
         relayed = await relay_incoming(incoming, open_upstream,
                                        on_accepted=lambda: self._count_in(via))
@@ -275,6 +327,15 @@ class Server:
                                        on_accepted=lambda: self._count_in("bootstrap"))
         if relayed.failure is not None:
             self._count_in(f"bootstrap_{relayed.failure.outcome}")
+
+    def _refuse(self, reason: str, node: str, message: str, **fields: Any) -> StreamFailed:
+        """Count a policy refusal (`reason` from a fixed set), log it at most once a minute
+        per (reason, node) — keys the server bounds, never what the agent names — and
+        return the FORBIDDEN failure to raise."""
+        self.refusals.labels(reason).inc()
+        self._egress_refusals.warning(f"{reason}:{node}", _REFUSAL_LOG[reason],
+                                      reason=reason, node=node, problem=message, **fields)
+        return StreamFailed(p.StreamReason.FORBIDDEN, message)
 
     def _count_in(self, outcome: str) -> None:
         self.outcomes[f"agent_opened:{outcome}"] += 1

@@ -23,11 +23,17 @@ def tunnel(name: str, spec: dict[str, Any], created: str = "2026-01-01T00:00:00Z
     return {"metadata": {"name": name, "creationTimestamp": created}, "spec": spec}
 
 
+def run(nodes: list[dict[str, Any]], tunnels: Any, services: list[dict[str, Any]] | None = None,
+        endpoint_slices: list[dict[str, Any]] | None = None) -> Any:
+    return compute(nodes=nodes, tunnels=tunnels, translation=translation(),
+                   services=services or [], endpoint_slices=endpoint_slices or [])
+
+
 def translation() -> Any:
     return translate_ingresses(
         ingresses=[ingress("shop", [rule("shop.test", path("/"))])], ingress_classes=[OURS],
         services=[service()], endpoint_slices=[slice_("web", endpoint("10.1.0.5"))],
-        secrets=[])
+        secrets=[], nodes=[node("edge-1", "192.168.1.10", pod_cidrs=["10.1.0.0/24"])])
 
 
 def test_nodes_allow_their_ingress_backends_and_the_tunnels_node_ports() -> None:
@@ -36,9 +42,8 @@ def test_nodes_allow_their_ingress_backends_and_the_tunnels_node_ports() -> None
         "intercept": {"rules": [{"name": "svc", "destinations": ["10.96.0.0/12"]}]},
         "nodeSelector": {"edge": "true"}})])
     assert problems == []
-    out = compute(nodes=[node("edge-1", "192.168.1.10", {"edge": "true"}, ["10.1.0.0/24"]),
-                         node("cloud-1", "10.0.0.4")], tunnels=tunnels,
-                  translation=translation())
+    out = run([node("edge-1", "192.168.1.10", {"edge": "true"}, ["10.1.0.0/24"]),
+               node("cloud-1", "10.0.0.4")], tunnels)
     edge = out.nodes["edge-1"]
     assert edge.allows("10.1.0.5", 8080)          # its Ingress backend
     assert not edge.allows("10.1.0.5", 8081)
@@ -48,7 +53,10 @@ def test_nodes_allow_their_ingress_backends_and_the_tunnels_node_ports() -> None
     cloud = out.nodes["cloud-1"]                   # not selected by the tunnel
     assert cloud.intercept is None and not cloud.allows("10.0.0.4", 10250)
     assert out.routes.node_for_address("10.1.0.77") == "edge-1"
-    assert out.routes.egress_allows("10.96.0.10", 443)
+    assert out.routes.egress_allows("10.96.0.10", 443, node="edge-1")
+    # Only for the nodes the tunnel covers: cloud-1 is outside its nodeSelector.
+    assert not out.routes.egress_allows("10.96.0.10", 443, node="cloud-1")
+    assert out.routes.check_egress("cloud-1", "10.96.0.10", 443) == "not_allowed"
     assert [r.host for r in out.routes.ingress.rules] == ["shop.test"]
 
 
@@ -61,7 +69,7 @@ def test_invalid_and_overlapping_tunnels_are_problems() -> None:
     ])
     assert [t.name for t in tunnels] == ["old", "young"]
     assert [(p.name, p.reason) for p in problems] == [("broken", "InvalidSpec")]
-    out = compute(nodes=[node("n", "10.0.0.1")], tunnels=tunnels, translation=translation())
+    out = run([node("n", "10.0.0.1")], tunnels)
     assert [(p.name, p.reason) for p in out.problems] == [("young", "Overlapping")]
 
 
@@ -75,3 +83,75 @@ def test_versions_rise_only_when_content_changes() -> None:
     assert versions.update("node/a", NodeConfig(allow=("127.0.0.1:80",)))  # type: ignore[arg-type]
     got = versions.get("node/a")
     assert got is not None and got[0] == 2 and got[1].version == 2
+
+
+def test_each_node_gets_the_egress_of_its_own_tunnel_only() -> None:
+    tunnels, _ = parse_tunnels([
+        tunnel("edge", {"nodeSelector": {"site": "edge"}, "egress": ["10.50.0.0/16:443"]}),
+        tunnel("lab", {"nodeSelector": {"site": "lab"}, "egress": ["10.60.0.0/16:*"]})])
+    out = run([node("e1", "192.168.1.1", {"site": "edge"}), node("l1", "192.168.2.1",
+                                                                 {"site": "lab"}),
+               node("x1", "192.168.3.1")], tunnels)
+    assert [(s.name, s.nodes) for s in out.routes.scopes] == [("edge", ("e1",)),
+                                                               ("lab", ("l1",))]
+    assert out.routes.egress == ()  # no union for everyone
+    assert out.routes.egress_allows("10.50.1.1", 443, node="e1")
+    assert not out.routes.egress_allows("10.60.1.1", 443, node="e1")
+    assert out.routes.egress_allows("10.60.1.1", 22, node="l1")
+    assert not out.routes.egress_allows("10.50.1.1", 443, node="l1")
+    assert not out.routes.egress_allows("10.50.1.1", 443, node="x1")
+
+
+APISERVER = {"metadata": {"name": "kubernetes", "namespace": "default"},
+             "spec": {"clusterIP": "10.96.0.1", "clusterIPs": ["10.96.0.1"],
+                      "ports": [{"port": 443}]}}
+APISERVER_SLICE = {"metadata": {"name": "kubernetes", "namespace": "default",
+                                "labels": {"kubernetes.io/service-name": "kubernetes"}},
+                   "endpoints": [{"addresses": ["172.18.0.2"]}]}
+DB = {"metadata": {"name": "db", "namespace": "shop"}, "spec": {"clusterIP": "10.96.4.4"}}
+
+
+def test_the_api_server_and_service_range_are_protected_even_under_a_wide_rule() -> None:
+    tunnels, _ = parse_tunnels([tunnel("all", {"egress": ["0.0.0.0/0:*"]})])
+    out = run([node("e1", "192.168.1.1")], tunnels, [APISERVER, DB], [APISERVER_SLICE])
+    # No serviceCidrs given: the ClusterIPs seen, and the API server's endpoints.
+    assert [str(c) for c in out.routes.protected] == [
+        "10.96.0.1/32", "10.96.4.4/32", "172.18.0.2/32"]
+    for host in ("172.18.0.2", "10.96.0.1", "10.96.4.4", "169.254.169.254", "127.0.0.1"):
+        assert out.routes.check_egress("e1", host, 443) == "protected", host
+    assert out.routes.check_egress("e1", "203.0.113.9", 443) is None
+    # A tunnel that names the apiserver's address exactly unlocks it (and nothing else).
+    tunnels, _ = parse_tunnels([tunnel("all", {
+        "egress": ["0.0.0.0/0:*", "172.18.0.2/32:443"],
+        "serviceCidrs": ["10.96.0.0/12"]})])
+    out = run([node("e1", "192.168.1.1")], tunnels, [APISERVER, DB], [APISERVER_SLICE])
+    assert [str(c) for c in out.routes.protected] == [
+        "10.96.0.0/12", "10.96.0.1/32", "172.18.0.2/32"]
+    assert out.routes.check_egress("e1", "172.18.0.2", 443) is None
+    assert out.routes.check_egress("e1", "172.18.0.2", 6443) == "protected"
+    assert out.routes.check_egress("e1", "10.96.4.4", 443) == "protected"
+
+
+def test_relays_only_where_a_tunnels_policy_names_source_nodes_and_destinations() -> None:
+    nodes = [node("a", "192.168.1.1", {"role": "gw"}, ["10.1.0.0/24"]),
+             node("b", "192.168.1.2", {}, ["10.2.0.0/24"])]
+    out = run(nodes, parse_tunnels([tunnel("t", {})])[0])
+    assert not out.routes.relay_allows("a", "10.2.0.5", 80)  # default: none
+    tunnels, problems = parse_tunnels([tunnel("t", {"relays": [
+        {"fromNodeSelector": {"role": "gw"}, "to": ["10.2.0.0/24:80"]}]})])
+    assert problems == []
+    out = run(nodes, tunnels)
+    assert out.routes.relay_allows("a", "10.2.0.5", 80)
+    assert not out.routes.relay_allows("a", "10.2.0.5", 22)
+    assert not out.routes.relay_allows("b", "10.1.0.5", 80)  # b is not selected
+
+
+def test_routes_list_the_known_nodes_and_the_denied_ones() -> None:
+    tunnels, _ = parse_tunnels([tunnel("t", {"allowedNodePorts": [10250],
+                                             "deniedNodes": ["b"]})])
+    out = run([node("a", "192.168.1.1"), node("b", "192.168.1.2")], tunnels)
+    assert out.routes.nodes == ("a", "b") and out.routes.denied_nodes == ("b",)
+    assert out.routes.admits("a") and not out.routes.admits("b")
+    assert not out.routes.admits("gone")
+    assert out.nodes["a"].allows("192.168.1.1", 10250)
+    assert out.nodes["b"] == NodeConfig()  # revoked: allows nothing

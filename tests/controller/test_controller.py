@@ -71,6 +71,7 @@ async def create_app(kube: KubeClient) -> dict[str, Any]:
     await kube.create(INGRESSCLASSES, {"metadata": {"name": "nodeagent"}, "spec": {
         "controller": "nodeagent.io/ingress-controller"}})
     await kube.create(NODES, {"metadata": {"name": "edge-1", "labels": {"site": "a"}},
+                              "spec": {"podCIDRs": ["10.1.0.0/24"]},
                               "status": {"addresses": [
                                   {"type": "InternalIP", "address": "192.168.7.10"}]}})
     await kube.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {

@@ -66,6 +66,14 @@ def slice_(svc: str = "web", *endpoints: dict[str, Any], port: int = 8080,
             "endpoints": list(endpoints)}
 
 
+NODES = [{"metadata": {"name": "edge-1"},
+          "spec": {"podCIDRs": ["10.1.0.0/24", "10.9.9.0/24"]},
+          "status": {"addresses": [{"type": "InternalIP", "address": "192.168.7.10"},
+                                   {"type": "Hostname", "address": "edge-1"}]}},
+         {"metadata": {"name": "edge-2"},  # 10.1.0.6: a hostNetwork pod on it
+          "status": {"addresses": [{"type": "InternalIP", "address": "10.1.0.6"}]}}]
+
+
 def translate(ingresses: list[dict[str, Any]], services: list[dict[str, Any]] | None = None,
               slices: list[dict[str, Any]] | None = None, secrets: list[dict[str, Any]] | None
               = None, classes: list[dict[str, Any]] | None = None) -> IngressTranslation:
@@ -73,7 +81,7 @@ def translate(ingresses: list[dict[str, Any]], services: list[dict[str, Any]] | 
         ingresses=ingresses, ingress_classes=classes if classes is not None else [OURS, NGINX],
         services=services if services is not None else [service()],
         endpoint_slices=slices if slices is not None else [slice_("web", endpoint("10.1.0.5"))],
-        secrets=secrets or [])
+        secrets=secrets or [], nodes=NODES)
 
 
 def test_rule_becomes_a_route_to_ready_endpoints_through_their_node() -> None:
@@ -127,18 +135,47 @@ def test_service_port_by_name_and_the_endpoint_slice_target_port() -> None:
     assert t.routes.rules[0].backends[0].target.port == 3000
 
 
-def test_external_name_service_is_a_direct_backend() -> None:
+DIRECT = {"nodeagent.io/allow-direct-backends": "true"}
+
+
+def test_external_name_service_is_a_direct_backend_only_when_opted_in() -> None:
     ext = service("ext", ports=[{"port": 443}], type="ExternalName",
-                  externalName="api.partner.example")
-    t = translate([ingress("a", [rule("a.test", path("/", svc="ext", port=443))])], [ext], [])
+                  externalName="169.254.169.254")
+    rules = [rule("a.test", path("/", svc="ext", port=443)), rule("b.test", path("/"))]
+    t = translate([ingress("a", rules)], [ext, service()])
+    # Refused: a Problem (an Event on the Ingress); the Ingress's other rule is served.
+    assert [(p.name, p.reason) for p in t.problems] == [("a", "DirectBackendRefused")]
+    assert "allow-direct-backends" in t.problems[0].message
+    assert [r.host for r in t.routes.rules] == ["b.test"]
+    t = translate([ingress("a", rules, annotations=DIRECT)], [ext, service()])
+    assert t.problems == ()
     assert t.routes.rules[0].backends == (
-        Backend(node=None, target=HostPort(host="api.partner.example", port=443)),)
+        Backend(node=None, target=HostPort(host="169.254.169.254", port=443)),)
 
 
-def test_endpoint_without_a_node_is_dialed_directly() -> None:
-    t = translate([ingress("a", [rule("a.test", path("/"))])],
+def test_endpoint_without_a_node_is_dialed_directly_only_when_opted_in() -> None:
+    slices = [slice_("web", endpoint("169.254.169.254", node=None), endpoint("10.1.0.5"))]
+    t = translate([ingress("a", [rule("a.test", path("/"))])], slices=slices)
+    assert [p.reason for p in t.problems] == ["DirectBackendRefused"]
+    assert [b.target.host for b in t.routes.rules[0].backends] == ["10.1.0.5"]
+    t = translate([ingress("a", [rule("a.test", path("/"))], annotations=DIRECT)],
                   slices=[slice_("web", endpoint("10.2.0.1", node=None))])
     assert t.routes.rules[0].backends[0].node is None and t.node_targets == {}
+
+
+def test_an_endpoint_slice_cannot_put_foreign_addresses_on_a_node() -> None:
+    """Whoever writes EndpointSlices names addresses; only the node's own (its podCIDRs,
+    its addresses) reach its allow list."""
+    slices = [slice_("web", endpoint("169.254.169.254"), endpoint("127.0.0.1"),
+                     endpoint("10.1.0.5"), endpoint("192.168.7.10"),
+                     endpoint("10.1.0.7", "edge-2"), endpoint("10.1.0.8", "ghost"))]
+    t = translate([ingress("a", [rule("a.test", path("/"))])], slices=slices)
+    assert t.node_targets == {"edge-1": frozenset({("10.1.0.5", 8080),
+                                                   ("192.168.7.10", 8080)})}
+    assert [b.target.host for b in t.routes.rules[0].backends] == ["10.1.0.5",
+                                                                   "192.168.7.10"]
+    assert [p.reason for p in t.problems] == ["EndpointNotOnNode"]
+    assert "ignored (4: 10.1.0.7 on edge-2, 10.1.0.8 on ghost" in t.problems[0].message
 
 
 def test_default_backend_and_path_types_and_wildcards() -> None:

@@ -194,6 +194,8 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     # The agent verifies the tunnel server's certificate (the test CA's, for 127.0.0.1)
     # and the controller's (the cluster CA's): a bundle of both, as --ca-file.
     (tmp_path / "agent-ca.crt").write_text(cluster_ca + certs.ca.read_text())
+    # Servers admit agents only of known Nodes: edge-1 exists before its agent dials.
+    api.create(NODES, {"metadata": {"name": "edge-1"}})
     uid = pod(api, "nodeagent-agent-x1", "edge-1", "nodeagent-agent")
     add_token(api, AGENT_TOKEN, namespace="nodeagent", service_account="nodeagent-agent",
               pod_name="nodeagent-agent-x1", pod_uid=uid, node_name="edge-1", node_uid="n1",
@@ -311,9 +313,13 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
         "nodeagent-ca", "nodeagent-server-tls"}, "CA and server certificate Secrets")
     ca_pem = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
     assert "BEGIN CERTIFICATE" in ca_pem
-    api.create(NODES, {"metadata": {"name": "edge-1"}, "spec": {"podCIDRs": ["10.1.0.0/24"]},
-                       "status": {"addresses": [{"type": "InternalIP",
-                                                 "address": "192.168.7.10"}]}})
+    # The "pod" is the test's upstream on 127.0.0.1: an address of the node (an endpoint
+    # only reaches a node's allow list with an address of that node's).
+    api.replace(NODES, {"metadata": {"name": "edge-1"}, "spec": {
+        "podCIDRs": ["10.1.0.0/24"]}})
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"},
+        {"type": "ExternalIP", "address": "192.168.7.10"}]})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
     ready = {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}
@@ -369,18 +375,29 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
     api.delete(INGRESSES, "shop", NS)
     wait_for(lambda: get(port, "shop.test", "/api/x").status_code == 404, "Ingress removed")
 
-    # The Node deleted: its agent's config loses the targets, the route 502s or 404s.
+    # The Node deleted: its endpoints are no node's any more (no backends: 503) and its
+    # agent's config loses the targets.
     api.create(INGRESSES, ingress("shop2", "shop2.test", "/"))
     wait_for(lambda: get(port, "shop2.test", "/").status_code == 200, "second Ingress")
     api.delete(NODES, "edge-1")
-    wait_for(lambda: get(port, "shop2.test", "/").status_code == 502,
-             "node deleted: its agent no longer allows the target")
+    wait_for(lambda: get(port, "shop2.test", "/").status_code == 503,
+             "node deleted: its endpoints are no backends")
+    # Revocation: the server closes the deleted Node's tunnel and refuses it back.
+    server = cluster["server"]
+    failures = server.status()["handshake_failures"]
+    took = wait_for(lambda: not server.status()["agents"], "deleted Node's tunnel closed")
+    print(f"Node deleted → its tunnel closed within {took:.2f}s")
+    wait_for(lambda: server.status()["handshake_failures"] > failures,
+             "the agent's re-registration refused", timeout=20)
+    assert not server.status()["agents"]
+    assert "node_not_admitted" in server.logs()
 
 
 def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]) -> None:
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
     c1 = cluster["procs"][0]
-    api.create(NODES, {"metadata": {"name": "edge-1"}})
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"}]})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80}]}})
     api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--lease-name", default="nodeagent-controller", metavar="NAME")
     controller.add_argument("--lease-seconds", type=float, default=15.0, metavar="S",
                             help="lease duration: a standby takes over within it (default 15)")
+    controller.add_argument("--certificate-hours", type=float, default=24.0, metavar="H",
+                            help="validity of the node and server certificates it signs; "
+                                 "they renew at half-life (default 24)")
     controller.add_argument("--metrics-listen", metavar="HOST:PORT",
                             help="/healthz and /readyz for probes")
 

@@ -112,9 +112,24 @@ async def watch_config(
                     log.info("config applied", version=version)
         except (WatchError, ConfigError, h11.ProtocolError, trio.BrokenResourceError,
                 trio.ClosedResourceError, OSError, ssl.SSLError) as exc:
-            await _pause(status, backoff, log, str(exc))
+            await _pause(status, backoff, log, _describe(exc))
             continue
         await _pause(status, backoff, log, "the controller ended the watch")
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the log and the debug socket. trio wraps TLS failures (a controller
+    certificate that does not verify: a server in the middle) in a BrokenResourceError
+    with no message of its own: say what is underneath."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 3:
+        text = str(seen).strip()
+        if text and text not in parts:
+            parts.append(text if not isinstance(seen, ssl.SSLError)
+                         else f"TLS: {text}")
+        seen = seen.__cause__ or seen.__context__
+    return ": ".join(parts) or type(exc).__name__
 
 
 async def _pause(status: WatchStatus, backoff: Backoff, log: StructuredLogger,

@@ -16,8 +16,17 @@ from tunnel import protocol as p
 from tunnel.dial import dial
 from tunnel.endpoint import EndpointSettings, HandshakeError, TunnelConnection
 
+ATTEMPTS = 1050
 BAD_NAMES = ["EDGE-1", "edge_1", "a/b", "x" * 5000 + "\nforged log line", "", "edge-1.",
              "-edge"]
+
+
+def _rss_kib(proc: NodeagentProcess) -> int:
+    assert proc.proc is not None
+    for line in Path(f"/proc/{proc.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
 
 
 async def _handshake(url: str, ca: Path, node: str) -> str:
@@ -43,20 +52,27 @@ def test_node_names_are_dns_names_and_bad_handshakes_cost_bounded_log_lines(
         server.wait_ready()
         url = scfg["tunnel"]
 
-        async def attempts() -> list[str]:
-            return [await _handshake(url, certs.ca, name) for name in BAD_NAMES * 20]
+        async def attempts(count: int) -> list[str]:
+            return [await _handshake(url, certs.ca, BAD_NAMES[i % len(BAD_NAMES)])
+                    for i in range(count)]
 
-        answers = trio.run(attempts)
+        # Warm up (imports, TLS session caches), then 1,000 more: the server's memory
+        # must not grow with them.
+        answers = trio.run(attempts, 50)
+        rss_before = _rss_kib(server)
+        answers += trio.run(attempts, ATTEMPTS - 50)
+        grown = _rss_kib(server) - rss_before
         assert all("invalid node name" in a or "names no node" in a for a in answers), answers
         status = server.status()
         assert status["agents"] == []
-        assert status["handshake_failures"] == len(BAD_NAMES) * 20
+        assert status["handshake_failures"] == ATTEMPTS
+        assert grown < 8 * 1024, f"server RSS grew {grown} KiB over 1,000 bad handshakes"
         # A valid name still gets in.
         assert trio.run(_handshake, url, certs.ca, "edge-1") == "accepted"
     finally:
         server.kill()
     logs = server.logs()
-    # 140 failures, one line per failure code a minute; nothing a peer sent is echoed.
+    # 1,050 failures, one line per failure code a minute; nothing a peer sent is echoed.
     assert logs.count("agent handshake failed") <= 2, logs
     assert "forged log line" not in logs and "x" * 100 not in logs
 

@@ -140,10 +140,12 @@ def add_token(api: Api, token: str, **claims: Any) -> None:
 
 
 @pytest.fixture
-def controllers(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def controllers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """The fake API server and two controller replicas (c1 leads), their config streams on
     TLS with 127.0.0.1 in their certificates."""
     kubeconfig = tmp_path / "kubeconfig"
+    marker = request.node.get_closest_marker("controller_args")
+    extra_args: tuple[str, ...] = tuple(marker.args) if marker else ()
     fake = subprocess.Popen(
         [sys.executable, "-m", "tests.fakekube", "--port", "0", "--token", ADMIN,
          "--kubeconfig", str(kubeconfig), "--bookmark-interval", "0.5",
@@ -162,7 +164,7 @@ def controllers(tmp_path: Path) -> Iterator[dict[str, Any]]:
             proc = NodeagentProcess("controller", {"debug_socket": ""}, tmp_path, name, args=[
                 "--kubeconfig", str(kubeconfig), "--namespace", "nodeagent",
                 "--listen", f"127.0.0.1:{ports[name]}", "--identity", name,
-                "--lease-seconds", "3", "--tls-name", "127.0.0.1"]).start()
+                "--lease-seconds", "3", "--tls-name", "127.0.0.1", *extra_args]).start()
             procs.append(proc)
             proc.wait_for_log("controller ready", timeout=20)
             if name == "c1":
@@ -432,3 +434,40 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "t"}, "spec": {"serverUrl": "http://x"}})
     wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list(EVENTS, "default"))
              or "InvalidSpec" in cluster["procs"][1].logs(), "ClusterTunnel problem reported")
+
+
+@pytest.mark.controller_args("--certificate-hours", "0.006")  # 21.6 s: renewed at ~11 s
+def test_certificates_renew_while_requests_run_without_a_failure(
+        cluster: dict[str, Any]) -> None:
+    """Node and server certificates renew at half-life while traffic flows through the
+    agent's tunnel: renewal swaps the TLS contexts for the next connections and never
+    breaks a running one, so not one request fails."""
+    api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
+    api.replace(NODES, {"metadata": {"name": "edge-1"}, "spec": {
+        "podCIDRs": ["10.1.0.0/24"]}})
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"}]})
+    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
+    ready = {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [ready]))
+    api.create(INGRESSES, ingress("shop", "shop.test", "/"))
+    wait_for(lambda: get(port, "shop.test", "/").status_code == 200, "served")
+    agent, server = cluster["agent"], cluster["server"]
+    first = agent.status()["identity"]["not_after"]
+    statuses: list[int] = []
+    deadline = time.monotonic() + 40
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"host": "shop.test"},
+                      timeout=10) as client:
+        while time.monotonic() < deadline:
+            statuses.append(client.get("/renewal").status_code)
+            if (agent.status()["identity"]["renewals"] >= 1
+                    and server.status()["identity"]["renewals"] >= 1
+                    and len(statuses) > 50):
+                break
+    assert agent.status()["identity"]["renewals"] >= 1, agent.status()["identity"]
+    assert agent.status()["identity"]["not_after"] != first
+    assert server.status()["identity"]["renewals"] >= 1
+    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    # The tunnel that carried them stayed up through the renewal.
+    assert agent.status()["tunnel"]["connects"] == 1

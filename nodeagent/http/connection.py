@@ -11,19 +11,22 @@ raises `UpstreamUnavailable` when it cannot give one: nothing here knows about t
 
 Per request, in named steps:
 1. read the head (timeouts: `header_timeout` from accept or from the first byte of a
-   request to its end → 408; `idle_timeout` between keep-alive requests → silent close);
+   request to its end → 408; `idle_timeout` between keep-alive requests → silent close;
+   over `max_header_fields` fields or `max_header_bytes` → 431);
 2. policy (`_route`): `headers.read_request` reads it (pure);
 3. route (`_route`): `dispatch.route_request` looks it up in the table current at that
    moment (pure; a `Refusal` is a 404/405/308/503/413 answered by `_refuse`);
 4. forward with retry (`_forward`): pick an upstream (reuse the connection's own if the
    route still lists its backend, else the `Balancer`'s order, at most
    `max_dial_attempts`), send the request and relay the response with bodies streamed both
-   ways at the same time (bounded by one read buffer per direction); an idempotent request
+   ways at the same time (bounded by one read buffer per direction; a body slower than
+   `min_body_rate` after `body_grace` → 408, close, upstream reset); an idempotent request
    without a body is sent once more on a fresh upstream when a kept-alive one turns out to
    have closed. A 101 response hands both sides to `tunnel.splice` (WebSocket and other
    Upgrades).
 Every failure answers a short text/plain body while no response byte has been sent, and
-closes the connection otherwise.
+closes the connection otherwise. Refusals that protect the front (`_reject`) are also
+counted by reason and logged rate-limited (`HttpStats.refused`).
 
 Performance notes (2-core VM, 1 KiB GETs, 16 keep-alive connections, bench_proxy): the
 front does about half of what a bare trio byte relay does; of its CPU about a third is the
@@ -56,12 +59,14 @@ from nodeagent.http.headers import (
     ClientRequest,
     frame_response,
     read_request,
+    request_head_size,
     switch_response,
     upstream_headers,
 )
 from nodeagent.http.limits import Limits
+from nodeagent.http.paths import clip
 from nodeagent.http.routes import Route, RouteTable
-from nodeagent.http.stats import HttpStats
+from nodeagent.http.stats import HttpStats, RefusalReason
 from nodeagent.http.upstream import (
     Opener,
     Upstream,
@@ -91,6 +96,14 @@ class _BodyTooLarge(Exception):
 
 class _BadBody(Exception):
     pass
+
+
+class _SlowBody(Exception):
+    pass
+
+
+_DISPATCH_REASONS: dict[int, RefusalReason] = {400: "bad_path", 413: "body_too_large"}
+"""The `dispatch` refusals that are counted and logged as refusals (`_reject`)."""
 
 
 _REASONS = {
@@ -165,8 +178,9 @@ class HttpConnection:
         graceful = True
         try:
             first = True
+            pending = 0  # bytes of the next request already received
             while True:
-                req = await self._read_request(first)
+                req = await self._read_request(first, pending)
                 if req is None:
                     return
                 first = False
@@ -184,6 +198,7 @@ class HttpConnection:
                 # start_next_cycle a fresh parser takes over the bytes already received.
                 rest, eof = conn.trailing_data
                 conn = self.conn = h11.Connection(h11.SERVER, self.limits.max_header_bytes)
+                pending = len(rest)
                 if rest:
                     conn.receive_data(bytes(rest))
                 if eof:
@@ -228,8 +243,11 @@ class HttpConnection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _ClientGone() from exc
 
-    async def _read_request(self, first: bool) -> h11.Request | None:
-        """The next request head, or None when the connection should just close."""
+    async def _read_request(self, first: bool, received: int) -> h11.Request | None:
+        """The next request head, or None when the connection should just close.
+
+        `received`: bytes of it already fed to the parser (pipelined after the last one).
+        """
         conn = self.conn
         limits = self.limits
         try:
@@ -241,26 +259,45 @@ class HttpConnection:
                     data = await self._receive()
                 if data is None:
                     return None
+                received += len(data)
                 conn.receive_data(data)
                 event = conn.next_event()
             if event is _NEED_DATA:
                 with trio.move_on_after(limits.header_timeout):
                     while event is _NEED_DATA:
-                        conn.receive_data(await self._receive())
+                        data = await self._receive()
+                        received += len(data)
+                        conn.receive_data(data)
                         event = conn.next_event()
                 if event is _NEED_DATA:
-                    self.stats.timeouts += 1
-                    await self._error(408, "timed out waiting for the request headers")
+                    await self._reject(
+                        "head_timeout", 408, "timed out waiting for the request headers"
+                    )
                     return None
         except h11.RemoteProtocolError as exc:
-            self.stats.bad_requests += 1
             status = exc.error_status_hint
-            log.info("bad request", client=self.client_addr.decode(), status=status, error=str(exc))
-            await self._error(status, f"malformed request: {exc}")
+            await self._reject(
+                "head_too_large" if status == 431 else "malformed",
+                status,
+                f"malformed request: {clip(str(exc))}",
+            )
             return None
-        if type(event) is _Request:
-            return event
-        return None  # ConnectionClosed, or PAUSED cannot happen in IDLE
+        if type(event) is not _Request:
+            return None  # ConnectionClosed, or PAUSED cannot happen in IDLE
+        # h11 bounds a head only while it is incomplete: one that arrived whole is measured
+        # here, and only when more bytes than the limit arrived (never for most requests).
+        if len(event.headers) > limits.max_header_fields:
+            await self._reject(
+                "too_many_fields", 431, f"over {limits.max_header_fields} header fields"
+            )
+            return None
+        max_head = limits.max_header_bytes
+        if received > max_head and (
+            request_head_size(event.method, event.target, event.headers) > max_head
+        ):
+            await self._reject("head_too_large", 431, f"request head over {max_head} bytes")
+            return None
+        return event
 
     # -- one request --------------------------------------------------------------------
 
@@ -275,6 +312,8 @@ class HttpConnection:
         self.http11 = req.http_version == b"1.1"
         creq = self.creq = read_request(req.http_version, req.target, req.headers)
         self.keep = creq.keep_alive
+        if creq.chunked and creq.content_length >= 0:
+            self.stats.ambiguous_framing += 1  # served by Transfer-Encoding, then closed
         return route_request(
             self.table(),
             req.method,
@@ -286,7 +325,11 @@ class HttpConnection:
     async def _refuse(self, refusal: Refusal, req: h11.Request) -> bool:
         if refusal.location is not None:
             return await self._redirect(refusal.location)
-        keep = await self._error(refusal.status, refusal.reason, req)
+        reason = _DISPATCH_REASONS.get(refusal.status)
+        if reason is not None:
+            keep = await self._reject(reason, refusal.status, refusal.reason, req)
+        else:
+            keep = await self._error(refusal.status, refusal.reason, req)
         return keep and not refusal.close
 
     async def _forward(self, req: h11.Request, route: Route) -> bool:
@@ -313,8 +356,9 @@ class HttpConnection:
             # Does the request have a body? h11 answers EndOfMessage at once if not.
             first_body = self.conn.next_event()
         except h11.RemoteProtocolError as exc:
-            stats.bad_requests += 1
-            return await self._error(400, f"malformed request body: {exc}", req)
+            return await self._reject(
+                "malformed", 400, f"malformed request body: {clip(str(exc))}", req
+            )
         replayable = type(first_body) is _EOM and method in _IDEMPOTENT
         status = 0
         try:
@@ -337,27 +381,34 @@ class HttpConnection:
                         return await self._error(exc.status, exc.reason, req)
                     log.info(
                         "upstream broke mid-response",
-                        host=creq.host.decode("latin-1"),
-                        path=creq.target.decode("latin-1"),
+                        host=clip(creq.host.decode("latin-1")),
+                        path=clip(creq.target.decode("latin-1")),
                         backend=str(up.backend),
                         error=exc.reason,
                     )
                     return False
-        except _BodyTooLarge:
-            if not self.started:
+        except (_BodyTooLarge, _BadBody, _SlowBody) as exc:
+            # The request was cut short: reset the upstream first (a node's stream is
+            # worth more than this client), then answer if nothing was sent yet.
+            up_held, self.up = self.up, None
+            if up_held is not None:
+                await trio.aclose_forcefully(up_held.stream)
+            if self.started:
+                return False
+            if isinstance(exc, _BodyTooLarge):
                 max_body = self.limits.max_body_bytes
-                return await self._error(413, f"request body over {max_body} bytes", req)
-            return False
-        except _BadBody as exc:
-            stats.bad_requests += 1
-            if not self.started:
-                return await self._error(400, f"malformed request body: {exc}", req)
-            return False
+                return await self._reject(
+                    "body_too_large", 413, f"request body over {max_body} bytes", req
+                )
+            if isinstance(exc, _SlowBody):
+                return await self._reject("slow_body", 408, str(exc), req)
+            detail = f"malformed request body: {clip(str(exc))}"
+            return await self._reject("malformed", 400, detail, req)
         if self.access_log:
             log.info(
                 "request routed",
-                host=creq.host.decode("latin-1"),
-                path=creq.target.decode("latin-1"),
+                host=clip(creq.host.decode("latin-1")),
+                path=clip(creq.target.decode("latin-1")),
                 node=self.up.backend.node if self.up else None,
                 status=status,
             )
@@ -423,15 +474,28 @@ class HttpConnection:
         conn = self.conn
         limits = self.limits
         max_body = limits.max_body_bytes
+        idle = limits.idle_timeout
+        rate = limits.min_body_rate
+        # Seconds the client may still keep us waiting: the grace, plus 1/rate per byte
+        # sent, minus the time spent waiting for it (see Limits.min_body_rate).
+        credit = min(limits.body_grace, idle)
         seen = 0
         try:
             while True:
                 if event is _NEED_DATA:
-                    with trio.move_on_after(limits.idle_timeout):
-                        conn.receive_data(await self._receive())
+                    wait = idle if rate is None else credit
+                    start = trio.current_time()
+                    with trio.move_on_at(start + wait):
+                        data = await self._receive()
+                        if rate is not None:
+                            spent = trio.current_time() - start
+                            credit = min(credit - spent + len(data) / rate, idle)
+                        conn.receive_data(data)
                         event = conn.next_event()
                         continue
-                    raise _BadBody(f"no request body data for {limits.idle_timeout:g}s")
+                    if wait < idle:
+                        raise _SlowBody(f"request body slower than {rate:g} bytes/s")
+                    raise _SlowBody(f"no request body data for {idle:g}s")
                 t = type(event)
                 if t is _Data:
                     data = event.data
@@ -451,7 +515,7 @@ class HttpConnection:
                 event = conn.next_event()
         except h11.RemoteProtocolError as exc:
             state[0] = _BadBody(str(exc))
-        except (_BadBody, _BodyTooLarge, _ClientGone, UpstreamFailed) as exc:
+        except (_SlowBody, _BodyTooLarge, _ClientGone, UpstreamFailed) as exc:
             state[0] = exc
         nursery.cancel_scope.cancel()
 
@@ -553,6 +617,19 @@ class HttpConnection:
 
     # -- answers made here ------------------------------------------------------------------
 
+    async def _reject(
+        self, reason: RefusalReason, status: int, detail: str, req: h11.Request | None = None
+    ) -> bool:
+        """A refusal that protects the front: counted by reason, logged rate-limited, then
+        answered by `_error` (`detail` is the one-line body; client text in it is clipped)."""
+        stats = self.stats
+        if status in (400, 431):
+            stats.bad_requests += 1
+        elif status == 408:
+            stats.timeouts += 1
+        stats.refused(reason, status=status, client=self.client_addr.decode(), detail=detail)
+        return await self._error(status, detail, req)
+
     async def _error(self, status: int, reason: str, req: h11.Request | None = None) -> bool:
         """A short text/plain answer; returns whether the connection can go on."""
         conn = self.conn
@@ -571,7 +648,7 @@ class HttpConnection:
             log.info(
                 "request failed",
                 status=status,
-                reason=reason,
+                reason=clip(reason, 200),
                 client=self.client_addr.decode(),
                 method=req.method.decode("latin-1") if req is not None else None,
             )

@@ -2,7 +2,8 @@
 
 `route_request` is pure (the route table and the request as `headers.read_request` read
 it, in; a `Route` or a `Refusal`, out), so every way a request is turned away without
-reaching an upstream is tested without a socket: CONNECT (405, then close), no route (404),
+reaching an upstream is tested without a socket: CONNECT (405, then close), a target that
+cannot be normalised (400, then close; see `paths`), no route (404),
 a plain-HTTP request to a route that redirects to HTTPS (308), a route without ready
 backends (503), a declared body over the limit (413).
 """
@@ -10,6 +11,7 @@ backends (503), a declared body over the limit (413).
 from __future__ import annotations
 
 from nodeagent.http.headers import ClientRequest
+from nodeagent.http.paths import clip
 from nodeagent.http.routes import Route, RouteTable, normalize_host
 
 
@@ -43,11 +45,14 @@ def route_request(
     """The route a request goes to, or why it goes nowhere. Pure: table and request in."""
     if method == b"CONNECT":
         return Refusal(405, "CONNECT is not served on this listener", close=True)
+    if req.bad_target is not None:
+        return Refusal(400, f"cannot route this path: {req.bad_target}", close=True)
     host = req.host.decode("latin-1")
     path = req.target.decode("latin-1")
     match = table.lookup(host, path)
     if match is None:
-        return Refusal(404, f"no route for {host}{path}")
+        # Host and path come from the client: the answer (and its log line) shows a prefix.
+        return Refusal(404, f"no route for {clip(host + path)}")
     route = match.route
     if route.tls_redirect and not https:
         location = f"https://{normalize_host(host)}{path}"

@@ -5,11 +5,18 @@ SNI, see `tls`) when configured, and serves each connection in a task of its own
 `Balancer` its connections share; `serve_http_connection` is the per-connection entry,
 usable on any stream (tests and embedders call it directly). A bug in serving one
 connection costs that connection, never the listener.
+
+Connection caps (`Limits.max_connections`, `max_connections_per_client`) are checked on
+accept, before TLS or any parsing: over a cap, a plain-HTTP connection gets a fixed 503
+(no request is read) and a TLS one is closed before its handshake (which would cost more
+CPU than the refusal protects). Open connections are counted per `client_key` in a dict
+whose entries go at zero, so its size is the number of clients connected right now.
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 from collections.abc import Callable
 
 import trio
@@ -24,6 +31,31 @@ from nodeagent.http.upstream import Opener
 from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.http")
+
+_BUSY_BODY = b"503 Service Unavailable: too many connections, retry later\n"
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\n\r\n%b"
+    % (len(_BUSY_BODY), _BUSY_BODY)
+)
+
+
+def client_key(address: str) -> str:
+    """Whom a connection counts against for `max_connections_per_client`.
+
+    An IPv4 address (also IPv4-mapped IPv6) is itself; an IPv6 address counts by its /64,
+    the smallest block one host or site gets, so a client cannot escape the cap by
+    cycling through the addresses of its own prefix.
+    """
+    if ":" not in address:
+        return address
+    try:
+        ip = ipaddress.IPv6Address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
 async def serve_http_connection(
@@ -84,6 +116,8 @@ class HttpFront:
         self._ssl_context = tls.server_context() if tls is not None else None
         self._scope: trio.CancelScope | None = None
         self.listeners: list[trio.SocketListener] = []
+        self.per_client: dict[str, int] = {}
+        """Open connections by `client_key`; a key goes when its count reaches zero."""
 
     async def run(
         self,
@@ -129,16 +163,47 @@ class HttpFront:
         """The port of the first listener (handy with port 0)."""
         return int(self.listeners[0].socket.getsockname()[1])
 
+    async def _refuse_connection(self, stream: trio.SocketStream) -> None:
+        if self._ssl_context is None:
+            with trio.move_on_after(1.0):
+                try:
+                    await stream.send_all(_BUSY)  # fits any fresh socket's send buffer
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+        await trio.aclose_forcefully(stream)
+
     async def _handle(self, stream: trio.SocketStream) -> None:
         stats = self.stats
+        limits = self.limits
         stats.connections_accepted += 1
+        try:
+            peer = stream.socket.getpeername()
+            client_addr = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        except OSError:
+            client_addr = "unknown"
+        key = client_key(client_addr)
+        per_client = self.per_client
+        count = per_client.get(key, 0)
+        total = limits.max_connections
+        each = limits.max_connections_per_client
+        if total is not None and stats.connections_open >= total:
+            stats.refused(
+                "connections_total", status=503, client=client_addr, detail=f"over {total} open"
+            )
+            await self._refuse_connection(stream)
+            return
+        if each is not None and count >= each:
+            stats.refused(
+                "connections_per_client",
+                status=503,
+                client=client_addr,
+                detail=f"over {each} open from {key}",
+            )
+            await self._refuse_connection(stream)
+            return
+        per_client[key] = count + 1
         stats.connections_open += 1
         try:
-            try:
-                peer = stream.socket.getpeername()
-                client_addr = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-            except OSError:
-                client_addr = "unknown"
             conn_stream: trio.abc.Stream = stream
             scheme = "http"
             if self._ssl_context is not None and self.tls is not None:
@@ -178,6 +243,11 @@ class HttpFront:
             log.error("http connection failed", error=repr(exc), exc_info=True)
         finally:
             stats.connections_open -= 1
+            left = per_client[key] - 1
+            if left:
+                per_client[key] = left
+            else:
+                del per_client[key]
 
 
-__all__ = ["HttpFront", "serve_http_connection"]
+__all__ = ["HttpFront", "client_key", "serve_http_connection"]

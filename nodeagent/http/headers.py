@@ -13,7 +13,15 @@ upstream codec (`h1`) parsed.
   (dropping it would desynchronise body framing) and X-Forwarded-*.
 - `Upgrade` and `Connection: upgrade` pass for upgrade requests (Connection names upgrade).
 - `X-Forwarded-For` gets the client address appended; `X-Forwarded-Proto` and
-  `X-Forwarded-Host` are replaced (incoming values are not trusted).
+  `X-Forwarded-Host` are replaced (incoming values are not trusted). `X-Real-IP` is replaced
+  by the client address, and a client's `Forwarded` (RFC 7239) is dropped and not re-made:
+  a backend reading either must see what this front knows, not what the client claims.
+- The target goes upstream normalised (`paths.normalize_target`), the same bytes routing
+  matched; one it cannot normalise is kept as sent with `bad_target` saying why (answered
+  400 by `dispatch`, never forwarded).
+- A request with both Content-Length and Transfer-Encoding is framed by the latter (h11
+  does) and its connection closes after the response (RFC 9112 §6.1): whoever sent it may
+  be smuggling a request past another hop that read the Content-Length.
 - Exactly one Host goes upstream: the client's, else the absolute-form authority, else the
   backend's host name.
 - Response framing to the client: the upstream's Content-Length is kept; an unknown length
@@ -28,6 +36,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+
+from nodeagent.http.paths import BadTarget, normalize_target
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -47,6 +57,8 @@ HOP_BY_HOP = frozenset(
 """Dropped by every hop; any other `proxy-*` field is dropped too."""
 
 X_FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host"})
+CLIENT_CLAIMS = X_FORWARDED | {b"forwarded", b"x-real-ip"}
+"""Fields about the client a client could forge: never forwarded as received."""
 _CONNECTION_OPTIONS = frozenset({b"close", b"keep-alive", b"upgrade"})
 _PROXY_OWNED = frozenset({b"host", b"content-length"}) | X_FORWARDED
 """Fields a Connection option cannot remove: the proxy decides about them itself."""
@@ -122,10 +134,20 @@ class ClientRequest(HopByHop):
     upgrade). One object per request: it is its own `HopByHop` for `strip_hop_by_hop`.
     """
 
-    __slots__ = ("content_length", "forwarded_for", "headers", "host", "keep_alive", "target")
+    __slots__ = (
+        "bad_target",
+        "content_length",
+        "forwarded_for",
+        "headers",
+        "host",
+        "keep_alive",
+        "target",
+    )
 
     target: bytes
-    """Origin form (an absolute-form target is reduced to its path), or `*`."""
+    """Origin form (an absolute-form target is reduced to its path) normalised, or `*`."""
+    bad_target: str | None
+    """Why the target could not be normalised (it is then as sent), or None."""
     host: bytes
     """The Host, or the absolute-form authority; b"" when there is none."""
     headers: Headers
@@ -133,7 +155,7 @@ class ClientRequest(HopByHop):
     content_length: int
     """-1 when absent."""
     keep_alive: bool
-    """HTTP/1.1 without `Connection: close`: the client may send another request."""
+    """HTTP/1.1 without `Connection: close` nor ambiguous framing: another request may come."""
     forwarded_for: bytes | None
     """The incoming X-Forwarded-For values joined, or None."""
 
@@ -148,15 +170,16 @@ def read_request(
     has_host = False
     content_length = -1
     forwarded_for: bytes | None = None
-    has_xf = False
+    has_claims = False
+    client_claims = CLIENT_CLAIMS
     for name, value in kept:
         if name == b"host":
             host = value
             has_host = True
         elif name == b"content-length":
             content_length = int(value)
-        elif name in X_FORWARDED:
-            has_xf = True
+        elif name in client_claims:
+            has_claims = True
             if name == b"x-forwarded-for":
                 forwarded_for = value if forwarded_for is None else forwarded_for + b", " + value
     if target[:1] != b"/" and target != b"*" and (scheme_end := target.find(b"://")) > 0:
@@ -164,22 +187,39 @@ def read_request(
         rest = target[scheme_end + 3 :]
         slash = rest.find(b"/")
         host, target = (rest, b"/") if slash < 0 else (rest[:slash], rest[slash:])
-        kept = [(n, v) for n, v in kept if n != b"host" and n not in X_FORWARDED]
+        kept = [(n, v) for n, v in kept if n != b"host" and n not in client_claims]
         if host:
             kept.append((b"host", host))
-    elif has_xf or (has_host and not host):
+    elif has_claims or (has_host and not host):
         # An empty Host goes too: the backend's name replaces it (one Host, never two).
-        kept = [(n, v) for n, v in kept if n not in X_FORWARDED and (host or n != b"host")]
+        kept = [(n, v) for n, v in kept if n not in client_claims and (host or n != b"host")]
     connection = req.connection
     if req.upgrade is not None and b"upgrade" not in connection:
         req.upgrade = None
-    req.target = target
+    try:
+        req.target = normalize_target(target)
+        req.bad_target = None
+    except BadTarget as exc:
+        req.target = target
+        req.bad_target = str(exc)
     req.host = host
     req.headers = kept
     req.content_length = content_length
-    req.keep_alive = http_version == b"1.1" and b"close" not in connection
+    req.keep_alive = (
+        http_version == b"1.1"
+        and b"close" not in connection
+        and not (req.chunked and content_length >= 0)
+    )
     req.forwarded_for = forwarded_for
     return req
+
+
+def request_head_size(method: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """The bytes of a request head as sent, give or take optional whitespace."""
+    size = len(method) + len(target) + 14  # " ", " HTTP/1.1\r\n", the final "\r\n"
+    for name, value in fields(headers):
+        size += len(name) + len(value) + 4
+    return size
 
 
 def upstream_headers(
@@ -188,8 +228,14 @@ def upstream_headers(
     """The header list sent upstream: `req.headers` (extended in place) plus the proxy's own.
 
     `default_host` is the Host when the client sent none (IDNA-encoded only then: it costs
-    more than the rest of this function); `client` the address appended to X-Forwarded-For;
-    `proto` the X-Forwarded-Proto (the listener's scheme).
+    more than the rest of this function); `client` the address appended to X-Forwarded-For
+    and sent as X-Real-IP; `proto` the X-Forwarded-Proto (the listener's scheme).
+
+    X-Forwarded-For is appended to, not replaced: a chain another proxy in front of this
+    one wrote stays readable to a backend configured to trust that proxy, and the last
+    entry is always the address this front saw, so a backend that trusts one hop (reads the
+    rightmost entry) cannot be fooled by what the client wrote. X-Real-IP holds a single
+    address, so it is replaced by that same last entry.
     """
     headers = req.headers
     if req.upgrade is not None:
@@ -200,6 +246,7 @@ def upstream_headers(
         headers.append((b"host", default_host.encode("idna")))
     xff = req.forwarded_for
     headers.append((b"x-forwarded-for", client if xff is None else xff + b", " + client))
+    headers.append((b"x-real-ip", client))
     headers.append((b"x-forwarded-proto", proto))
     if host:
         headers.append((b"x-forwarded-host", host))
@@ -259,6 +306,7 @@ def switch_response(reason: bytes, headers: Iterable[tuple[bytes, bytes]]) -> by
 
 
 __all__ = [
+    "CLIENT_CLAIMS",
     "HOP_BY_HOP",
     "X_FORWARDED",
     "ClientRequest",
@@ -267,6 +315,7 @@ __all__ = [
     "fields",
     "frame_response",
     "read_request",
+    "request_head_size",
     "response_head",
     "strip_hop_by_hop",
     "switch_response",

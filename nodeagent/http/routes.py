@@ -20,7 +20,9 @@ Matching, in order:
   ignored) matches `/foo`, `/foo/` and `/foo/bar`, not `/foobar`; `/` matches every path.
   `ImplementationSpecific` is treated as `Prefix`. An Exact match beats any Prefix match;
   among Prefix matches the longest wins (which is the spec's "longest path, then Exact").
-  Paths are matched as sent, without percent-decoding or dot-segment removal.
+  The table matches the path it is given byte for byte; the front gives it the path
+  normalised by `paths.normalize_target` (dot-segments removed, unreserved characters
+  decoded), the one it then forwards, so rule paths should be written in that form.
 * **Ties** (the same host, path and type from two specs, e.g. two Ingresses): the spec with
   the smallest `(rank, route.name)` wins, then the first in input order. The controller
   sets `rank` to the Ingress's creationTimestamp (RFC 3339, sorts as text), so the oldest

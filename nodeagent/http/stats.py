@@ -1,8 +1,31 @@
-"""The HTTP front's counters: plain ints its connections bump and the server role exports."""
+"""The HTTP front's counters: plain ints its connections bump and the server role exports.
+
+Refusals (requests and connections turned away to protect the front or its nodes) are
+counted by reason, `refused_<reason>`, and logged through one `RateLimitedLog` keyed by
+reason: a flood of one kind is one line a minute, with how many were suppressed.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
+
+from nodeagent.ops.logs import get_logger
+from tunnel.log import RateLimitedLog
+
+RefusalReason = Literal[
+    "connections_total",
+    "connections_per_client",
+    "head_timeout",
+    "head_too_large",
+    "too_many_fields",
+    "malformed",
+    "bad_path",
+    "body_too_large",
+    "slow_body",
+]
+
+_refusal_log = RateLimitedLog(get_logger("nodeagent.http"), period=60.0)
 
 
 @dataclass(slots=True)
@@ -24,9 +47,29 @@ class HttpStats:
     bad_requests: int = 0
     """Malformed requests from clients (400/431), counted apart from other 4xx."""
     timeouts: int = 0
-    """Header (408), dial and response (504) timeouts."""
+    """Header and body (408), dial and response (504) timeouts."""
     upgrades: int = 0
     tls_handshake_errors: int = 0
+    ambiguous_framing: int = 0
+    """Requests with both Content-Length and Transfer-Encoding (served, then closed)."""
+    refused_connections_total: int = 0
+    """Connections over `Limits.max_connections`."""
+    refused_connections_per_client: int = 0
+    """Connections over `Limits.max_connections_per_client`."""
+    refused_head_timeout: int = 0
+    """408: the request head did not arrive within `header_timeout`."""
+    refused_head_too_large: int = 0
+    """431: a head over `max_header_bytes` (complete or not)."""
+    refused_too_many_fields: int = 0
+    """431: a head with more than `max_header_fields` fields."""
+    refused_malformed: int = 0
+    """400 (or h11's other hints): a head or body h11 refused."""
+    refused_bad_path: int = 0
+    """400: a path that cannot be normalised safely (`paths`)."""
+    refused_body_too_large: int = 0
+    """413: a body over `max_body_bytes`."""
+    refused_slow_body: int = 0
+    """408: a body under `min_body_rate`, or stalled for `idle_timeout`."""
 
     def count_status(self, status: int) -> None:
         if status < 200:
@@ -40,8 +83,19 @@ class HttpStats:
         else:
             self.responses_5xx += 1
 
+    def refused(self, reason: RefusalReason, *, status: int, client: str, detail: str) -> None:
+        """Count a refusal and log it, at most once a minute per reason.
+
+        `detail` must already be clipped (`paths.clip`) where it holds client text.
+        """
+        name = "refused_" + reason
+        setattr(self, name, getattr(self, name) + 1)
+        _refusal_log.warning(
+            reason, "http refused", reason=reason, status=status, client=client, detail=detail
+        )
+
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-__all__ = ["HttpStats"]
+__all__ = ["HttpStats", "RefusalReason"]

@@ -57,6 +57,10 @@ def test_routes_by_host_and_path() -> None:
         ),
         (b"GET", b"/", b"empty.example", None, 503, False, None),
         (b"POST", b"/", b"shop.example", 99, 413, False, None),
+        (b"GET", b"/a%2fb", b"shop.example", None, 400, True, None),
+        (b"GET", b"/../etc/passwd", b"shop.example", None, 400, True, None),
+        (b"GET", b"/a\\b", b"shop.example", None, 400, True, None),
+        (b"GET", b"relative", b"shop.example", None, 400, True, None),
     ],
 )
 def test_refusals(
@@ -80,3 +84,30 @@ def test_https_requests_are_not_redirected_and_bodies_within_limit_pass() -> Non
     headers = [(b"host", b"shop.example"), (b"content-length", b"99")]
     assert decide(b"POST", b"/", headers, max_body=99) is SHOP
     assert decide(b"POST", b"/", [(b"host", b"shop.example")], max_body=0) is SHOP
+
+
+API = Route("api", (Backend("edge-1", "10.0.0.6", 8080),))
+API_ONLY = RouteTable.build([RouteSpec("shop.example", "/api", API)])
+
+
+@pytest.mark.parametrize(
+    "target", [b"/api/../admin", b"/api/%2e%2e/admin", b"/api/.%2E/admin", b"/api/./../admin"]
+)
+def test_dot_segments_are_resolved_before_routing(target: bytes) -> None:
+    req = read_request(b"1.1", target, [(b"host", b"shop.example")])
+    got = route_request(API_ONLY, b"GET", req, https=False, max_body=None)
+    assert isinstance(got, Refusal) and got.status == 404
+    assert got.reason == "no route for shop.example/admin"
+
+
+def test_the_normalised_path_routes() -> None:
+    req = read_request(b"1.1", b"/x/../%61pi/v1", [(b"host", b"shop.example")])
+    assert route_request(API_ONLY, b"GET", req, https=False, max_body=None) is API
+    assert req.target == b"/api/v1"
+
+
+def test_a_long_path_is_clipped_in_the_answer() -> None:
+    req = read_request(b"1.1", b"/n" * 5000, [(b"host", b"shop.example")])
+    got = route_request(API_ONLY, b"GET", req, https=False, max_body=None)
+    assert isinstance(got, Refusal) and got.status == 404
+    assert len(got.reason) < 150

@@ -14,6 +14,7 @@ from nodeagent.http.headers import (
     fields,
     frame_response,
     read_request,
+    request_head_size,
     response_head,
     switch_response,
     upstream_headers,
@@ -59,10 +60,12 @@ class Case:
     keep_alive: bool = True
     upgrade: bytes | None = None
     chunked: bool = False
+    bad_target: str | None = None
 
 
 XF = [
     (b"x-forwarded-for", CLIENT),
+    (b"x-real-ip", CLIENT),
     (b"x-forwarded-proto", b"http"),
     (b"x-forwarded-host", b"shop.example"),
 ]
@@ -100,6 +103,7 @@ CASES = [
             (b"host", b"shop.example"),
             (b"content-length", b"3"),
             (b"x-forwarded-for", b"203.0.113.1, " + CLIENT),
+            (b"x-real-ip", CLIENT),
             (b"x-forwarded-proto", b"http"),
             (b"x-forwarded-host", b"shop.example"),
         ],
@@ -112,6 +116,7 @@ CASES = [
         want=[
             (b"host", b"shop.example"),
             (b"x-forwarded-for", b"203.0.113.1, 10.0.0.1, 10.0.0.2, " + CLIENT),
+            (b"x-real-ip", CLIENT),
             (b"x-forwarded-proto", b"http"),
             (b"x-forwarded-host", b"shop.example"),
         ],
@@ -128,6 +133,7 @@ CASES = [
         want=[
             (b"host", b"backend.svc"),
             (b"x-forwarded-for", CLIENT),
+            (b"x-real-ip", CLIENT),
             (b"x-forwarded-proto", b"http"),
         ],
         target=b"/old",
@@ -140,6 +146,7 @@ CASES = [
         want=[
             (b"host", b"backend.svc"),
             (b"x-forwarded-for", CLIENT),
+            (b"x-real-ip", CLIENT),
             (b"x-forwarded-proto", b"http"),
         ],
         host=b"",
@@ -152,6 +159,7 @@ CASES = [
             (b"accept", b"*/*"),
             (b"host", b"other.example:8080"),
             (b"x-forwarded-for", CLIENT),
+            (b"x-real-ip", CLIENT),
             (b"x-forwarded-proto", b"http"),
             (b"x-forwarded-host", b"other.example:8080"),
         ],
@@ -171,6 +179,7 @@ CASES = [
         want=[
             (b"host", b"backend.svc"),
             (b"x-forwarded-for", CLIENT),
+            (b"x-real-ip", CLIENT),
             (b"x-forwarded-proto", b"http"),
         ],
         target=b"/x",
@@ -210,11 +219,40 @@ CASES = [
         upgrade=b"websocket",
     ),
     Case(
-        "chunked wins over Content-Length and is re-framed last",
+        "chunked wins over Content-Length, is re-framed last, and the connection closes",
         b"POST / HTTP/1.1\r\nHost: shop.example\r\nContent-Length: 5\r\n"
         b"Transfer-Encoding: chunked\r\n",
         want=[(b"host", b"shop.example"), *XF, (b"transfer-encoding", b"chunked")],
         chunked=True,
+        keep_alive=False,
+    ),
+    Case(
+        "chunked alone keeps the connection",
+        b"POST / HTTP/1.1\r\nHost: shop.example\r\nTransfer-Encoding: chunked\r\n",
+        want=[(b"host", b"shop.example"), *XF, (b"transfer-encoding", b"chunked")],
+        chunked=True,
+    ),
+    Case(
+        "client Forwarded and X-Real-IP never pass; X-Real-IP is the client's address",
+        b"GET / HTTP/1.1\r\nForwarded: for=203.0.113.1;proto=https\r\nHost: shop.example\r\n"
+        b"X-Real-IP: 10.0.0.1\r\nx-real-ip: 10.0.0.2\r\nX-Kept: yes\r\n",
+        want=[(b"host", b"shop.example"), (b"x-kept", b"yes"), *XF],
+    ),
+    Case(
+        "absolute form drops client Forwarded and X-Real-IP too",
+        b"GET http://shop.example/ HTTP/1.1\r\nHost: shop.example\r\n"
+        b"Forwarded: for=1.2.3.4\r\nX-Real-IP: 1.2.3.4\r\n",
+        want=[(b"host", b"shop.example"), *XF],
+    ),
+    Case(
+        "the target goes upstream normalised, query as sent",
+        b"GET /api/../%61dmin/./x%2fy?q=/../%2e HTTP/1.1\r\nHost: shop.example\r\n",
+        target=b"/api/../%61dmin/./x%2fy?q=/../%2e",  # %2f: refused, kept as sent
+    ),
+    Case(
+        "a dot-segment path is resolved before routing and forwarding",
+        b"GET /api/v1/../%7Euser/./%c3%a9?x=%2e HTTP/1.1\r\nHost: shop.example\r\n",
+        target=b"/api/~user/%C3%A9?x=%2e",
     ),
     Case(
         "Connection naming Transfer-Encoding cannot unframe a chunked body",
@@ -246,9 +284,15 @@ def test_request_rewrite(case: Case) -> None:
     assert creq.keep_alive is case.keep_alive
     assert creq.upgrade == case.upgrade
     assert creq.chunked is case.chunked
+    assert (creq.bad_target is not None) is (b"%2f" in case.target)
     # Whatever came in: exactly one Host and one of each X-Forwarded-For/-Proto upstream.
     assert len(values(headers, b"host")) == 1
     assert len(values(headers, b"x-forwarded-for")) == 1
+    assert values(headers, b"x-real-ip") == [CLIENT]
+    assert values(headers, b"x-forwarded-for")[0].endswith(b", " + CLIENT) or values(
+        headers, b"x-forwarded-for"
+    ) == [CLIENT]
+    assert b"forwarded" not in names(headers)
     assert values(headers, b"x-forwarded-proto") == [b"http"]
     assert len(values(headers, b"x-forwarded-host")) == (1 if creq.host else 0)
     for hop in (b"keep-alive", b"te", b"trailer", b"proxy-connection", b"proxy-authorization"):
@@ -278,6 +322,12 @@ def test_content_length_and_proto() -> None:
     assert (b"x-forwarded-proto", b"https") in headers
     creq, _ = rewrite(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
     assert creq.content_length == -1
+
+
+def test_request_head_size_counts_the_bytes_sent() -> None:
+    raw = b"GET /p?q HTTP/1.1\r\nHost: shop.example\r\nX-A: 1\r\nx-b: \r\n\r\n"
+    req = parse(raw)
+    assert request_head_size(req.method, req.target, req.headers) == len(raw)
 
 
 @pytest.mark.parametrize(

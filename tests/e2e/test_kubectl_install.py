@@ -181,6 +181,11 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
             pod(controller_pod, "nodeagent-controller", "cloud-1"),
             pod(server_pod, "nodeagent-server", "cloud-1"),
             pod(agent_pod, "nodeagent-agent", "edge-1"))
+    # The "pod" the Ingress reaches is the test's upstream on 127.0.0.1: an address of the
+    # node (an endpoint only enters a node's allow list with one of its addresses or
+    # inside its podCIDRs), set as the kubelet would, on the status subresource.
+    k.ok("patch", "node", "edge-1", "--subresource=status", "--type=merge", "-p", json.dumps(
+        {"status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}}))
     uid = {name: k.ok("get", "pod", name, "-n", NS, "-o", "jsonpath={.metadata.uid}")
            for name in (controller_pod, server_pod, agent_pod)}
     token = add_token(control, "kubectl-e2e-controller-token", tmp_path / "controller" / "token",

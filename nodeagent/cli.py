@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--ca-file", type=Path, metavar="PATH",
                          help="the cluster CA (ConfigMap nodeagent-ca): verifies the "
                               "controller and the agents' node certificates")
+    cluster.add_argument("--max-connections-per-client", type=int, metavar="N",
+                         help="HTTP connections one client address (IPv6: one /64) may hold "
+                              "(default 256; 0: no cap — behind a load balancer that hides "
+                              "client addresses)")
     cluster.add_argument("--ingress-http", metavar="HOST:PORT", help="Ingress over HTTP")
     cluster.add_argument("--ingress-https", metavar="HOST:PORT",
                          help="Ingress over HTTPS (certificates by SNI from Ingress TLS)")

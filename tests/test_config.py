@@ -254,3 +254,14 @@ def test_scoped_egress_applies_to_the_scopes_nodes_only() -> None:
         assert routes.egress_allows("10.3.0.1", 80, node=node)
     # model_copy (how versions are stamped) keeps the index.
     assert routes.model_copy(update={"version": 3}).egress_allows("10.2.0.1", 22, node="a")
+
+
+def test_http_limits_have_safe_defaults_and_can_be_relaxed() -> None:
+    default = parse_config(ServerConfig, server_doc_with_token(), "server.yaml")
+    assert default.http_limits.max_connections_per_client == 256
+    relaxed = parse_config(ServerConfig, {**server_doc_with_token(), "http_limits": {
+        "max_connections_per_client": None, "min_body_rate": None}}, "server.yaml")
+    assert relaxed.http_limits.max_connections_per_client is None
+    with pytest.raises(ConfigError, match="http_limits.max_connections"):
+        parse_config(ServerConfig, {**server_doc_with_token(), "http_limits": {
+            "max_connections": 0}}, "server.yaml")

@@ -54,6 +54,7 @@ from nodeagent.config.node import (
 from nodeagent.config.routes import (
     ALWAYS_PROTECTED,
     Backend,
+    HttpLimitsConfig,
     HttpListener,
     HttpRoute,
     IngressRoutes,
@@ -84,6 +85,7 @@ __all__ = [
     "ClientTls",
     "ConfigError",
     "HostPort",
+    "HttpLimitsConfig",
     "HttpListener",
     "HttpRoute",
     "IngressRoutes",

@@ -295,6 +295,18 @@ class RoutesConfig(Model):
 # ------------------------------------------------------------------ process settings
 
 
+class HttpLimitsConfig(Model):
+    """Per-server caps of the HTTP and Ingress fronts (nodeagent.http.Limits has the
+    reasons for each default). Behind a load balancer that hides client addresses (SNAT),
+    every client shares a few addresses: raise or drop the per-client cap there."""
+
+    max_connections: int | None = Field(default=10_000, ge=1)
+    max_connections_per_client: int | None = Field(default=256, ge=1)
+    max_header_fields: int = Field(default=100, ge=1, le=10_000)
+    min_body_rate: float | None = Field(default=1024.0, gt=0)  # bytes/s; None: no floor
+    body_grace: float = Field(default=5.0, ge=0, le=3600)
+
+
 class TunnelListen(Model):
     url: str = "tls://0.0.0.0:8443"
     # tcp:// and ws:// carry agents' tokens in clear: only when said explicitly.
@@ -328,6 +340,7 @@ class ServerConfig(RoutesConfig):
     # Listeners that serve `ingress` routes: plain HTTP and HTTPS (certificates by SNI).
     ingress_http: ListenAddress | None = None
     ingress_https: ListenAddress | None = None
+    http_limits: HttpLimitsConfig = HttpLimitsConfig()
 
     @model_validator(mode="after")
     def _secure(self) -> ServerConfig:

@@ -30,6 +30,7 @@ from nodeagent.config import (
 )
 from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
 from nodeagent.http import HttpFront, HttpStats
+from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
 from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
 from nodeagent.ops.debug import DebugServer
@@ -97,10 +98,15 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             listeners = await nursery.start(functools.partial(
                 trio.serve_tcp, handler, mapping.listen.port, host=mapping.listen.host))
             server.bound[name] = [_sockname(lst) for lst in listeners]
+        wanted = config.http_limits
+        limits = Limits(max_connections=wanted.max_connections,
+                        max_connections_per_client=wanted.max_connections_per_client,
+                        max_header_fields=wanted.max_header_fields,
+                        min_body_rate=wanted.min_body_rate, body_grace=wanted.body_grace)
         for index, listener in enumerate(config.http):
             name = f"http:{listener.name or index}"
             front = HttpFront(table=functools.partial(server.tables.__getitem__, index),
-                              open_upstream=server.open_upstream,
+                              open_upstream=server.open_upstream, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
             listeners = await nursery.start(front.run, listener.listen.host,
                                             listener.listen.port)
@@ -112,7 +118,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             if listen is None:
                 continue
             front = HttpFront(table=lambda: server.ingress_table,
-                              open_upstream=server.open_upstream, tls=tls,
+                              open_upstream=server.open_upstream, tls=tls, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
             listeners = await nursery.start(front.run, listen.host, listen.port)
             server.bound[name] = [_sockname(lst) for lst in listeners]
@@ -188,6 +194,10 @@ def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
         "tunnel": args.tunnel_listen, "controller": args.controller,
         "tls": {"cert_file": str(args.tls_cert), "key_file": str(args.tls_key),
                 "client_ca_file": str(args.ca_file)}}
+    if args.max_connections_per_client is not None:
+        # 0: no per-client cap (behind a load balancer that SNATs every client).
+        doc["http_limits"] = {"max_connections_per_client":
+                              args.max_connections_per_client or None}
     for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
         value = getattr(args, key, None)
         if value:

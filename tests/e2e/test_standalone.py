@@ -305,3 +305,21 @@ def test_sighup_reload_keeps_running_config_on_error(stack) -> None:  # type: ig
     time.sleep(0.5)
     assert "config reload refused; keeping the running config" in agent.logs()
     assert echo_through(listen_port(server, 0), b"still") == b"still"
+
+
+def test_http_limits_from_the_config_reach_the_front(tmp_path: Path, certs: Certs,
+                                                     upstream: Upstream) -> None:
+    """http_limits.max_connections_per_client caps one client address's connections."""
+    scfg = server_config(tmp_path, certs, upstream)
+    scfg["http_limits"] = {"max_connections_per_client": 1}
+    server = NodeagentProcess("server", scfg, tmp_path, "server").start()
+    try:
+        server.wait_ready()
+        port = http_port(server)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as held:
+            held.sendall(b"GET / HTTP/1.1\r\nHost: app.test\r\n")  # a head left open
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as second:
+                answer = second.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+    finally:
+        server.kill()

@@ -262,6 +262,6 @@ def test_http_limits_have_safe_defaults_and_can_be_relaxed() -> None:
     relaxed = parse_config(ServerConfig, {**server_doc_with_token(), "http_limits": {
         "max_connections_per_client": None, "min_body_rate": None}}, "server.yaml")
     assert relaxed.http_limits.max_connections_per_client is None
-    with pytest.raises(ConfigError, match="http_limits.max_connections"):
+    with pytest.raises(ConfigError, match=r"http_limits\.max_connections"):
         parse_config(ServerConfig, {**server_doc_with_token(), "http_limits": {
             "max_connections": 0}}, "server.yaml")

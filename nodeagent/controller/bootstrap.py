@@ -12,9 +12,12 @@ ServiceAccount tokens (signing.py).
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import ipaddress
 from collections.abc import Callable
 from typing import Any
+
+import trio
 
 from nodeagent import pki
 from nodeagent.kube import (
@@ -48,6 +51,10 @@ class Bootstrap:
         self.ca: pki.CertificateAuthority | None = None
         self._ca_pem = ""
         self._ca_published = False
+        # When the servers' certificate in its Secret reaches half-life (the leader
+        # re-issues it then): set by ensure_pki, waited on by the leader.
+        self.server_renew_at: dt.datetime | None = None
+        self.renew_changed = trio.Event()  # set (and replaced) when server_renew_at moves
 
     def read_ca(self) -> bool:
         """The CA (certificate and key) from the Secrets cache; called whenever its Secret
@@ -67,6 +74,12 @@ class Bootstrap:
         self.ca, self._ca_pem = ca, cert + key
         log.info("CA loaded", secret=f"{self.namespace}/{CA_SECRET}")
         return True
+
+    def _renew_at(self, when: dt.datetime | None) -> None:
+        if when != self.server_renew_at:
+            self.server_renew_at = when
+            self.renew_changed.set()
+            self.renew_changed = trio.Event()
 
     def start_leading(self) -> None:
         self._ca_published = False  # checked once per leadership
@@ -122,10 +135,15 @@ class Bootstrap:
             current = self.secrets.get(SERVER_TLS_SECRET, ns)
             if current is not None:
                 ours = (current.get("metadata", {}).get("labels") or {}).get(MANAGED_LABEL)
-                have = certificate_names(secret_value(current, "tls.crt"))
-                if ours != "true" or have >= set(dns) | set(ips):
+                pem = secret_value(current, "tls.crt")
+                have = certificate_names(pem)
+                renew_at = half_life(pem)
+                if ours != "true" or (have >= set(dns) | set(ips) and renew_at is not None
+                                      and dt.datetime.now(dt.UTC) < renew_at):
+                    self._renew_at(renew_at)
                     return True
             leaf = pki.issue_server_certificate(ca, dns, ips, common_name=SERVER_SERVICE)
+            self._renew_at(half_life(leaf.certificate_pem.decode()))
             body: dict[str, Any] = {
                 "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
                 "metadata": {"name": SERVER_TLS_SECRET, "namespace": ns, "labels": labels},
@@ -142,6 +160,19 @@ class Bootstrap:
         except (KubeError, ValueError) as exc:
             log.warning("PKI bootstrap incomplete; retrying", error=str(exc))
             return False
+
+
+def half_life(pem: str) -> dt.datetime | None:
+    """When a certificate is half way through its validity (None if it does not parse):
+    the servers' certificate is re-issued from then on, so a server restarted (or
+    reloading its mounted Secret) never runs into expiry."""
+    from cryptography import x509
+    try:
+        cert = x509.load_pem_x509_certificate(pem.encode())
+    except ValueError:
+        return None
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return start + (end - start) / 2
 
 
 def certificate_names(pem: str) -> set[str]:

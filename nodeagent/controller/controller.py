@@ -261,9 +261,26 @@ class Controller:
         log.info("leading", identity=self.settings.identity)
         try:
             self.leader.mark(*LeaderWrite)
-            await self.leader.run()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._renew_server_certificate)
+                await self.leader.run()
         finally:
             self.is_leader = False
+
+    async def _renew_server_certificate(self) -> None:
+        """Wake the PKI write when the servers' certificate reaches half-life (nothing
+        else changes then: no cache event would)."""
+        while True:
+            changed = self.bootstrap.renew_changed
+            renew_at = self.bootstrap.server_renew_at
+            wait = math.inf if renew_at is None else (
+                renew_at - dt.datetime.now(dt.UTC)).total_seconds()
+            if wait <= 0:
+                log.info("servers' certificate at half-life: re-issuing")
+                self.leader.mark(LeaderWrite.PKI)
+                wait = 60.0  # ensure_pki moves renew_at on success; else try again
+            with trio.move_on_after(wait):
+                await changed.wait()
 
 
 async def serve_controller(settings: ControllerSettings, *,

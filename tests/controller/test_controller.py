@@ -7,6 +7,7 @@ for it has been made, so no sleeping is involved."""
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,14 @@ from typing import Any
 
 import trio
 
-from nodeagent.controller.bootstrap import CA_CONFIGMAP, SERVER_SERVICE
+from nodeagent import pki
+from nodeagent.controller.bootstrap import (
+    CA_CONFIGMAP,
+    SERVER_SERVICE,
+    SERVER_TLS_SECRET,
+    certificate_names,
+    secret_value,
+)
 from nodeagent.controller.controller import Controller, ControllerSettings, serve_controller
 from nodeagent.controller.status import WATCHERS_LABEL
 from nodeagent.kube import (
@@ -27,6 +35,7 @@ from nodeagent.kube import (
     SERVICES,
     Cache,
     KubeClient,
+    NotFound,
     Resource,
 )
 from nodeagent.kube.events import rfc3339
@@ -224,3 +233,47 @@ async def test_the_leaders_ca_signs_node_certificates_that_read_the_nodes_config
     assert status == 200 and b"10.1.0.5" in body, body
     assert (await get(controller.listen_port, "/v1/config/nodes/edge-2",
                       identity.client_context()))[0] == 403
+
+
+async def test_the_servers_certificate_is_reissued_at_half_life(
+        nursery: trio.Nursery, fake_kube: FakeKube, kube: KubeClient, tmp_path: Path) -> None:
+    """Nothing in the cluster changes when the servers' certificate reaches half-life: the
+    leader's own timer re-issues it (a 365-day certificate used to last until its names
+    changed)."""
+    controller = await start_controller(nursery, fake_kube, tmp_path)
+
+    async def server_secret() -> dict[str, Any] | None:
+        try:
+            return await kube.get(SECRETS, SERVER_TLS_SECRET, namespace=NS)
+        except NotFound:
+            return None
+
+    with trio.fail_after(10):
+        while (await server_secret()) is None:  # noqa: ASYNC110 - polling the API
+            await trio.sleep(0.05)
+    ca = controller.bootstrap.ca
+    assert ca is not None
+    dns, ips = controller.bootstrap.server_names()
+    # A certificate with the right names, whose half-life is 4 s away (3-4 s: X.509
+    # times are whole seconds).
+    started = trio.current_time()
+    short = pki.issue_server_certificate(ca, dns, ips, valid_for=dt.timedelta(seconds=8),
+                                         not_before=dt.datetime.now(dt.UTC))
+    secret = await server_secret()
+    assert secret is not None
+    secret["data"] = {}
+    secret["stringData"] = {"tls.crt": short.certificate_pem.decode(),
+                            "tls.key": short.key_pem.decode()}
+    await kube.update(SECRETS, secret)
+    with trio.fail_after(15):
+        while True:
+            current = await server_secret()
+            pem = secret_value(current or {}, "tls.crt")
+            if pem and pem != short.certificate_pem.decode().strip():
+                break
+            await trio.sleep(0.1)
+    # Kept until its half-life, not replaced on sight.
+    assert trio.current_time() - started >= 2.9, trio.current_time() - started
+    renewed = pki.load_certificate(pem.encode())
+    assert renewed.not_valid_after_utc - renewed.not_valid_before_utc > dt.timedelta(days=1)
+    assert certificate_names(pem) >= set(dns) | set(ips)

@@ -157,7 +157,8 @@ class Controller:
         self.signer = CertificateSigner(self.kube, lambda: self.bootstrap.ca, SigningPolicy(
             namespace=ns, node_service_account=self.settings.node_service_account,
             server_service_account=self.settings.server_service_account,
-            validity=dt.timedelta(seconds=self.settings.certificate_validity)), self.metrics)
+            validity=dt.timedelta(seconds=self.settings.certificate_validity)), self.metrics,
+            denied_nodes=self._denied_nodes)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
                                          signer=self.signer, metrics=self.metrics)
         self.watchers = WatcherReports(self.kube, self.caches["watchers"], ns,
@@ -243,6 +244,10 @@ class Controller:
             config_version=servers[0] if servers else 0)
         if self.is_leader:
             self.leader.mark(*LeaderWrite)
+
+    def _denied_nodes(self) -> frozenset[str]:
+        tunnels, _ = parse_tunnels(self.caches["clustertunnels"].list())
+        return frozenset(n for t in tunnels for n in t.spec.denied_nodes)
 
     def _server_hosts(self) -> list[str]:
         """Public names of the servers besides their Service's: the ClusterTunnels'

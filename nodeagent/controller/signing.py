@@ -123,9 +123,13 @@ class CertificateSigner:
     until the leader has created it)."""
 
     def __init__(self, kube: KubeClient, ca: Callable[[], pki.CertificateAuthority | None],
-                 policy: SigningPolicy, metrics: ControllerMetrics) -> None:
+                 policy: SigningPolicy, metrics: ControllerMetrics, *,
+                 denied_nodes: Callable[[], frozenset[str]] = frozenset) -> None:
         self.kube = kube
         self.ca = ca
+        # Nodes a ClusterTunnel revokes (deniedNodes): the servers refuse them, and they
+        # get no certificate either.
+        self.denied_nodes = denied_nodes
         self.policy = policy
         self.metrics = metrics
         self._refusals = RateLimitedLog(log)
@@ -168,6 +172,9 @@ class CertificateSigner:
                       error=str(exc)[:300])
             raise SigningRefused(503, "api_unavailable",
                                  "the Kubernetes API cannot check the token now") from None
+        if kind == "node" and name in self.denied_nodes():
+            raise SigningRefused(403, "node_denied", f"node {name} is revoked (a "
+                                 f"ClusterTunnel lists it in deniedNodes)")
         sign = pki.sign_node_csr if kind == "node" else pki.sign_server_csr
         try:
             return sign(ca, csr, name, valid_for=self.policy.validity)

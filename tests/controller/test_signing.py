@@ -48,6 +48,7 @@ class Rig:
     metrics: ControllerMetrics
     versions: ConfigVersions
     port: int
+    denied: set[str]
 
     @property
     def url(self) -> str:
@@ -70,13 +71,16 @@ async def rig(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Rig]:
     async with KubeClient(credentials_for(fake, tmp_path), timeout=10.0) as kube:
         ca = pki.create_ca("signing test CA")
         metrics = ControllerMetrics()
-        signer = CertificateSigner(kube, lambda: ca, SigningPolicy(namespace=NS), metrics)
+        denied: set[str] = set()
+        signer = CertificateSigner(kube, lambda: ca, SigningPolicy(namespace=NS), metrics,
+                                   denied_nodes=lambda: frozenset(denied))
         dns, ips = service_names("nodeagent-controller", NS, ("127.0.0.1",))
         versions = ConfigVersions()
         stream = ConfigStreamServer(versions, tls=ServingTLS(lambda: ca, dns, ips).context,
                                     signer=signer, metrics=metrics)
         listeners = await nursery.start(stream.run, "127.0.0.1", 0)
-        yield Rig(fake, ca, stream, metrics, versions, listeners[0].socket.getsockname()[1])
+        yield Rig(fake, ca, stream, metrics, versions, listeners[0].socket.getsockname()[1],
+                  denied)
 
 
 async def post(rig: Rig, body: bytes, token: str | None) -> tuple[int, dict[str, str]]:
@@ -134,6 +138,19 @@ async def test_an_agent_token_gets_a_certificate_for_its_node_whatever_the_csr_s
     assert dt.timedelta(hours=24) <= lifetime <= dt.timedelta(hours=24, minutes=6)
     assert doc["not_after"] == cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
     assert rig.count("node", "issued") == 1
+
+
+async def test_a_revoked_node_gets_no_certificate(rig: Rig) -> None:
+    token = add_agent_token(rig.fake, "edge-1")
+    rig.denied.add("edge-1")
+    status, doc = await post(rig, csr_body("node", pki.certificate_signing_request(
+        "edge-1", pki.generate_key())), token)
+    assert (status, doc["reason"]) == (403, "node_denied"), doc
+    assert rig.count("node", "node_denied") == 1
+    rig.denied.clear()
+    status, doc = await post(rig, csr_body("node", pki.certificate_signing_request(
+        "edge-1", pki.generate_key())), token)
+    assert status == 200, doc
 
 
 async def test_without_the_node_claim_the_bound_pods_node_is_used(rig: Rig) -> None:

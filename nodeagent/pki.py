@@ -15,7 +15,7 @@ import ipaddress
 import os
 import ssl
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,6 +272,12 @@ def node_name_from_certificate(der: bytes) -> str | None:
     URI SAN holding a valid node name, on a certificate with clientAuth usage. None for
     anything else — the CN never names a node: any certificate of the CA (a server's, say,
     which may carry clientAuth too) would otherwise pass as the node in its CN."""
+    return _name_from_certificate(der, NODE_URI_PREFIX, valid_node_name)
+
+
+def _name_from_certificate(der: bytes, prefix: str, valid: Callable[[str], bool]
+                           ) -> str | None:
+    """The one name after `prefix` in a clientAuth certificate's URI SANs, if `valid`."""
     try:
         cert = x509.load_der_x509_certificate(der)
         eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
@@ -281,8 +287,8 @@ def node_name_from_certificate(der: bytes) -> str | None:
         return None
     if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
         return None
-    names = [uri[len(NODE_URI_PREFIX):] for uri in uris if uri.startswith(NODE_URI_PREFIX)]
-    if len(names) != 1 or not valid_node_name(names[0]):
+    names = [uri[len(prefix):] for uri in uris if uri.startswith(prefix)]
+    if len(names) != 1 or not valid(names[0]):
         return None
     return names[0]
 
@@ -348,23 +354,15 @@ def server_name_from_certificate(der: bytes) -> str | None:
     """The server replica a (verified) client certificate names: exactly one
     `nodeagent://server/<name>` URI SAN holding a valid name, on a certificate with
     clientAuth usage. None for anything else (no CN fallback)."""
+    return _name_from_certificate(der, SERVER_URI_PREFIX, _valid_server_name)
+
+
+def _valid_server_name(name: str) -> bool:
     try:
-        cert = x509.load_der_x509_certificate(der)
-        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
-    except (x509.ExtensionNotFound, ValueError):
-        return None
-    if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
-        return None
-    names = [u[len(SERVER_URI_PREFIX):] for u in uris if u.startswith(SERVER_URI_PREFIX)]
-    if len(names) != 1:
-        return None
-    try:
-        _check_server_name(names[0])
+        _check_server_name(name)
     except ValueError:
-        return None
-    return names[0]
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------- PEM

@@ -27,6 +27,7 @@ import h11
 import trio
 from pydantic import BaseModel
 
+from nodeagent import pki
 from nodeagent.config import ConfigError, parse_config
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from tunnel.backoff import Backoff
@@ -221,3 +222,14 @@ def token_reader(path: Path) -> Callable[[], str]:
             raise ConfigError(f"--token-file {path}: {exc.strerror}") from None
     read()  # fail at start, not at the first watch
     return read
+
+
+def read_ca_file(path: Path) -> bytes:
+    """The cluster CA bundle given as --ca-file, checked to hold certificates; a
+    ConfigError naming the flag otherwise."""
+    try:
+        ca_pem = path.read_bytes()
+        pki.load_certificates(ca_pem)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"flags: --ca-file: {path}: {exc}") from None
+    return ca_pem

@@ -31,7 +31,13 @@ from nodeagent.config import (
     parse_config,
     redacted,
 )
-from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
+from nodeagent.configwatch import (
+    WatchStatus,
+    controller_address,
+    read_ca_file,
+    token_reader,
+    watch_config,
+)
 from nodeagent.identity import IdentityKeeper, IssuedIdentity
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
@@ -151,11 +157,7 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
     host, port = controller_address(config.controller)
     token = token_reader(config.identity_token_file)
     server_ca = agent_ssl_context(config, "flags", TLS_FLAGS)  # verifies the tunnel server
-    try:
-        ca_pem = config.tls.ca_file.read_bytes()
-        pki.load_certificates(ca_pem)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"flags: --ca-file: {config.tls.ca_file}: {exc}") from None
+    ca_pem = read_ca_file(config.tls.ca_file)
     agent = Agent(config, ssl_context=server_ca)
     status = WatchStatus(config.controller)
     agent.config_watch = status

@@ -28,7 +28,13 @@ from nodeagent.config import (
     parse_config,
     redacted,
 )
-from nodeagent.configwatch import WatchStatus, controller_address, token_reader, watch_config
+from nodeagent.configwatch import (
+    WatchStatus,
+    controller_address,
+    read_ca_file,
+    token_reader,
+    watch_config,
+)
 from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
@@ -212,11 +218,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     host, port = controller_address(config.controller)
     token = token_reader(Path(str(args.token_file)))
     ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
-    try:
-        ca_pem = config.tls.client_ca_file.read_bytes()
-        pki.load_certificates(ca_pem)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"flags: --ca-file: {config.tls.client_ca_file}: {exc}") from None
+    ca_pem = read_ca_file(config.tls.client_ca_file)
     server = Server(config)
     status = WatchStatus(config.controller)
     server.config_watch = status

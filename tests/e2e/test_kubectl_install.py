@@ -21,136 +21,51 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from tests.e2e.conftest import Certs, Upstream, free_port
-from tests.fakekube.kubectl import kubectl_sync, needs_kubectl
+from tests.fakekube.kubectl import needs_kubectl
+from tests.fakekube.localcluster import (
+    MANIFESTS,
+    FakeApiServer,
+    Kubectl,
+    container_command,
+    pod,
+    ready,
+    wait_for,
+)
 from tests.procs import NodeagentProcess
 
 # The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
 pytestmark = [pytest.mark.needs("root"), needs_kubectl]
 
-ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = ROOT / "manifests"
 ADMIN = "kubectl-e2e-admin"
 NS = "nodeagent"
 CONTROLLER_SA = f"system:serviceaccount:{NS}:nodeagent-controller"
 LB_ADDRESS = "203.0.113.7"
 
 
-class Kubectl:
-    """The user at a terminal: every call is `kubectl …` with the admin kubeconfig."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        self.kubeconfig = kubeconfig
-
-    def run(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        return kubectl_sync(self.kubeconfig, *args, stdin=stdin)
-
-    def ok(self, *args: str, stdin: str | None = None) -> str:
-        result = self.run(*args, stdin=stdin)
-        assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
-        return result.stdout
-
-    def apply(self, *docs: dict[str, Any]) -> str:
-        return self.ok("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self.ok("get", *args, "-o", "json"))
-
-    def table(self, *args: str) -> list[list[str]]:
-        return [line.split() for line in self.ok("get", *args).splitlines()]
-
-
-def wait_for(check: Any, what: str, timeout: float = 15.0) -> Any:
-    """Poll until `check()` is truthy; returns its value."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except (httpx.HTTPError, OSError, AssertionError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
-
-
-def container_command(workload: dict[str, Any], role: str, fields: dict[str, str],
-                      replace: dict[str, str]) -> list[str]:
-    """The workload's container args as the kubelet would run them, minus the role: each
-    `$(VAR)` expanded from the container's `fieldRef` env, then each `--flag=value` whose
-    flag is in `replace` given the test's value. Every other flag runs as applied."""
-    (container,) = workload["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-           for e in container.get("env", [])}
-    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
-    assert args[0] == role, args
-    given = {a.partition("=")[0] for a in args[1:]}
-    assert set(replace) <= given, f"the manifest no longer gives {set(replace) - given}"
-    return [f"{flag}={replace[flag]}" if (flag := a.partition("=")[0]) in replace else a
-            for a in args[1:]]
-
-
-def ready(port: int) -> bool:
-    """The readiness probe the manifests declare (`GET /readyz` on the metrics port)."""
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def pod(name: str, account: str, node: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS},
-            "spec": {"serviceAccountName": account, "nodeName": node,
-                     "containers": [{"name": "c", "image": "ghcr.io/nodeagent/nodeagent"}]}}
-
-
 @pytest.fixture
-def fake(tmp_path: Path) -> Iterator[dict[str, Any]]:
+def fake(tmp_path: Path) -> Iterator[FakeApiServer]:
     """`python -m tests.fakekube --tls --rbac`, an admin kubeconfig for it."""
-    kubeconfig = tmp_path / "kubeconfig"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakekube", "--tls", "--rbac", "--token", ADMIN,
-         "--kubeconfig", str(kubeconfig), "--bookmark-interval", "0.5"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    server = FakeApiServer(tmp_path / "kubeconfig", ADMIN)
     try:
-        assert proc.stdout is not None
-        url = json.loads(proc.stdout.readline())["url"]
-        with httpx.Client(base_url=url, verify=False, timeout=5) as control:
-            yield {"url": url, "kubeconfig": kubeconfig, "control": control}
+        yield server
     finally:
-        proc.kill()
-        proc.wait()
+        server.close()
 
 
-def add_token(control: httpx.Client, token: str, path: Path, **claims: Any) -> Path:
-    """A ServiceAccount token the fake knows (its control endpoint), written where the
-    kubelet would project it."""
-    response = control.post("/_fake/tokens", json={"token": token, **claims})
-    assert response.status_code == 200, response.text
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(token)
-    return path
-
-
-def test_install_and_use_with_kubectl(fake: dict[str, Any], tmp_path: Path, certs: Certs,
+def test_install_and_use_with_kubectl(fake: FakeApiServer, tmp_path: Path, certs: Certs,
                                       upstream: Upstream) -> None:
-    k = Kubectl(fake["kubeconfig"])
-    control: httpx.Client = fake["control"]
+    k = Kubectl(fake.kubeconfig)
     procs: list[NodeagentProcess] = []
     try:
-        run_the_steps(k, control, tmp_path, certs, upstream, procs)
+        run_the_steps(k, fake, tmp_path, certs, upstream, procs)
     finally:
         for proc in procs:
             proc.kill()
@@ -158,7 +73,7 @@ def test_install_and_use_with_kubectl(fake: dict[str, Any], tmp_path: Path, cert
         assert "Traceback" not in proc.logs(), proc.logs()
 
 
-def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Certs,
+def run_the_steps(k: Kubectl, fake: FakeApiServer, tmp_path: Path, certs: Certs,
                   upstream: Upstream, procs: list[NodeagentProcess]) -> None:
     # 1. The install, validation on; applied again, nothing changes.
     out = k.ok("apply", "-k", str(MANIFESTS))
@@ -188,12 +103,10 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
         {"status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}}))
     uid = {name: k.ok("get", "pod", name, "-n", NS, "-o", "jsonpath={.metadata.uid}")
            for name in (controller_pod, server_pod, agent_pod)}
-    token = add_token(control, "kubectl-e2e-controller-token", tmp_path / "controller" / "token",
+    token = fake.add_token("kubectl-e2e-controller-token", tmp_path / "controller" / "token",
                       namespace=NS, service_account="nodeagent-controller",
                       pod_name=controller_pod, pod_uid=uid[controller_pod])
-    admin = yaml.safe_load(k.kubeconfig.read_text())
-    admin["users"][0]["user"] = {"tokenFile": str(token)}
-    (tmp_path / "controller" / "kubeconfig").write_text(yaml.safe_dump(admin))
+    fake.kubeconfig_as(token, tmp_path / "controller" / "kubeconfig")
     ports = {name: free_port() for name in ("config", "c-metrics", "tunnel", "http", "https",
                                             "s-metrics", "a-metrics")}
     controller = NodeagentProcess("controller", {"debug_socket": ""}, tmp_path, "controller",
@@ -212,7 +125,7 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
     controller_url = f"https://127.0.0.1:{ports['config']}"
 
     # The server and the agent, with projected tokens bound to their pods.
-    token = add_token(control, "kubectl-e2e-server-token", tmp_path / "server" / "token",
+    token = fake.add_token("kubectl-e2e-server-token", tmp_path / "server" / "token",
                       namespace=NS, service_account="nodeagent-server", pod_name=server_pod,
                       pod_uid=uid[server_pod], audiences=["nodeagent"])
     server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")}, tmp_path,
@@ -229,7 +142,7 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
         "--debug-socket", str(tmp_path / "s.sock")])
     procs.append(server.start())
     server.wait_ready()
-    token = add_token(control, "kubectl-e2e-agent-token", tmp_path / "agent" / "token",
+    token = fake.add_token("kubectl-e2e-agent-token", tmp_path / "agent" / "token",
                       namespace=NS, service_account="nodeagent-agent", pod_name=agent_pod,
                       pod_uid=uid[agent_pod], node_name="edge-1", node_uid="n1",
                       audiences=["nodeagent"])
@@ -354,7 +267,7 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
     assert result.stdout.strip() == "no"
 
     # Nothing the controller asked for was refused: RBAC covers what it does.
-    requests = control.get("/_fake/requests").json()
+    requests = fake.control.get("/_fake/requests").json()
     mine = [r for r in requests if r["user"] == CONTROLLER_SA]
     assert mine, "the controller did not authenticate as its ServiceAccount"
     refused = [f"{r['method']} {r['path']}" for r in mine if r["status"] == 403]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import operator
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 import trio.lowlevel
@@ -25,11 +25,24 @@ if TYPE_CHECKING:  # the connection creates its streams; they call back into it
 RECEIVE_COALESCE = 256 * 1024
 
 
+class DirectSink(Protocol):
+    """Takes a stream's incoming data as the connection's reader delivers it, instead of a
+    task calling receive_some() (splice.py's socket sink). It calls `consumed()` on the
+    stream for each byte it has passed on, which returns flow-control credit."""
+
+    def on_data(self, data: bytes) -> None: ...
+
+    def on_eof(self) -> None: ...
+
+    def on_reset(self, error: StreamResetError) -> None: ...
+
+
 class TunnelStream(trio.abc.HalfCloseableStream):
     """One stream of a tunnel connection, usable like a TCP connection."""
 
-    # Thousands of these sit idle on a busy tunnel: no per-instance dict, and the
-    # receive buffer is made on first data.
+    # Thousands of these sit idle on a busy tunnel: no per-instance dict; the receive
+    # buffer exists only while it holds data, and the two wake-up events only while a
+    # task waits on them (an idle stream carries ~1.3 KB less per side).
     __slots__ = (
         "__weakref__",
         "_buffer",
@@ -42,6 +55,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         "_recv_guard",
         "_reset",
         "_send_guard",
+        "_sink",
         "_window_ready",
         "bytes_received",
         "bytes_sent",
@@ -62,8 +76,9 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._fin_sent = False
         self._closed = False
         self._reset: StreamResetError | None = None
-        self._data_ready = trio.Event()
-        self._window_ready = trio.Event()
+        self._data_ready: trio.Event | None = None
+        self._window_ready: trio.Event | None = None
+        self._sink: DirectSink | None = None
         self._send_guard = _Guard("another task is already sending on this stream")
         self._recv_guard = _Guard("another task is already receiving on this stream")
         self.bytes_sent = 0
@@ -79,24 +94,63 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             # Already closed locally: consume at once so connection credit returns.
             self._conn._ack(self.stream_id, len(data))
             return
+        if self._sink is not None:
+            self._sink.on_data(data)
+            return
         if self._buffer is None:
             self._buffer = collections.deque()
         self._buffer.append(data)
         self._buffered += len(data)
-        self._data_ready.set()
+        self._wake_receiver()
 
     def _on_eof(self) -> None:
         self._eof = True
-        self._data_ready.set()
+        if self._sink is not None:
+            self._sink.on_eof()
+        self._wake_receiver()
 
     def _on_reset(self, reason: p.StreamReason, message: str) -> None:
         if self._reset is None:
             self._reset = StreamResetError(reason, message)
-        self._data_ready.set()
-        self._window_ready.set()
+        if self._sink is not None:
+            self._sink.on_reset(self._reset)
+        self._wake_receiver()
+        self._on_window()
+
+    # ---- a direct sink (see DirectSink)
+
+    def take_buffered(self) -> bytes | None:
+        """What arrived and was not received yet: data (counted as consumed by the
+        caller's `consumed()`), b"" at EOF, None if nothing. Never waits."""
+        if self._buffer:
+            data = b"".join(self._buffer)
+            self._buffer = None
+            self._buffered -= len(data)
+            return data
+        return b"" if self._eof else None
+
+    def attach_sink(self, sink: DirectSink | None) -> None:
+        """From now on incoming data, EOF and reset go to `sink` (None: back to
+        receive_some). Attach only with nothing buffered (see take_buffered)."""
+        if sink is not None and self._buffer:
+            raise RuntimeError("drain the buffered data (take_buffered) before attaching")
+        self._sink = sink
+
+    def consumed(self, size: int) -> None:
+        """A sink passed `size` bytes on (or dropped them, the stream being dead): count
+        them and return their credit, which the connection needs back either way."""
+        self.bytes_received += size
+        self._conn._ack(self.stream_id, size)
 
     def _on_window(self) -> None:
-        self._window_ready.set()
+        if self._window_ready is not None:
+            self._window_ready.set()
+            self._window_ready = None
+
+    def _wake_receiver(self) -> None:
+        if self._data_ready is not None:
+            self._data_ready.set()
+            self._data_ready = None
 
     # ---- trio.abc.HalfCloseableStream
 
@@ -116,9 +170,9 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                     if not conn._core.has_stream(self.stream_id):
                         raise self._reset or StreamResetError(
                             p.StreamReason.CANCELLED, "stream closed")
-                    self._window_ready = trio.Event()
+                    ready = self._window_ready = trio.Event()
                     conn._window_waiters.add(self)
-                    await self._window_ready.wait()
+                    await ready.wait()
                     continue
                 chunk = view[:window]
                 conn._core.send_data(self.stream_id, chunk)
@@ -155,6 +209,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             if max_bytes < 1:
                 raise ValueError("max_bytes must be >= 1")
         with self._recv_guard:
+            if self._sink is not None:
+                raise trio.BusyResourceError("a direct sink receives this stream's data")
             while True:
                 if self._closed:
                     raise trio.ClosedResourceError("stream is closed")
@@ -166,6 +222,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                         data = data[:max_bytes]
                     elif buffer:
                         data = self._coalesce(buffer, data, max_bytes or RECEIVE_COALESCE)
+                    if not buffer:
+                        self._buffer = None
                     self._buffered -= len(data)
                     self.bytes_received += len(data)
                     self._conn._ack(self.stream_id, len(data))
@@ -176,8 +234,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                     return b""
                 if self._reset is not None:
                     raise self._reset
-                self._data_ready = trio.Event()
-                await self._data_ready.wait()
+                ready = self._data_ready = trio.Event()
+                await ready.wait()
 
     @staticmethod
     def _coalesce(buffer: collections.deque[bytes], data: bytes, limit: int) -> bytes:
@@ -205,16 +263,15 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._closed = True
         if self._buffered:
             self._conn._ack(self.stream_id, self._buffered)
-            if self._buffer is not None:
-                self._buffer.clear()
+            self._buffer = None
             self._buffered = 0
         self._conn._forget(self)
         if self._reset is None:
             self._conn._core.reset_stream(self.stream_id, reason, message)
             self._reset = StreamResetError(reason, message)
             self._conn._wake_writer()
-        self._data_ready.set()
-        self._window_ready.set()
+        self._wake_receiver()
+        self._on_window()
         await trio.lowlevel.checkpoint()
 
     @property

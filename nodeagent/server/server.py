@@ -33,6 +33,7 @@ from nodeagent.config import (
     valid_node_name,
 )
 from nodeagent.configwatch import WatchStatus
+from nodeagent.filewatch import FileReloader
 from nodeagent.gcpause import gc_paused
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
@@ -145,6 +146,9 @@ class Server:
         self.identity: IdentityKeeper | None = None
         self.log = log.bind(server=config.server_id)
         self._tokens = [(entry.node, entry.read().encode()) for entry in config.tokens]
+        # The token each registered node authenticated with (standalone): a reload that
+        # removes or rotates it closes that node's tunnel (reload_tokens).
+        self._session_tokens: dict[str, bytes] = {}
         settings = EndpointSettings(ping_interval=config.keepalive.interval,
                                     ping_timeout=config.keepalive.timeout)
         # Controller mode: agents without a certificate yet may open a bootstrap
@@ -170,6 +174,8 @@ class Server:
             self.log.warning("ingress rule refused", problem=line)
         self.bound: dict[str, list[str]] = {}  # listener name -> addresses, for status
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
+        # Credentials reloaded from their files (tunnel TLS, tokens): name -> reloader.
+        self.reloaders: dict[str, FileReloader[Any]] = {}
         self.metrics.add_live(self._live_metrics)
 
     # ---------------------------------------------------------------- config
@@ -219,6 +225,7 @@ class Server:
                     self.metrics.bad_input.labels("auth").inc()
                     raise AuthenticationFailed(
                         f"certificate is for node {cert_node}, HELLO claims {node}")
+                self._session_tokens.pop(node, None)
                 return self._admitted(node)
         token = hello.identity.get("token") or _bearer(peer)
         if token is None and hello.identity.get("bootstrap") and self.config.controller:
@@ -231,11 +238,54 @@ class Server:
                     f"(that takes a nodeagent://node/<name> URI SAN and clientAuth usage)")
             raise AuthenticationFailed(f"node {node} presented no token and no certificate")
         presented = token.encode()
-        for allowed_node, secret in self._tokens:
-            if allowed_node in (node, "*") and hmac.compare_digest(presented, secret):
-                return self._admitted(node)
+        if self._token_valid(node, presented):
+            admitted = self._admitted(node)
+            self._session_tokens[node] = presented
+            return admitted
         self.metrics.bad_input.labels("auth").inc()
         raise AuthenticationFailed(f"token not valid for node {node}")
+
+    def _token_valid(self, node: str, presented: bytes) -> bool:
+        return any(allowed in (node, "*") and hmac.compare_digest(presented, secret)
+                   for allowed, secret in self._tokens)
+
+    def load_tokens(self) -> list[tuple[str, bytes]]:
+        """The tokens as their files say now (for FileReloader). A token file that is
+        gone is a removed token: that entry accepts nothing. Any other problem (unreadable,
+        too short: perhaps half-written) raises ConfigError and the loaded tokens stay."""
+        tokens = []
+        for index, entry in enumerate(self.config.tokens):
+            if entry.token_file is not None and not entry.token_file.exists():
+                continue
+            try:
+                tokens.append((entry.node, entry.read().encode()))
+            except ConfigError as exc:
+                raise ConfigError(f"tokens[{index}].token_file: {exc}") from None
+        return tokens
+
+    async def reload_tokens(self, tokens: list[tuple[str, bytes]]) -> list[str]:
+        """Use `tokens` for new handshakes and close the tunnel of every node whose token
+        they no longer hold (removed or rotated: an operator revoking a token expects its
+        sessions to end). Returns the nodes closed."""
+        self._tokens = tokens
+        for node in [n for n in self._session_tokens if n not in self.tunnel.sessions]:
+            del self._session_tokens[node]  # ended or never registered
+        closed = []
+        for node, presented in list(self._session_tokens.items()):
+            if self._token_valid(node, presented):
+                continue
+            session = self.tunnel.sessions.get(node)
+            del self._session_tokens[node]
+            if session is None:
+                continue
+            closed.append(node)
+            self.refusals.labels("token_revoked").inc()
+            self._egress_refusals.warning(f"token_revoked:{node}",
+                                          "agent disconnected: its token was removed",
+                                          reason="token_revoked", node=node)
+            await session.connection.aclose(p.ErrorCode.UNAUTHORIZED,
+                                            f"the token of node {node} was revoked")
+        return closed
 
     def _admitted(self, node: str) -> str:
         """Controller mode: an authenticated node must also exist and not be denied (the
@@ -442,6 +492,7 @@ class Server:
             "identity": self.identity.status() if self.identity else None,
             "bootstrap": {"open": self.tunnel.bootstrap_sessions,
                           "served": self.tunnel.bootstrap_served},
+            "reloads": {name: r.status() for name, r in self.reloaders.items()},
         }
 
 

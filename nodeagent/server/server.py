@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import socket
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -54,7 +56,7 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection, relay_incoming
 from tunnel.server import Bootstrap, TunnelServer
-from tunnel.tcp import connect_tcp
+from tunnel.tcp import DialFailed, connect_tcp
 from tunnel.transports import PeerInfo
 
 log = get_logger("nodeagent.server")
@@ -130,7 +132,20 @@ _REFUSAL_LOG = {
     "egress_not_allowed": "agent stream refused: destination not allowed",
     "egress_protected": "agent stream refused: protected destination",
     "relay_not_allowed": "agent stream refused: relay not allowed",
+    "backend_protected": "direct backend refused: protected destination",
 }
+
+
+async def resolve_tcp(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to for TCP, in the resolver's order, once each."""
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DialFailed("dns", f"cannot resolve {host}: {exc.strerror}") from None
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    if not addresses:
+        raise DialFailed("dns", f"{host} has no addresses")
+    return addresses
 
 
 class Server:
@@ -145,6 +160,8 @@ class Server:
         # Controller mode: this replica's certificate for the config stream (status only).
         self.identity: IdentityKeeper | None = None
         self.log = log.bind(server=config.server_id)
+        # How names are resolved for egress and direct backends (tests inject theirs).
+        self.resolve: Callable[[str, int], Awaitable[list[str]]] = resolve_tcp
         self._tokens = [(entry.node, entry.read().encode()) for entry in config.tokens]
         # The token each registered node authenticated with (standalone): a reload that
         # removes or rotates it closes that node's tunnel (reload_tokens).
@@ -342,8 +359,15 @@ class Server:
                                          connect_timeout=self.config.dial_timeout)
             why = self.routes.check_egress(node, target.host, target.port, target.protocol)
             if why is None:
-                return await connect_tcp(target.host, target.port,
-                                         connect_timeout=self.config.dial_timeout)
+                return await self.dial_checked(
+                    target.host, target.port,
+                    lambda address: self.routes.address_protected(
+                        node, address, target.port, target.protocol),
+                    lambda address: self._refuse(
+                        "egress_protected", node, f"{target.host} resolves to {address}, "
+                        f"which is protected (loopback, link-local, the API server or the "
+                        f"Service range) and no CIDR egress rule of node {node} names its "
+                        f"range", target=str(target), origin=origin))
             if why == "not_allowed":
                 raise self._refuse("egress_not_allowed", node,
                                    f"{target} is not in node {node}'s egress allow list",
@@ -378,6 +402,33 @@ class Server:
         if relayed.failure is not None:
             self._count_in(f"bootstrap_{relayed.failure.outcome}")
 
+    async def dial_checked(self, host: str, port: int, protected: Callable[[str], bool],
+                           refuse: Callable[[str], Exception]) -> trio.SocketStream:
+        """Dial host:port, a name resolved here once: every address it resolves to must
+        pass `protected` (else `refuse(address)` is raised: a name with one protected
+        address is refused whole), and the connection goes to exactly those checked
+        addresses, in order — no second resolution, so no DNS-rebinding window between
+        the check and the connect. An IP literal is checked and dialed as it is."""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            literal = False
+        else:
+            literal = True
+        failure: StreamFailed | None = None
+        with trio.move_on_after(self.config.dial_timeout):
+            addresses = [host] if literal else await self.resolve(host, port)
+            for address in addresses:
+                if protected(address):
+                    raise refuse(address)
+            for address in addresses:
+                try:
+                    return await connect_tcp(address, port, connect_timeout=None)
+                except DialFailed as exc:
+                    failure = exc
+        raise failure or DialFailed("timeout", f"connecting to {host}:{port} timed out "
+                                               f"after {self.config.dial_timeout:g}s")
+
     def _refuse(self, reason: str, node: str, message: str, **fields: Any) -> StreamFailed:
         """Count a policy refusal (`reason` from a fixed set), log it at most once a minute
         per (reason, node) — keys the server bounds, never what the agent names — and
@@ -410,7 +461,19 @@ class Server:
                             client: str = "") -> trio.abc.HalfCloseableStream:
         """For the HTTP front: tunnel failures become 502 / 504 with a readable reason."""
         try:
-            stream = await self.open_to(backend.node, backend.host, backend.port, client)
+            if backend.node is None and self.config.controller is not None:
+                # An Ingress's direct backend (opted in): names a namespace user controls.
+                stream: trio.abc.HalfCloseableStream = await self.dial_checked(
+                    backend.host, backend.port,
+                    lambda address: self.routes.address_protected(
+                        "*", address, backend.port),
+                    lambda address: self._refuse(
+                        "backend_protected", route.name, f"{backend.host} is or resolves to "
+                        f"{address}, which is protected (loopback, link-local, the API "
+                        f"server or the Service range)", backend=f"{backend.host}:"
+                        f"{backend.port}"))
+            else:
+                stream = await self.open_to(backend.node, backend.host, backend.port, client)
         except StreamFailed as exc:
             self._count(exc.outcome)
             status = 504 if exc.reason is p.StreamReason.TIMEOUT else 502

@@ -65,10 +65,12 @@ class IssuedIdentity:
                                       serialization.PrivateFormat.PKCS8,
                                       serialization.NoEncryption())
 
-    def client_context(self, *, alpn: Sequence[str] | None = None) -> ssl.SSLContext:
-        """A TLS client context presenting this certificate, trusting only the CA."""
-        return pki.client_ssl_context(self.ca_pem, self.certificate_pem, self.key_pem,
-                                      alpn=alpn)
+    def client_context(self, *, alpn: Sequence[str] | None = None,
+                       ca: bytes | None = None) -> ssl.SSLContext:
+        """A TLS client context presenting this certificate, trusting only `ca` (default:
+        the bundle the controller sent with it)."""
+        return pki.client_ssl_context(ca or self.ca_pem, self.certificate_pem,
+                                      self.key_pem, alpn=alpn)
 
     def write(self, cert_path: str, key_path: str) -> None:
         """Certificate (0644) and key (0600), each replaced atomically."""

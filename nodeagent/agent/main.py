@@ -195,7 +195,6 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
     agent = Agent(config, ssl_context=ca.server)
     status = WatchStatus(config.controller)
     agent.config_watch = status
-    watch_tls: list[ssl.SSLContext] = []
 
     def tunnel_context() -> None:
         # The tunnel presents the node certificate from its next connection on.
@@ -205,10 +204,13 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
                 ca.pem, identity.certificate_pem, identity.key_pem)
 
     def renewed(identity: IssuedIdentity) -> None:
-        # The config watch (TLS to the controller inside the tunnel) from its next
-        # reconnect; it trusts the CA bundle the controller sent with the certificate.
         tunnel_context()
-        watch_tls[:] = [identity.client_context()]
+
+    def watch_context() -> ssl.SSLContext:
+        # The config watch (TLS to the controller inside the tunnel), at each connect:
+        # the current certificate, verifying the controller with the --ca-file bundle.
+        assert keeper.identity is not None
+        return keeper.identity.client_context(ca=ca.pem)
 
     def load_ca() -> tuple[bytes, ssl.SSLContext | None]:
         return read_ca_file(ca_file), agent_ssl_context(config, "flags", TLS_FLAGS)
@@ -240,7 +242,7 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
             nursery.start_soon(ca_reloader.run)
             nursery.start_soon(lambda: watch_config(
                 open_stream=open_stream, host=host,
-                path=f"/v1/config/nodes/{config.node}", tls=lambda: watch_tls[0],
+                path=f"/v1/config/nodes/{config.node}", tls=watch_context,
                 model=NodeConfig, apply=apply, status=status, log=log.bind(node=config.node)))
             await serve_agent(agent)  # returns on SIGTERM/SIGINT
             nursery.cancel_scope.cancel()

@@ -263,28 +263,31 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     server = Server(config)
     status = WatchStatus(config.controller)
     server.config_watch = status
-    watch_tls: list[ssl.SSLContext] = []
 
     async def open_stream() -> trio.abc.Stream:
         return await trio.open_tcp_stream(host, port)
 
-    async def request(key: pki.PrivateKey) -> IssuedIdentity:
+    def current_ca() -> bytes:
         # The --ca-file as it is now (a CA rotation changes it; a broken file: the last
-        # good one).
+        # good one): it verifies the controller.
         nonlocal ca_pem
         try:
             ca_pem = read_ca_file(ca_file)
         except ConfigError as exc:
             log.warning("--ca-file not usable; verifying with the last good one",
                         error=str(exc)[:200])
+        return ca_pem
+
+    async def request(key: pki.PrivateKey) -> IssuedIdentity:
         return await request_certificate(open_stream, host=host, token=token(),
-                                         kind="server", key=key, ca_pem=ca_pem)
+                                         kind="server", key=key, ca_pem=current_ca())
 
-    def renewed(identity: IssuedIdentity) -> None:
-        watch_tls[:] = [identity.client_context()]  # from the watch's next reconnect
+    def watch_context() -> ssl.SSLContext:
+        # At each (re)connect of the watch: the current certificate and CA bundle.
+        assert keeper.identity is not None
+        return keeper.identity.client_context(ca=current_ca())
 
-    keeper = IdentityKeeper("server", request, log=log.bind(server=config.server_id),
-                            on_renewed=renewed)
+    keeper = IdentityKeeper("server", request, log=log.bind(server=config.server_id))
     server.identity = keeper
 
     async def apply(routes: RoutesConfig) -> None:
@@ -299,7 +302,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
             nursery.start_soon(keeper.renew_forever)
             nursery.start_soon(lambda: watch_config(
                 open_stream=open_stream, host=host,
-                path=f"/v1/config/servers/{config.server_id}", tls=lambda: watch_tls[0],
+                path=f"/v1/config/servers/{config.server_id}", tls=watch_context,
                 model=RoutesConfig, apply=apply, status=status,
                 log=log.bind(server=config.server_id)))
             await serve_server(server, ssl_context, tls_source="flags",

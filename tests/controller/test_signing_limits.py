@@ -1,7 +1,8 @@
 """The certificate endpoint bounds the TokenReviews it causes: a flood of requests with
 tokens (valid or not) costs the API server at most `review_rate` a second plus a burst;
 the excess gets 429 with Retry-After before any API call, counted and logged once. Real
-TLS sockets, the fake API server's TokenReview."""
+TLS sockets, the fake API server's TokenReview. And the CA rotation's pieces in the
+controller: the trust bundle, and knowing which CA signed the servers' certificate."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import trio
 
 from nodeagent import pki
+from nodeagent.controller.bootstrap import issued_by, trust_bundle
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.servingtls import ServingTLS, service_names
@@ -118,3 +120,21 @@ async def stream_listeners(nursery: trio.Nursery, stream: ConfigStreamServer
                            ) -> list[trio.SocketListener]:
     listeners: list[trio.SocketListener] = await nursery.start(stream.run, "127.0.0.1", 0)
     return listeners
+
+
+def test_the_trust_bundle_always_holds_the_signing_ca_once_and_first() -> None:
+    old, new = pki.create_ca("old"), pki.create_ca("new")
+    both = (old.certificate_pem + new.certificate_pem).decode()
+    assert trust_bundle(new, both) == new.certificate_pem + old.certificate_pem
+    assert trust_bundle(new, "") == new.certificate_pem
+    assert trust_bundle(new, old.certificate_pem.decode()) == \
+        new.certificate_pem + old.certificate_pem
+    with pytest.raises(ValueError):
+        trust_bundle(new, "not PEM")
+
+
+def test_the_servers_certificate_is_known_by_its_issuer() -> None:
+    old, new = pki.create_ca("old"), pki.create_ca("new")
+    leaf = pki.issue_server_certificate(old, ["nodeagent-server"]).certificate_pem.decode()
+    assert issued_by(leaf, old) and not issued_by(leaf, new)
+    assert not issued_by("garbage", old)

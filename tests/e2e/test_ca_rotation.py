@@ -7,6 +7,9 @@ while HTTP requests flow through the agent's tunnel the whole time:
 3. wait until every certificate has renewed (here 21.6 s certificates, renewed at ~11 s);
 4. remove the old CA from the bundle and the --ca-files.
 
+On the way the servers' tunnel certificate is renewed in its files (as the kubelet updates
+the mounted Secret): new handshakes get it, the agent's tunnel stays up.
+
 Certificates from both CAs are accepted while the bundle holds both; afterwards an old-CA
 certificate is refused by the controller and by the server; not one request fails."""
 
@@ -42,6 +45,7 @@ from tests.e2e.test_kubernetes import (  # noqa: F401 (fixtures)
     read_config,
     wait_for,
 )
+from tests.e2e.test_reload import presented_serial
 from tests.procs import NodeagentProcess
 
 pytestmark = pytest.mark.needs("root")
@@ -97,6 +101,7 @@ def test_the_ca_rotates_through_a_two_ca_bundle_with_no_failed_request(
     api, port, upstream = rig["api"], rig["http"], rig["upstream"]
     agent, server = rig["agent"], rig["server"]
     url = f"https://127.0.0.1:{replicas['ports']['c2']}"
+    tunnel_port = int(server.args[server.args.index("--tunnel-listen") + 1].rsplit(":", 1)[1])
     secret = api.get(SECRETS, "nodeagent-ca", "nodeagent")
     old_cert = secret_value(secret, "tls.crt").encode() + b"\n"
     old_key = secret_value(secret, "tls.key").encode() + b"\n"
@@ -153,9 +158,7 @@ def test_the_ca_rotates_through_a_two_ca_bundle_with_no_failed_request(
         for identity in (old_identity, new_identity):
             for c in replicas["ports"].values():
                 assert config_status(c, identity, both) == 200
-            assert tunnel_handshake(int(server.args[server.args.index("--tunnel-listen")
-                                                    + 1].rsplit(":", 1)[1]),
-                                    tunnel_ca, identity, tmp_path)
+            assert tunnel_handshake(tunnel_port, tunnel_ca, identity, tmp_path)
         # 3. Every certificate renews (from the new CA).
         renewals = (agent.status()["identity"]["renewals"],
                     server.status()["identity"]["renewals"])
@@ -163,6 +166,13 @@ def test_the_ca_rotates_through_a_two_ca_bundle_with_no_failed_request(
                        what="agent renewed")
         server.wait_for(lambda s: s["identity"]["renewals"] > renewals[1], timeout=30,
                         what="server renewed")
+        # The servers' tunnel certificate renewed in its Secret reaches the running
+        # server: new handshakes get it, the agent's tunnel stays.
+        test_ca = pki.CertificateAuthority.load(certs.ca, certs.ca.with_name("ca.key"))
+        renewed = pki.issue_server_certificate(test_ca, ["localhost"], ["127.0.0.1"])
+        renewed.write(tmp_path / "tunnel.crt", tmp_path / "tunnel.key")
+        wait_for(lambda: presented_serial(tunnel_port, certs.ca)
+                 == renewed.certificate.serial_number, "the renewed tunnel certificate")
         # 4. Remove the old CA.
         set_ca_secret(api, new.certificate_pem, new.key_pem, new.certificate_pem)
         server_ca.write_bytes(new.certificate_pem)
@@ -176,7 +186,6 @@ def test_the_ca_rotates_through_a_two_ca_bundle_with_no_failed_request(
     assert len(statuses) > 100 and set(statuses) == {200}, {
         s: statuses.count(s) for s in set(statuses)}
     assert agent.status()["tunnel"]["connects"] == 1  # the tunnel stayed up throughout
-    tunnel_port = int(server.args[server.args.index("--tunnel-listen") + 1].rsplit(":", 1)[1])
     # An old-CA certificate is refused now, by every controller and by the server.
     for c in replicas["ports"].values():
         wait_for(lambda c=c: config_status(c, old_identity, both) == "refused",

@@ -220,7 +220,7 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
               f"listener(s)")
         return 0
     trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds,
-                                  config_path=config_path))
+                                  config_path=config_path, tls_source=str(config_path)))
     return 0
 
 

@@ -113,6 +113,8 @@ def test_a_rotated_tunnel_certificate_serves_new_handshakes_and_old_tunnels_stay
     time.sleep(1.0)  # several polls
     assert presented_serial(port, ca_file) == second
     assert server.logs().count("changed files not usable") == 1
+    # The line names the file's setting, as a config error at start would.
+    assert "server.yaml: tls.cert_file" in server.logs()
     assert echo_through(listen_port(server, 0), b"still") == b"still"
     # Fixed again: picked up.
     third = pki.issue_server_certificate(ca, ["localhost"], ["127.0.0.1"])

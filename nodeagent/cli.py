@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--certificate-hours", type=float, default=24.0, metavar="H",
                             help="validity of the node and server certificates it signs; "
                                  "they renew at half-life (default 24)")
+    controller.add_argument("--token-reviews-per-second", type=float, default=20.0,
+                            metavar="N", help="TokenReviews the certificate endpoint may "
+                            "cause a second (bursts of 2.5x); beyond: 429 (default 20)")
     controller.add_argument("--metrics-listen", metavar="HOST:PORT",
                             help="/healthz and /readyz for probes")
 

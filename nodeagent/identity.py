@@ -54,10 +54,16 @@ class IssuedIdentity:
     ca_pem: bytes  # the CA bundle to verify the controller and servers with
     not_before: dt.datetime
     not_after: dt.datetime
+    received_at: dt.datetime | None = None  # when it arrived here
 
     @property
     def renew_at(self) -> dt.datetime:
-        return self.not_before + (self.not_after - self.not_before) / 2
+        """Half-way between when it arrived (or its notBefore, if later) and its expiry.
+        Not from notBefore alone: the signer backdates that by minutes for slow clocks,
+        which for a short-lived certificate would put half-life in the past (and renew
+        it in a loop)."""
+        start = max(self.not_before, self.received_at or self.not_before)
+        return start + (self.not_after - start) / 2
 
     @property
     def key_pem(self) -> bytes:
@@ -65,10 +71,12 @@ class IssuedIdentity:
                                       serialization.PrivateFormat.PKCS8,
                                       serialization.NoEncryption())
 
-    def client_context(self, *, alpn: Sequence[str] | None = None) -> ssl.SSLContext:
-        """A TLS client context presenting this certificate, trusting only the CA."""
-        return pki.client_ssl_context(self.ca_pem, self.certificate_pem, self.key_pem,
-                                      alpn=alpn)
+    def client_context(self, *, alpn: Sequence[str] | None = None,
+                       ca: bytes | None = None) -> ssl.SSLContext:
+        """A TLS client context presenting this certificate, trusting only `ca` (default:
+        the bundle the controller sent with it)."""
+        return pki.client_ssl_context(ca or self.ca_pem, self.certificate_pem,
+                                      self.key_pem, alpn=alpn)
 
     def write(self, cert_path: str, key_path: str) -> None:
         """Certificate (0644) and key (0600), each replaced atomically."""
@@ -110,6 +118,7 @@ async def request_certificate(
         raise ValueError("the controller certified a key that is not ours")
     return IssuedIdentity(key=key, certificate_pem=doc["certificate"].encode(),
                           ca_pem=doc["ca"].encode(), not_before=cert.not_valid_before_utc,
+                          received_at=dt.datetime.now(dt.UTC),
                           not_after=cert.not_valid_after_utc)
 
 
@@ -173,7 +182,8 @@ class IdentityKeeper:
                 # 401/403 will not heal by retrying fast (wrong account, pod gone): slow.
                 self._failed(str(exc), slow=exc.status in (401, 403))
             except (OSError, ssl.SSLError, ValueError, trio.BrokenResourceError,
-                    trio.TooSlowError, StreamFailed, HandshakeError, TransportError) as exc:
+                    trio.TooSlowError, StreamFailed, HandshakeError, TransportError,
+                    h11.ProtocolError) as exc:  # an answer cut short: retry
                 self._failed(f"{type(exc).__name__}: {exc}", slow=False)
             await trio.sleep(self._backoff.next_delay())
 

@@ -288,7 +288,7 @@ async def _confirm_tls13(endpoint: Endpoint, stream: TLSStream, connect_rtt: flo
 async def serve(
     endpoint: Endpoint | str,
     handler: Callable[[Transport], Awaitable[None]], *,
-    ssl_context: ssl.SSLContext | None = None,
+    ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
     handshake_timeout: float = 10.0,
     websocket_impl: str = "auto",
     max_message_size: int = MAX_MESSAGE_SIZE,
@@ -297,6 +297,10 @@ async def serve(
     """Listen on `endpoint` until cancelled, calling `handler(transport)` for each
     connection that completes its handshakes; the transport is closed when the handler
     returns. Reports the bound endpoints (real ports, for port 0) via task_status.
+
+    `ssl_context` may be a callable giving the context for each new connection: a
+    certificate reloaded from its files applies to the next handshake, and connections
+    already up keep theirs.
 
     Each connection's TLS handshake and WebSocket upgrade must finish within
     `handshake_timeout`. A failed handshake is logged (logger "tunnel.dial", with peer and
@@ -327,8 +331,8 @@ async def serve(
 async def _serve_connection(
     stream: trio.SocketStream, endpoint: Endpoint,
     handler: Callable[[Transport], Awaitable[None]], *,
-    ssl_context: ssl.SSLContext | None, handshake_timeout: float, impl: WebSocketImpl,
-    max_message_size: int,
+    ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None,
+    handshake_timeout: float, impl: WebSocketImpl, max_message_size: int,
 ) -> None:
     try:
         peer_address = format_address(stream.socket.getpeername())
@@ -337,9 +341,10 @@ async def _serve_connection(
         return
     transport: Transport | None = None
     reason, message = "", ""
+    context = ssl_context() if callable(ssl_context) else ssl_context
     with trio.move_on_after(handshake_timeout) as scope:
         try:
-            transport = await _accept(stream, endpoint, peer_address, ssl_context=ssl_context,
+            transport = await _accept(stream, endpoint, peer_address, ssl_context=context,
                                       impl=impl, max_message_size=max_message_size)
         except _HandshakeFailed as exc:
             reason, message = exc.reason, str(exc)

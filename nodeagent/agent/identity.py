@@ -60,11 +60,13 @@ async def bootstrap_connection(endpoint: Endpoint, *, node: str,
 
 def node_certificate_requester(
     client: TunnelClient, *, node: str, controller: tuple[str, int], token: Callable[[], str],
-    ca_pem: bytes, server_ca: ssl.SSLContext | None,
+    ca_pem: Callable[[], bytes], server_ca: Callable[[], ssl.SSLContext | None],
 ) -> Requester:
     """How this agent asks for a certificate: through its tunnel when connected, else
     through a bootstrap connection. `token()` reads the projected token file each time
-    (the kubelet rotates it); `server_ca` verifies the tunnel server on bootstrap."""
+    (the kubelet rotates it); `server_ca()` verifies the tunnel server on bootstrap and
+    `ca_pem()` the controller (both as the --ca-file reads now: a CA bundle changed
+    for a rotation applies at the next request)."""
     host, port = controller
     target = p.Target(host, port)
 
@@ -73,13 +75,13 @@ def node_certificate_requester(
         if conn is not None and conn.is_open and not conn.is_draining:
             return await request_certificate(
                 lambda: conn.open_stream(target), host=host, token=token(), kind="node",
-                key=key, ca_pem=ca_pem)
+                key=key, ca_pem=ca_pem())
         async with bootstrap_connection(
-                client.endpoint, node=node, ssl_context=server_ca,
+                client.endpoint, node=node, ssl_context=server_ca(),
                 server_hostname=client.server_hostname,
                 socket_mark=client.socket_mark) as boot:
             return await request_certificate(
                 lambda: boot.open_stream(target), host=host, token=token(), kind="node",
-                key=key, ca_pem=ca_pem)
+                key=key, ca_pem=ca_pem())
 
     return request

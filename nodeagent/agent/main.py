@@ -11,9 +11,11 @@ NodeConfig atomically (interception rules, allow list).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from nodeagent.configwatch import (
     token_reader,
     watch_config,
 )
+from nodeagent.filewatch import FileReloader
 from nodeagent.identity import IdentityKeeper, IssuedIdentity
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
@@ -112,6 +115,29 @@ async def _reload(agent: Agent, config_path: Path) -> None:
         log.error("config reload refused; keeping the running config", error=str(exc))
 
 
+def tls_files(config: AgentConfig) -> list[Path]:
+    return [f for f in (config.tls.ca_file, config.tls.cert_file, config.tls.key_file)
+            if f is not None]
+
+
+async def serve_agent_reloading(agent: Agent, config_path: Path) -> None:
+    """serve_agent, with the tunnel's CA, certificate and key files reloaded when they
+    change: the next connection uses them; the running one is not dropped."""
+    config = agent.config
+
+    def swap(context: ssl.SSLContext | None) -> None:
+        agent.client.ssl_context = context
+
+    async with trio.open_nursery() as nursery:
+        if config.server.startswith(("tls://", "wss://")) and tls_files(config):
+            reloader = FileReloader(
+                "tunnel certificate", tls_files(config), load=functools.partial(
+                    agent_ssl_context, config, str(config_path)), apply=swap, log=agent.log)
+            nursery.start_soon(reloader.run)
+        await serve_agent(agent, config_path)
+        nursery.cancel_scope.cancel()
+
+
 def run_agent(config_path: Path, *, check: bool = False) -> int:
     config = load_config(AgentConfig, config_path)
     ssl_context = agent_ssl_context(config, str(config_path))
@@ -124,7 +150,7 @@ def run_agent(config_path: Path, *, check: bool = False) -> int:
         print(f"{config_path}: valid. node {config.node}, server {config.server}, "
               f"{len(config.allow)} allow rule(s)")
         return 0
-    trio.run(lambda: serve_agent(agent, config_path))
+    trio.run(serve_agent_reloading, agent, config_path)
     return 0
 
 
@@ -150,30 +176,56 @@ def agent_config_from_flags(args: argparse.Namespace) -> AgentConfig:
     return parse_config(AgentConfig, doc, "flags")
 
 
+@dataclass
+class _Trust:
+    pem: bytes  # the --ca-file bundle
+    server: ssl.SSLContext | None  # verifies the tunnel server with it
+
+
 def run_agent_cluster(args: argparse.Namespace) -> int:
     config = agent_config_from_flags(args)
     assert config.controller is not None and config.identity_token_file is not None
     assert config.tls.ca_file is not None
     host, port = controller_address(config.controller)
     token = token_reader(config.identity_token_file)
-    server_ca = agent_ssl_context(config, "flags", TLS_FLAGS)  # verifies the tunnel server
-    ca_pem = read_ca_file(config.tls.ca_file)
-    agent = Agent(config, ssl_context=server_ca)
+    ca_file = config.tls.ca_file
+    # The --ca-file bundle: it verifies the tunnel server and the controller, and is
+    # re-read when it changes (CA rotation: a bundle of both CAs, then the new one alone).
+    ca = _Trust(read_ca_file(ca_file), agent_ssl_context(config, "flags", TLS_FLAGS))
+    agent = Agent(config, ssl_context=ca.server)
     status = WatchStatus(config.controller)
     agent.config_watch = status
-    watch_tls: list[ssl.SSLContext] = []
+
+    def tunnel_context() -> None:
+        # The tunnel presents the node certificate from its next connection on.
+        identity = keeper.identity
+        if identity is not None:
+            agent.client.ssl_context = pki.client_ssl_context(
+                ca.pem, identity.certificate_pem, identity.key_pem)
 
     def renewed(identity: IssuedIdentity) -> None:
-        # The tunnel presents the node certificate from its next connection on; the
-        # config watch (TLS to the controller inside the tunnel) from its next reconnect.
-        tunnel = pki.client_ssl_context(ca_pem, identity.certificate_pem, identity.key_pem)
-        agent.client.ssl_context = tunnel
-        watch_tls[:] = [identity.client_context()]
+        tunnel_context()
+
+    def watch_context() -> ssl.SSLContext:
+        # The config watch (TLS to the controller inside the tunnel), at each connect:
+        # the current certificate, verifying the controller with the --ca-file bundle.
+        assert keeper.identity is not None
+        return keeper.identity.client_context(ca=ca.pem)
+
+    def load_ca() -> tuple[bytes, ssl.SSLContext | None]:
+        return read_ca_file(ca_file), agent_ssl_context(config, "flags", TLS_FLAGS)
+
+    def ca_changed(loaded: tuple[bytes, ssl.SSLContext | None]) -> None:
+        ca.pem, ca.server = loaded
+        tunnel_context()
 
     keeper = IdentityKeeper("node", node_certificate_requester(
-        agent.client, node=config.node, controller=(host, port), token=token, ca_pem=ca_pem,
-        server_ca=server_ca), log=log.bind(node=config.node), on_renewed=renewed)
+        agent.client, node=config.node, controller=(host, port), token=token,
+        ca_pem=lambda: ca.pem, server_ca=lambda: ca.server),
+        log=log.bind(node=config.node), on_renewed=renewed)
     agent.identity = keeper
+    ca_reloader = FileReloader("CA bundle", [ca_file], load=load_ca, apply=ca_changed,
+                               log=agent.log)
 
     async def open_stream() -> trio.abc.Stream:
         stream: trio.abc.Stream = await agent.client.open_stream(p.Target(host, port))
@@ -187,9 +239,10 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
         await keeper.obtain()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(keeper.renew_forever)
+            nursery.start_soon(ca_reloader.run)
             nursery.start_soon(lambda: watch_config(
                 open_stream=open_stream, host=host,
-                path=f"/v1/config/nodes/{config.node}", tls=lambda: watch_tls[0],
+                path=f"/v1/config/nodes/{config.node}", tls=watch_context,
                 model=NodeConfig, apply=apply, status=status, log=log.bind(node=config.node)))
             await serve_agent(agent)  # returns on SIGTERM/SIGINT
             nursery.cancel_scope.cancel()

@@ -249,19 +249,26 @@ class RoutesConfig(Model):
                      protocol: str = "tcp") -> str | None:
         """None if the server may dial host:port for `node`'s agent; otherwise why not:
         "not_allowed" (no rule of the node's) or "protected" (only wider rules cover a
-        protected address)."""
-        matching = [r for r in self.egress_rules(node) if r.allows(host, port, protocol)]
-        if not matching:
+        protected address). A name passes here on its rules; the server then resolves it
+        and checks every address with `address_protected` before dialing one."""
+        if not any(r.allows(host, port, protocol) for r in self.egress_rules(node)):
             return "not_allowed"
-        ranges = self.protected_ranges(host)
+        return "protected" if self.address_protected(node, host, port, protocol) else None
+
+    def address_protected(self, node: str, address: str, port: int,
+                          protocol: str = "tcp") -> bool:
+        """Whether `address` (an IP; a name never is) lies in a protected range that no
+        CIDR rule of `node`'s unlocks: a rule unlocks it only if it allows the address and
+        port and its CIDR lies inside *every* protected range holding the address."""
+        ranges = self.protected_ranges(address)
         if not ranges:
-            return None
-        for rule in matching:
-            if rule.cidr is not None and all(
+            return False
+        for rule in self.egress_rules(node):
+            if rule.cidr is not None and rule.allows(address, port, protocol) and all(
                     rule.cidr.version == r.version and rule.cidr.subnet_of(r)  # type: ignore[arg-type]
                     for r in ranges):
-                return None
-        return "protected"
+                return False
+        return True
 
     def protected_ranges(self, host: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
         """The protected ranges that hold `host` (an IPv4-mapped IPv6 address counts as

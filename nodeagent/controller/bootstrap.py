@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
 
 from nodeagent import pki
 from nodeagent.kube import (
@@ -36,6 +38,8 @@ CA_CONFIGMAP = "nodeagent-ca"  # its certificate alone, for agents and servers (
 SERVER_TLS_SECRET = "nodeagent-server-tls"  # the servers' tunnel certificate
 SERVER_SERVICE = "nodeagent-server"  # the servers' Service: its names go into their cert
 MANAGED_LABEL = "nodeagent.io/managed"
+# In Secret nodeagent-ca besides tls.crt/tls.key: the CAs to trust while rotating.
+TRUST_KEY = "ca.crt"
 
 
 class Bootstrap:
@@ -49,6 +53,9 @@ class Bootstrap:
         self.namespace = namespace
         self.server_hosts = server_hosts
         self.ca: pki.CertificateAuthority | None = None
+        # The CA bundle clients are trusted by and told to trust: the Secret's `ca.crt`
+        # (a CA rotation puts the old and the new CA there) plus the signing CA.
+        self.trust_pem: bytes | None = None
         self._ca_pem = ""
         self._ca_published = False
         # When the servers' certificate in its Secret reaches half-life (the leader
@@ -57,13 +64,14 @@ class Bootstrap:
         self.renew_changed = trio.Event()  # set (and replaced) when server_renew_at moves
 
     def read_ca(self) -> bool:
-        """The CA (certificate and key) from the Secrets cache; called whenever its Secret
-        changes. True if it changed."""
+        """The CA (certificate and key) and the trust bundle from the Secrets cache;
+        called whenever its Secret changes. True if either changed."""
         secret = self.secrets.get(CA_SECRET, self.namespace)
         if secret is None:
             return False
         cert, key = secret_value(secret, "tls.crt"), secret_value(secret, "tls.key")
-        if not cert or not key or cert + key == self._ca_pem:
+        bundle = secret_value(secret, TRUST_KEY)
+        if not cert or not key or cert + key + bundle == self._ca_pem:
             return False
         try:
             ca = pki.CertificateAuthority.load(cert.encode(), key.encode())
@@ -71,8 +79,16 @@ class Bootstrap:
             log.error("the CA Secret does not hold a usable CA", error=str(exc)[:200],
                       secret=f"{self.namespace}/{CA_SECRET}")
             return False
-        self.ca, self._ca_pem = ca, cert + key
-        log.info("CA loaded", secret=f"{self.namespace}/{CA_SECRET}")
+        try:
+            self.trust_pem = trust_bundle(ca, bundle)
+        except ValueError as exc:
+            log.error(f"the CA Secret's {TRUST_KEY} is not a PEM bundle; trusting the "
+                      f"signing CA alone", error=str(exc)[:200],
+                      secret=f"{self.namespace}/{CA_SECRET}")
+            self.trust_pem = ca.certificate_pem
+        self.ca, self._ca_pem = ca, cert + key + bundle
+        log.info("CA loaded", secret=f"{self.namespace}/{CA_SECRET}",
+                 trusted=len(pki.load_certificates(self.trust_pem)))
         return True
 
     def _renew_at(self, when: dt.datetime | None) -> None:
@@ -100,10 +116,11 @@ class Bootstrap:
         return sorted(set(dns)), sorted(set(ips))
 
     async def ensure_pki(self) -> bool:
-        """Leader only. The CA is created once and never replaced. The servers' tunnel
-        certificate is created, and re-issued when the names it must carry change — only
-        if it is ours (labelled), never someone else's. False if it could not finish (the
-        leader retries)."""
+        """Leader only. The CA is created once and never replaced by the controller (an
+        operator rotates it: README "Rotating the CA"). The servers' tunnel certificate is
+        created, and re-issued at half-life, when the names it must carry change, or when
+        another CA signed it — only if it is ours (labelled), never someone else's. False
+        if it could not finish (the leader retries)."""
         ns = self.namespace
         labels = {"app.kubernetes.io/name": "nodeagent", MANAGED_LABEL: "true"}
         try:
@@ -139,7 +156,8 @@ class Bootstrap:
                 have = certificate_names(pem)
                 renew_at = half_life(pem)
                 if ours != "true" or (have >= set(dns) | set(ips) and renew_at is not None
-                                      and dt.datetime.now(dt.UTC) < renew_at):
+                                      and dt.datetime.now(dt.UTC) < renew_at
+                                      and issued_by(pem, ca)):
                     self._renew_at(renew_at)
                     return True
             leaf = pki.issue_server_certificate(ca, dns, ips, common_name=SERVER_SERVICE)
@@ -173,6 +191,29 @@ def half_life(pem: str) -> dt.datetime | None:
         return None
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
     return start + (end - start) / 2
+
+
+def trust_bundle(ca: pki.CertificateAuthority, bundle: str) -> bytes:
+    """The signing CA's certificate and those of `bundle` (PEM), each once, the signing CA
+    first; ValueError if `bundle` is not empty and holds no certificate."""
+    certs = [ca.certificate_pem]
+    if bundle:
+        for cert in pki.load_certificates(bundle.encode()):
+            pem = cert.public_bytes(serialization.Encoding.PEM)
+            if pem not in certs:
+                certs.append(pem)
+    return b"".join(certs)
+
+
+def issued_by(pem: str, ca: pki.CertificateAuthority) -> bool:
+    """Whether the certificate in `pem` was signed by `ca` (after the signer switches to a
+    new CA, the servers' certificate is re-issued from it)."""
+    from cryptography import x509
+    try:
+        x509.load_pem_x509_certificate(pem.encode()).verify_directly_issued_by(ca.certificate)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def certificate_names(pem: str) -> set[str]:

@@ -39,7 +39,7 @@ from nodeagent.controller.inputs import (
 )
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.servingtls import ServingTLS, service_names
-from nodeagent.controller.signing import CertificateSigner, SigningPolicy
+from nodeagent.controller.signing import REVIEW_RATE, CertificateSigner, SigningPolicy
 from nodeagent.controller.status import (
     WATCHERS_LABEL,
     Outcome,
@@ -97,6 +97,7 @@ class ControllerSettings:
     node_service_account: str = "nodeagent-agent"
     server_service_account: str = "nodeagent-server"
     certificate_validity: float = 24 * 3600.0  # seconds
+    token_review_rate: float = REVIEW_RATE  # TokenReviews a second for certificate requests
 
 
 class LeaderWrites:
@@ -153,12 +154,15 @@ class Controller:
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
         self.metrics = ControllerMetrics()
         dns, ips = service_names(self.settings.service_name, ns, self.settings.tls_names)
-        self.tls = ServingTLS(lambda: self.bootstrap.ca, dns, ips)
+        self.tls = ServingTLS(lambda: self.bootstrap.ca, dns, ips,
+                              trust=lambda: self.bootstrap.trust_pem)
         self.signer = CertificateSigner(self.kube, lambda: self.bootstrap.ca, SigningPolicy(
             namespace=ns, node_service_account=self.settings.node_service_account,
             server_service_account=self.settings.server_service_account,
             validity=dt.timedelta(seconds=self.settings.certificate_validity)), self.metrics,
-            denied_nodes=self._denied_nodes)
+            denied_nodes=self._denied_nodes, review_rate=self.settings.token_review_rate,
+            review_burst=max(1, math.ceil(self.settings.token_review_rate * 2.5)),
+            trust_bundle=lambda: self.bootstrap.trust_pem)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
                                          signer=self.signer, metrics=self.metrics)
         self.watchers = WatcherReports(self.kube, self.caches["watchers"], ns,

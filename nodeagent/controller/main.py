@@ -27,13 +27,17 @@ def run_controller(args: argparse.Namespace) -> int:
         metrics = (address.host, address.port)
     if not 0 < args.certificate_hours <= 24 * 30:
         raise ConfigError(f"--certificate-hours {args.certificate_hours:g}: give (0, 720]")
+    if not 0 < args.token_reviews_per_second <= 10_000:
+        raise ConfigError(f"--token-reviews-per-second {args.token_reviews_per_second:g}: "
+                          f"give (0, 10000]")
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     settings = ControllerSettings(
         namespace=args.namespace, identity=identity, listen_host=listen.host,
         listen_port=listen.port, lease_name=args.lease_name, kubeconfig=args.kubeconfig,
         lease_duration=args.lease_seconds, metrics_listen=metrics,
         tls_names=tuple(getattr(args, "tls_name", None) or ()),
-        certificate_validity=args.certificate_hours * 3600.0)
+        certificate_validity=args.certificate_hours * 3600.0,
+        token_review_rate=args.token_reviews_per_second)
     try:
         trio.run(serve_controller, settings)
     except CredentialsError as exc:

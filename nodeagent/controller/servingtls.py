@@ -46,8 +46,13 @@ class ServingTLS:
 
     def __init__(self, ca: Callable[[], pki.CertificateAuthority | None],
                  dns: Sequence[str], ips: Sequence[str], *,
-                 validity: dt.timedelta = SERVING_VALIDITY) -> None:
+                 validity: dt.timedelta = SERVING_VALIDITY,
+                 trust: Callable[[], bytes | None] = lambda: None) -> None:
         self._ca = ca
+        # The CAs whose client certificates are accepted (None: the signing CA alone):
+        # during a CA rotation, the old and the new.
+        self._trust = trust
+        self._trusted: bytes | None = None
         self.dns = list(dns)
         self.ips = list(ips)
         self.validity = validity
@@ -66,14 +71,16 @@ class ServingTLS:
         while (ca := self._ca()) is None:
             await self.ca_changed.wait()
         now = dt.datetime.now(dt.UTC)
-        if self._context is None or ca is not self._issued_from or now >= self._renew_at:
+        trusted = self._trust()
+        if self._context is None or ca is not self._issued_from or now >= self._renew_at \
+                or trusted != self._trusted:
             leaf = pki.issue_server_certificate(ca, self.dns, self.ips,
                                                 common_name=self.dns[0],
                                                 valid_for=self.validity)
             self._context = pki.server_ssl_context(leaf.certificate, leaf.key_pem,
-                                                   client_ca=ca.certificate,
+                                                   client_ca=trusted or ca.certificate_pem,
                                                    require_client_cert=False)
-            self._issued_from, self.certificate = ca, leaf
+            self._issued_from, self.certificate, self._trusted = ca, leaf, trusted
             self._renew_at = now + self.validity / 2
             log.info("config stream serving certificate issued",
                      names=",".join(self.dns + self.ips),

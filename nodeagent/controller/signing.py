@@ -9,8 +9,15 @@ server replica gets the certificate that the config stream (and the tunnel) trus
     400 bad_request | bad_csr                                 the body
     401 no_token | token_invalid | wrong_audience             the token
     403 wrong_service_account | not_pod_bound | pod_not_found | pod_uid_mismatch |
-        pod_not_scheduled | bad_name                          who the token is
+        pod_not_scheduled | bad_name | node_denied            who the token is
+    429 rate_limited (Retry-After)                            too many requests now
     503 no_ca | api_unavailable                               try again later
+
+Every request that gets as far as its token costs a TokenReview (and maybe a pod GET) at
+the API server, so those are bounded by a token bucket (`review_rate` a second, bursts of
+`review_burst`): a flood of bootstrap requests — through the servers, from anyone who can
+dial them — costs kube-apiserver at most that; the excess is answered 429 with
+Retry-After before any API call. Agents retry with backoff.
 
 A refusal is one JSON line `{"error": ..., "reason": <code>}`, counted by kind and reason,
 and logged at most once a minute per reason (never with the token or the CSR).
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cryptography import x509
@@ -52,10 +61,12 @@ KINDS = ("node", "server")
 
 
 class SigningRefused(Exception):
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, *,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -118,14 +129,44 @@ def rfc3339(when: dt.datetime) -> str:
     return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up; `take()` is None if a token was
+    there, else the seconds until one will be."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("a token bucket needs rate > 0 and burst >= 1")
+        self.rate, self.burst, self._clock = rate, float(burst), clock
+        self._tokens, self._at = float(burst), clock()
+
+    def take(self) -> float | None:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return None
+        return (1.0 - self._tokens) / self.rate
+
+
+REVIEW_RATE = 20.0  # TokenReviews a second, per controller replica
+REVIEW_BURST = 50  # a node pool booting at once
+
+
 class CertificateSigner:
     """The POST /v1/certificates handler. `ca()` is the CA as this replica knows it (None
     until the leader has created it)."""
 
     def __init__(self, kube: KubeClient, ca: Callable[[], pki.CertificateAuthority | None],
                  policy: SigningPolicy, metrics: ControllerMetrics, *,
-                 denied_nodes: Callable[[], frozenset[str]] = frozenset) -> None:
+                 denied_nodes: Callable[[], frozenset[str]] = frozenset,
+                 review_rate: float = REVIEW_RATE, review_burst: int = REVIEW_BURST,
+                 trust_bundle: Callable[[], bytes | None] = lambda: None) -> None:
         self.kube = kube
+        self.reviews = TokenBucket(review_rate, review_burst, time.monotonic)
+        # The CA bundle sent with each certificate (what its holder verifies the
+        # controller and the servers with); None: the signing CA's certificate alone.
+        self.trust_bundle = trust_bundle
         self.ca = ca
         # Nodes a ClusterTunnel revokes (deniedNodes): the servers refuse them, and they
         # get no certificate either.
@@ -147,19 +188,27 @@ class CertificateSigner:
             ca = self.ca()
             if ca is None:
                 raise SigningRefused(503, "no_ca", "the CA does not exist yet; try again")
+            wait = self.reviews.take()
+            if wait is not None:
+                raise SigningRefused(429, "rate_limited", "too many certificate requests "
+                                     "now; retry later", retry_after=wait)
             issued = await self._issue(ca, token.strip(), kind, csr)
         except SigningRefused as refused:
             self.metrics.certificate(kind, refused.reason)
             self._refusals.warning(f"{kind}:{refused.reason}", "certificate refused",
                                    kind=kind, status=refused.status, reason=refused.reason,
                                    error=str(refused))
-            return refusal(refused.status, refused.reason, str(refused))
+            reply = refusal(refused.status, refused.reason, str(refused))
+            if refused.retry_after is not None:
+                reply = replace(reply, headers=(*reply.headers, (
+                    "retry-after", str(max(1, math.ceil(refused.retry_after))))))
+            return reply
         cert = issued.certificate
         self.metrics.certificate(kind, "issued")
         log.info("certificate issued", kind=kind, name=_name(issued),
                  serial=f"{cert.serial_number:x}", not_after=rfc3339(cert.not_valid_after_utc))
         body = {"certificate": issued.certificate_pem.decode(),
-                "ca": ca.certificate_pem.decode(),
+                "ca": (self.trust_bundle() or ca.certificate_pem).decode(),
                 "not_after": rfc3339(cert.not_valid_after_utc)}
         return Reply(200, json.dumps(body).encode() + b"\n")
 

@@ -35,6 +35,7 @@ from nodeagent.configwatch import (
     token_reader,
     watch_config,
 )
+from nodeagent.filewatch import FileReloader
 from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
@@ -82,17 +83,56 @@ def check_token_files(config: ServerConfig, source: str) -> None:
                 raise ConfigError(f"{source}: tokens[{index}].token_file: {exc}") from None
 
 
+def start_reloaders(server: Server, nursery: trio.Nursery,
+                    ssl_context: ssl.SSLContext | None, tls_source: str,
+                    tls_fields: dict[str, str]) -> list[ssl.SSLContext | None]:
+    """Watch the tunnel's certificate, key and client CA files and the token files:
+    returns the one-element holder of the tunnel's current TLS context (what new
+    handshakes use; tunnels already up keep theirs)."""
+    config = server.config
+    holder = [ssl_context]
+    tls = config.tls
+    if ssl_context is not None and tls is not None:
+        def swap(context: ssl.SSLContext) -> None:
+            holder[0] = context
+
+        files = [tls.cert_file, tls.key_file] + (
+            [tls.client_ca_file] if tls.client_ca_file is not None else [])
+        server.reloaders["tunnel_tls"] = FileReloader(
+            "tunnel certificate", files,
+            load=functools.partial(server_ssl_context, config, tls_source, tls_fields),
+            apply=swap, log=server.log)
+    token_files = [e.token_file for e in config.tokens if e.token_file is not None]
+    if token_files:
+        server.reloaders["tokens"] = FileReloader(
+            "agent tokens", token_files, load=server.load_tokens,
+            apply=server.reload_tokens, log=server.log)
+    for reloader in server.reloaders.values():
+        nursery.start_soon(reloader.run)
+    return holder
+
+
 async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                        drain_seconds: float = 30.0, config_path: Path | None = None,
+                       tls_source: str = "config", tls_fields: dict[str, str] = TLS_FIELDS,
                        task_status: trio.TaskStatus[dict[str, list[str]]]
                        = trio.TASK_STATUS_IGNORED) -> None:
     """Run every listener of a server until cancelled or signalled; reports the bound
-    addresses ({"tunnel": [...], "tcp:NAME": [...], "http:NAME": [...]})."""
+    addresses ({"tunnel": [...], "tcp:NAME": [...], "http:NAME": [...]}). The tunnel's
+    certificate files and the token files are reloaded when they change."""
     config = server.config
     async with trio.open_nursery() as nursery:
         endpoint = parse_endpoint(config.tunnel.url)
+        holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
+
+        def current_context() -> ssl.SSLContext:
+            context = holder[0]
+            assert context is not None
+            return context
+
         bound = await nursery.start(lambda task_status: serve(
-            endpoint, server.tunnel.handle_transport, ssl_context=ssl_context,
+            endpoint, server.tunnel.handle_transport,
+            ssl_context=current_context if ssl_context is not None else None,
             task_status=task_status))
         server.bound["tunnel"] = [str(b) for b in bound]
         for index, mapping in enumerate(config.tcp):
@@ -180,7 +220,7 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
               f"listener(s)")
         return 0
     trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds,
-                                  config_path=config_path))
+                                  config_path=config_path, tls_source=str(config_path)))
     return 0
 
 
@@ -218,24 +258,36 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     host, port = controller_address(config.controller)
     token = token_reader(Path(str(args.token_file)))
     ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
-    ca_pem = read_ca_file(config.tls.client_ca_file)
+    ca_file = config.tls.client_ca_file
+    ca_pem = read_ca_file(ca_file)
     server = Server(config)
     status = WatchStatus(config.controller)
     server.config_watch = status
-    watch_tls: list[ssl.SSLContext] = []
 
     async def open_stream() -> trio.abc.Stream:
         return await trio.open_tcp_stream(host, port)
 
+    def current_ca() -> bytes:
+        # The --ca-file as it is now (a CA rotation changes it; a broken file: the last
+        # good one): it verifies the controller.
+        nonlocal ca_pem
+        try:
+            ca_pem = read_ca_file(ca_file)
+        except ConfigError as exc:
+            log.warning("--ca-file not usable; verifying with the last good one",
+                        error=str(exc)[:200])
+        return ca_pem
+
     async def request(key: pki.PrivateKey) -> IssuedIdentity:
         return await request_certificate(open_stream, host=host, token=token(),
-                                         kind="server", key=key, ca_pem=ca_pem)
+                                         kind="server", key=key, ca_pem=current_ca())
 
-    def renewed(identity: IssuedIdentity) -> None:
-        watch_tls[:] = [identity.client_context()]  # from the watch's next reconnect
+    def watch_context() -> ssl.SSLContext:
+        # At each (re)connect of the watch: the current certificate and CA bundle.
+        assert keeper.identity is not None
+        return keeper.identity.client_context(ca=current_ca())
 
-    keeper = IdentityKeeper("server", request, log=log.bind(server=config.server_id),
-                            on_renewed=renewed)
+    keeper = IdentityKeeper("server", request, log=log.bind(server=config.server_id))
     server.identity = keeper
 
     async def apply(routes: RoutesConfig) -> None:
@@ -250,10 +302,11 @@ def run_server_cluster(args: argparse.Namespace) -> int:
             nursery.start_soon(keeper.renew_forever)
             nursery.start_soon(lambda: watch_config(
                 open_stream=open_stream, host=host,
-                path=f"/v1/config/servers/{config.server_id}", tls=lambda: watch_tls[0],
+                path=f"/v1/config/servers/{config.server_id}", tls=watch_context,
                 model=RoutesConfig, apply=apply, status=status,
                 log=log.bind(server=config.server_id)))
-            await serve_server(server, ssl_context)  # returns on SIGTERM/SIGINT
+            await serve_server(server, ssl_context, tls_source="flags",
+                               tls_fields=TLS_FLAGS)  # returns on SIGTERM/SIGINT
             nursery.cancel_scope.cancel()
 
     trio.run(main)

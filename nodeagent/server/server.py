@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import socket
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -33,6 +35,7 @@ from nodeagent.config import (
     valid_node_name,
 )
 from nodeagent.configwatch import WatchStatus
+from nodeagent.filewatch import FileReloader
 from nodeagent.gcpause import gc_paused
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
@@ -53,7 +56,7 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection, relay_incoming
 from tunnel.server import Bootstrap, TunnelServer
-from tunnel.tcp import connect_tcp
+from tunnel.tcp import DialFailed, connect_tcp
 from tunnel.transports import PeerInfo
 
 log = get_logger("nodeagent.server")
@@ -129,7 +132,20 @@ _REFUSAL_LOG = {
     "egress_not_allowed": "agent stream refused: destination not allowed",
     "egress_protected": "agent stream refused: protected destination",
     "relay_not_allowed": "agent stream refused: relay not allowed",
+    "backend_protected": "direct backend refused: protected destination",
 }
+
+
+async def resolve_tcp(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to for TCP, in the resolver's order, once each."""
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DialFailed("dns", f"cannot resolve {host}: {exc.strerror}") from None
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    if not addresses:
+        raise DialFailed("dns", f"{host} has no addresses")
+    return addresses
 
 
 class Server:
@@ -144,7 +160,12 @@ class Server:
         # Controller mode: this replica's certificate for the config stream (status only).
         self.identity: IdentityKeeper | None = None
         self.log = log.bind(server=config.server_id)
+        # How names are resolved for egress and direct backends (tests inject theirs).
+        self.resolve: Callable[[str, int], Awaitable[list[str]]] = resolve_tcp
         self._tokens = [(entry.node, entry.read().encode()) for entry in config.tokens]
+        # The token each registered node authenticated with (standalone): a reload that
+        # removes or rotates it closes that node's tunnel (reload_tokens).
+        self._session_tokens: dict[str, bytes] = {}
         settings = EndpointSettings(ping_interval=config.keepalive.interval,
                                     ping_timeout=config.keepalive.timeout)
         # Controller mode: agents without a certificate yet may open a bootstrap
@@ -170,6 +191,8 @@ class Server:
             self.log.warning("ingress rule refused", problem=line)
         self.bound: dict[str, list[str]] = {}  # listener name -> addresses, for status
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
+        # Credentials reloaded from their files (tunnel TLS, tokens): name -> reloader.
+        self.reloaders: dict[str, FileReloader[Any]] = {}
         self.metrics.add_live(self._live_metrics)
 
     # ---------------------------------------------------------------- config
@@ -219,6 +242,7 @@ class Server:
                     self.metrics.bad_input.labels("auth").inc()
                     raise AuthenticationFailed(
                         f"certificate is for node {cert_node}, HELLO claims {node}")
+                self._session_tokens.pop(node, None)
                 return self._admitted(node)
         token = hello.identity.get("token") or _bearer(peer)
         if token is None and hello.identity.get("bootstrap") and self.config.controller:
@@ -231,11 +255,54 @@ class Server:
                     f"(that takes a nodeagent://node/<name> URI SAN and clientAuth usage)")
             raise AuthenticationFailed(f"node {node} presented no token and no certificate")
         presented = token.encode()
-        for allowed_node, secret in self._tokens:
-            if allowed_node in (node, "*") and hmac.compare_digest(presented, secret):
-                return self._admitted(node)
+        if self._token_valid(node, presented):
+            admitted = self._admitted(node)
+            self._session_tokens[node] = presented
+            return admitted
         self.metrics.bad_input.labels("auth").inc()
         raise AuthenticationFailed(f"token not valid for node {node}")
+
+    def _token_valid(self, node: str, presented: bytes) -> bool:
+        return any(allowed in (node, "*") and hmac.compare_digest(presented, secret)
+                   for allowed, secret in self._tokens)
+
+    def load_tokens(self) -> list[tuple[str, bytes]]:
+        """The tokens as their files say now (for FileReloader). A token file that is
+        gone is a removed token: that entry accepts nothing. Any other problem (unreadable,
+        too short: perhaps half-written) raises ConfigError and the loaded tokens stay."""
+        tokens = []
+        for index, entry in enumerate(self.config.tokens):
+            if entry.token_file is not None and not entry.token_file.exists():
+                continue
+            try:
+                tokens.append((entry.node, entry.read().encode()))
+            except ConfigError as exc:
+                raise ConfigError(f"tokens[{index}].token_file: {exc}") from None
+        return tokens
+
+    async def reload_tokens(self, tokens: list[tuple[str, bytes]]) -> list[str]:
+        """Use `tokens` for new handshakes and close the tunnel of every node whose token
+        they no longer hold (removed or rotated: an operator revoking a token expects its
+        sessions to end). Returns the nodes closed."""
+        self._tokens = tokens
+        for node in [n for n in self._session_tokens if n not in self.tunnel.sessions]:
+            del self._session_tokens[node]  # ended or never registered
+        closed = []
+        for node, presented in list(self._session_tokens.items()):
+            if self._token_valid(node, presented):
+                continue
+            session = self.tunnel.sessions.get(node)
+            del self._session_tokens[node]
+            if session is None:
+                continue
+            closed.append(node)
+            self.refusals.labels("token_revoked").inc()
+            self._egress_refusals.warning(f"token_revoked:{node}",
+                                          "agent disconnected: its token was removed",
+                                          reason="token_revoked", node=node)
+            await session.connection.aclose(p.ErrorCode.UNAUTHORIZED,
+                                            f"the token of node {node} was revoked")
+        return closed
 
     def _admitted(self, node: str) -> str:
         """Controller mode: an authenticated node must also exist and not be denied (the
@@ -292,8 +359,15 @@ class Server:
                                          connect_timeout=self.config.dial_timeout)
             why = self.routes.check_egress(node, target.host, target.port, target.protocol)
             if why is None:
-                return await connect_tcp(target.host, target.port,
-                                         connect_timeout=self.config.dial_timeout)
+                return await self.dial_checked(
+                    target.host, target.port,
+                    lambda address: self.routes.address_protected(
+                        node, address, target.port, target.protocol),
+                    lambda address: self._refuse(
+                        "egress_protected", node, f"{target.host} resolves to {address}, "
+                        f"which is protected (loopback, link-local, the API server or the "
+                        f"Service range) and no CIDR egress rule of node {node} names its "
+                        f"range", target=str(target), origin=origin))
             if why == "not_allowed":
                 raise self._refuse("egress_not_allowed", node,
                                    f"{target} is not in node {node}'s egress allow list",
@@ -328,6 +402,33 @@ class Server:
         if relayed.failure is not None:
             self._count_in(f"bootstrap_{relayed.failure.outcome}")
 
+    async def dial_checked(self, host: str, port: int, protected: Callable[[str], bool],
+                           refuse: Callable[[str], Exception]) -> trio.SocketStream:
+        """Dial host:port, a name resolved here once: every address it resolves to must
+        pass `protected` (else `refuse(address)` is raised: a name with one protected
+        address is refused whole), and the connection goes to exactly those checked
+        addresses, in order — no second resolution, so no DNS-rebinding window between
+        the check and the connect. An IP literal is checked and dialed as it is."""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            literal = False
+        else:
+            literal = True
+        failure: StreamFailed | None = None
+        with trio.move_on_after(self.config.dial_timeout):
+            addresses = [host] if literal else await self.resolve(host, port)
+            for address in addresses:
+                if protected(address):
+                    raise refuse(address)
+            for address in addresses:
+                try:
+                    return await connect_tcp(address, port, connect_timeout=None)
+                except DialFailed as exc:
+                    failure = exc
+        raise failure or DialFailed("timeout", f"connecting to {host}:{port} timed out "
+                                               f"after {self.config.dial_timeout:g}s")
+
     def _refuse(self, reason: str, node: str, message: str, **fields: Any) -> StreamFailed:
         """Count a policy refusal (`reason` from a fixed set), log it at most once a minute
         per (reason, node) — keys the server bounds, never what the agent names — and
@@ -360,7 +461,19 @@ class Server:
                             client: str = "") -> trio.abc.HalfCloseableStream:
         """For the HTTP front: tunnel failures become 502 / 504 with a readable reason."""
         try:
-            stream = await self.open_to(backend.node, backend.host, backend.port, client)
+            if backend.node is None and self.config.controller is not None:
+                # An Ingress's direct backend (opted in): names a namespace user controls.
+                stream: trio.abc.HalfCloseableStream = await self.dial_checked(
+                    backend.host, backend.port,
+                    lambda address: self.routes.address_protected(
+                        "*", address, backend.port),
+                    lambda address: self._refuse(
+                        "backend_protected", route.name, f"{backend.host} is or resolves to "
+                        f"{address}, which is protected (loopback, link-local, the API "
+                        f"server or the Service range)", backend=f"{backend.host}:"
+                        f"{backend.port}"))
+            else:
+                stream = await self.open_to(backend.node, backend.host, backend.port, client)
         except StreamFailed as exc:
             self._count(exc.outcome)
             status = 504 if exc.reason is p.StreamReason.TIMEOUT else 502
@@ -442,6 +555,7 @@ class Server:
             "identity": self.identity.status() if self.identity else None,
             "bootstrap": {"open": self.tunnel.bootstrap_sessions,
                           "served": self.tunnel.bootstrap_served},
+            "reloads": {name: r.status() for name, r in self.reloaders.items()},
         }
 
 

@@ -207,6 +207,9 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     add_token(api, SERVER_TOKEN, namespace="nodeagent", service_account="nodeagent-server",
               pod_name="s1", pod_uid=uid, audiences=["nodeagent"])
     (tmp_path / "server-token").write_text(SERVER_TOKEN)
+    # Its own copy of the tunnel certificate: a test may rotate it (the server reloads it).
+    (tmp_path / "tunnel.crt").write_bytes(certs.server_cert.read_bytes())
+    (tmp_path / "tunnel.key").write_bytes(certs.server_key.read_bytes())
     # Server and agent watch the standby (c2): when the leader dies, they keep going.
     controller_url = f"https://127.0.0.1:{controllers['ports']['c2']}"
     server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
@@ -214,7 +217,7 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
         "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
         "--ca-file", str(tmp_path / "cluster-ca.crt"),
         "--tunnel-listen", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+        "--tls-cert", str(tmp_path / "tunnel.crt"), "--tls-key", str(tmp_path / "tunnel.key"),
         "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
         "--debug-socket", str(tmp_path / "s.sock")]).start()
     procs.append(server)

@@ -93,5 +93,10 @@ def test_cluster_demo_steps_work_word_for_word(tmp_path: Path) -> None:
         assert logs and not Path(logs.group(1)).exists(), "the demo left its directory"
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            # Ctrl-C first: the demo stops its processes; a kill would orphan them.
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

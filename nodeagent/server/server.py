@@ -42,6 +42,7 @@ from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from nodeagent.pki import node_name_from_certificate
+from nodeagent.server.connectfront import ConnectFront
 from tunnel import protocol as p
 from tunnel.endpoint import (
     AuthenticationFailed,
@@ -171,6 +172,12 @@ class Server:
         self.bound: dict[str, list[str]] = {}  # listener name -> addresses, for status
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
         self.metrics.add_live(self._live_metrics)
+        # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
+        self.connect = ConnectFront(
+            config.connect, routes=lambda: self.routes, open_stream=self.tunnel.open_stream,
+            dial_timeout=config.dial_timeout, registry=self.metrics.registry, log=self.log,
+            server_tls=(config.tls.cert_file, config.tls.key_file) if config.tls else None,
+        ) if config.connect.enabled else None
 
     # ---------------------------------------------------------------- config
 
@@ -442,6 +449,7 @@ class Server:
             "identity": self.identity.status() if self.identity else None,
             "bootstrap": {"open": self.tunnel.bootstrap_sessions,
                           "served": self.tunnel.bootstrap_served},
+            "connect": self.connect.status() if self.connect else None,
         }
 
 

@@ -136,6 +136,7 @@ class Stack:
     echo: int
     hang: int
     forbidden_by_agent: int
+    exporter: int  # a plain-HTTP service on the node, like node-exporter
 
 
 @pytest.fixture
@@ -144,7 +145,9 @@ def stack(tmp_path: Path, certs: Certs, upstream: Upstream, kubelet: int, hangin
     pki_, _ = apiserver_pki
     tunnel_port, tls_port = free_port(), free_port()
     uds = tmp_path / "run" / "konnectivity.sock"
-    node_ports = [kubelet, upstream.echo_port, hanging_port, upstream.http_port]
+    forbidden_by_agent = free_port()  # the server's routes allow it, the agent's rules not
+    node_ports = [kubelet, upstream.echo_port, hanging_port, upstream.http_port,
+                  forbidden_by_agent]
     server_cfg: dict[str, Any] = {
         "server_id": "cloud-test",
         "tunnel": f"tls://127.0.0.1:{tunnel_port}",
@@ -167,9 +170,10 @@ def stack(tmp_path: Path, certs: Certs, upstream: Upstream, kubelet: int, hangin
         agent_cfg: dict[str, Any] = {
             "node": "edge-1", "server": server_cfg["tunnel"], "token": TOKEN,
             "tls": {"ca_file": str(certs.ca)},
-            "allow": [f"127.0.0.1:{upstream.http_port}"],  # not for control-plane streams
+            # The ordinary allow list does not count for control-plane streams.
+            "allow": [f"127.0.0.1:{forbidden_by_agent}"],
             "control_plane": [f"127.0.0.1:{kubelet}", f"127.0.0.1:{upstream.echo_port}",
-                              f"127.0.0.1:{hanging_port}"],
+                              f"127.0.0.1:{hanging_port}", f"127.0.0.1:{upstream.http_port}"],
             "debug_socket": str(tmp_path / "agent.sock"),
             "keepalive": {"interval": 1, "timeout": 2},
             "reconnect": {"initial": 0.1, "maximum": 1.0},
@@ -180,7 +184,7 @@ def stack(tmp_path: Path, certs: Certs, upstream: Upstream, kubelet: int, hangin
         server.wait_for(lambda s: any(a["node"] == "edge-1" for a in s["agents"]),
                         what="edge-1 connected")
         yield Stack(server, agent, uds, tls_port, kubelet, upstream.echo_port, hanging_port,
-                    upstream.http_port)
+                    forbidden_by_agent, upstream.http_port)
     finally:
         for proc in procs:
             proc.kill()
@@ -240,8 +244,17 @@ def test_logs_follow_through_the_unix_socket_shows_on_both_sides(
         stack: Stack, apiserver_pki: tuple[ApiserverPki, trustme.CA]) -> None:
     """kube-apiserver's egress dialer: CONNECT by node name, then its own TLS (client
     certificate) to the kubelet end to end, and a `logs -f` that streams for a while."""
-    sock, status, _ = connect_uds(stack.uds, connect(f"edge-1:{stack.kubelet}"))
+    # Byte for byte what kube-apiserver's HTTPConnect dialer sends (egressselector's
+    # tunnelHTTPConnect), which then refuses any byte buffered past the 200's head.
+    sock, status, _ = connect_uds(
+        stack.uds, f"CONNECT edge-1:{stack.kubelet} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        .encode())
     assert status == 200
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        sock.recv(1)  # nothing after the head
+    sock.setblocking(True)
+    sock.settimeout(10)
     tls = apiserver_pki[0].kubelet_context().wrap_socket(sock, server_hostname="edge-1")
     tls.sendall(b"GET /containerLogs/default/web/app?follow=true&lines=25 HTTP/1.1\r\n"
                 b"Host: edge-1\r\n\r\n")
@@ -348,6 +361,40 @@ def test_curl_through_the_mutual_tls_listener(
     assert metric(stack.server, "nodeagent_connect_handshake_failures_total") >= 1
     assert metric(stack.server, "nodeagent_connect_requests_total",
                   outcome="established") == 1
+
+
+@pytest.mark.needs("curl")
+def test_curl_as_an_http_proxy_client_like_prometheus(
+        stack: Stack, certs: Certs, apiserver_pki: tuple[ApiserverPki, trustme.CA]) -> None:
+    """Prometheus with proxy_url sends absolute-form requests: forwarded to the node's
+    target by the same rules, the response carried back."""
+    pki_ = apiserver_pki[0]
+    done = curl(stack, certs, pki_, f"http://edge-1:{stack.exporter}/metrics")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"hello from upstream path=/metrics host=edge-1:"
+                                  f"{stack.exporter}"), done.stdout
+    done = curl(stack, certs, pki_, "http://edge-1:22/metrics", "-w", "%{http_code}")
+    assert done.stdout.endswith("403"), done.stdout
+    assert "port 22 of node edge-1 is not in allowedNodePorts" in done.stdout
+    assert metric(stack.server, "nodeagent_connect_requests_total", outcome="forwarded") == 1
+    assert metric(stack.server, "nodeagent_connect_requests_total",
+                  outcome="port_not_allowed") == 1
+
+
+def test_absolute_form_get_over_the_unix_socket(stack: Stack) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(stack.uds))
+    sock.sendall(f"GET http://127.0.0.1:{stack.exporter}/metrics?x=1 HTTP/1.1\r\n"
+                 f"Host: 127.0.0.1:{stack.exporter}\r\nProxy-Authorization: Basic c2VjcmV0\r\n"
+                 f"Connection: keep-alive\r\n\r\n".encode())
+    got = b""
+    while chunk := sock.recv(65536):  # the target closes (Connection: close)
+        got += chunk
+    sock.close()
+    assert got.startswith(b"HTTP/1.0 200 ") or got.startswith(b"HTTP/1.1 200 "), got
+    assert got.endswith(f"path=/metrics?x=1 host=127.0.0.1:{stack.exporter} xff=None"
+                        .encode()), got
 
 
 async def test_200_concurrent_streams_to_one_node(stack: Stack) -> None:

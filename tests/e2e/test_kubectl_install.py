@@ -195,7 +195,7 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
     admin["users"][0]["user"] = {"tokenFile": str(token)}
     (tmp_path / "controller" / "kubeconfig").write_text(yaml.safe_dump(admin))
     ports = {name: free_port() for name in ("config", "c-metrics", "tunnel", "http", "https",
-                                            "s-metrics", "a-metrics")}
+                                            "s-metrics", "a-metrics", "connect")}
     controller = NodeagentProcess("controller", {"debug_socket": ""}, tmp_path, "controller",
                                   args=[*container_command(
         k.json("deployment", "nodeagent-controller", "-n", NS), "controller",
@@ -225,7 +225,9 @@ def run_the_steps(k: Kubectl, control: httpx.Client, tmp_path: Path, certs: Cert
          "--tls-cert": str(certs.server_cert), "--tls-key": str(certs.server_key),
          "--ingress-http": f"127.0.0.1:{ports['http']}",
          "--ingress-https": f"127.0.0.1:{ports['https']}",
-         "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}"}),
+         "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}",
+         "--connect-listen": f"127.0.0.1:{ports['connect']}",
+         "--connect-client-ca": str(tmp_path / "ca.crt")}),
         "--debug-socket", str(tmp_path / "s.sock")])
     procs.append(server.start())
     server.wait_ready()

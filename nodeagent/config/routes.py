@@ -202,6 +202,10 @@ class RoutesConfig(Model):
     # The CONNECT front (kube-apiserver's egress selector, Prometheus): the nodes it may
     # reach, by name, by their addresses, and (pod_ports) by pod addresses in node_cidrs.
     connect_nodes: dict[str, ConnectNode] = {}
+    # Nodes whose agents catch dials to `connect_nodes` addresses (cloud nodes where
+    # kube-apiserver or metrics-server dial <edge node IP>:10250; the agent's intercept
+    # rules REDIRECT them): their streams to such an address are decided like a CONNECT.
+    control_plane_sources: tuple[str, ...] = ()
 
     def connect_node_for(self, host: str) -> str | None:
         """The node whose name or one of whose `connect_nodes` addresses is `host`."""
@@ -378,7 +382,8 @@ class ServerConfig(RoutesConfig):
                             egress=self.egress, scopes=self.scopes,
                             protected=self.protected, node_cidrs=self.node_cidrs,
                             ingress=self.ingress, nodes=self.nodes,
-                            denied_nodes=self.denied_nodes, connect_nodes=self.connect_nodes)
+                            denied_nodes=self.denied_nodes, connect_nodes=self.connect_nodes,
+                            control_plane_sources=self.control_plane_sources)
 
 
 # ------------------------------------------------------------------ loading

@@ -23,6 +23,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from nodeagent import __version__
 from nodeagent.config import (
+    CONTROL_PLANE_PURPOSE,
+    PURPOSE_KEY,
     ConfigError,
     HttpListener,
     IngressRoutes,
@@ -42,6 +44,7 @@ from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from nodeagent.pki import node_name_from_certificate
+from nodeagent.server.connect import ProxyTarget, Refusal, decide
 from nodeagent.server.connectfront import ConnectFront
 from tunnel import protocol as p
 from tunnel.endpoint import (
@@ -130,6 +133,7 @@ _REFUSAL_LOG = {
     "egress_not_allowed": "agent stream refused: destination not allowed",
     "egress_protected": "agent stream refused: protected destination",
     "relay_not_allowed": "agent stream refused: relay not allowed",
+    "control_plane_refused": "agent stream refused: control-plane target not allowed",
 }
 
 
@@ -285,6 +289,10 @@ class Server:
 
         async def open_upstream() -> trio.abc.HalfCloseableStream:
             nonlocal via
+            if node in self.routes.control_plane_sources and \
+                    self.routes.connect_node_for(target.host) is not None:
+                via = "control_plane"  # a cloud node's caught dial to a node's address
+                return await self._open_control_plane(node, target, origin)
             if owner is not None and owner != node:
                 via = "relay"
                 if not self.routes.relay_allows(node, target.host, target.port,
@@ -314,6 +322,22 @@ class Server:
                                        on_accepted=lambda: self._count_in(via))
         if relayed.failure is not None:
             self._count_in(relayed.failure.outcome)
+
+    async def _open_control_plane(self, node: str, target: p.Target,
+                                  origin: str) -> trio.abc.HalfCloseableStream:
+        """The DNAT path: decided exactly like a CONNECT to target (allowedNodePorts,
+        denied nodes), then opened as a control-plane stream the owning agent checks."""
+        decision = decide(ProxyTarget(target.host.lower(), target.port), self.routes)
+        if isinstance(decision, Refusal) or target.protocol != "tcp":
+            message = decision.message if isinstance(decision, Refusal) else "tcp only"
+            raise self._refuse("control_plane_refused", node, message, target=str(target),
+                               origin=origin)
+        with trio.move_on_after(self.config.dial_timeout):
+            return await self.tunnel.open_stream(
+                decision.node, p.Target(decision.dial_host, decision.port),
+                {"origin": f"{node}/{origin}", PURPOSE_KEY: CONTROL_PLANE_PURPOSE})
+        raise StreamRefusedError(p.StreamReason.TIMEOUT, f"node {decision.node} did not "
+                                 f"answer within {self.config.dial_timeout}s")
 
     async def handle_bootstrap_stream(self, claimed_node: str, incoming: IncomingStream) -> None:
         """A stream on a bootstrap connection: to the controller (whose signer checks the

@@ -208,4 +208,3 @@ class Agent:
             if self.interceptor is not None:
                 await nursery.start(self.interceptor.run)
             task_status.started()
-

@@ -10,6 +10,7 @@ anything wider than what the node's own config allows."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
@@ -43,7 +44,6 @@ class ConnectNode(Model):
     def dial_host(self) -> str:
         """What the agent dials for a CONNECT by node name: the first IP address, or the
         node's loopback when none is known."""
-        import ipaddress
         for address in self.addresses:
             try:
                 ipaddress.ip_address(address)

@@ -55,6 +55,7 @@ from nodeagent.server.connect import (
 from tunnel import protocol as p
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog, StructuredLogger
+from tunnel.server import NodeNotConnected
 from tunnel.splice import close_stream, splice
 
 _MAX_HEAD = 16 * 1024
@@ -391,7 +392,7 @@ def _failure_refusal(route: ConnectRoute, exc: StreamFailed) -> Refusal:
         return Refusal("dial_timeout", f"{target}: {exc.message}")
     if exc.reason is p.StreamReason.FORBIDDEN:
         return Refusal("agent_forbidden", f"{target}: the node's agent refused: {exc.message}")
-    if "is not connected" in exc.message:
+    if isinstance(exc, NodeNotConnected):
         return Refusal("node_not_connected", f"node {route.node} is not connected")
     return Refusal("dial_failed", f"{target}: {exc.message}")
 

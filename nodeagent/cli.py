@@ -90,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--ingress-http", metavar="HOST:PORT", help="Ingress over HTTP")
     cluster.add_argument("--ingress-https", metavar="HOST:PORT",
                          help="Ingress over HTTPS (certificates by SNI from Ingress TLS)")
+    cluster.add_argument("--connect-uds", type=Path, metavar="PATH",
+                         help="CONNECT front for kube-apiserver's egress selector (transport."
+                              "uds) and HTTP proxy clients, on a Unix socket (mode 0600)")
+    cluster.add_argument("--connect-uds-mode", metavar="MODE", default="0600",
+                         help="the socket's mode: 0600 or 0660 (default 0600)")
+    cluster.add_argument("--connect-uds-group", type=int, metavar="GID",
+                         help="the socket's group (with --connect-uds-mode 0660)")
+    cluster.add_argument("--connect-listen", metavar="HOST:PORT",
+                         help="CONNECT front over TCP with mutual TLS (transport.tcp); needs "
+                              "--connect-client-ca; serves the --tls-cert certificate")
+    cluster.add_argument("--connect-client-ca", type=Path, metavar="FILE",
+                         help="CA whose client certificates the --connect-listen front "
+                              "accepts (kube-apiserver's egress client certificate)")
     cluster.add_argument("--server-id", metavar="NAME", help="this replica (default POD_NAME)")
     cluster.add_argument("--metrics-listen", metavar="HOST:PORT",
                          help="Prometheus /metrics")

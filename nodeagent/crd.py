@@ -59,8 +59,14 @@ class ClusterTunnelSpec(CrdModel):
         default=None, description="The tunnel URL agents dial (tls://host:port or "
         "wss://host[:port]/path); informational when agents get it from their flags.")
     allowed_node_ports: tuple[PortRange, ...] = Field(
-        default=(), description="Ports on each node's own addresses that servers may reach "
-        "through the tunnel (kubelet 10250, node-exporter 9100, ...).")
+        default=(PortRange(first=10250, last=10250),), description="Ports on each node's "
+        "own addresses (and 127.0.0.1) that servers may reach through the tunnel, and the "
+        "control plane through the servers' CONNECT front (kube-apiserver's egress "
+        "selector, Prometheus): kubelet 10250, node-exporter 9100, ...; default [10250].")
+    allowed_pod_ports: tuple[PortRange, ...] = Field(
+        default=(), description="Ports on pod addresses (inside the covered nodes' "
+        "podCIDRs) the control plane may reach through the CONNECT front: admission "
+        "webhooks, aggregated APIs on edge nodes. Empty: no pod address.")
     egress: tuple[AllowRule, ...] = Field(
         default=(), description="Destinations servers dial for the intercepted traffic of "
         "the nodes this tunnel covers: each {cidr or host, ports, protocol}. Loopback, "

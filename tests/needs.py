@@ -34,6 +34,8 @@ TOOLS: dict[str, str] = {
     "ssh": "openssh-client",
     "sshuttle": "sshuttle",
     "wrk": "wrk",
+    # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
+    "curl": "curl",
 }
 
 NETNS = (ROOT, "ip", "sysctl")

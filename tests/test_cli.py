@@ -32,6 +32,14 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
      "/nonexistent/t"),
     (["server", "--controller", "http://c:8090", "--token-file", "/etc/hostname"],
      "controller mode needs --ca-file, --tls-cert, --tls-key"),
+    (["server", "--controller", "http://c:8090", "--token-file", "/etc/hostname",
+      "--ca-file", "/x/ca.crt", "--tls-cert", "/x.crt", "--tls-key", "/x.key",
+      "--connect-listen", "127.0.0.1:8132"],
+     "--connect-listen needs --connect-client-ca"),
+    (["server", "--controller", "http://c:8090", "--token-file", "/etc/hostname",
+      "--ca-file", "/x/ca.crt", "--tls-cert", "/x.crt", "--tls-key", "/x.key",
+      "--connect-uds", "/run/x.sock", "--connect-uds-mode", "0666"],
+     "flags: connect.uds_mode: uds_mode 0o666 lets every local user in"),
     (["controller", "--listen", "nowhere"], "--listen 'nowhere'"),
     (["frobnicate"], "invalid choice"),
 ])
@@ -109,6 +117,17 @@ def test_server_check_names_the_file_the_field_and_the_problem(
     assert result.returncode == 2, result.stderr
     assert f"{tmp_path}/server.yaml: {message.format(d=tls_files)}\n" in result.stderr
     assert "Traceback" not in result.stderr and "PEM lib" not in result.stderr
+
+
+def test_server_check_names_an_unusable_connect_ca(
+        tls_files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = {**server_doc(tls_files), "connect": {
+        "listen": "127.0.0.1:0", "tls": {"client_ca_file": str(tls_files / "junk")}}}
+    result = check("server", tmp_path, doc, capsys)
+    assert result.returncode == 2, result.stderr
+    assert f"connect.tls.client_ca_file: {tls_files}/junk: not a PEM certificate" in \
+        result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_server_check_names_an_unreadable_token_file(

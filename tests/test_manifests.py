@@ -26,14 +26,16 @@ K8S_VERSION = "1.33.0"
 # Secrets and ConfigMaps the controller creates at start (never in the manifests: they
 # hold generated keys).
 BOOTSTRAPPED = {("Secret", "nodeagent-ca"), ("Secret", "nodeagent-server-tls"),
-                ("ConfigMap", "nodeagent-ca")}
+                ("ConfigMap", "nodeagent-ca"),
+                # Kubernetes publishes the cluster CA in every namespace.
+                ("ConfigMap", "kube-root-ca.crt")}
 # The CLI contract of controller mode (nodeagent/cli.py implements it).
 FLAGS = {
     "agent": {"--node", "--server", "--token-file", "--ca-file", "--controller",
               "--debug-socket", "--metrics-listen"},
     "server": {"--controller", "--token-file", "--ca-file", "--tunnel-listen", "--tls-cert",
                "--tls-key", "--ingress-http", "--ingress-https", "--server-id",
-               "--metrics-listen"},
+               "--metrics-listen", "--connect-listen", "--connect-client-ca"},
     "controller": {"--kubeconfig", "--namespace", "--listen", "--identity", "--lease-name",
                    "--metrics-listen", "--tls-name"},
 }

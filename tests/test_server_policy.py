@@ -189,3 +189,37 @@ async def test_standalone_servers_keep_their_token_rules() -> None:
         agent = await connect(server, nursery, "anything")
         assert agent.is_open and await server.close_revoked() == []
         nursery.cancel_scope.cancel()
+
+
+async def test_only_control_plane_sources_reach_node_addresses_as_control_plane() -> None:
+    """The DNAT path: a stream a cloud node's agent opens to an edge node's address is
+    decided like a CONNECT and reaches the edge agent marked purpose=control-plane; any
+    other node's agent gets no such path (the address is nobody's egress)."""
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    async def edge_handler(incoming: IncomingStream) -> None:
+        seen.append((str(incoming.target), dict(incoming.metadata)))
+        stream = await incoming.accept()
+        async with stream:
+            await stream.send_all(b"kubelet")
+
+    routes = {"connect_nodes": {"edge-1": {"addresses": ["192.168.7.10"]},
+                                "edge-3": {"addresses": ["192.168.7.30"]}},
+              "denied_nodes": ["edge-3"], "control_plane_sources": ["cloud-1"]}
+    async with trio.open_nursery() as nursery:
+        server = make_server(routes)
+        await connect(server, nursery, "edge-1", edge_handler)
+        cloud = await connect(server, nursery, "cloud-1")
+        stream = await cloud.open_stream(p.Target("192.168.7.10", 10250), {"origin": "h:1"})
+        assert await stream.receive_some() == b"kubelet"
+        assert seen == [("tcp://192.168.7.10:10250",
+                         {"origin": "cloud-1/h:1", "purpose": "control-plane"})]
+        for host, port, why in (("192.168.7.10", 22, "allowedNodePorts"),
+                                ("192.168.7.30", 10250, "denied")):
+            error = await refused(cloud, host, port)
+            assert error.reason is p.StreamReason.FORBIDDEN and why in error.message
+        assert refusals(server, "control_plane_refused") == 2
+        other = await connect(server, nursery, "edge-2")
+        error = await refused(other, "192.168.7.10", 10250)
+        assert "egress allow list" in error.message and len(seen) == 1
+        nursery.cancel_scope.cancel()

@@ -20,11 +20,12 @@ from prometheus_client.core import GaugeMetricFamily
 from netfilter.model import NetfilterError
 from nodeagent import __version__
 from nodeagent.agent.intercept.listener import Interceptor
-from nodeagent.config import AgentConfig, NodeConfig
+from nodeagent.config import CONTROL_PLANE_PURPOSE, PURPOSE_KEY, AgentConfig, NodeConfig
 from nodeagent.configwatch import WatchStatus
 from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
+from nodeagent.ops.streams import LiveStreams, Metered
 from tunnel import protocol as p
 from tunnel.client import Backoff, TunnelClient
 from tunnel.dial import parse_endpoint
@@ -50,6 +51,8 @@ class Agent:
         self.identity: IdentityKeeper | None = None
         self.log = log.bind(node=config.node)
         self._forbidden_log = RateLimitedLog(self.log, period=60.0)
+        # Streams the server's CONNECT front opened (kube-apiserver, Prometheus), live.
+        self.control_plane = LiveStreams()
         token = config.read_token()
         endpoint = parse_endpoint(config.server)
 
@@ -99,28 +102,45 @@ class Agent:
     async def handle_stream(self, incoming: IncomingStream) -> None:
         target = incoming.target
         origin = incoming.metadata.get("origin", "")
+        # A control-plane stream (the server's CONNECT front) is checked against this
+        # node's control_plane rules, not its allow list: a compromised server cannot
+        # reach more of the node by labelling a stream one way or the other.
+        control = incoming.metadata.get(PURPOSE_KEY) == CONTROL_PLANE_PURPOSE
+        prefix = "control_plane_" if control else ""
         slog = self.log.bind(stream=incoming.stream.stream_id, target=str(target), origin=origin)
 
         async def open_upstream() -> trio.abc.HalfCloseableStream:
-            if target.protocol != "tcp" or not self.node_config.allows(
-                    target.host, target.port, target.protocol):
+            allowed = (self.node_config.allows_control_plane if control
+                       else self.node_config.allows)
+            if target.protocol != "tcp" or not allowed(target.host, target.port,
+                                                        target.protocol):
                 raise StreamFailed(p.StreamReason.FORBIDDEN,
-                                   f"{target} is not allowed on node {self.config.node}")
+                                   f"{target} is not allowed on node {self.config.node}"
+                                   + (" for control-plane streams" if control else ""))
             return await connect_tcp(target.host, target.port,
                                      connect_timeout=self.config.dial_timeout,
                                      mark=self.config.socket_mark)
 
-        relayed = await relay_incoming(incoming, open_upstream,
-                                       on_accepted=lambda: self._count("accepted"))
+        if control:
+            with self.control_plane.track(origin, self.config.node, str(target)) as entry:
+                relayed = await relay_incoming(
+                    incoming, open_upstream, on_accepted=lambda: self._count(f"{prefix}accepted"),
+                    wrap=lambda s: Metered(s, entry, sends_toward_target=False))
+        else:
+            relayed = await relay_incoming(incoming, open_upstream,
+                                           on_accepted=lambda: self._count("accepted"))
         if relayed.failure is not None:
             failure = relayed.failure
-            self._count(failure.outcome)
+            self._count(prefix + failure.outcome)
             if failure.reason is p.StreamReason.FORBIDDEN:
                 # Keyed by the reason, not the target the server asked for: a bounded key
                 # set, so a flood of odd targets is one line a minute with a count.
                 self._forbidden_log.warning(
-                    "forbidden", "stream refused: target not allowed on this node",
-                    stream=incoming.stream.stream_id, target=str(target), origin=origin)
+                    prefix + "forbidden",
+                    "stream refused: target not allowed on this node" + (
+                        " for control-plane streams" if control else ""),
+                    reason=prefix + "forbidden", stream=incoming.stream.stream_id,
+                    target=str(target), origin=origin)
             else:
                 slog.info("stream refused: dial failed", reason=failure.outcome,
                           error=failure.message)
@@ -169,6 +189,7 @@ class Agent:
                 "bytes_out": info.bytes_out if info else 0,
             },
             "streams_by_outcome": dict(self.outcomes),
+            "control_plane_streams": self.control_plane.as_list(),
             "intercepted_by_outcome": dict(self.interceptor.outcomes)
             if self.interceptor is not None else {},
             # Controller mode: the config watch (controller URL, version applied, errors).

@@ -42,6 +42,13 @@ from nodeagent.config.base import (
     redacted,
     valid_node_name,
 )
+from nodeagent.config.connect import (
+    CONTROL_PLANE_PURPOSE,
+    PURPOSE_KEY,
+    ConnectFrontConfig,
+    ConnectNode,
+    ConnectTls,
+)
 from nodeagent.config.node import (
     AgentConfig,
     AllowRule,
@@ -71,11 +78,13 @@ from nodeagent.config.routes import (
 
 __all__ = [
     "ALWAYS_PROTECTED",
+    "CONTROL_PLANE_PURPOSE",
     "DEFAULT_AGENT_SOCKET",
     "DEFAULT_SERVER_SOCKET",
     "DEFAULT_SOCKET_MARK",
     "DNS_LABEL",
     "DNS_NAME",
+    "PURPOSE_KEY",
     "REDACTED",
     "SECRET_FIELDS",
     "AgentConfig",
@@ -84,6 +93,9 @@ __all__ = [
     "Cidr",
     "ClientTls",
     "ConfigError",
+    "ConnectFrontConfig",
+    "ConnectNode",
+    "ConnectTls",
     "HostPort",
     "HttpLimitsConfig",
     "HttpListener",

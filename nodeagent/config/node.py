@@ -178,9 +178,17 @@ class NodeConfig(Model):
     version: int = Field(default=0, ge=0)
     allow: tuple[AllowRule, ...] = ()
     intercept: InterceptConfig | None = None
+    # What streams the server's CONNECT front opens (kube-apiserver, Prometheus: stream
+    # metadata purpose=control-plane) may reach on this node, checked instead of `allow`:
+    # the node's own addresses on the ClusterTunnel's allowedNodePorts, pod addresses
+    # only on its allowedPodPorts. Empty: no control-plane stream.
+    control_plane: tuple[AllowRule, ...] = ()
 
     def allows(self, host: str, port: int, protocol: str = "tcp") -> bool:
         return any(rule.allows(host, port, protocol) for rule in self.allow)
+
+    def allows_control_plane(self, host: str, port: int, protocol: str = "tcp") -> bool:
+        return any(rule.allows(host, port, protocol) for rule in self.control_plane)
 
 
 class AgentConfig(NodeConfig):
@@ -248,4 +256,5 @@ class AgentConfig(NodeConfig):
         return None
 
     def node_config(self) -> NodeConfig:
-        return NodeConfig(version=self.version, allow=self.allow, intercept=self.intercept)
+        return NodeConfig(version=self.version, allow=self.allow, intercept=self.intercept,
+                          control_plane=self.control_plane)

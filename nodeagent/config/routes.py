@@ -33,6 +33,7 @@ from nodeagent.config.base import (
     _check_tunnel_url,
     _read_secret,
 )
+from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
 from nodeagent.config.node import (
     AllowRule,
 )
@@ -198,6 +199,20 @@ class RoutesConfig(Model):
     # when new routes apply. None: no such list (a file's routes: its tokens decide).
     nodes: tuple[str, ...] | None = None
     denied_nodes: tuple[str, ...] = ()
+    # The CONNECT front (kube-apiserver's egress selector, Prometheus): the nodes it may
+    # reach, by name, by their addresses, and (pod_ports) by pod addresses in node_cidrs.
+    connect_nodes: dict[str, ConnectNode] = {}
+    # Nodes whose agents catch dials to `connect_nodes` addresses (cloud nodes where
+    # kube-apiserver or metrics-server dial <edge node IP>:10250; the agent's intercept
+    # rules REDIRECT them): their streams to such an address are decided like a CONNECT.
+    control_plane_sources: tuple[str, ...] = ()
+
+    def connect_node_for(self, host: str) -> str | None:
+        """The node whose name or one of whose `connect_nodes` addresses is `host`."""
+        host = host.lower()
+        if host in self.connect_nodes:
+            return host
+        return self._connect_addresses.get(host)
 
     def node_for_address(self, host: str) -> str | None:
         try:
@@ -213,8 +228,12 @@ class RoutesConfig(Model):
     _relays_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
     _known: frozenset[str] | None = PrivateAttr(default=None)
     _denied: frozenset[str] = PrivateAttr(default=frozenset())
+    _connect_addresses: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: Any, /) -> None:
+        for name in sorted(self.connect_nodes):
+            for address in self.connect_nodes[name].addresses:
+                self._connect_addresses.setdefault(address, name)
         self._known = None if self.nodes is None else frozenset(self.nodes)
         self._denied = frozenset(self.denied_nodes)
         egress: dict[str, list[AllowRule]] = {}
@@ -348,6 +367,8 @@ class ServerConfig(RoutesConfig):
     ingress_http: ListenAddress | None = None
     ingress_https: ListenAddress | None = None
     http_limits: HttpLimitsConfig = HttpLimitsConfig()
+    # The CONNECT front for the control plane: off unless connect.uds or connect.listen.
+    connect: ConnectFrontConfig = ConnectFrontConfig()
 
     @model_validator(mode="after")
     def _secure(self) -> ServerConfig:
@@ -368,7 +389,8 @@ class ServerConfig(RoutesConfig):
                             egress=self.egress, scopes=self.scopes,
                             protected=self.protected, node_cidrs=self.node_cidrs,
                             ingress=self.ingress, nodes=self.nodes,
-                            denied_nodes=self.denied_nodes)
+                            denied_nodes=self.denied_nodes, connect_nodes=self.connect_nodes,
+                            control_plane_sources=self.control_plane_sources)
 
 
 # ------------------------------------------------------------------ loading

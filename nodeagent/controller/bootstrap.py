@@ -37,6 +37,9 @@ CA_SECRET = "nodeagent-ca"  # the CA's certificate and key
 CA_CONFIGMAP = "nodeagent-ca"  # its certificate alone, for agents and servers (ca.crt)
 SERVER_TLS_SECRET = "nodeagent-server-tls"  # the servers' tunnel certificate
 SERVER_SERVICE = "nodeagent-server"  # the servers' Service: its names go into their cert
+# The servers' in-cluster CONNECT front (Prometheus proxy_url, kube-apiserver egress over
+# TCP): its names go into the same certificate, which that listener serves.
+CONNECT_SERVICE = "nodeagent-connect"
 MANAGED_LABEL = "nodeagent.io/managed"
 # In Secret nodeagent-ca besides tls.crt/tls.key: the CAs to trust while rotating.
 TRUST_KEY = "ca.crt"
@@ -102,10 +105,12 @@ class Bootstrap:
 
     def server_names(self) -> tuple[list[str], list[str]]:
         """DNS names and IPs the servers' tunnel certificate must carry: the in-cluster
-        Service names, the ClusterTunnels' serverUrl hosts, the LoadBalancer address."""
+        Service names (the tunnel's and the CONNECT front's), the ClusterTunnels'
+        serverUrl hosts, the LoadBalancer address."""
         ns = self.namespace
-        dns = [SERVER_SERVICE, f"{SERVER_SERVICE}.{ns}", f"{SERVER_SERVICE}.{ns}.svc",
-               f"{SERVER_SERVICE}.{ns}.svc.cluster.local"]
+        dns = [name for service in (SERVER_SERVICE, CONNECT_SERVICE)
+               for name in (service, f"{service}.{ns}", f"{service}.{ns}.svc",
+                            f"{service}.{ns}.svc.cluster.local")]
         ips: list[str] = []
         for host in filter(None, self.server_hosts()):
             try:

@@ -5,6 +5,11 @@ is tested with plain dicts.
 - A node's allow list: the Ingress backends that run on it (the server asks its agent to
   dial exactly those pod addresses and ports), plus the ClusterTunnel's
   `allowedNodePorts` on the node's own addresses (InternalIP/ExternalIP) and 127.0.0.1.
+  Its `control_plane` rules (what the servers' CONNECT front may ask it to dial): the
+  same node ports on the same addresses, and `allowedPodPorts` on its podCIDRs.
+- The servers' `connect_nodes`: for every covered, not denied node, the names and
+  addresses the CONNECT front accepts for it (InternalIP, ExternalIP, Hostname) and the
+  ports, so kube-apiserver and Prometheus reach it by name or address.
 - A node's interception: the `intercept` of the ClusterTunnel whose nodeSelector covers
   it (the oldest such tunnel if several do; the others get a Problem).
 - The servers' routes: the Ingress routes; per ClusterTunnel a `NodeScope` with its
@@ -34,6 +39,7 @@ from typing import Any
 from nodeagent.config import (
     AllowRule,
     ConfigError,
+    ConnectNode,
     InterceptConfig,
     NodeConfig,
     NodeScope,
@@ -88,6 +94,20 @@ def node_addresses(node: Obj) -> list[str]:
     return out
 
 
+def connect_addresses(node: Obj) -> list[str]:
+    """The addresses the CONNECT front accepts for a node: InternalIP first (what the
+    agent dials for a CONNECT by name), then ExternalIP and Hostname."""
+    by_type: dict[str, list[str]] = {"InternalIP": [], "ExternalIP": [], "Hostname": []}
+    for address in (node.get("status") or {}).get("addresses") or []:
+        kind, value = address.get("type"), address.get("address")
+        if kind in by_type and value:
+            by_type[kind].append(str(value).lower())
+    out: list[str] = []
+    for values in by_type.values():
+        out.extend(v for v in values if v not in out)
+    return out
+
+
 def _allow_exact(host: str, port: int) -> AllowRule:
     return AllowRule(host=host, ports=(PortRange(first=port, last=port),))
 
@@ -132,6 +152,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     problems: list[Problem] = list(translation.problems)
     node_configs: dict[str, NodeConfig] = {}
     node_cidrs: dict[str, tuple[Network, ...]] = {}
+    connect_nodes: dict[str, ConnectNode] = {}
     # tunnel → the nodes it covers, with their labels
     covered: dict[str, list[tuple[str, dict[str, str]]]] = {t.name: [] for t in tunnels}
     denied = frozenset(n for t in tunnels for n in t.spec.denied_nodes)
@@ -145,6 +166,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         allow: list[AllowRule] = [_allow_exact(host, port) for host, port in
                                   sorted(translation.node_targets.get(name, ()))]
         intercept: InterceptConfig | None = None
+        control_plane: list[AllowRule] = []
         if covering:
             tunnel = covering[0]
             covered[tunnel.name].append((name, labels))
@@ -156,10 +178,9 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
             if tunnel.spec.allowed_node_ports:
                 for host in ["127.0.0.1", *node_addresses(node)]:
                     allow.append(AllowRule(host=host, ports=tunnel.spec.allowed_node_ports))
+                    control_plane.append(AllowRule(host=host,
+                                                   ports=tunnel.spec.allowed_node_ports))
             intercept = tunnel.spec.intercept
-        # A denied node's agent is disconnected by the servers; its config allows nothing.
-        node_configs[name] = (NodeConfig() if name in denied else
-                              NodeConfig(allow=tuple(allow), intercept=intercept))
         cidrs = []
         for text in (node.get("spec") or {}).get("podCIDRs") or []:
             try:
@@ -169,6 +190,19 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                                         f"spec.podCIDRs: {text!r} is not a CIDR"))
         if cidrs:
             node_cidrs[name] = tuple(cidrs)
+        if covering and name not in denied:
+            spec = covering[0].spec
+            if spec.allowed_pod_ports:
+                control_plane.extend(AllowRule(cidr=c, ports=spec.allowed_pod_ports)
+                                     for c in cidrs)
+            if spec.allowed_node_ports or spec.allowed_pod_ports:
+                connect_nodes[name] = ConnectNode(
+                    addresses=tuple(connect_addresses(node)),
+                    ports=spec.allowed_node_ports, pod_ports=spec.allowed_pod_ports)
+        # A denied node's agent is disconnected by the servers; its config allows nothing.
+        node_configs[name] = (NodeConfig() if name in denied else
+                              NodeConfig(allow=tuple(allow), intercept=intercept,
+                                         control_plane=tuple(control_plane)))
     scopes: list[NodeScope] = []
     for t in tunnels:
         names = sorted(n for n, _ in covered[t.name])
@@ -182,7 +216,8 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     routes = RoutesConfig(ingress=translation.routes, scopes=tuple(scopes),
                           node_cidrs=node_cidrs,
                           protected=protected_ranges(tunnels, services, endpoint_slices),
-                          nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)))
+                          nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)),
+                          connect_nodes=connect_nodes)
     return Computed(nodes=node_configs, routes=routes, problems=problems)
 
 

@@ -168,6 +168,8 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                               stats=server.http_stats.setdefault(name, HttpStats()))
             listeners = await nursery.start(front.run, listen.host, listen.port)
             server.bound[name] = [_sockname(lst) for lst in listeners]
+        if server.connect is not None:  # kube-apiserver's egress selector, Prometheus
+            server.bound["connect"] = await nursery.start(server.connect.run)
         debug = DebugServer(str(config.debug_socket), {
             "/status": server.status,
             # The running routes (the controller's, in controller mode) over the file's,
@@ -244,11 +246,35 @@ def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
         # 0: no per-client cap (behind a load balancer that SNATs every client).
         doc["http_limits"] = {"max_connections_per_client":
                               args.max_connections_per_client or None}
+    connect = connect_from_flags(args)
+    if connect:
+        doc["connect"] = connect
     for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
         value = getattr(args, key, None)
         if value:
             doc[key] = str(value)
     return parse_config(ServerConfig, doc, "flags")
+
+
+def connect_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The CONNECT front's settings from --connect-* flags (empty: off)."""
+    doc: dict[str, Any] = {}
+    if getattr(args, "connect_uds", None):
+        try:
+            mode = int(str(args.connect_uds_mode), 8)
+        except ValueError:
+            raise ConfigError(f"--connect-uds-mode: {args.connect_uds_mode!r} is not an "
+                              f"octal mode (0600, 0660)") from None
+        doc.update(uds=str(args.connect_uds), uds_mode=mode)
+        if args.connect_uds_group is not None:
+            doc["uds_group"] = args.connect_uds_group
+    if getattr(args, "connect_listen", None):
+        doc["listen"] = args.connect_listen
+        if args.connect_client_ca is None:
+            raise ConfigError("--connect-listen needs --connect-client-ca (only clients with "
+                              "a certificate from that CA may use it)")
+        doc["tls"] = {"client_ca_file": str(args.connect_client_ca)}
+    return doc
 
 
 def run_server_cluster(args: argparse.Namespace) -> int:

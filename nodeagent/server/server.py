@@ -25,6 +25,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from nodeagent import __version__
 from nodeagent.config import (
+    CONTROL_PLANE_PURPOSE,
+    PURPOSE_KEY,
     ConfigError,
     HttpListener,
     IngressRoutes,
@@ -45,6 +47,8 @@ from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from nodeagent.pki import node_name_from_certificate
+from nodeagent.server.connect import ProxyTarget, Refusal, decide
+from nodeagent.server.connectfront import ConnectFront
 from tunnel import protocol as p
 from tunnel.endpoint import (
     AuthenticationFailed,
@@ -133,6 +137,7 @@ _REFUSAL_LOG = {
     "egress_protected": "agent stream refused: protected destination",
     "relay_not_allowed": "agent stream refused: relay not allowed",
     "backend_protected": "direct backend refused: protected destination",
+    "control_plane_refused": "agent stream refused: control-plane target not allowed",
 }
 
 
@@ -194,6 +199,12 @@ class Server:
         # Credentials reloaded from their files (tunnel TLS, tokens): name -> reloader.
         self.reloaders: dict[str, FileReloader[Any]] = {}
         self.metrics.add_live(self._live_metrics)
+        # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
+        self.connect = ConnectFront(
+            config.connect, routes=lambda: self.routes, open_stream=self.tunnel.open_stream,
+            dial_timeout=config.dial_timeout, registry=self.metrics.registry, log=self.log,
+            server_tls=(config.tls.cert_file, config.tls.key_file) if config.tls else None,
+        ) if config.connect.enabled else None
 
     # ---------------------------------------------------------------- config
 
@@ -345,6 +356,10 @@ class Server:
 
         async def open_upstream() -> trio.abc.HalfCloseableStream:
             nonlocal via
+            if node in self.routes.control_plane_sources and \
+                    self.routes.connect_node_for(target.host) is not None:
+                via = "control_plane"  # a cloud node's caught dial to a node's address
+                return await self._open_control_plane(node, target, origin)
             if owner is not None and owner != node:
                 via = "relay"
                 if not self.routes.relay_allows(node, target.host, target.port,
@@ -381,6 +396,22 @@ class Server:
                                        on_accepted=lambda: self._count_in(via))
         if relayed.failure is not None:
             self._count_in(relayed.failure.outcome)
+
+    async def _open_control_plane(self, node: str, target: p.Target,
+                                  origin: str) -> trio.abc.HalfCloseableStream:
+        """The DNAT path: decided exactly like a CONNECT to target (allowedNodePorts,
+        denied nodes), then opened as a control-plane stream the owning agent checks."""
+        decision = decide(ProxyTarget(target.host.lower(), target.port), self.routes)
+        if isinstance(decision, Refusal) or target.protocol != "tcp":
+            message = decision.message if isinstance(decision, Refusal) else "tcp only"
+            raise self._refuse("control_plane_refused", node, message, target=str(target),
+                               origin=origin)
+        with trio.move_on_after(self.config.dial_timeout):
+            return await self.tunnel.open_stream(
+                decision.node, p.Target(decision.dial_host, decision.port),
+                {"origin": f"{node}/{origin}", PURPOSE_KEY: CONTROL_PLANE_PURPOSE})
+        raise StreamRefusedError(p.StreamReason.TIMEOUT, f"node {decision.node} did not "
+                                 f"answer within {self.config.dial_timeout}s")
 
     async def handle_bootstrap_stream(self, claimed_node: str, incoming: IncomingStream) -> None:
         """A stream on a bootstrap connection: to the controller (whose signer checks the
@@ -556,6 +587,7 @@ class Server:
             "bootstrap": {"open": self.tunnel.bootstrap_sessions,
                           "served": self.tunnel.bootstrap_served},
             "reloads": {name: r.status() for name, r in self.reloaders.items()},
+            "connect": self.connect.status() if self.connect else None,
         }
 
 

@@ -155,3 +155,32 @@ def test_routes_list_the_known_nodes_and_the_denied_ones() -> None:
     assert not out.routes.admits("gone")
     assert out.nodes["a"].allows("192.168.1.1", 10250)
     assert out.nodes["b"] == NodeConfig()  # revoked: allows nothing
+
+
+def test_the_connect_front_reaches_covered_nodes_by_name_address_and_allowed_pod_ports() -> None:
+    tunnels, problems = parse_tunnels([
+        tunnel("edge", {"allowedPodPorts": [8443], "nodeSelector": {"edge": "true"},
+                        "deniedNodes": ["edge-3"]})])
+    assert problems == []
+    ext = node("edge-1", "192.168.1.10", {"edge": "true"}, ["10.1.0.0/24"])
+    ext["status"]["addresses"].append({"type": "ExternalIP", "address": "203.0.113.7"})
+    out = run([ext, node("edge-3", "192.168.1.30", {"edge": "true"}),
+               node("cloud-1", "10.0.0.4")], tunnels)
+    connect = out.routes.connect_nodes
+    # Covered and not denied only; the default allowedNodePorts is kubelet's 10250.
+    assert sorted(connect) == ["edge-1"]
+    assert connect["edge-1"].addresses == ("192.168.1.10", "203.0.113.7", "edge-1")
+    assert [(r.first, r.last) for r in connect["edge-1"].ports] == [(10250, 10250)]
+    assert [(r.first, r.last) for r in connect["edge-1"].pod_ports] == [(8443, 8443)]
+    assert out.routes.connect_node_for("203.0.113.7") == "edge-1"
+    # The agent's own control-plane rules say the same: its addresses on 10250, its pods
+    # on 8443, nothing else; the ordinary allow list does not let pods' 8443 in.
+    edge = out.nodes["edge-1"]
+    for host, port, allowed in [("192.168.1.10", 10250, True), ("127.0.0.1", 10250, True),
+                                ("203.0.113.7", 10250, True), ("10.1.0.9", 8443, True),
+                                ("192.168.1.10", 22, False), ("10.1.0.9", 10250, False),
+                                ("10.2.0.9", 8443, False)]:
+        assert edge.allows_control_plane(host, port) is allowed, (host, port)
+    assert not edge.allows("10.1.0.9", 8443)
+    assert out.nodes["edge-3"] == NodeConfig()
+    assert out.nodes["cloud-1"].control_plane == ()

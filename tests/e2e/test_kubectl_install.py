@@ -108,7 +108,7 @@ def run_the_steps(k: Kubectl, fake: FakeApiServer, tmp_path: Path, certs: Certs,
                       pod_name=controller_pod, pod_uid=uid[controller_pod])
     fake.kubeconfig_as(token, tmp_path / "controller" / "kubeconfig")
     ports = {name: free_port() for name in ("config", "c-metrics", "tunnel", "http", "https",
-                                            "s-metrics", "a-metrics")}
+                                            "s-metrics", "a-metrics", "connect")}
     controller = NodeagentProcess("controller", {"debug_socket": ""}, tmp_path, "controller",
                                   args=[*container_command(
         k.json("deployment", "nodeagent-controller", "-n", NS), "controller",
@@ -138,7 +138,9 @@ def run_the_steps(k: Kubectl, fake: FakeApiServer, tmp_path: Path, certs: Certs,
          "--tls-cert": str(certs.server_cert), "--tls-key": str(certs.server_key),
          "--ingress-http": f"127.0.0.1:{ports['http']}",
          "--ingress-https": f"127.0.0.1:{ports['https']}",
-         "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}"}),
+         "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}",
+         "--connect-listen": f"127.0.0.1:{ports['connect']}",
+         "--connect-client-ca": str(tmp_path / "ca.crt")}),
         "--debug-socket", str(tmp_path / "s.sock")])
     procs.append(server.start())
     server.wait_ready()

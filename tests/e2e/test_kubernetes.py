@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import socket
 import ssl
 import subprocess
 import sys
@@ -219,6 +220,7 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
         "--tunnel-listen", f"tls://127.0.0.1:{ports['tunnel']}",
         "--tls-cert", str(tmp_path / "tunnel.crt"), "--tls-key", str(tmp_path / "tunnel.key"),
         "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
+        "--connect-uds", str(tmp_path / "connect.sock"),
         "--debug-socket", str(tmp_path / "s.sock")]).start()
     procs.append(server)
     server.wait_ready()
@@ -238,7 +240,7 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     assert status["identity"]["not_after"] and agent.status()["identity"]["not_after"]
     assert [a["node"] for a in status["agents"]] == ["edge-1"]
     yield {"api": api, "http": ports["http"], "procs": procs, "server": server,
-           "agent": agent, "upstream": upstream}
+           "agent": agent, "upstream": upstream, "connect": tmp_path / "connect.sock"}
 
 
 def pod(api: Api, name: str, node: str, account: str) -> str:
@@ -437,6 +439,53 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "t"}, "spec": {"serverUrl": "http://x"}})
     wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list(EVENTS, "default"))
              or "InvalidSpec" in cluster["procs"][1].logs(), "ClusterTunnel problem reported")
+
+
+def _connect(path: Path, target: str) -> tuple[socket.socket, int]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head and (byte := sock.recv(1)):
+        head += byte
+    return sock, int(head[9:12] or b"0")
+
+
+def _connect_status(path: Path, target: str) -> int:
+    sock, status = _connect(path, target)
+    sock.close()
+    return status
+
+
+def test_the_connect_front_follows_nodes_and_cluster_tunnels(cluster: dict[str, Any]) -> None:
+    """kube-apiserver's egress selector reaching a kubelet by node name: the controller puts
+    the Node's addresses and the ClusterTunnel's allowedNodePorts into the servers' routes
+    and the agent's control-plane rules; nothing is reachable before a tunnel covers it."""
+    api, path, agent = cluster["api"], cluster["connect"], cluster["agent"]
+    kubelet = cluster["upstream"].echo_port  # stands for the kubelet on the node's address
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"},
+        {"type": "Hostname", "address": "edge-1.lan"}]})
+    assert _connect_status(path, f"edge-1:{kubelet}") == 502  # no tunnel covers edge-1
+    api.create(CLUSTER_TUNNELS, {"metadata": {"name": "edge"}, "spec": {
+        "allowedNodePorts": [kubelet]}})
+    wait_for(lambda: _connect_status(path, f"edge-1:{kubelet}") == 200, "CONNECT by name")
+    sock, status = _connect(path, f"edge-1.lan:{kubelet}")  # by its Hostname address
+    assert status == 200
+    sock.sendall(b"x" * 100_000)
+    agent.wait_for(lambda s: [c["target"] for c in s["control_plane_streams"]] == [
+        f"tcp://127.0.0.1:{kubelet}"], what="the agent shows the control-plane stream")
+    sock.shutdown(socket.SHUT_WR)
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    sock.close()
+    assert got == b"x" * 100_000
+    assert _connect_status(path, "edge-1:10250") == 403  # not in allowedNodePorts
+    api.delete(CLUSTER_TUNNELS, "edge")
+    wait_for(lambda: _connect_status(path, f"edge-1:{kubelet}") == 502,
+             "the tunnel's nodes leave the CONNECT front")
 
 
 @pytest.mark.controller_args("--certificate-hours", "0.006")  # 21.6 s: renewed at ~11 s

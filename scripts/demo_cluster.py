@@ -98,7 +98,7 @@ class Demo:
         self.fake: FakeApiServer | None = None
         self.ports = {name: free_port() for name in (
             "config-a", "config-b", "c-metrics-a", "c-metrics-b", "tunnel", "http", "https",
-            "s-metrics", "a-metrics", "backend")}
+            "s-metrics", "a-metrics", "backend", "connect")}
 
     def start(self) -> None:
         tmp, ports = self.tmp, self.ports
@@ -174,6 +174,11 @@ class Demo:
         for key in ("tls.crt", "tls.key"):
             (tmp / "server-tls" / key).write_bytes(base64.b64decode(tls[key]))
         controller_url = f"https://127.0.0.1:{ports['config-a']}"
+        # ConfigMap kube-root-ca.crt, which the server mounts for its CONNECT front's
+        # clients (kube-apiserver): the API server's CA, here the stand-in's.
+        cluster = yaml.safe_load(fake.kubeconfig.read_text())["clusters"][0]["cluster"]
+        (tmp / "kube-root-ca.crt").write_bytes(
+            base64.b64decode(cluster["certificate-authority-data"]))
 
         server = self.run(NodeagentProcess(
             "server", {"debug_socket": str(tmp / "server.sock")}, tmp, "server",
@@ -187,7 +192,9 @@ class Demo:
                  "--tls-key": str(tmp / "server-tls" / "tls.key"),
                  "--ingress-http": f"127.0.0.1:{ports['http']}",
                  "--ingress-https": f"127.0.0.1:{ports['https']}",
-                 "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}"}),
+                 "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}",
+                 "--connect-listen": f"127.0.0.1:{ports['connect']}",
+                 "--connect-client-ca": str(tmp / "kube-root-ca.crt")}),
                 "--debug-socket", str(tmp / "server.sock")]))
         server.wait_ready(timeout=30)
         agent = self.run(NodeagentProcess(

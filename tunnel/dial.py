@@ -162,7 +162,9 @@ async def dial(
     WebSocket upgrade request (e.g. `("Authorization", "Bearer ...")`). TLS endpoints use
     `ssl_context`, or the system's trust store if None.
 
-    Raises DialError with `reason` one of: dns, refused, unreachable, timeout, tls, http,
+    Raises DialError with `reason` one of: dns, refused, unreachable, timeout, reset (the
+    connection cut during the TLS handshake), tls (TLS itself failed: certificate, alert),
+    http, unavailable (the upgrade answered 502/503/504: a proxy without a live server),
     closed, mark.
     """
     endpoint = _as_endpoint(endpoint)
@@ -217,7 +219,8 @@ async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
                 path=endpoint.path, secure=endpoint.uses_tls, peer=peer, headers=headers,
                 max_message_size=max_message_size)
         except WebSocketHandshakeError as exc:
-            raise DialError(f"{endpoint}: {exc}", exc.reason) from None
+            reason = "unavailable" if exc.status in (502, 503, 504) else exc.reason
+            raise DialError(f"{endpoint}: {exc}", reason) from None
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
@@ -227,7 +230,7 @@ def _tls_dial_error(endpoint: Endpoint, exc: BaseException) -> DialError:
     if is_tls_error(exc):
         return DialError(f"{endpoint}: TLS handshake failed: {describe_error(exc)}", "tls")
     return DialError(f"{endpoint}: connection lost during the TLS handshake: "
-                     f"{describe_error(exc)}", "tls")
+                     f"{describe_error(exc)}", "reset")
 
 
 async def _connect_tcp(endpoint: Endpoint, socket_mark: int | None) -> trio.SocketStream:

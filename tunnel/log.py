@@ -71,6 +71,14 @@ class RateLimitedLog:
 
     def warning(self, key: str, msg: str, **fields: Any) -> bool:
         """Log unless `key` was logged within the period; True if it was logged."""
+        return self._log(self._logger.warning, key, msg, fields)
+
+    def error(self, key: str, msg: str, **fields: Any) -> bool:
+        """As warning(), at error level."""
+        return self._log(self._logger.error, key, msg, fields)
+
+    def _log(self, emit: Callable[..., None], key: str, msg: str,
+             fields: dict[str, Any]) -> bool:
         now = self._clock()
         last = self._last.get(key)
         if last is not None and now - last < self._period:
@@ -85,5 +93,5 @@ class RateLimitedLog:
         suppressed = self._suppressed.pop(key, 0)
         if suppressed:
             fields["suppressed_since_last"] = suppressed
-        self._logger.warning(msg, **fields)
+        emit(msg, **fields)
         return True

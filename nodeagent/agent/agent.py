@@ -26,7 +26,8 @@ from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from tunnel import protocol as p
-from tunnel.client import Backoff, TunnelClient
+from tunnel.backoff import ReconnectPolicy
+from tunnel.client import TunnelClient
 from tunnel.dial import parse_endpoint
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.errors import StreamFailed
@@ -66,7 +67,10 @@ class Agent:
             server_hostname=config.tls.server_name, settings=settings,
             socket_mark=config.socket_mark,
             headers=lambda: [("authorization", f"Bearer {token}")] if token else [],
-            backoff=Backoff(initial=config.reconnect.initial, maximum=config.reconnect.maximum),
+            reconnect=ReconnectPolicy(
+                config.reconnect.initial, config.reconnect.maximum,
+                unreachable_maximum=config.reconnect.unreachable_maximum,
+                retry_after_jitter=config.reconnect.retry_after_jitter),
             log=self.log.bind(server=config.server))
         self.metrics.add_live(self._live_metrics)
         self.interceptor: Interceptor | None = None

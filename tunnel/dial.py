@@ -9,6 +9,7 @@ and hands every transport to the caller's handler in a nursery it owns.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import ssl
 import urllib.parse
@@ -17,7 +18,7 @@ from typing import Literal
 
 import trio
 
-from tunnel.log import get_logger
+from tunnel.log import RateLimitedLog, get_logger
 from tunnel.tcp import SO_MARK, DialFailed, connect_tcp, format_address
 from tunnel.transports import (
     MAX_MESSAGE_SIZE,
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 log = get_logger("tunnel.dial")
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 # Picked by measurement (scripts/bench_websocket.py, 512 MiB in 64 KiB messages, best of
@@ -295,15 +297,21 @@ async def serve(
     handshake_timeout: float = 10.0,
     websocket_impl: str = "auto",
     max_message_size: int = MAX_MESSAGE_SIZE,
+    stop_accepting: trio.Event | None = None,
     task_status: trio.TaskStatus[list[Endpoint]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on `endpoint` until cancelled, calling `handler(transport)` for each
     connection that completes its handshakes; the transport is closed when the handler
     returns. Reports the bound endpoints (real ports, for port 0) via task_status.
 
+    When `stop_accepting` is set the listening sockets close (new connections are refused
+    by the kernel, so they go to another process or replica) while the connections
+    already accepted carry on; serve() returns once they have all ended.
+
     Each connection's TLS handshake and WebSocket upgrade must finish within
     `handshake_timeout`. A failed handshake is logged (logger "tunnel.dial", with peer and
-    reason) and costs only that connection; so does a handler that raises."""
+    reason; at most one line per reason a minute, with a count: anyone can cause them)
+    and costs only that connection; so does a handler that raises."""
     endpoint = _as_endpoint(endpoint)
     impl = _choose_impl(websocket_impl)
     if endpoint.uses_tls and ssl_context is None:
@@ -315,23 +323,54 @@ async def serve(
     bound = [Endpoint(endpoint.scheme, str(lst.socket.getsockname()[0]),
                       int(lst.socket.getsockname()[1]), endpoint.path) for lst in listeners]
 
+    failures = RateLimitedLog(log, period=60.0, burst=5)
+
     async def accept(stream: trio.SocketStream) -> None:
         await _serve_connection(stream, endpoint, handler, ssl_context=ssl_context,
                                 handshake_timeout=handshake_timeout, impl=impl,
-                                max_message_size=max_message_size)
+                                max_message_size=max_message_size, failures=failures)
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, accept, listeners)
-        log.info("listening", endpoint=str(endpoint),
-                 bound=", ".join(str(b) for b in bound))
-        task_status.started(bound)
+    async with trio.open_nursery() as connections:
+        try:
+            async with trio.open_nursery() as accepting:
+                for listener in listeners:
+                    accepting.start_soon(_accept_loop, listener, connections, accept,
+                                         failures)
+                log.info("listening", endpoint=str(endpoint),
+                         bound=", ".join(str(b) for b in bound))
+                task_status.started(bound)
+                if stop_accepting is not None:
+                    await stop_accepting.wait()
+                    accepting.cancel_scope.cancel()
+        finally:
+            for listener in listeners:
+                with trio.CancelScope(shield=True):
+                    await listener.aclose()
+        log.info("stopped accepting", endpoint=str(endpoint))
+
+
+async def _accept_loop(listener: trio.SocketListener, nursery: trio.Nursery,
+                       accept: Callable[[trio.SocketStream], Awaitable[None]],
+                       failures: RateLimitedLog) -> None:
+    """trio.serve_listeners' loop, with the listener closed by our caller (not here)."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                failures.warning("accept", "out of file descriptors; accept paused",
+                                       error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            raise
+        nursery.start_soon(accept, stream)
 
 
 async def _serve_connection(
     stream: trio.SocketStream, endpoint: Endpoint,
     handler: Callable[[Transport], Awaitable[None]], *,
     ssl_context: ssl.SSLContext | None, handshake_timeout: float, impl: WebSocketImpl,
-    max_message_size: int,
+    max_message_size: int, failures: RateLimitedLog,
 ) -> None:
     try:
         peer_address = format_address(stream.socket.getpeername())
@@ -354,8 +393,10 @@ async def _serve_connection(
         if scope.cancelled_caught:
             reason = "timeout"
             message = f"no complete handshake within {handshake_timeout:g}s"
-        log.warning("handshake failed", peer=peer_address, endpoint=str(endpoint),
-                    reason=reason, error=message)
+        # The transport's own handshake (TLS, WebSocket upgrade): whoever can reach the
+        # port can fail one, so five lines per reason a minute, then a count.
+        failures.warning(reason, "handshake failed", peer=peer_address,
+                               endpoint=str(endpoint), reason=reason, error=message)
         await trio.aclose_forcefully(stream)
         return
     try:

@@ -89,11 +89,12 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     """Run every listener of a server until cancelled or signalled; reports the bound
     addresses ({"tunnel": [...], "tcp:NAME": [...], "http:NAME": [...]})."""
     config = server.config
+    stop_accepting = trio.Event()
     async with trio.open_nursery() as nursery:
         endpoint = parse_endpoint(config.tunnel.url)
         bound = await nursery.start(lambda task_status: serve(
             endpoint, server.tunnel.handle_transport, ssl_context=ssl_context,
-            task_status=task_status))
+            stop_accepting=stop_accepting, task_status=task_status))
         server.bound["tunnel"] = [str(b) for b in bound]
         for index, mapping in enumerate(config.tcp):
             name = f"tcp:{mapping.name or index}"
@@ -138,7 +139,8 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         }, registry=server.metrics.registry)
         await nursery.start(debug.run)
         if config.metrics_listen is not None:
-            health = HealthServer(server.metrics.registry, lambda: None)
+            health = HealthServer(server.metrics.registry,
+                                  lambda: "draining" if server.tunnel.draining else None)
             await nursery.start(health.run, config.metrics_listen.host,
                                 config.metrics_listen.port)
         log.info("server ready", **{k: ",".join(v) for k, v in server.bound.items()})
@@ -151,6 +153,10 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds)
+                # Readiness fails first (a load balancer stops sending), then new tunnels
+                # are refused by the kernel (they go to the next server), then GOAWAY.
+                server.tunnel.start_draining()
+                stop_accepting.set()
                 await server.tunnel.drain("server shutting down", grace=drain_seconds)
                 nursery.cancel_scope.cancel()
                 break

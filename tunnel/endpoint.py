@@ -246,7 +246,10 @@ class TunnelConnection:
                     self._dispatch(event)
                 if early:
                     self._wake_writer()
-                await self._reader()
+                if self.end_reason is None and not self._core.is_closed:
+                    await self._reader()
+                else:
+                    await self._final_flush()
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None

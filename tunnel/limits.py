@@ -25,9 +25,10 @@ class OpenRateLimiter:
         return False
 
 
-# Measured with scripts/bench_reconnect_storm.py on a 2-core machine: one server process
-# completed ~400 TLS + tunnel handshakes/s flat out (the rest of its work stalls then), so
-# admit half that. Raise it on bigger machines (config: tunnel.handshake_rate).
+# Measured with scripts/bench_reconnect_storm.py on the 2-core development machine: a
+# server process spends ~3-4 ms of CPU per TLS + tunnel handshake (~300/s on one core flat
+# out, and then nothing else gets done), so it admits 200/s by default. Raise it on bigger
+# machines (config: tunnel.handshake_rate).
 DEFAULT_HANDSHAKE_RATE = 200.0
 DEFAULT_HANDSHAKE_BURST = 200
 MAX_RETRY_AFTER = 60.0

@@ -168,6 +168,8 @@ class Agent:
                 "connects": self.client.status.connects,
                 "failures": self.client.status.failures,
                 "last_error": self.client.status.last_error,
+                # unreachable | overloaded | rejected: which reconnect schedule applies
+                "last_failure": self.client.status.last_failure,
                 "streams_open": info.streams_open if info else 0,
                 "bytes_in": info.bytes_in if info else 0,
                 "bytes_out": info.bytes_out if info else 0,

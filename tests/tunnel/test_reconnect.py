@@ -13,11 +13,13 @@ import pytest
 import trio
 
 from tests.e2e.conftest import free_port
+from tests.tunnel.memtransport import memory_transport_pair
+from tests.tunnel.test_endpoint import echo_handler
 from tunnel import protocol as p
 from tunnel.backoff import Failure, ReconnectPolicy
 from tunnel.client import TunnelClient
 from tunnel.dial import serve
-from tunnel.endpoint import EndpointSettings
+from tunnel.endpoint import EndpointSettings, TunnelConnection
 from tunnel.server import HandshakeAdmission, TunnelServer
 from tunnel.transports import Endpoint, PeerInfo
 
@@ -177,3 +179,35 @@ async def test_client_is_back_within_a_second_of_the_server_returning_after_an_o
 def test_free_port_helper_gives_a_closed_port() -> None:
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", free_port()), timeout=1)
+
+
+# ------------------------------------------------------------------ handshake races
+
+
+async def test_frames_in_the_same_read_as_the_servers_hello_are_not_lost() -> None:
+    """A server may open a stream the moment it registers an agent: its OPEN can arrive
+    in the same read as its HELLO. The dialer used to drop it (the open timed out)."""
+    ours, theirs = memory_transport_pair()
+    dialer = TunnelConnection(ours, p.Role.DIALER, SETTINGS, echo_handler)
+    server = p.Connection(p.Role.ACCEPTOR)
+    async with trio.open_nursery() as nursery:
+        async def serve_raw() -> None:
+            server.receive_data(await theirs.receive())  # the HELLO
+            server.accept_handshake(p.Hello(identity={"server": "s"}))
+            sid = server.open_stream(p.Target("svc", 80))
+            await theirs.send(server.data_to_send())  # HELLO + OPEN in one write
+            events: list[p.Event] = []
+            while not any(isinstance(e, p.StreamAccepted) for e in events):
+                events += server.receive_data(await theirs.receive())
+            server.send_data(sid, b"ping", end_stream=True)
+            await theirs.send(server.data_to_send())
+            got = b""
+            while b"ping" not in got:
+                got += b"".join(e.data for e in server.receive_data(await theirs.receive())
+                                if isinstance(e, p.DataReceived))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(serve_raw)
+        await dialer.dial_handshake(p.Hello(identity={"node": "edge-1"}))
+        with trio.fail_after(5):
+            await dialer.run()

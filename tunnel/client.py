@@ -43,6 +43,11 @@ _UNREACHABLE_DIAL = frozenset({"refused", "unreachable", "timeout", "dns", "rese
 # connection was cut before it answered.
 _UNREACHABLE_HANDSHAKE = frozenset({p.ErrorCode.SHUTTING_DOWN, p.ErrorCode.NO_ERROR})
 FAILURE_LOG_PERIOD = 30.0
+# The TCP connect alone gives up after this: a server whose host drops our SYNs (a link
+# down, a firewall) is then retried on the unreachable schedule, about every second; the
+# kernel alone would resend a SYN only at 1, 3, 7 s, so a node could wait seconds after
+# the path is back. Two SYNs fit (0 and 1 s); TLS and the upgrade keep connect_timeout.
+TCP_CONNECT_TIMEOUT = 2.0
 
 
 def classify_dial_error(exc: TransportError) -> Failure:
@@ -183,7 +188,8 @@ class TunnelClient:
                 self.endpoint, ssl_context=self.ssl_context,
                 server_hostname=self.server_hostname,
                 connect_timeout=self._connect_timeout, socket_mark=self.socket_mark,
-                headers=tuple(self._headers()))
+                headers=tuple(self._headers()),
+                tcp_timeout=min(TCP_CONNECT_TIMEOUT, self._connect_timeout))
         except TransportError as exc:
             self._failed(f"dial failed: {exc}", classify_dial_error(exc))
             return None

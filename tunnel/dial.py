@@ -156,10 +156,13 @@ async def dial(
     headers: Sequence[tuple[str, str]] = (),
     websocket_impl: str = "auto",
     max_message_size: int = MAX_MESSAGE_SIZE,
+    tcp_timeout: float | None = None,
 ) -> Transport:
     """Connect to `endpoint` and return a ready transport.
 
-    TCP connect, TLS handshake and WebSocket upgrade all happen within `connect_timeout`.
+    TCP connect, TLS handshake and WebSocket upgrade all happen within `connect_timeout`;
+    `tcp_timeout`, if given, bounds the TCP connect alone (a dial to a host that drops
+    SYNs gives up then, instead of waiting for the kernel's SYN retries at 1, 3, 7 s).
     `socket_mark` sets SO_MARK on the socket before it connects. `headers` go on the
     WebSocket upgrade request (e.g. `("Authorization", "Bearer ...")`). TLS endpoints use
     `ssl_context`, or the system's trust store if None.
@@ -182,7 +185,8 @@ async def dial(
         with trio.fail_after(connect_timeout):
             return await _dial(endpoint, ssl_context=ssl_context,
                                server_hostname=server_hostname, socket_mark=socket_mark,
-                               headers=headers, impl=impl, max_message_size=max_message_size)
+                               headers=headers, impl=impl, max_message_size=max_message_size,
+                               tcp_timeout=tcp_timeout)
     except trio.TooSlowError:
         raise DialError(f"{endpoint}: no connection within {connect_timeout:g}s",
                         "timeout") from None
@@ -191,9 +195,14 @@ async def dial(
 async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
                 server_hostname: str | None, socket_mark: int | None,
                 headers: Sequence[tuple[str, str]], impl: WebSocketImpl,
-                max_message_size: int) -> Transport:
+                max_message_size: int, tcp_timeout: float | None) -> Transport:
     started = trio.current_time()
-    sock_stream = await _connect_tcp(endpoint, socket_mark)
+    connected: trio.SocketStream | None = None
+    with trio.move_on_after(tcp_timeout if tcp_timeout is not None else float("inf")):
+        connected = await _connect_tcp(endpoint, socket_mark)
+    if connected is None:
+        raise DialError(f"{endpoint}: no TCP connection within {tcp_timeout:g}s", "timeout")
+    sock_stream = connected
     connect_rtt = trio.current_time() - started
     stream: trio.abc.Stream = sock_stream
     try:

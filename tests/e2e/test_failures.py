@@ -19,8 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from nodeagent import pki
 from tests.e2e.conftest import TOKEN, Certs, Upstream, free_port
 from tests.e2e.test_standalone import agent_config, echo_through, listen_port, server_config
+from tests.netns import Topology, netns_available
 from tests.procs import NodeagentProcess
 from tunnel import protocol as p
 
@@ -287,3 +289,67 @@ def test_server_vanishing_mid_stream_is_one_line_on_the_agent(
     assert len(lines(agent, "tunnel connect failed")) == 1, agent.logs()
     assert " error " not in agent.logs()
     no_tracebacks(agent)
+
+
+# ------------------------------------------------------------------ a path that drops
+
+
+@pytest.mark.netns
+@pytest.mark.needs("nft")
+def test_agent_is_back_soon_after_its_path_dropped_packets(tmp_path: Path) -> None:
+    """The server's host drops the tunnel's packets for 6 s (nft, in its namespace): the
+    agent's keepalive ends the tunnel, its dials time out (SYNs dropped), and within ~2 s
+    of the path being back it is connected again: each TCP connect gives up after 2 s
+    instead of waiting for the kernel's SYN retries at 1, 3, 7 s."""
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(reason)
+    topo = Topology()
+    procs: list[NodeagentProcess] = []
+    try:
+        topo.add("edge")
+        topo.add("cloud")
+        topo.link("edge", ["10.77.0.1/24"], "cloud", ["10.77.0.2/24"])
+        ca = pki.create_ca("drop CA")
+        ca.write(tmp_path / "ca.crt", tmp_path / "ca.key")
+        pki.issue_server_certificate(ca, [], ["10.77.0.2"]).write(
+            tmp_path / "s.crt", tmp_path / "s.key")
+        server = NodeagentProcess("server", {
+            "tunnel": "tls://10.77.0.2:8443",
+            "tls": {"cert_file": str(tmp_path / "s.crt"), "key_file": str(tmp_path / "s.key")},
+            "tokens": [{"node": "edge-1", "token": TOKEN}],
+            "keepalive": {"interval": 1, "timeout": 2},
+            "debug_socket": str(tmp_path / "server.sock"),
+        }, tmp_path, "server", netns=topo.ns("cloud")).start()
+        procs.append(server)
+        server.wait_ready()
+        agent = NodeagentProcess("agent", {
+            "node": "edge-1", "server": "tls://10.77.0.2:8443", "token": TOKEN,
+            "tls": {"ca_file": str(tmp_path / "ca.crt")},
+            "debug_socket": str(tmp_path / "agent.sock"),
+            "keepalive": {"interval": 1, "timeout": 2},
+        }, tmp_path, "agent", netns=topo.ns("edge")).start()
+        procs.append(agent)
+        agent.wait_ready()
+        wait_agent_on(server)
+        topo.exec("cloud", ["nft", "-f", "-"], input=(
+            "table inet blackhole {\n chain input {\n  type filter hook input priority 0;\n"
+            "  tcp dport 8443 drop\n }\n}\n"))
+        agent.wait_for(lambda s: s["tunnel"]["state"] != "connected", timeout=10,
+                       what="agent notices the dead path")
+        time.sleep(6)
+        assert agent.status()["tunnel"]["last_failure"] == "unreachable"
+        topo.exec("cloud", ["nft", "delete", "table", "inet", "blackhole"])
+        back = time.monotonic()
+        agent.wait_for(lambda s: s["tunnel"]["state"] == "connected", timeout=15,
+                       what="agent back")
+        elapsed = time.monotonic() - back
+        print(f"\npath dropped 6 s: agent back {elapsed:.2f}s after it was restored")
+        assert elapsed < 4.0, elapsed
+    finally:
+        for proc in procs:
+            proc.kill()
+        topo.close()
+    failed = lines(agent, "tunnel connect failed")
+    assert len(failed) == 1 and "failure=unreachable" in failed[0], agent.logs()
+    no_tracebacks(*procs)

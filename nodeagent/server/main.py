@@ -259,7 +259,8 @@ def run_server_cluster(args: argparse.Namespace) -> int:
                 path=f"/v1/config/servers/{config.server_id}", tls=lambda: watch_tls[0],
                 model=RoutesConfig, apply=apply, status=status,
                 log=log.bind(server=config.server_id)))
-            await serve_server(server, ssl_context)  # returns on SIGTERM/SIGINT
+            await serve_server(server, ssl_context,  # returns on SIGTERM/SIGINT
+                               drain_seconds=args.drain_seconds)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -13,11 +13,12 @@ the server. One growing backoff cannot do both: after a 20 s outage it had grown
 its 15 s cap, so a node needed 4.5-10.7 s more once the server was back (measured). So the
 delay depends on what the last attempt cost the server:
 
-- unreachable (TCP connect refused or timed out — the client gives a TCP connect 2 s, so
-  a path that drops packets is retried too, not waited on through the kernel's SYN
-  retries at 1, 3, 7 s —, no route, DNS, the connection cut before the server answered our
-  HELLO, a proxy answering 502-504): the server spent nothing on us, so retry soon: backoff from `initial` capped at
-  `unreachable_maximum` (default 1 s, equal jitter: every 0.5-1 s). A fleet of 5,000
+- unreachable (TCP connect refused or timed out, no route, DNS, the connection cut before
+  the server answered our HELLO, a proxy answering 502-504): the server spent nothing on
+  us, so retry soon: backoff from `initial` capped at `unreachable_maximum` (default 1 s,
+  equal jitter: every 0.5-1 s). A TCP connect gets 2 s (tunnel.client), so a path that
+  drops packets is retried too, not waited on through the kernel's SYN retries at 1, 3,
+  7 s. A fleet of 5,000
   polling a dead address costs ~5,000 SYNs/s for the kernel: nothing. When the server
   returns they all arrive within one cap, and its admission control sorts them out:
 - overloaded (the server refused the handshake with a retry-after): it told us when it

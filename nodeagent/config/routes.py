@@ -313,7 +313,7 @@ class TunnelListen(Model):
     # tcp:// and ws:// carry agents' tokens in clear: only when said explicitly.
     insecure: bool = False
     # Admission: agent handshakes per second the server admits, and the burst; beyond
-    # it agents are refused with a retry-after (tunnel/server.py, HandshakeAdmission).
+    # it agents are refused with a retry-after (tunnel/limits.py, HandshakeAdmission).
     handshake_rate: float = Field(default=DEFAULT_HANDSHAKE_RATE, gt=0, le=100_000)
     handshake_burst: int = Field(default=DEFAULT_HANDSHAKE_BURST, ge=1, le=1_000_000)
 

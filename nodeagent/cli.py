@@ -115,8 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser(
         "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Dial the server, keep one tunnel up (reconnecting with backoff), and "
-                    "serve the streams the server opens by dialing allowed node-local targets. "
+        description="Dial the server, keep one tunnel up, and serve the streams the server "
+                    "opens by dialing allowed node-local targets. Reconnects: about every "
+                    "second while the server is unreachable (reconnect.unreachable_maximum, "
+                    "default 1 s), when a busy server says (its retry-after, with jitter), "
+                    "and slowing to reconnect.maximum (default 15 s) after a refused "
+                    "handshake; at once when the server drains (GOAWAY). "
                     "SIGHUP re-reads the config file; an invalid new config is refused and the "
                     "running one kept.")
     agent.add_argument("--config", type=Path, metavar="FILE",

@@ -222,4 +222,24 @@ async def test_only_control_plane_sources_reach_node_addresses_as_control_plane(
         other = await connect(server, nursery, "edge-2")
         error = await refused(other, "192.168.7.10", 10250)
         assert "egress allow list" in error.message and len(seen) == 1
+
+
+async def test_handshakes_beyond_the_configured_rate_are_refused_counted_with_a_retry_after(
+        ) -> None:
+    server = make_server({}, tunnel={"url": "tcp://127.0.0.1:0", "insecure": True,
+                                     "handshake_rate": 0.5, "handshake_burst": 1})
+    async with trio.open_nursery() as nursery:
+        await connect(server, nursery, "edge-1")
+        ours, theirs = memory_transport_pair()
+        nursery.start_soon(server.tunnel.handle_transport, theirs)
+        agent = TunnelConnection(ours, p.Role.DIALER, SETTINGS, refuse_all)
+        with pytest.raises(HandshakeError) as info:
+            await agent.dial_handshake(p.Hello(identity={"node": "edge-2", "token": TOKEN},
+                                               features=(p.FEATURE_RETRY_AFTER,)))
+        assert info.value.code is p.ErrorCode.OVERLOADED
+        assert info.value.retry_after == pytest.approx(2.0, abs=0.1)  # next token at 0.5/s
+        assert server.metrics.registry.get_sample_value(
+            "nodeagent_server_refusals_total", {"reason": "handshake_overloaded"}) == 1
+        assert server.status()["handshake_refusals"] == {"overloaded": 1}
+        assert set(server.tunnel.sessions) == {"edge-1"}
         nursery.cancel_scope.cancel()

@@ -9,6 +9,7 @@ and hands every transport to the caller's handler in a nursery it owns.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import ssl
 import urllib.parse
@@ -17,7 +18,7 @@ from typing import Literal
 
 import trio
 
-from tunnel.log import get_logger
+from tunnel.log import RateLimitedLog, get_logger
 from tunnel.tcp import SO_MARK, DialFailed, connect_tcp, format_address
 from tunnel.transports import (
     MAX_MESSAGE_SIZE,
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 log = get_logger("tunnel.dial")
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 # Picked by measurement (scripts/bench_websocket.py, 512 MiB in 64 KiB messages, best of
@@ -154,15 +156,20 @@ async def dial(
     headers: Sequence[tuple[str, str]] = (),
     websocket_impl: str = "auto",
     max_message_size: int = MAX_MESSAGE_SIZE,
+    tcp_timeout: float | None = None,
 ) -> Transport:
     """Connect to `endpoint` and return a ready transport.
 
-    TCP connect, TLS handshake and WebSocket upgrade all happen within `connect_timeout`.
+    TCP connect, TLS handshake and WebSocket upgrade all happen within `connect_timeout`;
+    `tcp_timeout`, if given, bounds the TCP connect alone (a dial to a host that drops
+    SYNs gives up then, instead of waiting for the kernel's SYN retries at 1, 3, 7 s).
     `socket_mark` sets SO_MARK on the socket before it connects. `headers` go on the
     WebSocket upgrade request (e.g. `("Authorization", "Bearer ...")`). TLS endpoints use
     `ssl_context`, or the system's trust store if None.
 
-    Raises DialError with `reason` one of: dns, refused, unreachable, timeout, tls, http,
+    Raises DialError with `reason` one of: dns, refused, unreachable, timeout, reset (the
+    connection cut during the TLS handshake), tls (TLS itself failed: certificate, alert),
+    http, unavailable (the upgrade answered 502/503/504: a proxy without a live server),
     closed, mark.
     """
     endpoint = _as_endpoint(endpoint)
@@ -178,7 +185,8 @@ async def dial(
         with trio.fail_after(connect_timeout):
             return await _dial(endpoint, ssl_context=ssl_context,
                                server_hostname=server_hostname, socket_mark=socket_mark,
-                               headers=headers, impl=impl, max_message_size=max_message_size)
+                               headers=headers, impl=impl, max_message_size=max_message_size,
+                               tcp_timeout=tcp_timeout)
     except trio.TooSlowError:
         raise DialError(f"{endpoint}: no connection within {connect_timeout:g}s",
                         "timeout") from None
@@ -187,9 +195,14 @@ async def dial(
 async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
                 server_hostname: str | None, socket_mark: int | None,
                 headers: Sequence[tuple[str, str]], impl: WebSocketImpl,
-                max_message_size: int) -> Transport:
+                max_message_size: int, tcp_timeout: float | None) -> Transport:
     started = trio.current_time()
-    sock_stream = await _connect_tcp(endpoint, socket_mark)
+    connected: trio.SocketStream | None = None
+    with trio.move_on_after(tcp_timeout if tcp_timeout is not None else float("inf")):
+        connected = await _connect_tcp(endpoint, socket_mark)
+    if connected is None:
+        raise DialError(f"{endpoint}: no TCP connection within {tcp_timeout:g}s", "timeout")
+    sock_stream = connected
     connect_rtt = trio.current_time() - started
     stream: trio.abc.Stream = sock_stream
     try:
@@ -217,7 +230,8 @@ async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
                 path=endpoint.path, secure=endpoint.uses_tls, peer=peer, headers=headers,
                 max_message_size=max_message_size)
         except WebSocketHandshakeError as exc:
-            raise DialError(f"{endpoint}: {exc}", exc.reason) from None
+            reason = "unavailable" if exc.status in (502, 503, 504) else exc.reason
+            raise DialError(f"{endpoint}: {exc}", reason) from None
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
@@ -227,7 +241,7 @@ def _tls_dial_error(endpoint: Endpoint, exc: BaseException) -> DialError:
     if is_tls_error(exc):
         return DialError(f"{endpoint}: TLS handshake failed: {describe_error(exc)}", "tls")
     return DialError(f"{endpoint}: connection lost during the TLS handshake: "
-                     f"{describe_error(exc)}", "tls")
+                     f"{describe_error(exc)}", "reset")
 
 
 async def _connect_tcp(endpoint: Endpoint, socket_mark: int | None) -> trio.SocketStream:
@@ -292,6 +306,7 @@ async def serve(
     handshake_timeout: float = 10.0,
     websocket_impl: str = "auto",
     max_message_size: int = MAX_MESSAGE_SIZE,
+    stop_accepting: trio.Event | None = None,
     task_status: trio.TaskStatus[list[Endpoint]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on `endpoint` until cancelled, calling `handler(transport)` for each
@@ -302,9 +317,14 @@ async def serve(
     certificate reloaded from its files applies to the next handshake, and connections
     already up keep theirs.
 
+    When `stop_accepting` is set the listening sockets close (new connections are refused
+    by the kernel, so they go to another process or replica) while the connections
+    already accepted carry on; serve() returns once they have all ended.
+
     Each connection's TLS handshake and WebSocket upgrade must finish within
     `handshake_timeout`. A failed handshake is logged (logger "tunnel.dial", with peer and
-    reason) and costs only that connection; so does a handler that raises."""
+    reason; at most one line per reason a minute, with a count: anyone can cause them)
+    and costs only that connection; so does a handler that raises."""
     endpoint = _as_endpoint(endpoint)
     impl = _choose_impl(websocket_impl)
     if endpoint.uses_tls and ssl_context is None:
@@ -316,16 +336,47 @@ async def serve(
     bound = [Endpoint(endpoint.scheme, str(lst.socket.getsockname()[0]),
                       int(lst.socket.getsockname()[1]), endpoint.path) for lst in listeners]
 
+    failures = RateLimitedLog(log, period=60.0, burst=5)
+
     async def accept(stream: trio.SocketStream) -> None:
         await _serve_connection(stream, endpoint, handler, ssl_context=ssl_context,
                                 handshake_timeout=handshake_timeout, impl=impl,
-                                max_message_size=max_message_size)
+                                max_message_size=max_message_size, failures=failures)
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, accept, listeners)
-        log.info("listening", endpoint=str(endpoint),
-                 bound=", ".join(str(b) for b in bound))
-        task_status.started(bound)
+    async with trio.open_nursery() as connections:
+        try:
+            async with trio.open_nursery() as accepting:
+                for listener in listeners:
+                    accepting.start_soon(_accept_loop, listener, connections, accept,
+                                         failures)
+                log.info("listening", endpoint=str(endpoint),
+                         bound=", ".join(str(b) for b in bound))
+                task_status.started(bound)
+                if stop_accepting is not None:
+                    await stop_accepting.wait()
+                    accepting.cancel_scope.cancel()
+        finally:
+            for listener in listeners:
+                with trio.CancelScope(shield=True):
+                    await listener.aclose()
+        log.info("stopped accepting", endpoint=str(endpoint))
+
+
+async def _accept_loop(listener: trio.SocketListener, nursery: trio.Nursery,
+                       accept: Callable[[trio.SocketStream], Awaitable[None]],
+                       failures: RateLimitedLog) -> None:
+    """trio.serve_listeners' loop, with the listener closed by our caller (not here)."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                failures.warning("accept", "out of file descriptors; accept paused",
+                                       error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            raise
+        nursery.start_soon(accept, stream)
 
 
 async def _serve_connection(
@@ -333,6 +384,7 @@ async def _serve_connection(
     handler: Callable[[Transport], Awaitable[None]], *,
     ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None,
     handshake_timeout: float, impl: WebSocketImpl, max_message_size: int,
+    failures: RateLimitedLog,
 ) -> None:
     try:
         peer_address = format_address(stream.socket.getpeername())
@@ -356,8 +408,10 @@ async def _serve_connection(
         if scope.cancelled_caught:
             reason = "timeout"
             message = f"no complete handshake within {handshake_timeout:g}s"
-        log.warning("handshake failed", peer=peer_address, endpoint=str(endpoint),
-                    reason=reason, error=message)
+        # The transport's own handshake (TLS, WebSocket upgrade): whoever can reach the
+        # port can fail one, so five lines per reason a minute, then a count.
+        failures.warning(reason, "handshake failed", peer=peer_address,
+                               endpoint=str(endpoint), reason=reason, error=message)
         await trio.aclose_forcefully(stream)
         return
     try:

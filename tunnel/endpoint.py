@@ -31,6 +31,7 @@ from tunnel import protocol as p
 from tunnel.errors import (
     AuthenticationFailed,
     HandshakeError,
+    HandshakeRefused,
     StreamRefusedError,
     StreamResetError,
     TunnelClosedError,
@@ -109,6 +110,9 @@ class TunnelConnection:
         self._finished = trio.Event()
         self.goaway_received = trio.Event()
         self._on_goaway_message = ""
+        # Events that arrived in the same read as the handshake's answer (the peer may
+        # send frames right after its HELLO): dispatched when run() starts.
+        self._early_events: list[p.Event] = []
 
     # ------------------------------------------------------------------ properties
 
@@ -144,13 +148,15 @@ class TunnelConnection:
         with trio.move_on_after(self.settings.handshake_timeout) as scope:
             await self._flush()
             while True:
-                for event in await self._receive_events():
+                events = await self._receive_events()
+                for index, event in enumerate(events):
                     if isinstance(event, p.HandshakeCompleted):
                         self.identity = dict(event.hello.identity)
+                        self._early_events = events[index + 1:]
                         return event.hello
                     if isinstance(event, p.ConnectionTerminated):
                         await self._flush_quietly()
-                        raise HandshakeError(event.message, event.code)
+                        raise HandshakeError(event.message, event.code, event.retry_after)
         assert scope.cancelled_caught
         raise HandshakeError(f"no answer to HELLO within {self.settings.handshake_timeout}s",
                              p.ErrorCode.KEEPALIVE_TIMEOUT)
@@ -159,20 +165,34 @@ class TunnelConnection:
         self, authenticate: Callable[[p.Hello, PeerInfo], Awaitable[p.Hello]],
     ) -> p.Hello:
         """Acceptor: read the dialer's HELLO, let `authenticate` vet it and return our
-        HELLO (or raise AuthenticationFailed), answer. Returns the dialer's HELLO."""
+        HELLO (or raise HandshakeRefused, e.g. AuthenticationFailed), answer. Returns the
+        dialer's HELLO."""
         with trio.move_on_after(self.settings.handshake_timeout):
             while True:
-                for event in await self._receive_events():
+                events = await self._receive_events()
+                for index, event in enumerate(events):
                     if isinstance(event, p.ConnectionTerminated):
                         await self._flush_quietly()
                         raise HandshakeError(event.message, event.code)
                     if isinstance(event, p.HelloReceived):
                         try:
                             ours = await authenticate(event.hello, self.peer)
-                        except AuthenticationFailed as exc:
-                            self._core.close(p.ErrorCode.UNAUTHORIZED, str(exc))
+                        except HandshakeRefused as exc:
+                            if not self._core.is_closed:
+                                self._core.refuse_handshake(exc.code, str(exc),
+                                                            exc.retry_after)
                             await self._flush_quietly()
-                            raise HandshakeError(str(exc), p.ErrorCode.UNAUTHORIZED) from None
+                            raise HandshakeError(str(exc), exc.code,
+                                                 exc.retry_after) from None
+                        if self._core.is_closed:
+                            # The read that brought the HELLO also broke the protocol (a
+                            # frame before our answer): the core has ended the connection.
+                            ended = next((e for e in events[index + 1:]
+                                          if isinstance(e, p.ConnectionTerminated)), None)
+                            await self._flush_quietly()
+                            raise HandshakeError(
+                                ended.message if ended else "connection closed",
+                                ended.code if ended else p.ErrorCode.PROTOCOL_ERROR)
                         self._core.accept_handshake(ours)
                         self.identity = dict(event.hello.identity)
                         await self._flush()
@@ -186,7 +206,8 @@ class TunnelConnection:
         try:
             data = await self.transport.receive()
         except TransportError as exc:
-            raise HandshakeError(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR) from None
+            raise HandshakeError(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR,
+                                 transport=True) from None
         self.bytes_in += len(data)
         return self._core.receive_data(data)
 
@@ -197,7 +218,7 @@ class TunnelConnection:
                 await self.transport.send(data)
             except TransportError as exc:
                 raise HandshakeError(f"transport failed: {exc}",
-                                     p.ErrorCode.INTERNAL_ERROR) from None
+                                     p.ErrorCode.INTERNAL_ERROR, transport=True) from None
             self.bytes_out += len(data)
 
     async def _flush_quietly(self) -> None:
@@ -220,7 +241,15 @@ class TunnelConnection:
                 if self.settings.ping_interval > 0:
                     nursery.start_soon(self._keepalive)
                 task_status.started()
-                await self._reader()
+                early, self._early_events = self._early_events, []
+                for event in early:
+                    self._dispatch(event)
+                if early:
+                    self._wake_writer()
+                if self.end_reason is None and not self._core.is_closed:
+                    await self._reader()
+                else:
+                    await self._final_flush()
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
@@ -306,6 +335,8 @@ class TunnelConnection:
                   reason=event.message)
 
     def _on_stream_opened(self, event: p.StreamOpened) -> None:
+        if not self._core.is_open:
+            return  # a later frame of the same read ended the connection: nothing to answer
         stream = TunnelStream(self, event.stream_id, event.target, event.metadata)
         if self._handler is None or self._nursery is None:
             self._core.refuse_stream(event.stream_id, p.StreamReason.REFUSED,
@@ -516,6 +547,7 @@ __all__ = [
     "ConnectionInfo",
     "EndpointSettings",
     "HandshakeError",
+    "HandshakeRefused",
     "IncomingStream",
     "StreamHandler",
     "StreamRefusedError",

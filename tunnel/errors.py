@@ -57,12 +57,30 @@ class StreamResetError(TunnelError, trio.BrokenResourceError):
 
 
 class HandshakeError(TunnelError):
-    """The handshake failed; `code` is what the peer (or we) said."""
+    """The handshake failed; `code` is what the peer (or we) said, `retry_after` when the
+    peer asked us to come back later (seconds; OVERLOADED)."""
 
-    def __init__(self, message: str, code: p.ErrorCode) -> None:
+    def __init__(self, message: str, code: p.ErrorCode,
+                 retry_after: float | None = None, *, transport: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after = retry_after
+        self.transport = transport  # the transport failed (cut), nobody refused us
 
 
-class AuthenticationFailed(Exception):
-    """Raised by an authenticate callback; the message goes to the peer and the log."""
+class HandshakeRefused(Exception):
+    """Raised by an authenticate callback to refuse a dialer: the message and `code` go to
+    the peer (and the log), with `retry_after` seconds when it should come back later."""
+
+    code = p.ErrorCode.UNAUTHORIZED
+
+    def __init__(self, message: str, code: p.ErrorCode | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+
+class AuthenticationFailed(HandshakeRefused):
+    """The dialer is not who it may be (UNAUTHORIZED)."""

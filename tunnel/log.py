@@ -61,29 +61,46 @@ class RateLimitedLog:
     """
 
     def __init__(self, logger: StructuredLogger, period: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, max_keys: int = 10_000) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_keys: int = 10_000,
+                 burst: int = 1) -> None:
+        """At most `burst` lines per key per `period`."""
         self._logger = logger
         self._period = period
         self._clock = clock
         self._max_keys = max_keys
-        self._last: dict[str, float] = {}
+        self._burst = burst
+        self._last: dict[str, float] = {}  # when the key's current period started
+        self._count: dict[str, int] = {}  # lines logged in it
         self._suppressed: dict[str, int] = {}
 
     def warning(self, key: str, msg: str, **fields: Any) -> bool:
         """Log unless `key` was logged within the period; True if it was logged."""
+        return self._log(self._logger.warning, key, msg, fields)
+
+    def error(self, key: str, msg: str, **fields: Any) -> bool:
+        """As warning(), at error level."""
+        return self._log(self._logger.error, key, msg, fields)
+
+    def _log(self, emit: Callable[..., None], key: str, msg: str,
+             fields: dict[str, Any]) -> bool:
         now = self._clock()
         last = self._last.get(key)
         if last is not None and now - last < self._period:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return False
-        if len(self._last) >= self._max_keys:
-            # Bounded memory whatever the key space: forget the oldest half.
-            for old in sorted(self._last, key=self._last.__getitem__)[: self._max_keys // 2]:
-                self._last.pop(old, None)
-                self._suppressed.pop(old, None)
-        self._last[key] = now
+            if self._count.get(key, 0) >= self._burst:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return False
+            self._count[key] = self._count.get(key, 0) + 1
+        else:
+            if len(self._last) >= self._max_keys:
+                # Bounded memory whatever the key space: forget the oldest half.
+                for old in sorted(self._last, key=self._last.__getitem__)[: self._max_keys // 2]:
+                    self._last.pop(old, None)
+                    self._count.pop(old, None)
+                    self._suppressed.pop(old, None)
+            self._last[key] = now
+            self._count[key] = 1
         suppressed = self._suppressed.pop(key, 0)
         if suppressed:
             fields["suppressed_since_last"] = suppressed
-        self._logger.warning(msg, **fields)
+        emit(msg, **fields)
         return True

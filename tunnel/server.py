@@ -5,6 +5,13 @@ is), registered under its node name, and served until it ends. A second connecti
 node that is already registered replaces the first cleanly: the old one is closed with
 REPLACED (its streams are reset), because an agent that reconnects after a network blip
 must win over its own half-dead previous connection.
+
+Admission: handshakes are admitted at a rate the server sustains (`HandshakeAdmission`, a
+token bucket with a burst); beyond it a dialer is refused before it is authenticated
+(OVERLOADED) and told when to come back. Those times are handed out one slot per 1/rate
+seconds, so 5,000 agents cut off together return spread over 5,000/rate seconds instead
+of all at once, every few seconds, until the server falls over. Draining (a SIGTERM), the
+server refuses new handshakes as SHUTTING_DOWN: agents retry at once, elsewhere.
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ from tunnel.endpoint import (
     AuthenticationFailed,
     EndpointSettings,
     HandshakeError,
+    HandshakeRefused,
     IncomingStream,
     StreamRefusedError,
     TunnelClosedError,
     TunnelConnection,
     TunnelStream,
 )
+from tunnel.limits import HandshakeAdmission as HandshakeAdmission  # re-exported
 from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
 from tunnel.transports import PeerInfo, Transport
 
@@ -73,6 +82,8 @@ class TunnelServer:
         max_sessions: int = 10_000,
         max_bootstrap_sessions: int = 64,
         bootstrap_seconds: float = 30.0,
+        admission: HandshakeAdmission | None = None,
+        on_refusal: Callable[[str], None] | None = None,
         log: StructuredLogger | None = None,
     ) -> None:
         self._authenticate = authenticate
@@ -95,6 +106,27 @@ class TunnelServer:
         self.replaced = 0
         self._changed = trio.Event()
         self._draining = False
+        self.admission = admission or HandshakeAdmission()
+        # Handshakes refused before authentication, by reason (overloaded, shutting_down).
+        self.refusals: Counter[str] = Counter()
+        self._on_refusal = on_refusal
+        self._refusal_log = RateLimitedLog(self.log, period=10.0)
+
+    @property
+    def draining(self) -> bool:
+        """True from drain() on: the server is going away (readiness fails)."""
+        return self._draining
+
+    def _refuse(self, reason: str, message: str, code: p.ErrorCode,
+                retry_after: float | None = None) -> HandshakeRefused:
+        self.refusals[reason] += 1
+        if self._on_refusal is not None:
+            self._on_refusal(reason)
+        fields = {"reason": reason, "refused_total": self.refusals[reason]}
+        if retry_after is not None:
+            fields["rate"] = f"{self.admission.rate:g}/s"
+        self._refusal_log.warning(reason, "agent handshake refused", **fields)
+        return HandshakeRefused(message, code, retry_after)
 
     # ---------------------------------------------------------------- queries
 
@@ -140,6 +172,15 @@ class TunnelServer:
 
         async def vet(hello: p.Hello, peer: PeerInfo) -> p.Hello:
             nonlocal identity, reserved
+            # Before authentication, which is the costly part: a refusal costs the HELLO.
+            if self._draining:
+                raise self._refuse("shutting_down", "server is shutting down; connect again",
+                                   p.ErrorCode.SHUTTING_DOWN)
+            wait = self.admission.admit(trio.current_time())
+            if wait is not None:
+                raise self._refuse(
+                    "overloaded", f"server admits {self.admission.rate:g} handshakes/s; "
+                    f"come back in {wait:.1f}s", p.ErrorCode.OVERLOADED, retry_after=wait)
             identity = await self._authenticate(hello, peer)
             if (isinstance(identity, str) and identity not in self.sessions
                     and len(self.sessions) >= self.max_sessions):
@@ -176,13 +217,16 @@ class TunnelServer:
         except HandshakeError as exc:
             if reserved:
                 self.bootstrap_sessions -= 1
-            self.handshake_failures += 1
-            code = exc.code.name.lower()
-            self.handshake_failures_by_code[code] += 1
-            # One line per failure code a minute: a scanner or a misconfigured fleet must
-            # not flood the log. What the peer claimed is not echoed: it is whatever it sent.
-            self._handshake_log.warning(code, "agent handshake failed", code=code,
-                                        reason=str(exc)[:200])
+            if exc.code not in (p.ErrorCode.OVERLOADED, p.ErrorCode.SHUTTING_DOWN):
+                # (Those two are counted and logged by _refuse().)
+                self.handshake_failures += 1
+                code = exc.code.name.lower()
+                self.handshake_failures_by_code[code] += 1
+                # One line per failure code a minute: a scanner or a misconfigured fleet
+                # must not flood the log. What the peer claimed is not echoed: it is
+                # whatever it sent.
+                self._handshake_log.warning(code, "agent handshake failed", code=code,
+                                            reason=str(exc)[:200])
             await transport.aclose()
             return
         if isinstance(identity, Bootstrap):
@@ -233,15 +277,26 @@ class TunnelServer:
     def _notify(self) -> None:
         self._changed.set()
 
+    def start_draining(self) -> None:
+        """From now on readiness fails (`draining`) and new handshakes are refused."""
+        self._draining = True
+
     async def drain(self, message: str = "server shutting down", grace: float = 30.0) -> None:
         """Zero-downtime shutdown: GOAWAY to every agent (they dial a replacement at once),
         wait up to `grace` for running streams, then close what is left."""
-        self._draining = True
+        self.start_draining()
         sessions = list(self.sessions.values())
         for session in sessions:
             session.connection.goaway(message)
-        with trio.move_on_after(grace):
+        busy = sum(1 for s in sessions if s.connection.info().streams_open)
+        self.log.info("draining agents", agents=len(sessions), with_streams=busy,
+                      grace_seconds=grace)
+        with trio.move_on_after(grace) as scope:
             for session in sessions:
                 await session.connection.wait_idle()
+        left = sum(s.connection.info().streams_open for s in sessions)
+        if scope.cancelled_caught and left:
+            self.log.warning("drain grace period over; resetting streams left",
+                             streams=left, grace_seconds=grace)
         for session in sessions:
             await session.connection.aclose(p.ErrorCode.SHUTTING_DOWN, message)

@@ -315,12 +315,21 @@ class IncomingStream:
 
     async def accept(self) -> TunnelStream:
         self._answer()
+        if self.connection._core.is_closed:
+            # The connection ended while the handler dialed, before its nursery cancelled
+            # the handler: a routine end (BrokenResourceError), not a crash.
+            raise StreamResetError(p.StreamReason.CANCELLED,
+                                   f"tunnel connection ended: {self.connection.end_reason}")
         self.connection._core.accept_stream(self.stream.stream_id)
         await self.connection._after_output()
         return self.stream
 
     async def refuse(self, reason: p.StreamReason, message: str = "") -> None:
         self._answer()
+        if self.connection._core.is_closed:
+            self.stream._closed = True
+            await trio.lowlevel.checkpoint()
+            return  # nobody to tell
         self.connection._core.refuse_stream(self.stream.stream_id, reason, message)
         self.connection._forget(self.stream)
         self.stream._closed = True

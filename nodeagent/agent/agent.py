@@ -27,7 +27,8 @@ from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from nodeagent.ops.streams import LiveStreams, Metered
 from tunnel import protocol as p
-from tunnel.client import Backoff, TunnelClient
+from tunnel.backoff import ReconnectPolicy
+from tunnel.client import TunnelClient
 from tunnel.dial import parse_endpoint
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.errors import StreamFailed
@@ -69,7 +70,10 @@ class Agent:
             server_hostname=config.tls.server_name, settings=settings,
             socket_mark=config.socket_mark,
             headers=lambda: [("authorization", f"Bearer {token}")] if token else [],
-            backoff=Backoff(initial=config.reconnect.initial, maximum=config.reconnect.maximum),
+            reconnect=ReconnectPolicy(
+                config.reconnect.initial, config.reconnect.maximum,
+                unreachable_maximum=config.reconnect.unreachable_maximum,
+                retry_after_jitter=config.reconnect.retry_after_jitter),
             log=self.log.bind(server=config.server))
         self.metrics.add_live(self._live_metrics)
         self.interceptor: Interceptor | None = None
@@ -184,6 +188,8 @@ class Agent:
                 "connects": self.client.status.connects,
                 "failures": self.client.status.failures,
                 "last_error": self.client.status.last_error,
+                # unreachable | overloaded | rejected: which reconnect schedule applies
+                "last_failure": self.client.status.last_failure,
                 "streams_open": info.streams_open if info else 0,
                 "bytes_in": info.bytes_in if info else 0,
                 "bytes_out": info.bytes_out if info else 0,

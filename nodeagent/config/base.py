@@ -22,6 +22,13 @@ from pydantic import (
     model_validator,
 )
 
+from tunnel.backoff import (
+    DEFAULT_INITIAL,
+    DEFAULT_MAXIMUM,
+    DEFAULT_RETRY_AFTER_JITTER,
+    DEFAULT_UNREACHABLE_MAXIMUM,
+)
+
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -197,8 +204,15 @@ class Keepalive(Model):
 
 
 class Reconnect(Model):
-    initial: float = Field(default=0.2, gt=0, le=60)
-    maximum: float = Field(default=15.0, gt=0, le=3600)
+    """The agent's reconnect delays (tunnel/backoff.py: ReconnectPolicy says why)."""
+
+    initial: float = Field(default=DEFAULT_INITIAL, gt=0, le=60)
+    # After a refused handshake or a failed TLS handshake: doubling up to this.
+    maximum: float = Field(default=DEFAULT_MAXIMUM, gt=0, le=3600)
+    # While the server is unreachable (connect refused or timed out): doubling up to this.
+    unreachable_maximum: float = Field(default=DEFAULT_UNREACHABLE_MAXIMUM, gt=0, le=3600)
+    # A server that is busy says when to come back; we wait that long times 1..1+this.
+    retry_after_jitter: float = Field(default=DEFAULT_RETRY_AFTER_JITTER, ge=0, le=10)
 
 
 # ------------------------------------------------------------------ what a node does

@@ -37,6 +37,7 @@ from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
 from nodeagent.config.node import (
     AllowRule,
 )
+from tunnel.limits import DEFAULT_HANDSHAKE_BURST, DEFAULT_HANDSHAKE_RATE
 
 
 class ServerTls(Model):
@@ -337,6 +338,10 @@ class TunnelListen(Model):
     url: str = "tls://0.0.0.0:8443"
     # tcp:// and ws:// carry agents' tokens in clear: only when said explicitly.
     insecure: bool = False
+    # Admission: agent handshakes per second the server admits, and the burst; beyond
+    # it agents are refused with a retry-after (tunnel/limits.py, HandshakeAdmission).
+    handshake_rate: float = Field(default=DEFAULT_HANDSHAKE_RATE, gt=0, le=100_000)
+    handshake_burst: int = Field(default=DEFAULT_HANDSHAKE_BURST, ge=1, le=1_000_000)
 
     @model_validator(mode="before")
     @classmethod

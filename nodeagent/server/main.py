@@ -121,6 +121,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     addresses ({"tunnel": [...], "tcp:NAME": [...], "http:NAME": [...]}). The tunnel's
     certificate files and the token files are reloaded when they change."""
     config = server.config
+    stop_accepting = trio.Event()
     async with trio.open_nursery() as nursery:
         endpoint = parse_endpoint(config.tunnel.url)
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
@@ -133,7 +134,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         bound = await nursery.start(lambda task_status: serve(
             endpoint, server.tunnel.handle_transport,
             ssl_context=current_context if ssl_context is not None else None,
-            task_status=task_status))
+            stop_accepting=stop_accepting, task_status=task_status))
         server.bound["tunnel"] = [str(b) for b in bound]
         for index, mapping in enumerate(config.tcp):
             name = f"tcp:{mapping.name or index}"
@@ -180,7 +181,8 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         }, registry=server.metrics.registry)
         await nursery.start(debug.run)
         if config.metrics_listen is not None:
-            health = HealthServer(server.metrics.registry, lambda: None)
+            health = HealthServer(server.metrics.registry,
+                                  lambda: "draining" if server.tunnel.draining else None)
             await nursery.start(health.run, config.metrics_listen.host,
                                 config.metrics_listen.port)
         log.info("server ready", **{k: ",".join(v) for k, v in server.bound.items()})
@@ -193,6 +195,10 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds)
+                # Readiness fails first (a load balancer stops sending), then new tunnels
+                # are refused by the kernel (they go to the next server), then GOAWAY.
+                server.tunnel.start_draining()
+                stop_accepting.set()
                 await server.tunnel.drain("server shutting down", grace=drain_seconds)
                 nursery.cancel_scope.cancel()
                 break
@@ -331,8 +337,8 @@ def run_server_cluster(args: argparse.Namespace) -> int:
                 path=f"/v1/config/servers/{config.server_id}", tls=watch_context,
                 model=RoutesConfig, apply=apply, status=status,
                 log=log.bind(server=config.server_id)))
-            await serve_server(server, ssl_context, tls_source="flags",
-                               tls_fields=TLS_FLAGS)  # returns on SIGTERM/SIGINT
+            await serve_server(server, ssl_context, tls_source="flags",  # returns on SIGTERM/SIGINT
+                               tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

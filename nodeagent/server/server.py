@@ -59,7 +59,7 @@ from tunnel.endpoint import (
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection, relay_incoming
-from tunnel.server import Bootstrap, TunnelServer
+from tunnel.server import Bootstrap, HandshakeAdmission, TunnelServer
 from tunnel.tcp import DialFailed, connect_tcp
 from tunnel.transports import PeerInfo
 
@@ -179,9 +179,13 @@ class Server:
             authenticate=self.authenticate, server_id=config.server_id, settings=settings,
             stream_handler=self.handle_agent_stream,
             bootstrap_handler=self.handle_bootstrap_stream if config.controller else None,
+            admission=HandshakeAdmission(config.tunnel.handshake_rate,
+                                         config.tunnel.handshake_burst),
+            on_refusal=lambda reason: self.refusals.labels(f"handshake_{reason}").inc(),
             log=self.log)
         self._egress_refusals = RateLimitedLog(self.log, period=60.0)
-        # Streams refused by policy, by why (a fixed set: see _refuse).
+        # Streams refused by policy, by why (a fixed set: see _refuse), and handshakes
+        # refused before authentication (handshake_overloaded, handshake_shutting_down).
         self.refusals = MetricCounter(
             "nodeagent_server_refusals_total", "Agent streams and registrations the "
             "server refused by policy, by reason", ["reason"], registry=self.metrics.registry)
@@ -581,6 +585,8 @@ class Server:
             "agents": agents,
             "streams_by_outcome": dict(self.outcomes),
             "handshake_failures": self.tunnel.handshake_failures,
+            "handshake_refusals": dict(self.tunnel.refusals),
+            "draining": self.tunnel.draining,
             "http": {name: stats.as_dict() for name, stats in self.http_stats.items()},
             "config_watch": self.config_watch.as_dict() if self.config_watch else None,
             "identity": self.identity.status() if self.identity else None,

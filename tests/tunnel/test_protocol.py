@@ -8,7 +8,9 @@ import pytest
 
 from tests.tunnel.pair import handshake, received_bytes
 from tunnel.protocol import (
+    FEATURE_RETRY_AFTER,
     FLAG_FIN,
+    FLAG_RETRY_AFTER,
     HEADER,
     MAGIC,
     ConnectionDraining,
@@ -21,6 +23,7 @@ from tunnel.protocol import (
     HandshakeCompleted,
     Hello,
     HelloReceived,
+    LocalProtocolError,
     PingAcked,
     Role,
     Settings,
@@ -86,6 +89,73 @@ def test_acceptor_refuses_handshake_with_reason() -> None:
     assert ev == ConnectionTerminated(ErrorCode.UNAUTHORIZED,
                                       "token does not match node edge-1", by_peer=True)
     assert d.is_closed
+
+
+def test_overloaded_refusal_carries_retry_after_to_a_dialer_that_announces_it() -> None:
+    d, a = Conn(Role.DIALER), Conn(Role.ACCEPTOR)
+    d.start(Hello(identity={"node": "edge-1"}, features=(FEATURE_RETRY_AFTER,)))
+    a.receive_data(d.data_to_send())
+    a.refuse_handshake(ErrorCode.OVERLOADED, "admitting 200 handshakes/s", retry_after=2.345)
+    assert a.is_closed
+    wire = a.data_to_send()
+    _, flags, _ = HEADER.unpack_from(wire)
+    assert flags & FLAG_RETRY_AFTER
+    (ev,) = d.receive_data(wire)
+    assert ev == ConnectionTerminated(ErrorCode.OVERLOADED, "admitting 200 handshakes/s",
+                                      by_peer=True, retry_after=2.345)
+    assert d.is_closed
+
+
+def test_retry_after_is_only_words_for_a_dialer_that_does_not_announce_it() -> None:
+    """Backward compatible: a dialer without the feature (an older agent) ignores GOAWAY
+    flags and would read the four retry-after bytes as text, so it gets none; an older
+    agent also maps the new OVERLOADED code to INTERNAL_ERROR (ErrorCode.from_wire)."""
+    d, a = Conn(Role.DIALER), Conn(Role.ACCEPTOR)
+    d.start(Hello(identity={"node": "edge-1"}))
+    a.receive_data(d.data_to_send())
+    a.refuse_handshake(ErrorCode.OVERLOADED, "busy", retry_after=1.5)
+    wire = a.data_to_send()
+    _, flags, _ = HEADER.unpack_from(wire)
+    assert flags == 0
+    (ev,) = d.receive_data(wire)
+    assert ev == ConnectionTerminated(ErrorCode.OVERLOADED, "busy (retry after 1.5s)",
+                                      by_peer=True, retry_after=None)
+    assert ErrorCode.from_wire(11) is ErrorCode.OVERLOADED  # and 12 from a newer peer:
+    assert ErrorCode.from_wire(12) is ErrorCode.INTERNAL_ERROR
+
+
+def test_retry_after_from_the_wire_is_checked_and_clamped() -> None:
+    def refusal(flags: int, body: bytes) -> list:  # type: ignore[type-arg]
+        d = Conn(Role.DIALER)
+        d.start(Hello(features=(FEATURE_RETRY_AFTER,)))
+        d.data_to_send()
+        return d.receive_data(frame(FrameType.GOAWAY, 0, body, flags))
+
+    head = struct.pack("!IB", 0, ErrorCode.OVERLOADED)
+    (ev,) = refusal(FLAG_RETRY_AFTER, head + b"\x00\x01")
+    assert isinstance(ev, ConnectionTerminated) and ev.code is ErrorCode.PROTOCOL_ERROR
+    assert "no retry-after" in ev.message and not ev.by_peer
+    (ev,) = refusal(FLAG_RETRY_AFTER, head + struct.pack("!I", 2**32 - 1) + b"slow")
+    assert ev.retry_after == 3600.0 and ev.message == "slow"  # clamped to MAX_RETRY_AFTER
+    (ev,) = refusal(0, head + b"plain")
+    assert ev.retry_after is None and ev.message == "plain"
+
+
+def test_refuse_handshake_misuse_is_a_local_error() -> None:
+    d, a = Conn(Role.DIALER), Conn(Role.ACCEPTOR)
+    with pytest.raises(LocalProtocolError):
+        a.refuse_handshake(ErrorCode.OVERLOADED, "no HELLO yet")
+    d.start(Hello(features=(FEATURE_RETRY_AFTER,)))
+    a.receive_data(d.data_to_send())
+    with pytest.raises(LocalProtocolError):
+        a.refuse_handshake(ErrorCode.NO_ERROR, "not a refusal")
+    with pytest.raises(LocalProtocolError):
+        a.refuse_handshake(ErrorCode.OVERLOADED, "too long", retry_after=-1)
+    with pytest.raises(LocalProtocolError):
+        d.refuse_handshake(ErrorCode.OVERLOADED, "dialers do not refuse")
+    a.accept_handshake(Hello())
+    with pytest.raises(LocalProtocolError):
+        a.refuse_handshake(ErrorCode.OVERLOADED, "after accepting")
 
 
 def test_wrong_version_gets_unsupported_version() -> None:

@@ -53,14 +53,17 @@ from tunnel.protocol.state import (
     StreamState,
 )
 from tunnel.protocol.wire import (
+    FEATURE_RETRY_AFTER,
     FLAG_ACK,
     FLAG_FIN,
+    FLAG_RETRY_AFTER,
     HANDSHAKE_FRAME_LIMIT,
     HEADER,
     HEADER_SIZE,
     MAGIC,
     MAX_HOST_LENGTH,
     MAX_MESSAGE_BYTES,
+    MAX_RETRY_AFTER,
     MAX_VERSION,
     MAX_WINDOW,
     MIN_VERSION,
@@ -73,14 +76,17 @@ from tunnel.protocol.wire import (
 )
 
 __all__ = [
+    "FEATURE_RETRY_AFTER",
     "FLAG_ACK",
     "FLAG_FIN",
+    "FLAG_RETRY_AFTER",
     "HANDSHAKE_FRAME_LIMIT",
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_HOST_LENGTH",
     "MAX_MESSAGE_BYTES",
+    "MAX_RETRY_AFTER",
     "MAX_VERSION",
     "MAX_WINDOW",
     "MIN_VERSION",

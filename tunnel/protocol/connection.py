@@ -33,8 +33,11 @@ from tunnel.protocol.state import (
     next_stream_state,
 )
 from tunnel.protocol.wire import (
+    FEATURE_RETRY_AFTER,
     FLAG_FIN,
+    FLAG_RETRY_AFTER,
     HANDSHAKE_FRAME_LIMIT,
+    MAX_RETRY_AFTER,
     PING_PAYLOAD_SIZE,
     FrameType,
     Hello,
@@ -74,6 +77,31 @@ class Connection(ReceivingConnection):
             raise ConnectionClosedError("connection closed")
         self._send_hello(hello)
         self.state = ConnectionState.OPEN
+
+    def refuse_handshake(self, code: ErrorCode, message: str,
+                         retry_after: float | None = None) -> None:
+        """Acceptor: refuse the dialer's HELLO (instead of accept_handshake()) and end the
+        connection. `retry_after` (seconds) tells the dialer when to come back: as a field
+        if its HELLO announced FEATURE_RETRY_AFTER, else only in the message's words."""
+        if self.role is not Role.ACCEPTOR or self.remote_hello is None or self._hello_sent:
+            raise LocalProtocolError("refuse_handshake() answers a HelloReceived, once")
+        if code is ErrorCode.NO_ERROR:
+            raise LocalProtocolError("a refusal needs an error code")
+        if self.state is ConnectionState.CLOSED:
+            return
+        flags = 0
+        if retry_after is not None:
+            if not 0 <= retry_after <= MAX_RETRY_AFTER:
+                raise LocalProtocolError(f"retry_after {retry_after} not in "
+                                         f"[0, {MAX_RETRY_AFTER:g}] seconds")
+            if FEATURE_RETRY_AFTER in self.remote_hello.features:
+                flags = FLAG_RETRY_AFTER
+            else:
+                message = f"{message} (retry after {retry_after:.1f}s)"
+                retry_after = None
+        self._emit(FrameType.GOAWAY, flags, 0, encode_goaway(0, code, message, retry_after))
+        self._goaway_sent = True
+        self._enter_closed()
 
     def _send_hello(self, hello: Hello) -> None:
         if hello.settings != self.local_settings:

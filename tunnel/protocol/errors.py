@@ -48,6 +48,9 @@ class ErrorCode(enum.IntEnum):
     INTERNAL_ERROR = 8
     KEEPALIVE_TIMEOUT = 9
     LIMIT_EXCEEDED = 10
+    # The acceptor admits no more handshakes right now; the GOAWAY may carry when to come
+    # back (FLAG_RETRY_AFTER). An older peer reads it as INTERNAL_ERROR and backs off.
+    OVERLOADED = 11
 
     @classmethod
     def from_wire(cls, value: int) -> ErrorCode:

@@ -104,8 +104,11 @@ class GoAwayReceived(Event):
 @dataclass(frozen=True, slots=True)
 class ConnectionTerminated(Event):
     """The connection is over. by_peer: the peer ended it (or vanished); otherwise we
-    ended it because the peer broke the protocol (a GOAWAY with `code` was queued)."""
+    ended it because the peer broke the protocol (a GOAWAY with `code` was queued).
+    retry_after: seconds the peer asked us to wait before dialing again (a handshake
+    refused as OVERLOADED), else None."""
 
     code: ErrorCode
     message: str
     by_peer: bool
+    retry_after: float | None = None

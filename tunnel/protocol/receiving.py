@@ -328,7 +328,7 @@ class ReceivingConnection:
     def _handle_frame(self, ftype: int, flags: int, stream_id: int, payload: memoryview,
                       events: list[Event]) -> None:
         if self.state is ConnectionState.HANDSHAKE:
-            self._handle_handshake_frame(ftype, stream_id, payload, events)
+            self._handle_handshake_frame(ftype, flags, stream_id, payload, events)
             return
         if ftype == FrameType.DATA:
             self._on_data(flags, stream_id, payload, events)
@@ -345,17 +345,18 @@ class ReceivingConnection:
         elif ftype == FrameType.PING:
             self._on_ping(flags, stream_id, payload, events)
         elif ftype == FrameType.GOAWAY:
-            self._on_goaway(stream_id, payload, events)
+            self._on_goaway(flags, stream_id, payload, events)
         elif ftype == FrameType.HELLO:
             raise RemoteProtocolError("HELLO after the handshake")
         else:
             raise RemoteProtocolError(f"unknown frame type 0x{ftype:02x}")
 
-    def _handle_handshake_frame(self, ftype: int, stream_id: int, payload: memoryview,
-                                events: list[Event]) -> None:
+    def _handle_handshake_frame(self, ftype: int, flags: int, stream_id: int,
+                                payload: memoryview, events: list[Event]) -> None:
         if ftype == FrameType.GOAWAY and self.role is Role.DIALER:
-            # The acceptor refused us (bad token, version) before the handshake finished.
-            self._on_goaway(stream_id, payload, events)
+            # The acceptor refused us (bad token, version, overloaded) before the
+            # handshake finished.
+            self._on_goaway(flags, stream_id, payload, events)
             return
         if self.remote_hello is not None:
             # Acceptor that has not answered yet: the dialer must wait for our HELLO.
@@ -531,13 +532,15 @@ class ReceivingConnection:
         else:
             self._emit(FrameType.PING, FLAG_ACK, 0, bytes(payload))
 
-    def _on_goaway(self, stream_id: int, payload: memoryview, events: list[Event]) -> None:
+    def _on_goaway(self, flags: int, stream_id: int, payload: memoryview,
+                   events: list[Event]) -> None:
         if stream_id != 0:
             raise RemoteProtocolError("GOAWAY must be on stream 0")
-        last_id, error, message = decode_goaway(payload)
+        last_id, error, message, retry_after = decode_goaway(payload, flags)
         if error is not ErrorCode.NO_ERROR:
             self._enter_closed()
-            events.append(ConnectionTerminated(error, message, by_peer=True))
+            events.append(ConnectionTerminated(error, message, by_peer=True,
+                                               retry_after=retry_after))
             return
         self._goaway_received = True
         events.append(GoAwayReceived(last_id, error, message))

@@ -8,7 +8,8 @@ Every frame is a 9-byte header followed by its payload::
 
 Frames: HELLO (handshake, stream 0), OPEN / ACCEPT / REFUSE (stream set-up), DATA (with
 the FIN flag for half-close), WINDOW (credit; stream 0 is the connection), RST (abort one
-stream), PING (with ACK), GOAWAY (drain or terminate the connection).
+stream), PING (with ACK), GOAWAY (drain or terminate the connection; a handshake refusal
+may carry a retry-after with FLAG_RETRY_AFTER, to dialers that announce the feature).
 
 This module owns the bytes: constants and limits of the format, the values that travel in
 frames (`Settings`, `Hello`, `Target`) and the encode/decode functions of each payload.
@@ -42,6 +43,7 @@ MAX_HOST_LENGTH = 253
 PING_PAYLOAD_SIZE = 8
 
 _GOAWAY_HEAD = struct.Struct("!IB")  # last stream id, error code
+_RETRY_AFTER = struct.Struct("!I")  # milliseconds, with FLAG_RETRY_AFTER
 _WINDOW = struct.Struct("!I")  # increment
 
 
@@ -59,6 +61,12 @@ class FrameType(enum.IntEnum):
 
 FLAG_FIN = 0x1  # DATA: the sender will send no more on this stream
 FLAG_ACK = 0x1  # PING: this is the answer
+# GOAWAY: a retry-after (u32, milliseconds) follows the code, before the message. Only
+# sent to a dialer whose HELLO announced FEATURE_RETRY_AFTER: an older peer ignores the
+# flags of a GOAWAY and would read those four bytes as the start of the message.
+FLAG_RETRY_AFTER = 0x2
+FEATURE_RETRY_AFTER = "retry-after"
+MAX_RETRY_AFTER = 3600.0  # seconds: longer is a mistake, not a policy
 
 
 class Role(enum.Enum):
@@ -247,12 +255,28 @@ def decode_window(payload: memoryview) -> int:
     return int(increment)
 
 
-def encode_goaway(last_stream_id: int, code: int, message: str) -> bytes:
-    return _GOAWAY_HEAD.pack(last_stream_id, code) + message.encode()[:MAX_MESSAGE_BYTES]
+def encode_goaway(last_stream_id: int, code: int, message: str,
+                  retry_after: float | None = None) -> bytes:
+    """GOAWAY payload; with `retry_after` (seconds) the frame must carry FLAG_RETRY_AFTER."""
+    head = _GOAWAY_HEAD.pack(last_stream_id, code)
+    if retry_after is not None:
+        head += _RETRY_AFTER.pack(round(retry_after * 1000))
+    return head + message.encode()[:MAX_MESSAGE_BYTES]
 
 
-def decode_goaway(payload: memoryview) -> tuple[int, ErrorCode, str]:
+def decode_goaway(payload: memoryview, flags: int = 0,
+                  ) -> tuple[int, ErrorCode, str, float | None]:
+    """(last stream id, code, message, retry-after in seconds or None)."""
     if len(payload) < _GOAWAY_HEAD.size:
         raise RemoteProtocolError("GOAWAY payload too short")
     last_id, code = _GOAWAY_HEAD.unpack_from(payload)
-    return last_id, ErrorCode.from_wire(code), decode_text(bytes(payload[_GOAWAY_HEAD.size:]))
+    offset = _GOAWAY_HEAD.size
+    retry_after: float | None = None
+    if flags & FLAG_RETRY_AFTER:
+        if len(payload) < offset + _RETRY_AFTER.size:
+            raise RemoteProtocolError("GOAWAY with FLAG_RETRY_AFTER but no retry-after")
+        (millis,) = _RETRY_AFTER.unpack_from(payload, offset)
+        offset += _RETRY_AFTER.size
+        # Clamped, not refused: a peer's mistake must not make us wait an hour.
+        retry_after = min(millis / 1000, MAX_RETRY_AFTER)
+    return last_id, ErrorCode.from_wire(code), decode_text(bytes(payload[offset:])), retry_after

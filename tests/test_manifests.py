@@ -97,6 +97,7 @@ def test_example_cluster_tunnel_passes_the_crd_schema_and_the_model() -> None:
     assert structural.validate(example, schema, root=True) == []
     spec = parse_cluster_tunnel(example)
     assert spec.intercept is not None and spec.intercept.rules[0].name == "cloud-services"
+    assert spec.cloud_node_selector == {"node-role.kubernetes.io/control-plane": ""}
     assert [str(r) for r in spec.allowed_node_ports] == ["10250", "9100"] or \
         [(r.first, r.last) for r in spec.allowed_node_ports] == [(10250, 10250), (9100, 9100)]
 

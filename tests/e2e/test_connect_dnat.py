@@ -149,7 +149,8 @@ def test_a_cloud_node_reaches_an_edge_kubelet_by_its_address(lab: dict[str, Any]
     # Caught but not in allowedNodePorts: the server refuses, the client sees a reset.
     with pytest.raises((ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
         dial(topo, "cloudnode", "10.40.0.1", 22)
-    server.wait_for_log("agent stream refused: control-plane target not allowed")
+    server.wait_for_log("DNAT stream refused")
+    assert server.status()["dnat"]["by_outcome"] == {"established": 1, "port_not_allowed": 1}
     assert lab["edge"].status()["streams_by_outcome"] == {"control_plane_accepted": 1}
 
 

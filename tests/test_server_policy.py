@@ -222,6 +222,7 @@ async def test_only_control_plane_sources_reach_node_addresses_as_control_plane(
         other = await connect(server, nursery, "edge-2")
         error = await refused(other, "192.168.7.10", 10250)
         assert "egress allow list" in error.message and len(seen) == 1
+        nursery.cancel_scope.cancel()
 
 
 async def test_handshakes_beyond_the_configured_rate_are_refused_counted_with_a_retry_after(

@@ -196,6 +196,9 @@ class AgentConfig(NodeConfig):
 
     node: str
     server: str
+    # Server replicas this agent also dials at their own addresses, one tunnel each,
+    # besides those it reaches through `server` (the public address).
+    direct_servers: tuple[str, ...] = ()
     token: str | None = Field(default=None, min_length=16)
     token_file: Path | None = None
     tls: ClientTls = ClientTls()
@@ -227,6 +230,13 @@ class AgentConfig(NodeConfig):
     def _server(cls, v: str) -> str:
         return _check_tunnel_url(v)
 
+    @field_validator("direct_servers")
+    @classmethod
+    def _direct_servers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(v) > 16:
+            raise ValueError("at most 16 direct servers")
+        return tuple(_check_tunnel_url(url) for url in v)
+
     @model_validator(mode="after")
     def _credentials(self) -> AgentConfig:
         if self.token is not None and self.token_file is not None:
@@ -241,9 +251,11 @@ class AgentConfig(NodeConfig):
         elif self.token is None and self.token_file is None and self.tls.cert_file is None:
             raise ValueError("no credentials: set token, token_file, or tls.cert_file "
                              "(mutual TLS)")
-        if self.server.startswith(("tcp://", "ws://")) and not self.insecure and (
+        clear = [u for u in (self.server, *self.direct_servers)
+                 if u.startswith(("tcp://", "ws://"))]
+        if clear and not self.insecure and (
                 self.token is not None or self.token_file is not None):
-            raise ValueError(f"server {self.server}: the token would cross the network in "
+            raise ValueError(f"server {clear[0]}: the token would cross the network in "
                              f"clear; use tls:// or wss://, or set insecure: true (a lab "
                              f"on one host)")
         return self

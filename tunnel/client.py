@@ -108,7 +108,8 @@ class Tunnel:
             "rtt_ms": round(info.rtt_seconds * 1000, 2) if info.rtt_seconds is not None
             else None,
             "streams_open": info.streams_open, "bytes_in": info.bytes_in,
-            "bytes_out": info.bytes_out, "since": round(self.since, 3),
+            "bytes_out": info.bytes_out,
+            "connected_seconds": round(max(0.0, time.time() - self.since), 1),
         }
 
 
@@ -178,8 +179,10 @@ class TunnelClient:
             self._dialer(ep, True, copy.deepcopy(reconnect)) for ep in direct]
         self.status = ClientStatus()
         self.tunnels: list[Tunnel] = []
-        # Replicas behind the public address, from the latest server HELLO (1: unknown).
-        self.replicas = 1
+        # Replicas behind the public address: from the latest server HELLO (1: unknown),
+        # unless a hint (the agent's config, pushed when the count changes) says.
+        self.announced_replicas = 1
+        self._replicas_hint: int | None = None
         self._changed = trio.Event()
         self._dial_lock = trio.Lock()
         self._connected = trio.Event()
@@ -189,6 +192,22 @@ class TunnelClient:
         return _Dialer(endpoint, direct, policy,
                        Backoff(EXTRA_DIAL_INITIAL, EXTRA_DIAL_MAXIMUM, rng=self._rng),
                        RateLimitedLog(log, period=FAILURE_LOG_PERIOD), log)
+
+    @property
+    def replicas(self) -> int:
+        """How many distinct servers to hold a tunnel to."""
+        return self._replicas_hint or self.announced_replicas
+
+    def set_replicas(self, hint: int | None) -> None:
+        """Hold a tunnel to `hint` servers (None: as the servers announce). More than
+        before: the missing ones are dialed at once, not at the paced rate."""
+        if hint == self._replicas_hint:
+            return
+        before, self._replicas_hint = self.replicas, hint
+        if self.replicas > before:
+            for dialer in self._dialers:
+                dialer.extra.reset()
+        self._notify()
 
     # ---------------------------------------------------------------- queries
 
@@ -280,7 +299,7 @@ class TunnelClient:
             if isinstance(result, TunnelConnection):
                 tunnel = Tunnel(result, dialer.endpoint,
                                 result.identity.get(p.IDENTITY_SERVER, ""), time.time())
-                self.replicas = p.server_replicas(result.identity) or 1
+                self.announced_replicas = p.server_replicas(result.identity) or 1
                 self.tunnels.append(tunnel)
                 dialer.extra.reset()
                 nursery.start_soon(self._serve, tunnel, dialer)

@@ -76,6 +76,7 @@ class Agent:
                 unreachable_maximum=config.reconnect.unreachable_maximum,
                 retry_after_jitter=config.reconnect.retry_after_jitter),
             log=self.log.bind(server=config.server))
+        self.client.set_replicas(self.node_config.server_replicas)
         self.metrics.add_live(self._live_metrics)
         self.interceptor: Interceptor | None = None
         if self.node_config.intercept is not None:
@@ -98,6 +99,7 @@ class Agent:
             else:
                 await self.interceptor.apply(node_config.intercept)
         self.node_config = node_config
+        self.client.set_replicas(node_config.server_replicas)
         self.metrics.config_version.set(node_config.version)
         self.log.info("config applied", version=node_config.version,
                       allow_rules=len(node_config.allow),

@@ -183,6 +183,10 @@ class NodeConfig(Model):
     # the node's own addresses on the ClusterTunnel's allowedNodePorts, pod addresses
     # only on its allowedPodPorts. Empty: no control-plane stream.
     control_plane: tuple[AllowRule, ...] = ()
+    # How many server replicas to hold a tunnel to. Controller mode: the ready endpoints
+    # of the server Service, pushed when it changes (a replica added during a rollout is
+    # dialed at once, not at the next handshake). None: what the servers' handshake says.
+    server_replicas: int | None = Field(default=None, ge=1, le=64)
 
     def allows(self, host: str, port: int, protocol: str = "tcp") -> bool:
         return any(rule.allows(host, port, protocol) for rule in self.allow)
@@ -269,4 +273,5 @@ class AgentConfig(NodeConfig):
 
     def node_config(self) -> NodeConfig:
         return NodeConfig(version=self.version, allow=self.allow, intercept=self.intercept,
-                          control_plane=self.control_plane)
+                          control_plane=self.control_plane,
+                          server_replicas=self.server_replicas)

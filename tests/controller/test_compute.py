@@ -5,7 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from nodeagent.config import NodeConfig
-from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.compute import (
+    ConfigVersions,
+    compute,
+    parse_tunnels,
+    server_replicas,
+)
 from nodeagent.controller.ingress import translate_ingresses
 from tests.controller.test_ingress import OURS, endpoint, ingress, path, rule, service, slice_
 
@@ -184,3 +189,30 @@ def test_the_connect_front_reaches_covered_nodes_by_name_address_and_allowed_pod
     assert not edge.allows("10.1.0.9", 8443)
     assert out.nodes["edge-3"] == NodeConfig()
     assert out.nodes["cloud-1"].control_plane == ()
+
+
+def test_servers_announce_the_ready_replicas_of_the_server_service() -> None:
+    """The routes carry how many server replicas serve the public address: the ready,
+    not terminating endpoints of Service nodeagent-server in the controller's namespace
+    (a replica rolled out is draining: it no longer counts)."""
+    def server_slice(*endpoints: dict[str, Any], ns: str = "nodeagent") -> dict[str, Any]:
+        es = slice_("nodeagent-server", *endpoints, port=8443, port_name="tunnel")
+        es["metadata"]["namespace"] = ns
+        return es
+
+    slices = [server_slice(endpoint("10.2.0.1"), endpoint("10.2.0.2"),
+                           endpoint("10.2.0.3", terminating=True),
+                           endpoint("10.2.0.4", ready=False)),
+              server_slice(endpoint("10.2.0.2"), endpoint("10.2.0.5")),  # a second slice
+              server_slice(endpoint("10.9.0.1"), ns="elsewhere")]
+    assert server_replicas(slices, "nodeagent") == 3
+    assert server_replicas(slices, "empty") is None
+    assert server_replicas(slices, None) is None
+    out = compute(nodes=[node("edge-1", "192.168.1.10")], tunnels=[],
+                  translation=translation(), services=[], endpoint_slices=slices,
+                  namespace="nodeagent")
+    # The servers announce it in their handshake; agents also get it in their config, so
+    # a replica added during a rollout is dialed at once.
+    assert out.routes.replicas == 3
+    assert out.nodes["edge-1"].server_replicas == 3
+    assert run([], []).routes.replicas is None

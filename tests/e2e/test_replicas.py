@@ -256,3 +256,30 @@ def test_standalone_replicas_need_distinct_server_ids(tmp_path: Path, certs: Cer
     assert server.proc.wait(30) != 0
     assert "distinct server_id per replica" in server.logs()
     assert "Traceback" not in server.logs()
+
+
+def test_the_agents_config_says_how_many_replicas_to_hold(
+        tmp_path: Path, certs: Certs, upstream: Upstream) -> None:
+    """`server_replicas` in the agent's config (controller mode: pushed from the server
+    Service's ready endpoints) wins over the servers' handshake: here the servers announce
+    nothing, and the agent still holds a tunnel to each."""
+    servers = []
+    for name in ("replica-a", "replica-b"):
+        cfg = replica_config(tmp_path, certs, upstream, name)
+        del cfg["replicas"]
+        servers.append(NodeagentProcess("server", cfg, tmp_path, name))
+    a, b = servers
+    lb = Balancer([tunnel_port(a.config), tunnel_port(b.config)])
+    acfg = agent_config(tmp_path, certs, upstream, f"tls://127.0.0.1:{lb.port}",
+                        server_replicas=2)
+    agent = NodeagentProcess("agent", acfg, tmp_path, "agent")
+    try:
+        for server in servers:
+            server.start().wait_ready()
+        agent.start().wait_ready()
+        wait_both(agent, a, b)
+    finally:
+        for proc in (agent, a, b):
+            proc.kill()
+        lb.close()
+    no_tracebacks(agent, a, b)

@@ -62,6 +62,7 @@ def persist_routes(state_dir: Path, routes: RoutesConfig) -> None:
     """Write `routes` to STATE_DIR/routes.json: 0600 from creation, renamed over the
     previous one (a crash leaves the old file or the new, never half of one)."""
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    state_dir.chmod(0o700)
     text = json.dumps({"version": routes.version,
                        "config": routes.model_dump(mode="json", exclude={"version"})},
                       separators=(",", ":"))

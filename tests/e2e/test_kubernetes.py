@@ -460,6 +460,7 @@ def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up
     state = tmp_path / "server-state" / "routes.json"
     wait_for(state.exists, "routes persisted")
     assert state.stat().st_mode & 0o777 == 0o600
+    assert state.parent.stat().st_mode & 0o777 == 0o700
     c1, c2 = procs[0], procs[1]
     c1.kill()
     c2.kill()

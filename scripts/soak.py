@@ -89,23 +89,28 @@ class Balancer:
             backend.settimeout(None)
             with self._lock:
                 self._open |= {client, backend}
+            done: list[int] = []
             for a, b in ((client, backend), (backend, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(a, b, done), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, done: list[int]) -> None:
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
             dst.shutdown(socket.SHUT_WR)
         except OSError:
-            pass
-        finally:
-            with self._lock:
-                self._open.discard(src)
-            try:
-                src.close()
-            except OSError:
-                pass
+            for s in (src, dst):  # one direction broke: end both (the other recv wakes)
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        with self._lock:
+            done.append(1)
+            if len(done) < 2:
+                return  # the other direction still runs
+            self._open -= {src, dst}
+        src.close()
+        dst.close()
 
     def cut(self) -> None:
         self.paused = True
@@ -122,6 +127,13 @@ class Balancer:
         self.sock = socket.create_server(("127.0.0.1", self.port))
         self.paused = False
         threading.Thread(target=self._accept, daemon=True).start()
+
+
+class QuietHTTPServer(ThreadingHTTPServer):
+    """The sample upstream: a client cut by a flap is no traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
 
 
 def sample(pid: int) -> tuple[int, int]:
@@ -192,7 +204,7 @@ def main() -> int:
                       tmp / "server.crt", tmp / "server.key")
         echo = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
-        http = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        http = QuietHTTPServer(("127.0.0.1", 0), _Handler)
         threading.Thread(target=http.serve_forever, daemon=True).start()
         upstream = Upstream(http.server_address[1], echo.getsockname()[1])
 

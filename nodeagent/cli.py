@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="CA whose client certificates the --connect-listen front "
                               "accepts (kube-apiserver's egress client certificate)")
     cluster.add_argument("--server-id", metavar="NAME", help="this replica (default POD_NAME)")
+    cluster.add_argument("--state-dir", type=Path, metavar="DIR",
+                         help="keep the last routes here (routes.json, mode 0600: it holds "
+                              "Ingress TLS keys) and serve them at once after a restart "
+                              "while the controller is away (an emptyDir)")
     cluster.add_argument("--metrics-listen", metavar="HOST:PORT",
                          help="Prometheus /metrics")
     cluster.add_argument("--debug-socket", type=Path, metavar="PATH",

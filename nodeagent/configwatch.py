@@ -59,10 +59,17 @@ async def watch_config(
     model: type[M], apply: Callable[[M], Awaitable[None]], status: WatchStatus,
     token: Callable[[], str] | None = None, tls: Callable[[], ssl.SSLContext] | None = None,
     backoff: Backoff | None = None, idle_timeout: float = 45.0,
-    log: StructuredLogger | None = None,
+    log: StructuredLogger | None = None, running: dict[str, Any] | None = None,
 ) -> None:
     """Run until cancelled. `idle_timeout`: no line (not even a heartbeat) for this long
-    means the watch is dead."""
+    means the watch is dead. `running`: the config already in force (a server's persisted
+    routes, JSON): not applied again if the controller sends the same.
+
+    Static stability: while the controller is unreachable the running config stays in
+    force, however long. Each (re)connect asks for the current config (after=-1) and
+    applies it if its content differs from the running one, whatever its version: a
+    restarted controller numbers its versions from 1 again, and a change made while it
+    was away must still arrive."""
     log = log or get_logger("nodeagent.configwatch")
     backoff = backoff or Backoff(initial=0.2, maximum=10.0)
     failed_version = -1
@@ -79,7 +86,8 @@ async def watch_config(
         try:
             async with stream:
                 conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)
-                after = status.applied_version
+                after = -1  # the current config at once (see the docstring)
+                first = True
                 headers = [("host", host), ("accept", "application/x-ndjson")]
                 if token is not None:
                     headers.append(("authorization", f"Bearer {token()}"))
@@ -95,12 +103,18 @@ async def watch_config(
                     if not isinstance(version, int):
                         raise WatchError(f"line without a version: {str(doc)[:200]}")
                     status.received_version = version
-                    if version <= status.applied_version or version == failed_version:
+                    fresh, first = first, False
+                    if fresh and doc.get("config") == running:
+                        status.applied_version = version  # the same content renumbered
+                        continue
+                    if not fresh and (version <= status.applied_version
+                                      or version == failed_version):
                         continue
                     try:
                         config = parse_config(model, doc.get("config"), f"controller {path}")
                         config = config.model_copy(update={"version": version})
                         await apply(config)
+                        running = doc.get("config")
                     except Exception as exc:
                         failed_version = version
                         status.last_error = str(exc)

@@ -194,6 +194,7 @@ class Demo:
                  "--ingress-https": f"127.0.0.1:{ports['https']}",
                  "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}",
                  "--connect-listen": f"127.0.0.1:{ports['connect']}",
+                 "--state-dir": str(tmp / "server-state"),
                  "--connect-client-ca": str(tmp / "kube-root-ca.crt")}),
                 "--debug-socket", str(tmp / "server.sock")]))
         server.wait_ready(timeout=30)

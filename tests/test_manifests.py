@@ -35,7 +35,7 @@ FLAGS = {
               "--debug-socket", "--metrics-listen"},
     "server": {"--controller", "--token-file", "--ca-file", "--tunnel-listen", "--tls-cert",
                "--tls-key", "--ingress-http", "--ingress-https", "--server-id",
-               "--metrics-listen", "--connect-listen", "--connect-client-ca"},
+               "--metrics-listen", "--connect-listen", "--connect-client-ca", "--state-dir"},
     "controller": {"--kubeconfig", "--namespace", "--listen", "--identity", "--lease-name",
                    "--metrics-listen", "--tls-name"},
 }
@@ -161,6 +161,30 @@ def test_pod_disruption_budget_selects_the_server() -> None:
     (pdb,) = by_kind("PodDisruptionBudget")
     selector = pdb["spec"]["selector"]["matchLabels"]
     assert any(selector.items() <= labels.items() for labels in _pod_labels())
+
+
+def test_two_server_replicas_roll_one_at_a_time_and_keep_their_routes() -> None:
+    """High availability is the default: two replicas on different nodes, rolled with a
+    surge (never fewer ready than wanted), at most one voluntarily disrupted; the public
+    Service spreads each connection (no ClientIP affinity: an agent must reach every
+    replica); the last routes go to a writable emptyDir (--state-dir)."""
+    (server,) = [w for w in workloads() if w["metadata"]["name"] == "nodeagent-server"]
+    spec = server["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    pod = spec["template"]["spec"]
+    assert any(c["topologyKey"] == "kubernetes.io/hostname"
+               for c in pod["topologySpreadConstraints"])
+    (pdb,) = by_kind("PodDisruptionBudget")
+    assert 1 <= pdb["spec"]["minAvailable"] < spec["replicas"]
+    (service,) = [o for o in by_kind("Service") if o["metadata"]["name"] == "nodeagent-server"]
+    assert service["spec"].get("sessionAffinity", "None") == "None"
+    (container,) = pod["containers"]
+    (state,) = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--state-dir=")]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mount = next(m for m in container["volumeMounts"]
+                 if state.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert "emptyDir" in volumes[mount["name"]] and not mount.get("readOnly")
 
 
 @pytest.mark.parametrize("workload", workloads(), ids=_id)

@@ -12,6 +12,10 @@ token bucket with a burst); beyond it a dialer is refused before it is authentic
 seconds, so 5,000 agents cut off together return spread over 5,000/rate seconds instead
 of all at once, every few seconds, until the server falls over. Draining (a SIGTERM), the
 server refuses new handshakes as SHUTTING_DOWN: agents retry at once, elsewhere.
+
+Replicas: the server's HELLO names it (server id) and says how many replicas serve the
+public address; an agent names the servers it already holds, and one named there refuses
+as ALREADY_CONNECTED (politely, before authenticating) instead of replacing that tunnel.
 """
 
 from __future__ import annotations
@@ -58,8 +62,13 @@ NodeStreamHandler = Callable[[str, IncomingStream], Awaitable[None]]
 
 
 class NodeNotConnected(StreamRefusedError):
-    def __init__(self, node: str) -> None:
-        super().__init__(p.StreamReason.UNREACHABLE, f"node {node} is not connected")
+    """No live tunnel from `node` to this server. With several replicas that is
+    short-lived (the agent dials every replica): callers answer at once (502) rather
+    than forward to another replica, which would need replica-to-replica trust."""
+
+    def __init__(self, node: str, server_id: str = "") -> None:
+        where = f" to server {server_id}" if server_id else ""
+        super().__init__(p.StreamReason.UNREACHABLE, f"node {node} is not connected{where}")
         self.node = node
 
 
@@ -83,11 +92,16 @@ class TunnelServer:
         max_bootstrap_sessions: int = 64,
         bootstrap_seconds: float = 30.0,
         admission: HandshakeAdmission | None = None,
+        replicas: int | None = None,
         on_refusal: Callable[[str], None] | None = None,
         log: StructuredLogger | None = None,
     ) -> None:
         self._authenticate = authenticate
         self.server_id = server_id
+        # How many replicas serve the public address, announced in the HELLO so agents
+        # hold a tunnel to each (None: not announced, agents hold one). Set it when the
+        # count changes; agents learn it at their next handshake.
+        self.replicas = replicas
         self.settings = settings or EndpointSettings()
         self._stream_handler = stream_handler
         self._bootstrap_handler = bootstrap_handler
@@ -142,7 +156,7 @@ class TunnelServer:
         (NodeNotConnected when there is no live connection to that node)."""
         conn = self.connection_for(node)
         if conn is None:
-            raise NodeNotConnected(node)
+            raise NodeNotConnected(node, self.server_id)
         try:
             return await conn.open_stream(target, metadata)
         except TunnelClosedError:
@@ -150,11 +164,11 @@ class TunnelServer:
             # (a new connection replaced this one: try that one, once) or went away.
             newer = self.connection_for(node)
             if newer is None or newer is conn:
-                raise NodeNotConnected(node) from None
+                raise NodeNotConnected(node, self.server_id) from None
             try:
                 return await newer.open_stream(target, metadata)
             except TunnelClosedError:
-                raise NodeNotConnected(node) from None
+                raise NodeNotConnected(node, self.server_id) from None
 
     async def wait_for_node(self, node: str) -> TunnelConnection:
         while (conn := self.connection_for(node)) is None:
@@ -181,6 +195,12 @@ class TunnelServer:
                 raise self._refuse(
                     "overloaded", f"server admits {self.admission.rate:g} handshakes/s; "
                     f"come back in {wait:.1f}s", p.ErrorCode.OVERLOADED, retry_after=wait)
+            if self.server_id in p.held_servers(hello.identity):
+                # The agent reached us again through the load balancer: refuse before
+                # registering, which would replace (reset) the tunnel it holds to us.
+                raise self._refuse("already_connected",
+                                   "this agent already holds a tunnel to this server",
+                                   p.ErrorCode.ALREADY_CONNECTED)
             identity = await self._authenticate(hello, peer)
             if (isinstance(identity, str) and identity not in self.sessions
                     and len(self.sessions) >= self.max_sessions):
@@ -195,7 +215,10 @@ class TunnelServer:
                                                "retry later")
                 self.bootstrap_sessions += 1
                 reserved = True
-            return p.Hello(identity={"server": self.server_id})
+            answer = {p.IDENTITY_SERVER: self.server_id}
+            if self.replicas is not None:
+                answer[p.IDENTITY_REPLICAS] = str(self.replicas)
+            return p.Hello(identity=answer)
 
         handler = None
         if self._stream_handler is not None or self._bootstrap_handler is not None:
@@ -217,7 +240,8 @@ class TunnelServer:
         except HandshakeError as exc:
             if reserved:
                 self.bootstrap_sessions -= 1
-            if exc.code not in (p.ErrorCode.OVERLOADED, p.ErrorCode.SHUTTING_DOWN):
+            if exc.code not in (p.ErrorCode.OVERLOADED, p.ErrorCode.SHUTTING_DOWN,
+                                p.ErrorCode.ALREADY_CONNECTED):
                 # (Those two are counted and logged by _refuse().)
                 self.handshake_failures += 1
                 code = exc.code.name.lower()

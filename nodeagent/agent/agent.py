@@ -1,4 +1,4 @@
-"""The agent role: one tunnel to the server, streams served by dialing node-local targets.
+"""The agent role: a tunnel to each server replica, streams served by dialing node-local targets.
 
 The agent dials out (no inbound port on the node), keeps the tunnel alive through
 `tunnel.client.TunnelClient`, and for every stream the server opens checks the target
@@ -75,12 +75,14 @@ class Agent:
             endpoint, hello=hello, handler=self.handle_stream, ssl_context=ssl_context,
             server_hostname=config.tls.server_name, settings=settings,
             socket_mark=config.socket_mark,
+            direct=[parse_endpoint(url) for url in config.direct_servers],
             headers=lambda: [("authorization", f"Bearer {token}")] if token else [],
             reconnect=ReconnectPolicy(
                 config.reconnect.initial, config.reconnect.maximum,
                 unreachable_maximum=config.reconnect.unreachable_maximum,
                 retry_after_jitter=config.reconnect.retry_after_jitter),
             log=self.log.bind(server=config.server))
+        self.client.set_replicas(self.node_config.server_replicas)
         self.metrics.add_live(self._live_metrics)
         self.interceptor: Interceptor | None = None
         if self.node_config.intercept is not None:
@@ -112,6 +114,7 @@ class Agent:
             else:
                 await self.interceptor.apply(node_config.intercept)
         self.node_config = node_config
+        self.client.set_replicas(node_config.server_replicas)
         self.metrics.config_version.set(node_config.version)
         self.log.info("config applied", version=node_config.version,
                       allow_rules=len(node_config.allow),
@@ -176,14 +179,25 @@ class Agent:
         self.metrics.streams.labels("inbound", outcome).inc()
 
     def _live_metrics(self) -> Iterable[GaugeMetricFamily]:
-        conn = self.client.connection
-        up = gauge("nodeagent_tunnel_up", "1 while the tunnel to the server is connected")
-        up.add_metric([], 1 if conn is not None and conn.is_open else 0)
+        live = self.client.live()
+        up = gauge("nodeagent_tunnel_up", "1 while a tunnel to a server is connected")
+        up.add_metric([], 1 if live else 0)
         yield up
-        if conn is not None and conn.rtt is not None:
-            rtt = gauge("nodeagent_tunnel_rtt_seconds", "Round-trip time to the server")
-            rtt.add_metric([], conn.rtt)
-            yield rtt
+        tunnels = gauge("nodeagent_tunnels", "Live tunnels by server (replica) id",
+                        labels=["server"])
+        for tunnel in live:
+            tunnels.add_metric([tunnel.server_id], 1)
+        yield tunnels
+        replicas = gauge("nodeagent_tunnel_replicas",
+                         "Server replicas announced (tunnels the agent aims to hold)")
+        replicas.add_metric([], self.client.replicas)
+        yield replicas
+        rtt = gauge("nodeagent_tunnel_rtt_seconds", "Round-trip time to each server",
+                    labels=["server"])
+        for tunnel in live:
+            if tunnel.connection.rtt is not None:
+                rtt.add_metric([tunnel.server_id], tunnel.connection.rtt)
+        yield rtt
 
     def status(self) -> dict[str, Any]:
         conn = self.client.connection
@@ -208,7 +222,12 @@ class Agent:
                 "streams_open": info.streams_open if info else 0,
                 "bytes_in": info.bytes_in if info else 0,
                 "bytes_out": info.bytes_out if info else 0,
+                # Several replicas: how many the servers announce, and every tunnel held.
+                "replicas": self.client.replicas,
+                "already_connected": self.client.status.already_connected,
+                "direct_servers": list(self.config.direct_servers),
             },
+            "tunnels": [t.as_dict() for t in self.client.tunnels],
             "streams_by_outcome": dict(self.outcomes),
             "control_plane_streams": self.control_plane.as_list(),
             "intercepted_by_outcome": dict(self.interceptor.outcomes)

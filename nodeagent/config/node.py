@@ -183,6 +183,10 @@ class NodeConfig(Model):
     # the node's own addresses on the ClusterTunnel's allowedNodePorts, pod addresses
     # only on its allowedPodPorts. Empty: no control-plane stream.
     control_plane: tuple[AllowRule, ...] = ()
+    # How many server replicas to hold a tunnel to. Controller mode: the ready endpoints
+    # of the server Service, pushed when it changes (a replica added during a rollout is
+    # dialed at once, not at the next handshake). None: what the servers' handshake says.
+    server_replicas: int | None = Field(default=None, ge=1, le=64)
 
     def allows(self, host: str, port: int, protocol: str = "tcp") -> bool:
         return any(rule.allows(host, port, protocol) for rule in self.allow)
@@ -196,6 +200,9 @@ class AgentConfig(NodeConfig):
 
     node: str
     server: str
+    # Server replicas this agent also dials at their own addresses, one tunnel each,
+    # besides those it reaches through `server` (the public address).
+    direct_servers: tuple[str, ...] = ()
     token: str | None = Field(default=None, min_length=16)
     token_file: Path | None = None
     tls: ClientTls = ClientTls()
@@ -227,6 +234,13 @@ class AgentConfig(NodeConfig):
     def _server(cls, v: str) -> str:
         return _check_tunnel_url(v)
 
+    @field_validator("direct_servers")
+    @classmethod
+    def _direct_servers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(v) > 16:
+            raise ValueError("at most 16 direct servers")
+        return tuple(_check_tunnel_url(url) for url in v)
+
     @model_validator(mode="after")
     def _credentials(self) -> AgentConfig:
         if self.token is not None and self.token_file is not None:
@@ -241,9 +255,11 @@ class AgentConfig(NodeConfig):
         elif self.token is None and self.token_file is None and self.tls.cert_file is None:
             raise ValueError("no credentials: set token, token_file, or tls.cert_file "
                              "(mutual TLS)")
-        if self.server.startswith(("tcp://", "ws://")) and not self.insecure and (
+        clear = [u for u in (self.server, *self.direct_servers)
+                 if u.startswith(("tcp://", "ws://"))]
+        if clear and not self.insecure and (
                 self.token is not None or self.token_file is not None):
-            raise ValueError(f"server {self.server}: the token would cross the network in "
+            raise ValueError(f"server {clear[0]}: the token would cross the network in "
                              f"clear; use tls:// or wss://, or set insecure: true (a lab "
                              f"on one host)")
         return self
@@ -257,4 +273,5 @@ class AgentConfig(NodeConfig):
 
     def node_config(self) -> NodeConfig:
         return NodeConfig(version=self.version, allow=self.allow, intercept=self.intercept,
-                          control_plane=self.control_plane)
+                          control_plane=self.control_plane,
+                          server_replicas=self.server_replicas)

@@ -207,6 +207,10 @@ class RoutesConfig(Model):
     # kube-apiserver or metrics-server dial <edge node IP>:10250; the agent's intercept
     # rules REDIRECT them): their streams to such an address are decided like a CONNECT.
     control_plane_sources: tuple[str, ...] = ()
+    # How many server replicas serve the public tunnel address: announced in every
+    # server's handshake so agents hold a tunnel to each (controller mode: the ready
+    # endpoints of the server Service). None: not announced, agents hold one tunnel.
+    replicas: int | None = Field(default=None, ge=1, le=64)
 
     def connect_node_for(self, host: str) -> str | None:
         """The node whose name or one of whose `connect_nodes` addresses is `host`."""
@@ -387,6 +391,9 @@ class ServerConfig(RoutesConfig):
             raise ValueError(f"tunnel {self.tunnel.url}: agents' tokens would cross the "
                              f"network in clear; use tls:// or wss://, or set "
                              f"tunnel.insecure: true (a lab on one host)")
+        if (self.replicas or 1) > 1 and self.server_id == "nodeagent-server":
+            raise ValueError("replicas > 1 needs a distinct server_id per replica (agents "
+                             "tell replicas apart by it)")
         return self
 
     def routes(self) -> RoutesConfig:
@@ -395,7 +402,8 @@ class ServerConfig(RoutesConfig):
                             protected=self.protected, node_cidrs=self.node_cidrs,
                             ingress=self.ingress, nodes=self.nodes,
                             denied_nodes=self.denied_nodes, connect_nodes=self.connect_nodes,
-                            control_plane_sources=self.control_plane_sources)
+                            control_plane_sources=self.control_plane_sources,
+                            replicas=self.replicas)
 
 
 # ------------------------------------------------------------------ loading

@@ -227,8 +227,35 @@ def protected_ranges(tunnels: list[Tunnel], services: Iterable[Obj],
     return tuple(sorted(out, key=lambda n: (n.version, n.network_address, n.prefixlen)))
 
 
+# The servers' Service (nodeagent.controller.bootstrap.SERVER_SERVICE; not imported:
+# bootstrap does I/O and compute must not).
+SERVER_SERVICE_NAME = "nodeagent-server"
+
+
+def server_replicas(endpoint_slices: Iterable[Obj], namespace: str | None) -> int | None:
+    """How many server replicas serve the public address: the ready, not terminating
+    endpoints of the server Service in `namespace` (distinct addresses). None when there
+    is none (or no namespace): the servers announce no count and agents hold one tunnel.
+    A terminating replica is draining, so it no longer counts."""
+    if namespace is None:
+        return None
+    addresses: set[str] = set()
+    for es in endpoint_slices:
+        meta = es.get("metadata") or {}
+        if meta.get("namespace") != namespace or (
+                (meta.get("labels") or {}).get(SERVICE_NAME_LABEL) != SERVER_SERVICE_NAME):
+            continue
+        for endpoint in es.get("endpoints") or []:
+            conditions = endpoint.get("conditions") or {}
+            if conditions.get("ready") is False or conditions.get("terminating") is True:
+                continue
+            addresses.update(str(a) for a in endpoint.get("addresses") or [])
+    return min(len(addresses), 64) or None
+
+
 def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: IngressTranslation,
-            services: Iterable[Obj], endpoint_slices: Iterable[Obj]) -> Computed:
+            services: Iterable[Obj], endpoint_slices: Iterable[Obj],
+            namespace: str | None = None) -> Computed:
     problems: list[Problem] = list(translation.problems)
     node_configs: dict[str, NodeConfig] = {}
     node_cidrs: dict[str, tuple[Network, ...]] = {}
@@ -238,6 +265,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     denied = frozenset(n for t in tunnels for n in t.spec.denied_nodes)
     all_labels: dict[str, dict[str, str]] = {}
     ip_addresses: dict[str, list[str]] = {}
+    replicas = server_replicas(endpoint_slices, namespace)
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
@@ -286,7 +314,8 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         # A denied node's agent is disconnected by the servers; its config allows nothing.
         node_configs[name] = (NodeConfig() if name in denied else
                               NodeConfig(allow=tuple(allow), intercept=intercept,
-                                         control_plane=tuple(control_plane)))
+                                         control_plane=tuple(control_plane),
+                                         server_replicas=replicas))
     dnat = dnat_paths(tunnels, all_labels, ip_addresses,
                       {t: [n for n, _ in c] for t, c in covered.items()}, connect_nodes,
                       denied)
@@ -316,7 +345,8 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                           node_cidrs=node_cidrs,
                           protected=protected_ranges(tunnels, services, endpoint_slices),
                           nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)),
-                          connect_nodes=connect_nodes, control_plane_sources=dnat.sources)
+                          connect_nodes=connect_nodes, control_plane_sources=dnat.sources,
+                          replicas=replicas)
     return Computed(nodes=node_configs, routes=routes, problems=problems)
 
 

@@ -218,7 +218,8 @@ class Controller:
         tunnel_objects = c["clustertunnels"].list()
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
-                      services=services, endpoint_slices=endpoint_slices)
+                      services=services, endpoint_slices=endpoint_slices,
+                      namespace=self.settings.namespace)
         changed = [name for name, config in out.nodes.items()
                    if self.versions.update(f"node/{name}", config)]
         for key in self.versions.keys():

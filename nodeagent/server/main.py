@@ -5,12 +5,19 @@ Both run every listener of one Server in one nursery (tunnel, TCP mappings, HTTP
 Ingress fronts, debug socket, health), and drain agents gracefully on SIGTERM/SIGINT;
 SIGHUP re-reads a config file. In controller mode the server watches the controller
 directly and applies each RoutesConfig (Ingress routes, certificates, egress, node CIDRs).
+
+Static stability (controller mode, `--state-dir`): each RoutesConfig applied is also
+written to STATE_DIR/routes.json (mode 0600, replaced atomically; it holds Ingress TLS
+private keys, so it lives on the pod's own volume and is never logged). A server that
+restarts while the controller is away serves those routes at once and asks for its
+certificate and the current routes in the background.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import signal
 import ssl
@@ -47,6 +54,43 @@ from nodeagent.server.server import Server
 from tunnel.dial import parse_endpoint, serve
 
 log = get_logger("nodeagent.server")
+
+ROUTES_STATE = "routes.json"
+
+
+def persist_routes(state_dir: Path, routes: RoutesConfig) -> None:
+    """Write `routes` to STATE_DIR/routes.json: 0600 from creation, renamed over the
+    previous one (a crash leaves the old file or the new, never half of one)."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    state_dir.chmod(0o700)
+    text = json.dumps({"version": routes.version,
+                       "config": routes.model_dump(mode="json", exclude={"version"})},
+                      separators=(",", ":"))
+    tmp = state_dir / f"{ROUTES_STATE}.tmp"
+    tmp.unlink(missing_ok=True)  # created afresh below, so with our mode and owner
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, state_dir / ROUTES_STATE)
+
+
+def load_persisted_routes(state_dir: Path) -> tuple[RoutesConfig, dict[str, Any]] | None:
+    """The routes persist_routes wrote, and their JSON; None (with one log line) when
+    there are none or they cannot be used."""
+    path = state_dir / ROUTES_STATE
+    try:
+        doc = json.loads(path.read_text())
+        config = doc["config"]
+        routes = parse_config(RoutesConfig, config, str(path))
+        routes = routes.model_copy(update={"version": int(doc["version"])})
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
+        # Never the content: it holds private keys.
+        log.warning("persisted routes not usable; waiting for the controller",
+                    path=str(path), error=type(exc).__name__)
+        return None
+    return routes, config
 
 
 # Which setting named each TLS input (pki.TlsInputError.which), in a file and as flags.
@@ -322,21 +366,47 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     keeper = IdentityKeeper("server", request, log=log.bind(server=config.server_id))
     server.identity = keeper
 
+    state_dir: Path | None = getattr(args, "state_dir", None)
+
     async def apply(routes: RoutesConfig) -> None:
         server.apply_routes(routes)
+        if state_dir is not None:
+            try:
+                persist_routes(state_dir, routes)
+            except OSError as exc:
+                log.warning("routes applied but not persisted", path=str(state_dir),
+                            error=str(exc)[:200])
         await server.close_revoked()  # a deleted or denied Node's tunnel
 
-    async def main() -> None:
+    persisted = load_persisted_routes(state_dir) if state_dir is not None else None
+    running: dict[str, Any] | None = None
+    if persisted is not None:
+        server.apply_routes(persisted[0])
+        running = persisted[1]
+        status.applied_version = persisted[0].version
+        log.info("serving the routes persisted before the restart until the controller "
+                 "answers", version=persisted[0].version, path=str(state_dir))
+
+    async def watch(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        if persisted is not None:
+            task_status.started()  # serve the persisted routes now
         log.info("asking the controller for this server's certificate",
                  server=config.server_id)
         await keeper.obtain()
+        if persisted is None:
+            task_status.started()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(keeper.renew_forever)
-            nursery.start_soon(lambda: watch_config(
+            await watch_config(
                 open_stream=open_stream, host=host,
                 path=f"/v1/config/servers/{config.server_id}", tls=watch_context,
-                model=RoutesConfig, apply=apply, status=status,
-                log=log.bind(server=config.server_id)))
+                model=RoutesConfig, apply=apply, status=status, running=running,
+                log=log.bind(server=config.server_id))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch)
             await serve_server(server, ssl_context, tls_source="flags",  # returns on SIGTERM/SIGINT
                                tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds)
             nursery.cancel_scope.cancel()

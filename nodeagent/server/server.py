@@ -178,6 +178,7 @@ class Server:
             bootstrap_handler=self.handle_bootstrap_stream if config.controller else None,
             admission=HandshakeAdmission(config.tunnel.handshake_rate,
                                          config.tunnel.handshake_burst),
+            replicas=self.routes.replicas,
             on_refusal=lambda reason: self.refusals.labels(f"handshake_{reason}").inc(),
             log=self.log)
         self._egress_refusals = RateLimitedLog(self.log, period=60.0)
@@ -228,6 +229,7 @@ class Server:
         ingress_table, refused = build_ingress_table(routes.ingress)
         certs, refused_certs = build_cert_store(routes.ingress)
         self.tables, self.ingress_table, self.routes = tables, ingress_table, routes
+        self.tunnel.replicas = routes.replicas  # announced from the next handshake on
         self.ingress_certs.replace(certs)
         for line in refused + refused_certs:
             self.log.warning("ingress rule refused", problem=line)
@@ -567,6 +569,7 @@ class Server:
         return {
             "role": "server",
             "server_id": self.config.server_id,
+            "replicas": self.routes.replicas,
             "version": __version__,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
             "config_version": self.routes.version,

@@ -5,7 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from nodeagent.config import NodeConfig
-from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.compute import (
+    ConfigVersions,
+    compute,
+    parse_tunnels,
+    server_replicas,
+)
 from nodeagent.controller.ingress import translate_ingresses
 from tests.controller.test_ingress import OURS, endpoint, ingress, path, rule, service, slice_
 
@@ -285,3 +290,30 @@ def test_each_tunnel_with_a_cloud_selector_adds_a_rule_for_its_own_nodes() -> No
     assert _dnat_rules(out.nodes["cloud-1"]) == [
         ("control-plane-0", ("192.168.1.1/32",), ("10250",)),
         ("control-plane-1", ("192.168.2.1/32",), ("10250", "10255"))]
+
+
+def test_servers_announce_the_ready_replicas_of_the_server_service() -> None:
+    """The routes carry how many server replicas serve the public address: the ready,
+    not terminating endpoints of Service nodeagent-server in the controller's namespace
+    (a replica rolled out is draining: it no longer counts)."""
+    def server_slice(*endpoints: dict[str, Any], ns: str = "nodeagent") -> dict[str, Any]:
+        es = slice_("nodeagent-server", *endpoints, port=8443, port_name="tunnel")
+        es["metadata"]["namespace"] = ns
+        return es
+
+    slices = [server_slice(endpoint("10.2.0.1"), endpoint("10.2.0.2"),
+                           endpoint("10.2.0.3", terminating=True),
+                           endpoint("10.2.0.4", ready=False)),
+              server_slice(endpoint("10.2.0.2"), endpoint("10.2.0.5")),  # a second slice
+              server_slice(endpoint("10.9.0.1"), ns="elsewhere")]
+    assert server_replicas(slices, "nodeagent") == 3
+    assert server_replicas(slices, "empty") is None
+    assert server_replicas(slices, None) is None
+    out = compute(nodes=[node("edge-1", "192.168.1.10")], tunnels=[],
+                  translation=translation(), services=[], endpoint_slices=slices,
+                  namespace="nodeagent")
+    # The servers announce it in their handshake; agents also get it in their config, so
+    # a replica added during a rollout is dialed at once.
+    assert out.routes.replicas == 3
+    assert out.nodes["edge-1"].server_replicas == 3
+    assert run([], []).routes.replicas is None

@@ -140,6 +140,7 @@ def run_the_steps(k: Kubectl, fake: FakeApiServer, tmp_path: Path, certs: Certs,
          "--ingress-https": f"127.0.0.1:{ports['https']}",
          "--metrics-listen": f"127.0.0.1:{ports['s-metrics']}",
          "--connect-listen": f"127.0.0.1:{ports['connect']}",
+         "--state-dir": str(tmp_path / "server-state"),
          "--connect-client-ca": str(tmp_path / "ca.crt")}),
         "--debug-socket", str(tmp_path / "s.sock")])
     procs.append(server.start())

@@ -221,6 +221,7 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
         "--tls-cert", str(tmp_path / "tunnel.crt"), "--tls-key", str(tmp_path / "tunnel.key"),
         "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
         "--connect-uds", str(tmp_path / "connect.sock"),
+        "--state-dir", str(tmp_path / "server-state"),
         "--debug-socket", str(tmp_path / "s.sock")]).start()
     procs.append(server)
     server.wait_ready()
@@ -439,6 +440,66 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "t"}, "spec": {"serverUrl": "http://x"}})
     wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list(EVENTS, "default"))
              or "InvalidSpec" in cluster["procs"][1].logs(), "ClusterTunnel problem reported")
+
+
+def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up(
+        cluster: dict[str, Any], tmp_path: Path) -> None:
+    """Both controllers gone: traffic keeps flowing; a server restarted meanwhile serves
+    the routes it persisted (mode 0600) at once; a change made meanwhile applies once a
+    controller is back, although the new process numbers its versions from 1 again."""
+    api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
+    procs, server, agent = cluster["procs"], cluster["server"], cluster["agent"]
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"}]})
+    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80}]}})
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [
+        {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}]))
+    api.create(INGRESSES, ingress("a", "a.test", "/"))
+    wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
+    state = tmp_path / "server-state" / "routes.json"
+    wait_for(state.exists, "routes persisted")
+    assert state.stat().st_mode & 0o777 == 0o600
+    assert state.parent.stat().st_mode & 0o777 == 0o700
+    c1, c2 = procs[0], procs[1]
+    c1.kill()
+    c2.kill()
+    deadline = time.monotonic() + 3
+    served = 0
+    while time.monotonic() < deadline:  # the controller gone: traffic keeps flowing
+        assert get(port, "a.test", "/").status_code == 200
+        served += 1
+    assert server.status()["config_watch"]["state"] != "watching"
+
+    server.kill()  # restarted while the controller is away
+    back = NodeagentProcess("server", server.config, tmp_path, "server-back",
+                            args=server.args).start()
+    procs.append(back)
+    back.wait_ready()
+    back.wait_for(lambda s: s["agents"], what="agent back on the restarted server",
+                  timeout=15)
+    took = wait_for(lambda: get(port, "a.test", "/").status_code == 200,
+                    "persisted routes served")
+    assert "serving the routes persisted before the restart" in back.logs()
+    print(f"\n{served} requests served with the controller gone; restarted server "
+          f"serving its persisted routes {took:.2f}s after the agent was back")
+
+    api.create(INGRESSES, ingress("b", "b.test", "/"))  # while no controller runs
+    time.sleep(1)
+    assert get(port, "b.test", "/").status_code == 404
+    again = NodeagentProcess("controller", {"debug_socket": ""}, tmp_path, "c2-back",
+                             args=c2.args).start()
+    procs.append(again)
+    again.wait_for_log("controller ready", timeout=20)
+    took = wait_for(lambda: get(port, "b.test", "/").status_code == 200,
+                    "the change made meanwhile applied", timeout=30)
+    print(f"change made while the controller was gone applied {took:.2f}s after it was "
+          f"ready again")
+    assert get(port, "a.test", "/").status_code == 200
+    agent.wait_for(lambda st: st["config_watch"]["state"] == "watching",
+                   what="the agent's watch back", timeout=15)
+    for proc in (back, agent):
+        assert "PRIVATE KEY" not in proc.logs()
 
 
 def _connect(path: Path, target: str) -> tuple[socket.socket, int]:

@@ -7,7 +7,7 @@ import trio
 
 from tests.tunnel.test_endpoint import linked
 from tunnel import protocol as p
-from tunnel.client import TunnelClient
+from tunnel.client import Tunnel, TunnelClient
 from tunnel.endpoint import IncomingStream, StreamRefusedError
 from tunnel.transports import Endpoint
 
@@ -36,7 +36,7 @@ async def test_connection_ending_during_an_open_is_unreachable_not_a_crash() -> 
 
     tc = client()
     async with linked(acceptor_handler=never_answers) as link:
-        tc.connection = link.dialer
+        tc.tunnels.append(Tunnel(link.dialer, tc.endpoint, "s", 0.0))
 
         async def kill_when_pending() -> None:
             await answered.wait()
@@ -47,3 +47,40 @@ async def test_connection_ending_during_an_open_is_unreachable_not_a_crash() -> 
             await tc.open_stream(T)
         assert info.value.reason is p.StreamReason.UNREACHABLE
         assert "server going away" in info.value.message
+
+
+async def test_a_stream_moves_to_the_next_tunnel_at_once_when_one_ends_or_drains() -> None:
+    """Several replicas: an OPEN on a tunnel that ends meanwhile, or one that drains
+    (GOAWAY), is retried on the next live tunnel at once: no backoff, no error."""
+    answered = trio.Event()
+
+    async def never_answers(incoming: IncomingStream) -> None:
+        answered.set()
+        await trio.sleep_forever()
+
+    tc = client()
+    async with linked(acceptor_handler=never_answers) as dead, linked() as alive, \
+            linked() as draining:
+        tc.tunnels += [Tunnel(dead.dialer, tc.endpoint, "a", 0.0),
+                       Tunnel(alive.dialer, tc.endpoint, "b", 0.0)]
+
+        async def kill_when_pending() -> None:
+            await answered.wait()
+            await dead.acceptor.aclose(p.ErrorCode.NO_ERROR, "replica killed")
+
+        dead.nursery.start_soon(kill_when_pending)
+        with trio.fail_after(2):
+            stream = await tc.open_stream(T)
+        assert stream._conn is alive.dialer
+        await stream.send_all(b"x")
+        await stream.send_eof()
+        assert await stream.receive_some() == b"x"
+        assert [t.server_id for t in tc.live()] == ["b"]
+        # A tunnel whose server sent GOAWAY takes no new streams; its peer still works.
+        draining.acceptor.goaway("rolling out")
+        with trio.fail_after(2):
+            await draining.dialer.goaway_received.wait()
+        tc.tunnels.insert(0, Tunnel(draining.dialer, tc.endpoint, "c", 0.0))
+        assert [t.server_id for t in tc.live()] == ["b"]
+        second = await tc.open_stream(T)
+        assert second._conn is alive.dialer

@@ -7,6 +7,7 @@ import struct
 import pytest
 
 from tests.tunnel.pair import handshake, received_bytes
+from tunnel import protocol as p
 from tunnel.protocol import (
     FEATURE_RETRY_AFTER,
     FLAG_FIN,
@@ -120,8 +121,8 @@ def test_retry_after_is_only_words_for_a_dialer_that_does_not_announce_it() -> N
     (ev,) = d.receive_data(wire)
     assert ev == ConnectionTerminated(ErrorCode.OVERLOADED, "busy (retry after 1.5s)",
                                       by_peer=True, retry_after=None)
-    assert ErrorCode.from_wire(11) is ErrorCode.OVERLOADED  # and 12 from a newer peer:
-    assert ErrorCode.from_wire(12) is ErrorCode.INTERNAL_ERROR
+    assert ErrorCode.from_wire(11) is ErrorCode.OVERLOADED  # and 13 from a newer peer:
+    assert ErrorCode.from_wire(13) is ErrorCode.INTERNAL_ERROR
 
 
 def test_retry_after_from_the_wire_is_checked_and_clamped() -> None:
@@ -520,3 +521,43 @@ def test_fin_flag_on_data_frame_wire_format() -> None:
     raw = d.data_to_send()
     assert raw == frame(FrameType.DATA, sid, b"", FLAG_FIN)
     assert StreamAccepted(sid) in pair.dialer_events
+
+
+# ------------------------------------------------------------------- replicas
+
+
+def test_server_announces_identity_and_replicas_and_dialer_names_held_servers() -> None:
+    """Several replicas: the acceptor's HELLO carries its id and the replica count, the
+    dialer's the ids it holds; both ride in identity, so an older peer ignores them."""
+    d, a = Conn(Role.DIALER), Conn(Role.ACCEPTOR)
+    ident = p.with_held_servers({"node": "edge-1"}, ["srv-b", "srv-a", "", "bad,id"])
+    assert ident == {"node": "edge-1", "held_servers": "srv-a,srv-b"}
+    d.start(Hello(identity=ident))
+    (ev,) = a.receive_data(d.data_to_send())
+    assert p.held_servers(ev.hello.identity) == {"srv-a", "srv-b"}
+    a.accept_handshake(Hello(identity={"server": "srv-c", "replicas": "3"}))
+    (done,) = d.receive_data(a.data_to_send())
+    assert done.hello.identity["server"] == "srv-c"
+    assert p.server_replicas(done.hello.identity) == 3
+
+
+def test_replica_count_and_held_servers_from_the_wire_are_bounded() -> None:
+    for raw in ("0", "-1", "2.5", "x", "", str(p.MAX_REPLICAS + 1), "1" * 40):
+        assert p.server_replicas({"replicas": raw}) is None, raw
+    assert p.server_replicas({}) is None  # an older server: hold one tunnel
+    assert p.server_replicas({"replicas": "64"}) == 64
+    many = ",".join(f"s{i}" for i in range(500))
+    assert len(p.held_servers({"held_servers": many})) == p.MAX_HELD_SERVERS
+    assert p.held_servers({"held_servers": ",,"}) == frozenset()
+    assert p.with_held_servers({"held_servers": "old"}, []) == {}
+
+
+def test_already_connected_refusal_reaches_the_dialer_and_reads_as_internal_when_old() -> None:
+    d, a = Conn(Role.DIALER), Conn(Role.ACCEPTOR)
+    d.start(Hello(identity={"node": "edge-1", "held_servers": "s"}))
+    a.receive_data(d.data_to_send())
+    a.refuse_handshake(ErrorCode.ALREADY_CONNECTED, "already connected to this server")
+    (ev,) = d.receive_data(a.data_to_send())
+    assert ev == ConnectionTerminated(ErrorCode.ALREADY_CONNECTED,
+                                      "already connected to this server", by_peer=True)
+    assert ErrorCode.from_wire(12) is ErrorCode.ALREADY_CONNECTED

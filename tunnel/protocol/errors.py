@@ -51,6 +51,10 @@ class ErrorCode(enum.IntEnum):
     # The acceptor admits no more handshakes right now; the GOAWAY may carry when to come
     # back (FLAG_RETRY_AFTER). An older peer reads it as INTERNAL_ERROR and backs off.
     OVERLOADED = 11
+    # The dialer already holds a tunnel to this acceptor (a server replica it reached again
+    # through a load balancer): refused before registration, so the held one stays. An
+    # older peer reads it as INTERNAL_ERROR.
+    ALREADY_CONNECTED = 12
 
     @classmethod
     def from_wire(cls, value: int) -> ErrorCode:

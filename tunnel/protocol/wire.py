@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,43 @@ FLAG_ACK = 0x1  # PING: this is the answer
 FLAG_RETRY_AFTER = 0x2
 FEATURE_RETRY_AFTER = "retry-after"
 MAX_RETRY_AFTER = 3600.0  # seconds: longer is a mistake, not a policy
+
+# Several server replicas (identity keys; an older peer ignores keys it does not know).
+# The acceptor's HELLO: who it is and how many replicas serve the same public address, so
+# a dialer knows how many distinct servers to hold a tunnel to.
+IDENTITY_SERVER = "server"
+IDENTITY_REPLICAS = "replicas"
+# The dialer's HELLO: the server ids it already holds a tunnel to (comma-separated); an
+# acceptor named there refuses with ALREADY_CONNECTED instead of replacing that tunnel.
+IDENTITY_HELD_SERVERS = "held_servers"
+MAX_REPLICAS = 64
+MAX_HELD_SERVERS = 64
+
+
+def server_replicas(identity: dict[str, str]) -> int | None:
+    """The replica count an acceptor announced; None when absent or not a number in
+    1..MAX_REPLICAS (an older server, or a bad value: the dialer then holds one)."""
+    raw = identity.get(IDENTITY_REPLICAS)
+    if raw is None or not raw.isdigit():
+        return None
+    value = int(raw)
+    return value if 1 <= value <= MAX_REPLICAS else None
+
+
+def held_servers(identity: dict[str, str]) -> frozenset[str]:
+    """The server ids a dialer said it holds (at most MAX_HELD_SERVERS; empty ids
+    dropped)."""
+    raw = identity.get(IDENTITY_HELD_SERVERS, "")
+    return frozenset(s for s in raw.split(",")[:MAX_HELD_SERVERS] if s)
+
+
+def with_held_servers(identity: dict[str, str], servers: Iterable[str]) -> dict[str, str]:
+    """`identity` plus the held server ids (none: the key is left out)."""
+    held = sorted({s for s in servers if s and "," not in s})[:MAX_HELD_SERVERS]
+    out = {k: v for k, v in identity.items() if k != IDENTITY_HELD_SERVERS}
+    if held:
+        out[IDENTITY_HELD_SERVERS] = ",".join(held)
+    return out
 
 
 class Role(enum.Enum):

@@ -54,6 +54,18 @@ class Transport(abc.ABC):
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send all of data. Raises TransportClosed if the transport is closed."""
 
+    def can_send_nowait(self) -> bool:
+        """Whether send_nowait() may be called now (no send in progress or left over)."""
+        return False
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
+        """Take all of `data` now, in the calling task, without awaiting (only when
+        can_send_nowait()): True if it all went to the socket; False if some waits in
+        the transport for the next send() (an empty one flushes it, and reports any
+        error). Never leaves a record or frame half-written, since it cannot be
+        cancelled part-way."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     async def receive(self) -> bytes:
         """Return the next bytes (at least one), or b"" once the peer has closed cleanly.

@@ -11,9 +11,10 @@ The errors live in errors.py and the streams in stream.py; their names are impor
 from here too, as every caller always has.
 
 Backpressure is explicit everywhere: a stream's sender waits for flow-control credit and
-for the outgoing buffer to drain; the reader stops reading while the outgoing buffer is
-over its high-water mark, so a peer that floods us with frames needing answers (PING,
-refused OPENs) is slowed to the pace at which it reads our answers.
+for the outgoing buffer to drain; the reader stops reading while the outgoing buffer holds
+more than stream data alone can queue (the peer's connection window), so a peer that
+floods us with frames needing answers (PING, refused OPENs) is slowed to the pace at which
+it reads our answers, and two peers busy sending to each other never both stop reading.
 """
 
 from __future__ import annotations
@@ -42,8 +43,13 @@ from tunnel.log import StructuredLogger, get_logger
 from tunnel.stream import IncomingStream, StreamHandler, TunnelStream
 from tunnel.transports import PeerInfo, Transport, TransportError
 
-# Stop reading from the peer while this much of our own output is queued.
+# Stream senders wait while this much of our own output is queued.
 OUTGOING_HIGH_WATER = 1024 * 1024
+# The reader stops reading only beyond what stream data alone can queue (the peer's
+# connection window, capped here): a reader that stopped for stream data while its
+# writer is blocked on the peer, whose reader does the same, would deadlock both. Past
+# it, the output is answers to the peer's frames (PINGs, refusals): a flood.
+_READER_WINDOW_CAP = 64 * 1024 * 1024
 
 
 @dataclass
@@ -275,6 +281,8 @@ class TunnelConnection:
 
     async def _reader(self) -> None:
         core = self._core
+        high_water = OUTGOING_HIGH_WATER + min(core.remote_settings.connection_window,
+                                               _READER_WINDOW_CAP)
         while True:
             try:
                 data = await self.transport.receive()
@@ -294,7 +302,7 @@ class TunnelConnection:
             if self.end_reason is not None or core.is_closed:
                 await self._final_flush()
                 return
-            await self._wait_for_space()
+            await self._wait_for_space(high_water)
 
     def _dispatch(self, event: p.Event) -> None:
         if isinstance(event, p.DataReceived):
@@ -436,8 +444,8 @@ class TunnelConnection:
             self._transport_pending = True
         self._writer_wakeup.set()
 
-    async def _wait_for_space(self) -> None:
-        while self._core.outgoing_size > OUTGOING_HIGH_WATER and self.end_reason is None:
+    async def _wait_for_space(self, high_water: int = OUTGOING_HIGH_WATER) -> None:
+        while self._core.outgoing_size > high_water and self.end_reason is None:
             if self._space.is_set():
                 self._space = trio.Event()
             await self._space.wait()

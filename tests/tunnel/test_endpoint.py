@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -62,10 +62,11 @@ _WIRE = "memory"
 
 
 @pytest.fixture(autouse=True)
-def wire(request: pytest.FixtureRequest) -> str:
+def wire(request: pytest.FixtureRequest) -> Iterator[str]:
     global _WIRE
     _WIRE = str(request.param)
-    return _WIRE
+    yield _WIRE
+    _WIRE = "memory"  # modules importing linked() get the in-memory pair
 
 
 _CERTS: list[tuple[pki.CertificateAuthority, pki.IssuedCertificate]] = []

@@ -50,9 +50,9 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
                        server_hostname="localhost")
         tb = TLSStream(sb, pki.server_ssl_context(cert.certificate_pem, cert.key_pem),
                        server_side=True)
-        async with trio.open_nursery() as n:
-            n.start_soon(ta.do_handshake)
-            n.start_soon(tb.do_handshake)
+        async with trio.open_nursery() as handshakes:
+            handshakes.start_soon(ta.do_handshake)
+            handshakes.start_soon(tb.do_handshake)
         sa, sb = ta, tb
     settings = EndpointSettings(ping_interval=0, open_rate=1e9)
     d = TunnelConnection(StreamTransport(sa, PeerInfo("a")), p.Role.DIALER, settings, None)
@@ -94,9 +94,9 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
         await rr(rr_count)
         out["rr_cpu_us"] = (time.process_time() - t0) / rr_count * 1e6
         t0 = time.process_time()
-        async with trio.open_nursery() as n:
+        async with trio.open_nursery() as streams:
             for _ in range(parallel):
-                n.start_soon(rr, rr_count // parallel)
+                streams.start_soon(rr, rr_count // parallel)
         out[f"rr{parallel}_cpu_us"] = (time.process_time() - t0) / (
             rr_count // parallel * parallel) * 1e6
 

@@ -38,7 +38,7 @@ async def allow(hello: p.Hello, peer: PeerInfo) -> p.Hello:
 
 
 async def main(mib: int, rr_count: int, opens: int, parallel: int,
-               tls: bool) -> dict[str, float]:
+               tls: bool, fast_path: bool = False) -> dict[str, float]:
     a, b = _tcp_pair()
     sa: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
     sb: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(b))
@@ -54,7 +54,7 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
             handshakes.start_soon(ta.do_handshake)
             handshakes.start_soon(tb.do_handshake)
         sa, sb = ta, tb
-    settings = EndpointSettings(ping_interval=0, open_rate=1e9)
+    settings = EndpointSettings(ping_interval=0, open_rate=1e9, send_fast_path=fast_path)
     d = TunnelConnection(StreamTransport(sa, PeerInfo("a")), p.Role.DIALER, settings, None)
     acc = TunnelConnection(StreamTransport(sb, PeerInfo("b")), p.Role.ACCEPTOR, settings,
                            sink_or_echo)
@@ -133,6 +133,9 @@ if __name__ == "__main__":
     parser.add_argument("--opens", type=int, default=3000)
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--tls", action="store_true", help="the tunnel's TLS layer too")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="EndpointSettings.send_fast_path (the writer fast path)")
     args = parser.parse_args()
     print(json.dumps({k: round(v, 3) for k, v in trio.run(
-        main, args.mib, args.rr, args.opens, args.parallel, args.tls).items()}))
+        main, args.mib, args.rr, args.opens, args.parallel, args.tls,
+        args.fast_path).items()}))

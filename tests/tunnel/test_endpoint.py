@@ -8,7 +8,7 @@ import hashlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import pytest
@@ -110,7 +110,9 @@ async def linked(
     settings: EndpointSettings | None = None,
     authenticate: Callable[[p.Hello, PeerInfo], Awaitable[p.Hello]] = allow_all,
 ) -> AsyncIterator[Linked]:
-    settings = settings or EndpointSettings(ping_interval=0)
+    # On real sockets the writer fast path is on: every test here checks it too.
+    settings = replace(settings or EndpointSettings(ping_interval=0),
+                       send_fast_path=_WIRE != "memory")
     async with trio.open_nursery() as nursery, transports(nursery) as (ta, tb):
         d = TunnelConnection(ta, p.Role.DIALER, settings, dialer_handler)
         a = TunnelConnection(tb, p.Role.ACCEPTOR, settings, acceptor_handler)

@@ -87,6 +87,13 @@ class ClusterTunnelSpec(CrdModel):
         "through the tunnel (same model as the agent config file).")
     node_selector: dict[str, str] = Field(
         default={}, description="Labels a Node must carry to be covered; empty: all nodes.")
+    cloud_node_selector: dict[str, str] | None = Field(
+        default=None, description="Labels of the cloud-side nodes where control-plane "
+        "components run (kube-apiserver, metrics-server, Prometheus) that dial "
+        "<node IP>:<port> themselves. Their agents catch dials to the addresses of the "
+        "other nodes this tunnel covers, on allowedNodePorts (an intercept rule, updated as "
+        "Nodes come and go), and the servers carry them like a CONNECT. Unset: no such "
+        "path; it must name at least one label.")
 
     @field_validator("server_url")
     @classmethod
@@ -95,8 +102,22 @@ class ClusterTunnelSpec(CrdModel):
             raise ValueError(f"{v!r}: use tls://host:port or wss://host[:port]/path")
         return v
 
+    @field_validator("cloud_node_selector")
+    @classmethod
+    def _cloud(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and not v:
+            raise ValueError("an empty selector would make every node a cloud node; name "
+                             "a label of the cloud-side nodes, or leave it unset")
+        return v
+
     def covers(self, node_labels: dict[str, str]) -> bool:
         return all(node_labels.get(k) == v for k, v in self.node_selector.items())
+
+    def is_cloud_node(self, node_labels: dict[str, str]) -> bool:
+        """Whether `cloudNodeSelector` names this node (never, when unset)."""
+        selector = self.cloud_node_selector
+        return selector is not None and all(node_labels.get(k) == v
+                                            for k, v in selector.items())
 
 
 class Condition(CrdModel):

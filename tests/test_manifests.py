@@ -97,6 +97,7 @@ def test_example_cluster_tunnel_passes_the_crd_schema_and_the_model() -> None:
     assert structural.validate(example, schema, root=True) == []
     spec = parse_cluster_tunnel(example)
     assert spec.intercept is not None and spec.intercept.rules[0].name == "cloud-services"
+    assert spec.cloud_node_selector == {"node-role.kubernetes.io/control-plane": ""}
     assert [str(r) for r in spec.allowed_node_ports] == ["10250", "9100"] or \
         [(r.first, r.last) for r in spec.allowed_node_ports] == [(10250, 10250), (9100, 9100)]
 
@@ -423,3 +424,67 @@ def test_controller_can_read_pods_and_review_tokens() -> None:
     assert port["appProtocol"] == "https"
     controller_port = int(_args(_workload("agent"))["--controller"].rsplit(":", 1)[1])
     assert port["port"] == controller_port
+
+
+CONTROLPLANE = MANIFESTS / "controlplane"
+
+
+def controlplane_objects() -> list[dict[str, Any]]:
+    doc = yaml.safe_load((CONTROLPLANE / "kustomization.yaml").read_text())
+    out = []
+    for name in doc["resources"]:
+        out += [d for d in yaml.safe_load_all((CONTROLPLANE / name).read_text()) if d]
+    return out
+
+
+def test_the_control_plane_server_variant_serves_the_egress_selectors_socket() -> None:
+    """manifests/controlplane/: a server DaemonSet on control-plane hosts whose CONNECT
+    front listens on the Unix socket egress-selector.yaml names, in a host directory; valid
+    for Kubernetes, using only what manifests/ ships, flags the real CLI accepts."""
+    from nodeagent.cli import build_parser
+    from nodeagent.server.main import server_config_from_flags
+
+    (daemonset,) = controlplane_objects()
+    kubernetes_validate.validate(daemonset, K8S_VERSION, strict=True)
+    assert daemonset["kind"] == "DaemonSet"
+    pod = daemonset["spec"]["template"]["spec"]
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # Its pods are servers for the base Service (agents' tunnels reach them) and the PDB.
+    (public,) = [s for s in by_kind("Service") if s["metadata"]["name"] == "nodeagent-server"]
+    assert public["spec"]["selector"].items() <= labels.items()
+    assert pod["nodeSelector"] == {"node-role.kubernetes.io/control-plane": ""}
+    # Account, Secrets, ConfigMaps: the base install's; one image.
+    assert pod["serviceAccountName"] in {o["metadata"]["name"]
+                                         for o in by_kind("ServiceAccount")}
+    shipped = {(o["kind"], o["metadata"]["name"]) for o in objects()}
+    for volume in pod["volumes"]:
+        for kind, key, name in (("Secret", "secret", "secretName"),
+                                ("ConfigMap", "configMap", "name")):
+            if key in volume:
+                ref = (kind, volume[key][name])
+                assert ref in shipped or ref in BOOTSTRAPPED, ref
+    (container,) = pod["containers"]
+    base_images = {c["image"] for w in workloads() for c in _containers(w)}
+    assert {container["image"]} == base_images
+    # The CLI takes exactly these flags, and they make a server with the socket front.
+    args = [a.replace("$(POD_NAME)", "nodeagent-server-uds-x") for a in container["args"]]
+    config = server_config_from_flags(build_parser().parse_args(args))
+    assert config.connect.uds is not None and config.connect.listen is None
+    assert config.connect.uds_mode == 0o600
+    # The socket lies in a hostPath directory, the one egress-selector.yaml names.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"]
+                if str(config.connect.uds).startswith(m["mountPath"] + "/")]
+    assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
+    selector = yaml.safe_load((CONTROLPLANE / "egress-selector.yaml").read_text())
+    assert selector["kind"] == "EgressSelectorConfiguration"
+    (cluster,) = selector["egressSelections"]
+    assert cluster["name"] == "cluster"
+    assert cluster["connection"]["proxyProtocol"] == "HTTPConnect"
+    assert cluster["connection"]["transport"]["uds"]["udsName"] == str(config.connect.uds)
+    # Root for the root-owned host directory, but nothing more.
+    security = container["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["allowPrivilegeEscalation"] is False
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}

@@ -219,9 +219,14 @@ async def test_only_control_plane_sources_reach_node_addresses_as_control_plane(
             error = await refused(cloud, host, port)
             assert error.reason is p.StreamReason.FORBIDDEN and why in error.message
         assert refusals(server, "control_plane_refused") == 2
+        assert server.status()["dnat"]["by_outcome"] == {
+            "established": 1, "port_not_allowed": 1, "node_denied": 1}
+        assert server.metrics.registry.get_sample_value(
+            "nodeagent_dnat_streams_total", {"outcome": "node_denied"}) == 1
         other = await connect(server, nursery, "edge-2")
         error = await refused(other, "192.168.7.10", 10250)
         assert "egress allow list" in error.message and len(seen) == 1
+        nursery.cancel_scope.cancel()
 
 
 async def test_handshakes_beyond_the_configured_rate_are_refused_counted_with_a_retry_after(

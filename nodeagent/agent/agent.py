@@ -20,7 +20,13 @@ from prometheus_client.core import GaugeMetricFamily
 from netfilter.model import NetfilterError
 from nodeagent import __version__
 from nodeagent.agent.intercept.listener import Interceptor
-from nodeagent.config import CONTROL_PLANE_PURPOSE, PURPOSE_KEY, AgentConfig, NodeConfig
+from nodeagent.config import (
+    CONTROL_PLANE_PURPOSE,
+    PURPOSE_KEY,
+    AgentConfig,
+    InterceptConfig,
+    NodeConfig,
+)
 from nodeagent.configwatch import WatchStatus
 from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
@@ -78,10 +84,13 @@ class Agent:
         self.metrics.add_live(self._live_metrics)
         self.interceptor: Interceptor | None = None
         if self.node_config.intercept is not None:
-            self.interceptor = Interceptor(
-                self.node_config.intercept, skip_mark=config.socket_mark,
-                open_tunnel=self.client.open_stream, dial_timeout=config.dial_timeout,
-                node=config.node)
+            self.interceptor = self._interceptor(self.node_config.intercept)
+        self._nursery: trio.Nursery | None = None  # run()'s, while it runs
+
+    def _interceptor(self, intercept: InterceptConfig) -> Interceptor:
+        return Interceptor(intercept, skip_mark=self.config.socket_mark,
+                           open_tunnel=self.client.open_stream,
+                           dial_timeout=self.config.dial_timeout, node=self.config.node)
 
     async def apply_node_config(self, node_config: NodeConfig) -> None:
         """Switch to a new NodeConfig atomically: interception rules first (if they fail,
@@ -90,8 +99,14 @@ class Agent:
         if node_config.intercept != self.node_config.intercept:
             if self.interceptor is None:
                 if node_config.intercept is not None:
-                    raise NetfilterError("interception was off at start; restart the agent "
-                                         "to turn it on")
+                    # Controller mode starts without config: the first intercept turns
+                    # interception on (the proxy listener, then the rules).
+                    if self._nursery is None:
+                        raise NetfilterError("interception was off at start; restart the "
+                                             "agent to turn it on")
+                    interceptor = self._interceptor(node_config.intercept)
+                    await self._nursery.start(interceptor.run)
+                    self.interceptor = interceptor
             elif node_config.intercept is None:
                 await self.interceptor.remove()
             else:
@@ -209,8 +224,12 @@ class Agent:
         return self.interceptor.rules_view()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.client.run)
-            if self.interceptor is not None:
-                await nursery.start(self.interceptor.run)
-            task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.client.run)
+                if self.interceptor is not None:
+                    await nursery.start(self.interceptor.run)
+                self._nursery = nursery  # an interceptor turned on later runs here
+                task_status.started()
+        finally:
+            self._nursery = None

@@ -12,6 +12,11 @@ is tested with plain dicts.
   ports, so kube-apiserver and Prometheus reach it by name or address.
 - A node's interception: the `intercept` of the ClusterTunnel whose nodeSelector covers
   it (the oldest such tunnel if several do; the others get a Problem).
+- The DNAT path (`dnat_paths`): the nodes a tunnel's `cloudNodeSelector` names (cloud
+  nodes, where kube-apiserver or metrics-server dial <node IP>:10250 themselves) get one
+  more intercept rule, `control-plane-N`, catching their host's and pods' dials to the IP
+  addresses of the tunnel's other covered nodes on its `allowedNodePorts`; the servers
+  list them in `control_plane_sources`, so those streams are decided like a CONNECT.
 - The servers' routes: the Ingress routes; per ClusterTunnel a `NodeScope` with its
   egress rules and the nodes it covers (only those: a node's egress is its tunnel's, not
   the union of all); `protected`, the ranges refused as egress unless a rule names them:
@@ -36,11 +41,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from nodeagent.config import (
     AllowRule,
     ConfigError,
     ConnectNode,
     InterceptConfig,
+    InterceptRuleConfig,
     NodeConfig,
     NodeScope,
     PortRange,
@@ -108,6 +116,78 @@ def connect_addresses(node: Obj) -> list[str]:
     return out
 
 
+# The intercept rules the DNAT path adds on cloud nodes: `control-plane-0`, `-1`, ... (one
+# per ClusterTunnel with a cloudNodeSelector, oldest first).
+DNAT_RULE_PREFIX = "control-plane-"
+
+
+@dataclass(frozen=True)
+class DnatPaths:
+    """What the DNAT path adds: per cloud node, the intercept rules its agent gets; and
+    the cloud nodes the servers decide such streams for (`control_plane_sources`)."""
+
+    rules: dict[str, tuple[InterceptRuleConfig, ...]]
+    sources: tuple[str, ...]
+
+
+def _ip_key(text: str) -> tuple[int, int]:
+    address = ipaddress.ip_address(text)
+    return address.version, int(address)
+
+
+def dnat_paths(tunnels: list[Tunnel], labels: dict[str, dict[str, str]],
+               addresses: dict[str, list[str]], covered: dict[str, list[str]],
+               reachable: Iterable[str], denied: frozenset[str]) -> DnatPaths:
+    """For each tunnel with a cloudNodeSelector: the nodes it names (not denied) catch
+    dials to the IP addresses (InternalIP, ExternalIP) of the tunnel's covered nodes the
+    CONNECT front reaches (`reachable`), on its allowedNodePorts. A cloud node's own
+    addresses are never caught, whoever else claims them: its traffic stays direct."""
+    reachable = frozenset(reachable)
+    cloud_of = {t.name: sorted(n for n, node_labels in labels.items()
+                               if t.spec.is_cloud_node(node_labels))
+                for t in tunnels if t.spec.cloud_node_selector is not None}
+    cloud = {n for names in cloud_of.values() for n in names}
+    cloud_addresses = {a for n in cloud for a in addresses.get(n, ())}
+    rules: dict[str, list[InterceptRuleConfig]] = {}
+    for index, tunnel in enumerate(t for t in tunnels if t.name in cloud_of):
+        ports = tunnel.spec.allowed_node_ports
+        destinations = sorted({a for n in covered[tunnel.name]
+                               if n in reachable and n not in cloud
+                               for a in addresses.get(n, ()) if a not in cloud_addresses},
+                              key=_ip_key)
+        if not ports or not destinations:
+            continue
+        rule = InterceptRuleConfig(
+            name=f"{DNAT_RULE_PREFIX}{index}", host_traffic=True,
+            destinations=tuple(str(ipaddress.ip_network(a)) for a in destinations),
+            ports=tuple(str(r.first) if r.first == r.last else f"{r.first}-{r.last}"
+                        for r in ports))
+        for name in cloud_of[tunnel.name]:
+            if name not in denied:
+                rules.setdefault(name, []).append(rule)
+    sources = tuple(sorted(n for n in cloud if n not in denied))
+    return DnatPaths({n: tuple(r) for n, r in rules.items()}, sources)
+
+
+def _with_rules(base: InterceptConfig | None, rules: tuple[InterceptRuleConfig, ...]
+                ) -> InterceptConfig:
+    """`base` (the node's tunnel's intercept, or the defaults) with `rules` added,
+    validated as a whole (ValidationError if, say, a rule name is taken)."""
+    doc = (base or InterceptConfig()).model_dump()
+    doc["rules"] = [*doc["rules"], *(r.model_dump() for r in rules)]
+    return InterceptConfig.model_validate(doc)
+
+
+def _ip_addresses(node: Obj) -> list[str]:
+    out = []
+    for text in node_addresses(node):
+        try:
+            out.append(str(ipaddress.ip_address(text)))
+        except ValueError:
+            continue
+    return out
+
+
 def _allow_exact(host: str, port: int) -> AllowRule:
     return AllowRule(host=host, ports=(PortRange(first=port, last=port),))
 
@@ -156,12 +236,16 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     # tunnel → the nodes it covers, with their labels
     covered: dict[str, list[tuple[str, dict[str, str]]]] = {t.name: [] for t in tunnels}
     denied = frozenset(n for t in tunnels for n in t.spec.denied_nodes)
+    all_labels: dict[str, dict[str, str]] = {}
+    ip_addresses: dict[str, list[str]] = {}
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
         if not name:
             continue
         labels = meta.get("labels") or {}
+        all_labels[name] = labels
+        ip_addresses[name] = _ip_addresses(node)
         covering = [t for t in tunnels if t.spec.covers(labels)]
         allow: list[AllowRule] = [_allow_exact(host, port) for host, port in
                                   sorted(translation.node_targets.get(name, ()))]
@@ -203,6 +287,21 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         node_configs[name] = (NodeConfig() if name in denied else
                               NodeConfig(allow=tuple(allow), intercept=intercept,
                                          control_plane=tuple(control_plane)))
+    dnat = dnat_paths(tunnels, all_labels, ip_addresses,
+                      {t: [n for n, _ in c] for t, c in covered.items()}, connect_nodes,
+                      denied)
+    for name, rules in dnat.rules.items():
+        config = node_configs[name]
+        try:
+            intercept = _with_rules(config.intercept, rules)
+        except ValidationError as exc:
+            owner = next(t.name for t in tunnels if t.spec.is_cloud_node(all_labels[name]))
+            problems.append(Problem(
+                "ClusterTunnel", "", owner, "InvalidCloudNodeRule",
+                f"node {name}: the control-plane intercept rules cannot join its intercept "
+                f"rules: {_first_error(exc)}"))
+            continue
+        node_configs[name] = config.model_copy(update={"intercept": intercept})
     scopes: list[NodeScope] = []
     for t in tunnels:
         names = sorted(n for n, _ in covered[t.name])
@@ -217,8 +316,13 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                           node_cidrs=node_cidrs,
                           protected=protected_ranges(tunnels, services, endpoint_slices),
                           nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)),
-                          connect_nodes=connect_nodes)
+                          connect_nodes=connect_nodes, control_plane_sources=dnat.sources)
     return Computed(nodes=node_configs, routes=routes, problems=problems)
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    return str(errors[0]["msg"]) if errors else str(exc)
 
 
 def canonical(config: NodeConfig | RoutesConfig) -> str:

@@ -37,6 +37,7 @@ REASONS: dict[str, int] = {
     "dial_failed": 502,  # the agent could not reach the target
     "dial_timeout": 504,
     "busy": 503,  # the front's max_streams reached
+    "not_tcp": 400,  # the DNAT path (server/dnat.py): a stream that is not tcp
 }
 
 # A DNS name or an IP address as written in an authority (brackets stripped).

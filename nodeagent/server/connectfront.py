@@ -269,7 +269,7 @@ class ConnectFront:
         try:
             upstream = await self._open(decision, client)
         except StreamFailed as exc:
-            await self._refuse(stream, client, _failure_refusal(decision, exc), target=wanted)
+            await self._refuse(stream, client, failure_refusal(decision, exc), target=wanted)
             return
         if wanted.path is None:
             await self._tunnel(stream, conn, upstream, client, decision, wanted)
@@ -387,7 +387,7 @@ _PHRASES = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout",
 assert set(REASONS.values()) <= set(_PHRASES)
 
 
-def _failure_refusal(route: ConnectRoute, exc: StreamFailed) -> Refusal:
+def failure_refusal(route: ConnectRoute, exc: StreamFailed) -> Refusal:
     target = f"{route.dial_host}:{route.port} on node {route.node}"
     if exc.reason is p.StreamReason.TIMEOUT:
         return Refusal("dial_timeout", f"{target}: {exc.message}")

@@ -25,8 +25,6 @@ from prometheus_client.core import GaugeMetricFamily
 
 from nodeagent import __version__
 from nodeagent.config import (
-    CONTROL_PLANE_PURPOSE,
-    PURPOSE_KEY,
     ConfigError,
     HttpListener,
     IngressRoutes,
@@ -47,8 +45,8 @@ from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
 from nodeagent.pki import node_name_from_certificate
-from nodeagent.server.connect import ProxyTarget, Refusal, decide
 from nodeagent.server.connectfront import ConnectFront
+from nodeagent.server.dnat import POLICY_REASONS, DnatPath
 from tunnel import protocol as p
 from tunnel.endpoint import (
     AuthenticationFailed,
@@ -137,7 +135,6 @@ _REFUSAL_LOG = {
     "egress_protected": "agent stream refused: protected destination",
     "relay_not_allowed": "agent stream refused: relay not allowed",
     "backend_protected": "direct backend refused: protected destination",
-    "control_plane_refused": "agent stream refused: control-plane target not allowed",
 }
 
 
@@ -209,6 +206,10 @@ class Server:
             dial_timeout=config.dial_timeout, registry=self.metrics.registry, log=self.log,
             server_tls=(config.tls.cert_file, config.tls.key_file) if config.tls else None,
         ) if config.connect.enabled else None
+        # Cloud nodes' caught dials to other nodes' addresses (control_plane_sources).
+        self.dnat = DnatPath(open_stream=self.tunnel.open_stream,
+                             dial_timeout=config.dial_timeout,
+                             registry=self.metrics.registry, log=self.log)
 
     # ---------------------------------------------------------------- config
 
@@ -349,21 +350,25 @@ class Server:
     # ---------------------------------------------------------------- streams in
 
     async def handle_agent_stream(self, node: str, incoming: IncomingStream) -> None:
-        """A stream an agent opened (intercepted traffic): relay it to the node that owns
+        """A stream an agent opened (intercepted traffic). A cloud node's dial to a node's
+        address takes the DNAT path (server/dnat.py). Otherwise: relay it to the node that owns
         the destination if a relay policy lets this node reach it, or dial it if this
         node's egress allows it (protected ranges only when a rule names them); otherwise
         refuse (FORBIDDEN, counted, logged). Nothing is an open proxy."""
         target = incoming.target
+        if self.dnat.catches(node, target.host, self.routes):
+            # A cloud node's caught dial to a node's address: decided like a CONNECT.
+            outcome = await self.dnat.relay(node, incoming, self.routes)
+            self._count_in("control_plane" if outcome == "established" else outcome)
+            if outcome in POLICY_REASONS:
+                self.refusals.labels("control_plane_refused").inc()
+            return
         origin = incoming.metadata.get("origin", "")
         owner = self.routes.node_for_address(target.host)
         via = "egress"
 
         async def open_upstream() -> trio.abc.HalfCloseableStream:
             nonlocal via
-            if node in self.routes.control_plane_sources and \
-                    self.routes.connect_node_for(target.host) is not None:
-                via = "control_plane"  # a cloud node's caught dial to a node's address
-                return await self._open_control_plane(node, target, origin)
             if owner is not None and owner != node:
                 via = "relay"
                 if not self.routes.relay_allows(node, target.host, target.port,
@@ -400,22 +405,6 @@ class Server:
                                        on_accepted=lambda: self._count_in(via))
         if relayed.failure is not None:
             self._count_in(relayed.failure.outcome)
-
-    async def _open_control_plane(self, node: str, target: p.Target,
-                                  origin: str) -> trio.abc.HalfCloseableStream:
-        """The DNAT path: decided exactly like a CONNECT to target (allowedNodePorts,
-        denied nodes), then opened as a control-plane stream the owning agent checks."""
-        decision = decide(ProxyTarget(target.host.lower(), target.port), self.routes)
-        if isinstance(decision, Refusal) or target.protocol != "tcp":
-            message = decision.message if isinstance(decision, Refusal) else "tcp only"
-            raise self._refuse("control_plane_refused", node, message, target=str(target),
-                               origin=origin)
-        with trio.move_on_after(self.config.dial_timeout):
-            return await self.tunnel.open_stream(
-                decision.node, p.Target(decision.dial_host, decision.port),
-                {"origin": f"{node}/{origin}", PURPOSE_KEY: CONTROL_PLANE_PURPOSE})
-        raise StreamRefusedError(p.StreamReason.TIMEOUT, f"node {decision.node} did not "
-                                 f"answer within {self.config.dial_timeout}s")
 
     async def handle_bootstrap_stream(self, claimed_node: str, incoming: IncomingStream) -> None:
         """A stream on a bootstrap connection: to the controller (whose signer checks the
@@ -594,6 +583,7 @@ class Server:
                           "served": self.tunnel.bootstrap_served},
             "reloads": {name: r.status() for name, r in self.reloaders.items()},
             "connect": self.connect.status() if self.connect else None,
+            "dnat": self.dnat.status(),
         }
 
 

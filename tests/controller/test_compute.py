@@ -184,3 +184,104 @@ def test_the_connect_front_reaches_covered_nodes_by_name_address_and_allowed_pod
     assert not edge.allows("10.1.0.9", 8443)
     assert out.nodes["edge-3"] == NodeConfig()
     assert out.nodes["cloud-1"].control_plane == ()
+
+
+def _dnat_rules(config: NodeConfig) -> list[tuple[str, tuple[str, ...], tuple[Any, ...]]]:
+    rules = config.intercept.rules if config.intercept else ()
+    return [(r.name, r.destinations, r.ports) for r in rules
+            if r.name.startswith("control-plane-")]
+
+
+def test_cloud_nodes_catch_dials_to_the_other_covered_nodes_addresses() -> None:
+    """The DNAT path: the nodes cloudNodeSelector names get an intercept rule for the
+    other covered nodes' IP addresses on allowedNodePorts (host traffic too), and the
+    servers decide their streams like a CONNECT (control_plane_sources)."""
+    tunnels, problems = parse_tunnels([tunnel("t", {
+        "allowedNodePorts": [10250, "9100-9101"], "cloudNodeSelector": {"cloud": "true"},
+        "deniedNodes": ["edge-3", "cloud-9"],
+        "intercept": {"rules": [{"name": "svc", "destinations": ["10.96.0.0/12"]}]}})])
+    assert problems == []
+    ext = node("edge-1", "192.168.1.10")
+    ext["status"]["addresses"].append({"type": "ExternalIP", "address": "203.0.113.7"})
+    cloud = {"cloud": "true"}
+    nodes = [ext, node("edge-2", "192.168.1.2"), node("edge-3", "192.168.1.30"),
+             node("cloud-1", "10.0.0.4", cloud), node("cloud-2", "10.0.0.5", cloud),
+             node("cloud-9", "10.0.0.9", cloud)]
+    out = run(nodes, tunnels)
+    assert problems == [] and out.problems == []
+    # Addresses sorted as addresses (192.168.1.2 before .10), IPs only (no Hostname), no
+    # denied node, no cloud node's own address.
+    expected = [("control-plane-0", ("192.168.1.2/32", "192.168.1.10/32", "203.0.113.7/32"),
+                 ("10250", "9100-9101"))]
+    for name in ("cloud-1", "cloud-2"):
+        config = out.nodes[name]
+        assert _dnat_rules(config) == expected
+        assert config.intercept is not None
+        # The tunnel's own rule stays, and the caught dials include the host's own.
+        assert [r.name for r in config.intercept.rules] == ["svc", "control-plane-0"]
+        assert config.intercept.rules[1].host_traffic
+    assert _dnat_rules(out.nodes["edge-1"]) == []
+    assert out.nodes["cloud-9"] == NodeConfig()  # denied: nothing
+    assert out.routes.control_plane_sources == ("cloud-1", "cloud-2")
+    # Cloud nodes stay reachable through the CONNECT front (egress selection `cluster`).
+    assert "cloud-1" in out.routes.connect_nodes
+    # A Node added changes the set (and only the cloud nodes' configs and the routes);
+    # one removed takes its addresses out.
+    versions = ConfigVersions()
+    for name, config in out.nodes.items():
+        versions.update(f"node/{name}", config)
+    versions.update("servers", out.routes)
+    more = run([*nodes, node("edge-4", "192.168.1.40")], tunnels)
+    changed = {name for name, config in more.nodes.items()
+               if versions.update(f"node/{name}", config)}
+    assert changed == {"cloud-1", "cloud-2", "edge-4"}
+    assert "192.168.1.40/32" in _dnat_rules(more.nodes["cloud-1"])[0][1]
+    fewer = run([n for n in nodes if n["metadata"]["name"] != "edge-2"], tunnels)
+    assert _dnat_rules(fewer.nodes["cloud-1"])[0][1] == ("192.168.1.10/32", "203.0.113.7/32")
+    # Unchanged input: no new version for anyone.
+    again = run([*nodes, node("edge-4", "192.168.1.40")], tunnels)
+    assert not any(versions.update(f"node/{n}", c) for n, c in again.nodes.items())
+
+
+def test_no_cloud_node_selector_no_dnat_path_and_bad_ones_are_problems() -> None:
+    nodes = [node("edge-1", "192.168.1.10"), node("cloud-1", "10.0.0.4", {"cloud": "true"})]
+    tunnels, problems = parse_tunnels([tunnel("t", {"allowedNodePorts": [10250]})])
+    out = run(nodes, tunnels)
+    assert out.routes.control_plane_sources == () and out.nodes["cloud-1"].intercept is None
+    # An empty selector would make every node a cloud node: refused.
+    tunnels, problems = parse_tunnels([tunnel("t", {"cloudNodeSelector": {}})])
+    assert tunnels == [] and [p.reason for p in problems] == ["InvalidSpec"]
+    assert "every node a cloud node" in problems[0].message
+    # No covered node left to reach (or no node ports): the cloud node gets no rule.
+    tunnels, _ = parse_tunnels([tunnel("t", {"cloudNodeSelector": {"cloud": "true"},
+                                             "nodeSelector": {"cloud": "true"}})])
+    out = run(nodes, tunnels)
+    assert out.nodes["cloud-1"].intercept is None
+    assert out.routes.control_plane_sources == ("cloud-1",)
+    # A rule name taken by the tunnel's own intercept: a Problem, the tunnel's rules stay.
+    tunnels, _ = parse_tunnels([tunnel("t", {"cloudNodeSelector": {"cloud": "true"},
+                                             "intercept": {"rules": [{
+                                                 "name": "control-plane-0",
+                                                 "destinations": ["10.96.0.0/12"]}]}})])
+    out = run(nodes, tunnels)
+    assert [(p.name, p.reason) for p in out.problems] == [("t", "InvalidCloudNodeRule")]
+    assert "same name" in out.problems[0].message
+    intercept = out.nodes["cloud-1"].intercept
+    assert intercept is not None and [r.destinations for r in intercept.rules] == [
+        ("10.96.0.0/12",)]
+
+
+def test_each_tunnel_with_a_cloud_selector_adds_a_rule_for_its_own_nodes() -> None:
+    tunnels, problems = parse_tunnels([
+        tunnel("a", {"nodeSelector": {"site": "a"}, "cloudNodeSelector": {"cloud": "true"}},
+               created="2026-01-01T00:00:00Z"),
+        tunnel("b", {"nodeSelector": {"site": "b"}, "allowedNodePorts": [10250, 10255],
+                     "cloudNodeSelector": {"cloud": "true"}}, created="2026-01-02T00:00:00Z"),
+    ])
+    assert problems == []
+    out = run([node("a-1", "192.168.1.1", {"site": "a"}),
+               node("b-1", "192.168.2.1", {"site": "b"}),
+               node("cloud-1", "10.0.0.4", {"cloud": "true"})], tunnels)
+    assert _dnat_rules(out.nodes["cloud-1"]) == [
+        ("control-plane-0", ("192.168.1.1/32",), ("10250",)),
+        ("control-plane-1", ("192.168.2.1/32",), ("10250", "10255"))]

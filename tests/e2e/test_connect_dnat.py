@@ -88,6 +88,8 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "tokens": [{"node": "*", "token": TOKEN}],
             "connect_nodes": {"edge-1": {"addresses": ["10.40.0.1"], "ports": [10250]}},
             "control_plane_sources": ["cloud-1"],
+            # The CONNECT front kube-apiserver's egress selector dials (transport.uds).
+            "connect": {"uds": str(tmp_path / "konnectivity.sock")},
             "debug_socket": str(tmp_path / "server.sock"),
         }
         server = NodeagentProcess("server", server_cfg, tmp_path, "server",
@@ -124,6 +126,7 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
         server.wait_for(lambda s: {a["node"] for a in s["agents"]} == {"cloud-1", "edge-1"},
                         what="both agents connected")
         yield {"topo": topo, "server": server, "cloud_agent": cloud_agent, "edge": edge,
+               "uds": tmp_path / "konnectivity.sock",
                "edge_agent": edge_agent, "server_cfg": server_cfg, "cloud_cfg": cloud_cfg}
     finally:
         for proc in procs:
@@ -149,7 +152,8 @@ def test_a_cloud_node_reaches_an_edge_kubelet_by_its_address(lab: dict[str, Any]
     # Caught but not in allowedNodePorts: the server refuses, the client sees a reset.
     with pytest.raises((ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
         dial(topo, "cloudnode", "10.40.0.1", 22)
-    server.wait_for_log("agent stream refused: control-plane target not allowed")
+    server.wait_for_log("DNAT stream refused")
+    assert server.status()["dnat"]["by_outcome"] == {"established": 1, "port_not_allowed": 1}
     assert lab["edge"].status()["streams_by_outcome"] == {"control_plane_accepted": 1}
 
 
@@ -183,3 +187,43 @@ def test_a_node_added_later_is_reachable_without_a_restart(lab: dict[str, Any]) 
     assert lab["edge"].status()["streams_by_outcome"] == {"control_plane_accepted": 1}
     assert server.proc is not None and server.proc.poll() is None
     assert cloud_agent.proc is not None and cloud_agent.proc.poll() is None
+
+
+def test_the_egress_selector_reaches_a_kubelet_behind_nat_by_connect(
+        lab: dict[str, Any]) -> None:
+    """kube-apiserver's egress selector (HTTPConnect over the Unix socket) in front of an
+    edge node behind NAT: nothing from outside may open a connection into the edge
+    namespace, so the cloud cannot dial the kubelet, yet CONNECT by node name reaches it
+    through the tunnel the agent dialed out; bytes flow both ways until a half-close."""
+    topo = lab["topo"]
+    topo.exec("edge", ["nft", "-f", "-"], input=(
+        "table inet behind_nat {\n"
+        "  chain input { type filter hook input priority 0; policy accept;\n"
+        # A connection-opening SYN from outside is dropped (conntrack would misjudge
+        # the tunnels opened before this table existed: their packets are not new).
+        '    iifname != "lo" tcp flags & (syn | ack) == syn drop\n  }\n}\n'))
+    with pytest.raises(OSError):  # the cloud (the server's namespace) has no way in
+        dial(topo, "cloud", "10.40.0.1", 10250, timeout=1)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with sock:
+        sock.settimeout(10)
+        sock.connect(str(lab["uds"]))
+        sock.sendall(b"CONNECT edge-1:10250 HTTP/1.1\r\nHost: edge-1:10250\r\n\r\n")
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            chunk = sock.recv(1)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        greeting = b""
+        while not greeting.endswith(b"\n"):
+            greeting += sock.recv(1)
+        assert greeting == b"peer=10.40.0.1\n"  # dialed by the edge agent, on the node
+        payload = bytes(range(256)) * 1024
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)  # half-close: the answer still comes back whole
+        echoed = b""
+        while chunk := sock.recv(65536):
+            echoed += chunk
+        assert echoed == payload
+    assert lab["edge"].status()["streams_by_outcome"]["control_plane_accepted"] == 1

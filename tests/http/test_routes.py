@@ -135,14 +135,22 @@ def test_invalid_specs_are_rejected(host: str, path: str) -> None:
         RouteSpec(host, path, r("x"))
 
 
-def test_pathological_path_is_cheap() -> None:
+def test_pathological_path_costs_linear_time() -> None:
+    """A path of 60,000 slashes must cost about 10x one of 6,000, not 100x (quadratic):
+    a ratio measured in the same run (best of 5 each), not a wall-clock bound."""
     t = RouteTable.build([RouteSpec("h", "/a/b", r("ab")), RouteSpec("h", "/", r("root"))])
-    path = "/a/b" + "/" * 60_000
-    start = time.perf_counter()
-    for _ in range(100):
-        assert name_of(t.lookup("h", path)) == "ab"
-        assert name_of(t.lookup("h", "/" * 60_000)) == "root"
-    assert time.perf_counter() - start < 0.5
+
+    def cost(slashes: int) -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(20):
+                assert name_of(t.lookup("h", "/a/b" + "/" * slashes)) == "ab"
+                assert name_of(t.lookup("h", "/" * slashes)) == "root"
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    assert cost(60_000) / cost(6_000) < 40
 
 
 # -- properties against a naive reference -----------------------------------------------
@@ -221,18 +229,19 @@ def test_lookup_agrees_with_reference(
         assert (got.route if got else None) is want, (host, path)
 
 
-def test_rebuild_and_lookup_are_fast_at_scale() -> None:
-    """10,000 hosts / 20,000 paths; loose bounds here, the real figures in bench_proxy."""
+def test_lookup_is_right_at_scale() -> None:
+    """10,000 hosts / 20,000 paths: every lookup finds its own route. (How fast is for
+    scripts/bench_routes.py, which prints ratios; a timing here would fail on a busy
+    machine without saying anything about the code.)"""
     specs = []
     for i in range(10_000):
         route = r(f"r{i}")
         specs.append(RouteSpec(f"svc{i}.example.com", "/", route))
         specs.append(RouteSpec(f"svc{i}.example.com", f"/api/v{i % 5}", route, PathType.EXACT))
-    start = time.perf_counter()
     table = RouteTable.build(specs)
-    assert time.perf_counter() - start < 1.0
-    start = time.perf_counter()
     for i in range(10_000):
         m = table.lookup(f"svc{i}.example.com", "/api/v1/x")
         assert m is not None and m.route.name == f"r{i}"
-    assert (time.perf_counter() - start) / 10_000 < 100e-6
+        exact = table.lookup(f"svc{i}.example.com", f"/api/v{i % 5}")
+        assert exact is not None and exact.route.name == f"r{i}"
+    assert table.lookup("svc10000.example.com", "/") is None

@@ -62,6 +62,7 @@ from tests.netns import Topology, in_netns, netns_available  # noqa: E402
 CLIENT, PUBLIC, CLOUD, EDGE = "10.77.1.1", "10.77.1.2", "10.77.2.1", "10.77.2.2"
 TOKEN = "bench-token-0123456789abcdef"
 IPERF, HTTP, ECHO, SINK = 5201, 8080, 7000, 7001  # targets in edge
+ECHO_CLOSE = 7002  # an echo server that closes each connection after its first echo
 TESTS = ("bulk", "parallel", "http", "connrate", "fairness", "idle", "stall")
 SSH_OFFSET, NA_OFFSET, WSS_OFFSET = 30000, 10000, 20000  # public port = target + offset
 
@@ -149,7 +150,8 @@ class Bench:
         self.spawn("edge", write_nginx_conf(self.tmp, HTTP), "nginx")
         self.spawn("edge", [str(self.tool), "echo", str(ECHO)], "echo")
         self.spawn("edge", [str(self.tool), "sink", str(SINK)], "sink")
-        for port in (IPERF, HTTP, ECHO, SINK):
+        self.spawn("edge", [str(self.tool), "echoclose", str(ECHO_CLOSE)], "echoclose")
+        for port in (IPERF, HTTP, ECHO, SINK, ECHO_CLOSE):
             self.wait_listening("edge", port)
         self.setup_certs()
         if not self.args.no_ssh:
@@ -167,14 +169,14 @@ class Bench:
         self.spawn("cloud", write_sshd_config(d, CLOUD), "sshd")
         self.wait_listening("cloud", 2222, CLOUD)
         forwards = []
-        for port in (IPERF, HTTP, ECHO, SINK):
+        for port in (IPERF, HTTP, ECHO, SINK, ECHO_CLOSE):
             forwards += ["-R", f"{PUBLIC}:{port + SSH_OFFSET}:127.0.0.1:{port}"]
         self.ssh = self.spawn("edge", [
             "ssh", "-N", "-i", str(d / "id"), "-p", "2222",
             "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
             "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
             *forwards, f"root@{CLOUD}"], "ssh")
-        for port in (IPERF, HTTP, ECHO, SINK):
+        for port in (IPERF, HTTP, ECHO, SINK, ECHO_CLOSE):
             self.wait_listening("cloud", port + SSH_OFFSET, PUBLIC)
         cipher = self.run("edge", ["ssh", "-G", "-p", "2222", f"root@{CLOUD}"], timeout=5)
         self.results.setdefault("env", {})["ssh_ciphers"] = next(
@@ -331,22 +333,29 @@ class Bench:
         r["added_p50_ms"] = r["tls"]["p50_ms"] - r["direct"]["p50_ms"]
 
     def test_connrate(self) -> None:
-        r = self.results["connrate"] = {}
+        """Two tests: the client closes (connrate), and the harder one where the target
+        closes first and the client waits for that close (its FIN crosses the tunnel)
+        before its next connection (connwait against the echoclose target)."""
         d = self.dur
-        self.log("new connections/s: direct")
-        r["direct"] = self.benchtool("connrate", EDGE, ECHO, d, 16, timeout=d + 30)
-        tls = self.start_stack("tls")
-        self.log("new connections/s: nodeagent tls (TCP port mapping)")
-        with self.profiled("connrate", tls, d) as cpu:
-            r["tls"] = self.benchtool("connrate", PUBLIC, ECHO + NA_OFFSET, d, 16,
-                                      timeout=d + 30)
-        r["tls"]["cpu_us_per_conn"] = {k: v * 1e6 for k, v in per_unit(
-            cpu, r["tls"]["per_sec"] * d).items()}
-        if not self.args.no_ssh:
-            time.sleep(1)
-            self.log("new connections/s: ssh -R")
-            r["ssh"] = self.benchtool("connrate", PUBLIC, ECHO + SSH_OFFSET, d, 16,
-                                      timeout=d + 30)
+        tls = None
+        for key, mode, port, label in (
+                ("connrate", "connrate", ECHO, "client closes"),
+                ("connrate_close_first", "connwait", ECHO_CLOSE, "target closes first")):
+            r = self.results[key] = {}
+            self.log(f"new connections/s ({label}): direct")
+            r["direct"] = self.benchtool(mode, EDGE, port, d, 16, timeout=d + 30)
+            tls = tls or self.start_stack("tls")
+            self.log(f"new connections/s ({label}): nodeagent tls (TCP port mapping)")
+            with self.profiled(key, tls, d) as cpu:
+                r["tls"] = self.benchtool(mode, PUBLIC, port + NA_OFFSET, d, 16,
+                                          timeout=d + 30)
+            r["tls"]["cpu_us_per_conn"] = {k: v * 1e6 for k, v in per_unit(
+                cpu, r["tls"]["per_sec"] * d).items()}
+            if not self.args.no_ssh:
+                time.sleep(1)
+                self.log(f"new connections/s ({label}): ssh -R")
+                r["ssh"] = self.benchtool(mode, PUBLIC, port + SSH_OFFSET, d, 16,
+                                          timeout=d + 30)
 
     def _fairness(self, echo_port: int, iperf_port: int) -> dict[str, Any]:
         d = self.dur
@@ -568,7 +577,7 @@ class Stack:
             "tokens": [{"node": "edge-1", "token": TOKEN}],
             "tcp": [{"name": f"t{port}", "listen": f"{PUBLIC}:{port + offset}",
                      "node": "edge-1", "target": f"127.0.0.1:{port}"}
-                    for port in (IPERF, ECHO, SINK)],
+                    for port in (IPERF, ECHO, SINK, ECHO_CLOSE)],
             "http": [{"name": "web", "listen": f"{PUBLIC}:{HTTP + offset}", "routes": [
                 {"host": "bench.test", "node": "edge-1", "target": f"127.0.0.1:{HTTP}"},
                 # The server dials this one itself: the HTTP front's cost without a tunnel.
@@ -578,7 +587,7 @@ class Stack:
         self.agent_cfg = {
             "node": "edge-1", "server": self.url, "token": TOKEN,
             "tls": {"ca_file": str(bench.tmp / "ca.crt")},
-            "allow": [f"127.0.0.1:{p}" for p in (IPERF, HTTP, ECHO, SINK)],
+            "allow": [f"127.0.0.1:{p}" for p in (IPERF, HTTP, ECHO, SINK, ECHO_CLOSE)],
             "debug_socket": str(d / "agent.sock"),
             "reconnect": {"initial": 0.1, "maximum": 1.0},
         }
@@ -708,9 +717,12 @@ def _table(res: dict[str, Any]) -> str:
         row("HTTP p99 ms", g("direct", "p99_ms"), g("tls", "p99_ms"), None, g("ssh", "p99_ms"))
         row("HTTP added p50 vs direct ms", None, h.get("added_p50_ms"), None,
             (g("ssh", "p50_ms") - g("direct", "p50_ms")) if g("ssh", "p50_ms") else None)
-    if "connrate" in res:
-        c = res["connrate"]
-        row("new conn/s (connect, 1 B echo, close)", c["direct"]["per_sec"],
+    for key, label in (("connrate", "new conn/s (1 B echo, client closes)"),
+                       ("connrate_close_first", "new conn/s (1 B echo, target closes)")):
+        if key not in res:
+            continue
+        c = res[key]
+        row(label, c["direct"]["per_sec"],
             c.get("tls", {}).get("per_sec"), None, c.get("ssh", {}).get("per_sec"), digits=0)
         cpu = c.get("tls", {}).get("cpu_us_per_conn")
         if cpu:
@@ -727,6 +739,9 @@ def _table(res: dict[str, Any]) -> str:
     if "idle" in res:
         i = res["idle"]["tls"]
         s = res["idle"].get("ssh", {})
+        for role in ("server", "agent"):
+            row(f"RSS MiB at start: {role}", None, i["rss_base_mib"][role], None,
+                s.get("rss_base_mib", {}).get(role), digits=1)
         row("RSS MiB at 1k idle conns: server", None, i["rss_1k_mib"]["server"], None,
             s.get("rss_1k_mib", {}).get("server"), digits=1)
         row("RSS MiB at 1k idle conns: agent", None, i["rss_1k_mib"]["agent"], None,
@@ -786,11 +801,14 @@ def targets(res: dict[str, Any]) -> list[str]:
             check(ratio >= 2 and h["p99_ms"] <= 5,
                   f"HTTP >= 2x ssh -R req/s with p99 <= 5 ms: {h['req_per_sec']:,.0f} vs "
                   f"{ssh['req_per_sec']:,.0f} req/s ({ratio:.2f}x), p99 {h['p99_ms']:.2f} ms")
-    if "connrate" in res:
-        c, ssh = res["connrate"]["tls"], res["connrate"].get("ssh")
+    for key, label in (("connrate", "client closes"),
+                       ("connrate_close_first", "target closes first")):
+        if key not in res:
+            continue
+        c, ssh = res[key]["tls"], res[key].get("ssh")
         if ssh:
             ratio = c["per_sec"] / ssh["per_sec"]
-            check(ratio >= 1, f"new conn/s >= ssh -R: {c['per_sec']:,.0f} vs "
+            check(ratio >= 1, f"new conn/s ({label}) >= ssh -R: {c['per_sec']:,.0f} vs "
                   f"{ssh['per_sec']:,.0f} ({ratio:.2f}x)")
     if "fairness" in res:
         f = res["fairness"]["tls"]["p99_ratio"]

@@ -16,6 +16,7 @@ from nodeagent.config import ConnectFrontConfig, RoutesConfig
 from nodeagent.ops.logs import get_logger
 from nodeagent.server.connectfront import ConnectFront
 from tunnel import protocol as p
+from tunnel.stream import TunnelStream
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ async def test_only_clients_with_a_certificate_from_the_client_ca(
     opened: list[str] = []
 
     async def open_stream(node: str, target: p.Target,
-                          metadata: dict[str, str]) -> trio.abc.HalfCloseableStream:
+                          metadata: dict[str, str]) -> TunnelStream:
         opened.append(node)
         raise AssertionError("no route should reach a node here")
 

@@ -34,8 +34,6 @@ from tunnel.transports import (
     WebSocketImpl,
     describe_error,
     is_tls_error,
-    websocket_accept,
-    websocket_connect,
 )
 
 __all__ = [
@@ -224,6 +222,7 @@ async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
         peer = PeerInfo(address=address, certificate_der=certificate)
         if not endpoint.is_websocket:
             return StreamTransport(stream, peer, initial=initial)
+        from tunnel.transports.handshake import websocket_connect  # ws only: see transports
         try:
             return await websocket_connect(
                 stream, impl=impl, host=endpoint.host, port=endpoint.port,
@@ -450,6 +449,7 @@ async def _accept(stream: trio.SocketStream, endpoint: Endpoint, peer_address: s
         peer = PeerInfo(address=peer_address, certificate_der=certificate)
         if not endpoint.is_websocket:
             return StreamTransport(inner, peer)
+        from tunnel.transports.handshake import websocket_accept  # ws only: see transports
         try:
             return await websocket_accept(inner, impl=impl, path=endpoint.path, peer=peer,
                                           max_message_size=max_message_size)

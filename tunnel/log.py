@@ -22,8 +22,12 @@ class StructuredLogger:
         self._bound = bound
 
     def bind(self, **fields: Any) -> StructuredLogger:
-        """A logger that adds these fields to every line (e.g. node=, stream=)."""
-        return StructuredLogger(self._logger.name, **{**self._bound, **fields})
+        """A logger that adds these fields to every line (e.g. node=, stream=). Cheap (no
+        logging.getLogger lookup and its lock): relays bind one per connection."""
+        bound = StructuredLogger.__new__(StructuredLogger)
+        bound._logger = self._logger
+        bound._bound = {**self._bound, **fields}
+        return bound
 
     def _log(self, level: int, msg: str, fields: dict[str, Any]) -> None:
         if self._logger.isEnabledFor(level):

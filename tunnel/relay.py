@@ -20,7 +20,6 @@ from tunnel.errors import StreamFailed
 from tunnel.splice import SpliceResult, close_stream, splice
 
 OpenUpstream = Callable[[], Awaitable[trio.abc.HalfCloseableStream]]
-Wrap = Callable[[trio.abc.HalfCloseableStream], trio.abc.HalfCloseableStream]
 
 
 @dataclass(frozen=True)
@@ -36,11 +35,9 @@ def _nothing() -> None:
 
 
 async def relay_incoming(incoming: IncomingStream, open_upstream: OpenUpstream, *,
-                         on_accepted: Callable[[], None] = _nothing,
-                         wrap: Wrap | None = None) -> Relayed:
+                         on_accepted: Callable[[], None] = _nothing) -> Relayed:
     """Open the upstream for a stream the peer opened; refuse the stream with the reason
-    if that fails, else accept it (calling `on_accepted`) and splice the two. `wrap`, if
-    given, wraps the accepted stream before the splice (to count its bytes live, say)."""
+    if that fails, else accept it (calling `on_accepted`) and splice the two."""
     try:
         upstream = await open_upstream()
     except StreamFailed as exc:
@@ -53,7 +50,7 @@ async def relay_incoming(incoming: IncomingStream, open_upstream: OpenUpstream, 
             await close_stream(upstream, abort=True)
         raise
     on_accepted()
-    return Relayed(spliced=await splice(wrap(stream) if wrap else stream, upstream))
+    return Relayed(spliced=await splice(stream, upstream))
 
 
 async def relay_connection(client: trio.abc.Stream, open_upstream: OpenUpstream, *,

@@ -81,17 +81,18 @@ async def splice(a: trio.abc.Stream, b: trio.abc.Stream, *, chunk: int = CHUNK,
                 result.b_to_a += moved
 
     try:
-        async with trio.open_nursery() as nursery:
-            scope = nursery.cancel_scope
-            if isinstance(a, TunnelStream) and isinstance(b, trio.SocketStream):
-                moved = await _direct(a, b, a_leftover, nursery, lambda e: fail(e, scope),
-                                      guarded(b, a, False, b_leftover, scope))
-                result.a_to_b += moved
-            elif isinstance(b, TunnelStream) and isinstance(a, trio.SocketStream):
-                moved = await _direct(b, a, b_leftover, nursery, lambda e: fail(e, scope),
-                                      guarded(a, b, True, a_leftover, scope))
-                result.b_to_a += moved
-            else:
+        if isinstance(a, TunnelStream) and isinstance(b, trio.SocketStream):
+            # No nursery: this task carries socket → tunnel, the reader tunnel → socket.
+            with trio.CancelScope() as scope:
+                await _direct(a, b, a_leftover, result, True, lambda e: fail(e, scope),
+                              guarded(b, a, False, b_leftover, scope))
+        elif isinstance(b, TunnelStream) and isinstance(a, trio.SocketStream):
+            with trio.CancelScope() as scope:
+                await _direct(b, a, b_leftover, result, False, lambda e: fail(e, scope),
+                              guarded(a, b, True, a_leftover, scope))
+        else:
+            async with trio.open_nursery() as nursery:
+                scope = nursery.cancel_scope
                 # b→a in a task of its own, a→b in this one: a task fewer per connection.
                 nursery.start_soon(guarded, b, a, False, b_leftover, scope)
                 await guarded(a, b, True, a_leftover, scope)
@@ -104,12 +105,13 @@ async def splice(a: trio.abc.Stream, b: trio.abc.Stream, *, chunk: int = CHUNK,
 
 
 async def _direct(tunnel: TunnelStream, sock: trio.SocketStream, leftover: bytes,
-                  nursery: trio.Nursery, fail: Callable[[BaseException], None],
-                  socket_to_tunnel: Coroutine[Any, Any, None]) -> int:
+                  result: SpliceResult, forward: bool, fail: Callable[[BaseException], None],
+                  socket_to_tunnel: Coroutine[Any, Any, None]) -> None:
     """Tunnel → socket by a `_SocketSink`, socket → tunnel by the `socket_to_tunnel`
-    coroutine run here; returns the bytes moved tunnel → socket. `leftover` (already read
-    from the tunnel) and what the stream buffered before the sink was attached go first."""
-    sink = _SocketSink(tunnel, sock, nursery, fail)
+    coroutine run here; counts the bytes moved tunnel → socket into `result` (a_to_b if
+    `forward`). `leftover` (already read from the tunnel) and what the stream buffered
+    before the sink was attached go first."""
+    sink = _SocketSink(tunnel, sock, fail)
     try:
         try:
             if leftover:
@@ -122,7 +124,7 @@ async def _direct(tunnel: TunnelStream, sock: trio.SocketStream, leftover: bytes
         except _BROKEN as exc:
             socket_to_tunnel.close()
             fail(exc)
-            return sink.moved
+            return
         tunnel.attach_sink(sink)
         if data == b"":
             sink.on_eof()
@@ -130,27 +132,32 @@ async def _direct(tunnel: TunnelStream, sock: trio.SocketStream, leftover: bytes
             sink.on_reset(tunnel.reset_reason)
         await socket_to_tunnel
         await sink.done.wait()
-        return sink.moved
     finally:
+        socket_to_tunnel.close()  # never started if cancelled first: no "never awaited"
         tunnel.attach_sink(None)
         sink.release()
+        if forward:
+            result.a_to_b += sink.moved
+        else:
+            result.b_to_a += sink.moved
 
 
 class _SocketSink:
     """Tunnel → socket without a task (see the module docstring). Writes are non-blocking
     `os.write`s on the socket's descriptor, whose other direction a task reads; the
     stream's flow-control credit returns only for bytes the socket took, so a target that
-    stops reading stops its sender at the stream's window, as a task would."""
+    stops reading stops its sender at the stream's window, as a task would. What the
+    socket cannot take at once is drained by a task in the tunnel connection's nursery
+    (the splice has none); the splice waits for it (`done`), and closing the socket at
+    the end of a failed splice ends it."""
 
-    __slots__ = ("_eof", "_fail", "_fd", "_nursery", "_pending", "_sock", "_stream", "done",
-                 "moved")
+    __slots__ = ("_eof", "_fail", "_fd", "_pending", "_sock", "_stream", "done", "moved")
 
-    def __init__(self, stream: TunnelStream, sock: trio.SocketStream, nursery: trio.Nursery,
+    def __init__(self, stream: TunnelStream, sock: trio.SocketStream,
                  fail: Callable[[BaseException], None]) -> None:
         self._stream = stream
         self._sock = sock
         self._fd = sock.socket.fileno()
-        self._nursery = nursery
         self._fail = fail
         self._pending: collections.deque[bytes] | None = None
         self._eof = False
@@ -177,7 +184,11 @@ class _SocketSink:
             self._stream.consumed(sent)
         if sent < len(data):
             self._pending = collections.deque((data[sent:],))
-            self._nursery.start_soon(self._drain)
+            nursery = self._stream._conn._nursery
+            if nursery is None:  # the connection is ending: the stream is reset next
+                self._finish(trio.ClosedResourceError("tunnel connection ended"))
+                return
+            nursery.start_soon(self._drain)
 
     def on_eof(self) -> None:
         self._eof = True
@@ -189,7 +200,8 @@ class _SocketSink:
 
     async def _drain(self) -> None:
         pending = self._pending
-        assert pending is not None
+        if pending is None or self.done.is_set():
+            return
         try:
             while pending:
                 data = pending[0]
@@ -197,7 +209,8 @@ class _SocketSink:
                 pending.popleft()
                 self.moved += len(data)
                 self._stream.consumed(len(data))
-        except _BROKEN as exc:
+        except Exception as exc:
+            # In the connection's nursery: end the splice, never the tunnel connection.
             self._finish(exc)
             return
         self._pending = None

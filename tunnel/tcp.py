@@ -12,9 +12,8 @@ with each address's error kept in `attempts`.
 from __future__ import annotations
 
 import errno
-import math
 import socket
-from typing import Literal
+from typing import Any, Literal
 
 import trio
 
@@ -59,18 +58,34 @@ async def connect_tcp(host: str, port: int, *, connect_timeout: float | None,
     `mark` sets SO_MARK before connecting: the agent's netfilter rules skip that mark,
     so its own upstream connections are never intercepted (no uid-based tricks).
     """
-    with trio.move_on_after(math.inf if connect_timeout is None else connect_timeout) as scope:
+    if connect_timeout is None:
+        return await _connect(host, port, mark)
+    with trio.move_on_after(connect_timeout) as scope:
         return await _connect(host, port, mark)
     assert scope.cancelled_caught
     raise DialFailed("timeout", f"connecting to {host}:{port} timed out after "
                                 f"{connect_timeout:g}s")
 
 
+def _literal(host: str, port: int) -> list[tuple[socket.AddressFamily, socket.SocketKind, int,
+                                                 str, tuple[str, int]]] | None:
+    """getaddrinfo's answer for an IP literal, without the resolver's round trip."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+    return None
+
+
 async def _connect(host: str, port: int, mark: int | None) -> trio.SocketStream:
-    try:
-        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise DialFailed("dns", f"cannot resolve {host}: {exc.strerror}") from None
+    infos: list[tuple[Any, ...]] | None = _literal(host, port)
+    if infos is None:
+        try:
+            infos = list(await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except socket.gaierror as exc:
+            raise DialFailed("dns", f"cannot resolve {host}: {exc.strerror}") from None
     if not infos:
         raise DialFailed("dns", f"{host} has no addresses")
     attempts: list[tuple[str, OSError]] = []
@@ -83,7 +98,6 @@ async def _connect(host: str, port: int, mark: int | None) -> trio.SocketStream:
                 except OSError as exc:
                     raise DialFailed("mark", f"cannot set SO_MARK {mark} (needs "
                                              f"CAP_NET_ADMIN): {exc.strerror}") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await sock.connect(sockaddr)
         except OSError as exc:
             sock.close()
@@ -92,7 +106,7 @@ async def _connect(host: str, port: int, mark: int | None) -> trio.SocketStream:
         except BaseException:
             sock.close()
             raise
-        return trio.SocketStream(sock)
+        return trio.SocketStream(sock)  # which sets TCP_NODELAY (once: not here too)
     if all(isinstance(e, ConnectionRefusedError) for _, e in attempts):
         raise DialFailed("refused", f"{host}:{port} refused the connection",
                          attempts=tuple(attempts))

@@ -31,7 +31,7 @@ from nodeagent.configwatch import WatchStatus
 from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, gauge
-from nodeagent.ops.streams import LiveStreams, Metered
+from nodeagent.ops.streams import LiveStreams
 from tunnel import protocol as p
 from tunnel.backoff import ReconnectPolicy
 from tunnel.client import TunnelClient
@@ -144,10 +144,10 @@ class Agent:
                                      mark=self.config.socket_mark)
 
         if control:
-            with self.control_plane.track(origin, self.config.node, str(target)) as entry:
+            with self.control_plane.track(origin, self.config.node, str(target),
+                                          incoming.stream, sends_toward_target=False):
                 relayed = await relay_incoming(
-                    incoming, open_upstream, on_accepted=lambda: self._count(f"{prefix}accepted"),
-                    wrap=lambda s: Metered(s, entry, sends_toward_target=False))
+                    incoming, open_upstream, on_accepted=lambda: self._count(f"{prefix}accepted"))
         else:
             relayed = await relay_incoming(incoming, open_upstream,
                                            on_accepted=lambda: self._count("accepted"))

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from nodeagent.ops.jsonhttp import JsonRoutes, RouteHandler, serve_http
@@ -160,6 +159,8 @@ def fetch_debug(path: str | os.PathLike[str], route: str, *, timeout: float = 5.
         raise DebugUnavailable(f"cannot read {path}: {exc.strerror or exc} {hint}") from exc
     finally:
         probe.close()
+    import httpx  # the debug client only: agents and servers never load it (~8 MiB)
+
     try:
         transport = httpx.HTTPTransport(uds=path)
         with httpx.Client(transport=transport, timeout=timeout, trust_env=False) as client:

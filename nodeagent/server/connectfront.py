@@ -43,7 +43,7 @@ from nodeagent.config import (
     ConnectFrontConfig,
     RoutesConfig,
 )
-from nodeagent.ops.streams import LiveStreams, Metered
+from nodeagent.ops.streams import LiveStreams
 from nodeagent.server.connect import (
     REASONS,
     ConnectRoute,
@@ -57,6 +57,7 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog, StructuredLogger
 from tunnel.server import NodeNotConnected
 from tunnel.splice import close_stream, splice
+from tunnel.stream import TunnelStream
 
 _MAX_HEAD = 16 * 1024
 # Request headers not forwarded to the target: hop-by-hop (RFC 9110 §7.6.1) and the
@@ -68,7 +69,7 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te
 
 class StreamOpener(Protocol):
     async def __call__(self, node: str, target: p.Target,
-                       metadata: dict[str, str]) -> trio.abc.HalfCloseableStream: ...
+                       metadata: dict[str, str]) -> TunnelStream: ...
 
 
 class ConnectFront:
@@ -275,7 +276,7 @@ class ConnectFront:
         else:
             await self._forward(stream, conn, request, upstream, client, decision, wanted)
 
-    async def _open(self, route: ConnectRoute, client: str) -> trio.abc.HalfCloseableStream:
+    async def _open(self, route: ConnectRoute, client: str) -> TunnelStream:
         metadata = {"origin": client, PURPOSE_KEY: CONTROL_PLANE_PURPOSE}
         with trio.move_on_after(self.dial_timeout) as scope:
             return await self._open_stream(route.node, p.Target(route.dial_host, route.port),
@@ -285,7 +286,7 @@ class ConnectFront:
                            f"node {route.node} did not answer within {self.dial_timeout:g}s")
 
     async def _tunnel(self, stream: trio.abc.Stream, conn: h11.Connection,
-                      upstream: trio.abc.HalfCloseableStream, client: str,
+                      upstream: TunnelStream, client: str,
                       route: ConnectRoute, wanted: ProxyTarget) -> None:
         leftover = conn.trailing_data[0]  # bytes the client sent after its head
         try:
@@ -298,7 +299,7 @@ class ConnectFront:
         await self._carry(stream, upstream, client, route, wanted, leftover)
 
     async def _forward(self, stream: trio.abc.Stream, conn: h11.Connection,
-                       request: h11.Request, upstream: trio.abc.HalfCloseableStream,
+                       request: h11.Request, upstream: TunnelStream,
                        client: str, route: ConnectRoute, wanted: ProxyTarget) -> None:
         """An absolute-form request: sent on as origin-form with `Connection: close`; the
         response is carried back raw until the target closes (one request per
@@ -343,13 +344,13 @@ class ConnectFront:
         self._count("forwarded")
         await self._carry(stream, upstream, client, route, wanted, b"")
 
-    async def _carry(self, stream: trio.abc.Stream, upstream: trio.abc.HalfCloseableStream,
+    async def _carry(self, stream: trio.abc.Stream, upstream: TunnelStream,
                      client: str, route: ConnectRoute, wanted: ProxyTarget,
                      leftover: bytes) -> None:
-        with self.streams.track(client, route.node, wanted.authority) as entry:
-            metered = Metered(upstream, entry, sends_toward_target=True)
+        with self.streams.track(client, route.node, wanted.authority, upstream,
+                                sends_toward_target=True):
             started = time.monotonic()
-            result = await splice(stream, metered, a_leftover=leftover)
+            result = await splice(stream, upstream, a_leftover=leftover)
         self.bytes.labels("in").inc(result.a_to_b)
         self.bytes.labels("out").inc(result.b_to_a)
         self.log.info("CONNECT stream closed", client=client, node=route.node,

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
 from nodeagent.config import CONTROL_PLANE_PURPOSE, PURPOSE_KEY, RoutesConfig
-from nodeagent.ops.streams import LiveStreams, Metered
+from nodeagent.ops.streams import LiveStreams
 from nodeagent.server.connect import ConnectRoute, ProxyTarget, Refusal, decide
 from nodeagent.server.connectfront import StreamOpener, failure_refusal
 from tunnel import protocol as p
@@ -76,12 +76,12 @@ class DnatPath:
             await incoming.refuse(p.StreamReason.FORBIDDEN, decision.message)
             return self._refused(decision, client, wanted)
         route = decision
-        with self.streams.track(client, route.node, wanted.authority) as entry:
+        with self.streams.track(client, route.node, wanted.authority, incoming.stream,
+                                sends_toward_target=False):
             started = time.monotonic()
             relayed = await relay_incoming(
                 incoming, lambda: self._open(route, client),
-                on_accepted=lambda: self._count("established"),
-                wrap=lambda s: Metered(s, entry, sends_toward_target=False))
+                on_accepted=lambda: self._count("established"))
         if relayed.failure is not None:
             return self._refused(failure_refusal(route, relayed.failure), client, wanted)
         result = relayed.spliced

@@ -1,9 +1,14 @@
 /* Small load tools for scripts/bench.py (compiled on first use with cc -O2 -pthread).
  *
  *   benchtool echo PORT            epoll TCP echo server on 0.0.0.0:PORT
+ *   benchtool echoclose PORT       the same, but it closes each connection after its first
+ *                                  echo (the target closes first)
  *   benchtool sink PORT            accepts and never reads (a stalled reader)
  *   benchtool connrate HOST PORT SECONDS THREADS
  *        connect, write 1 byte, read 1 byte, close; prints JSON {count, errors, per_sec}
+ *   benchtool connwait HOST PORT SECONDS THREADS
+ *        connect, write 1 byte, read 1 byte, wait for the target's close (EOF), close: the
+ *        target's FIN has to come back before the next connection (use echoclose)
  *   benchtool rr HOST PORT SECONDS CONNS SIZE
  *        CONNS persistent connections doing request/response of SIZE bytes;
  *        prints JSON {count, errors, p50_us, p99_us, p999_us, max_us}
@@ -37,7 +42,7 @@ static int listen_on(int port) {
     return fd;
 }
 
-static int serve(int port, int echo) {
+static int serve(int port, int echo, int close_after) {
     int lfd = listen_on(port), ep = epoll_create1(0);
     fcntl(lfd, F_SETFL, O_NONBLOCK);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = lfd}, evs[256];
@@ -66,6 +71,7 @@ static int serve(int port, int echo) {
                 if (w < 0) { if (errno == EAGAIN) { usleep(100); continue; } close(fd); break; }
                 off += w;
             }
+            if (close_after) close(fd);  /* the target closes first */
         }
     }
     return 0;
@@ -102,6 +108,18 @@ static void *connrate_worker(void *p) {
     return NULL;
 }
 
+static void *connwait_worker(void *p) {
+    struct job *j = p; char c = 'x';
+    while (now() < j->until) {
+        int fd = connect_to(&j->addr);
+        if (fd < 0) { j->errors++; usleep(1000); continue; }
+        if (write(fd, &c, 1) != 1 || readn(fd, &c, 1) || read(fd, &c, 1) != 0) j->errors++;
+        else j->count++;
+        close(fd);  /* after the target's FIN: no TIME_WAIT on this side */
+    }
+    return NULL;
+}
+
 static void *rr_worker(void *p) {
     struct job *j = p; char *b = calloc(1, j->size);
     int fd = connect_to(&j->addr);
@@ -123,10 +141,12 @@ static int cmp(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
-    if (argc == 3 && !strcmp(argv[1], "echo")) return serve(atoi(argv[2]), 1);
-    if (argc == 3 && !strcmp(argv[1], "sink")) return serve(atoi(argv[2]), 0);
+    if (argc == 3 && !strcmp(argv[1], "echo")) return serve(atoi(argv[2]), 1, 0);
+    if (argc == 3 && !strcmp(argv[1], "echoclose")) return serve(atoi(argv[2]), 1, 1);
+    if (argc == 3 && !strcmp(argv[1], "sink")) return serve(atoi(argv[2]), 0, 0);
     int rr = argc == 7 && !strcmp(argv[1], "rr");
-    if (!rr && !(argc == 6 && !strcmp(argv[1], "connrate"))) {
+    int wait = argc == 6 && !strcmp(argv[1], "connwait");
+    if (!rr && !wait && !(argc == 6 && !strcmp(argv[1], "connrate"))) {
         fprintf(stderr, "usage: see the top of benchtool.c\n"); return 2;
     }
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(atoi(argv[3]))};
@@ -136,7 +156,8 @@ int main(int argc, char **argv) {
     double t0 = now();
     for (int i = 0; i < n; i++) {
         jobs[i].addr = a; jobs[i].until = t0 + secs; jobs[i].size = rr ? atoi(argv[6]) : 1;
-        pthread_create(&th[i], NULL, rr ? rr_worker : connrate_worker, &jobs[i]);
+        pthread_create(&th[i], NULL,
+                       rr ? rr_worker : wait ? connwait_worker : connrate_worker, &jobs[i]);
     }
     long count = 0, errors = 0, nlat = 0;
     for (int i = 0; i < n; i++) { pthread_join(th[i], NULL); count += jobs[i].count;

@@ -1,7 +1,7 @@
 """In-process micro benchmark of the tunnel endpoints: CPU time per unit of work.
 
 Two TunnelConnections (dialer and acceptor) in one trio process over a loopback TCP
-connection (plain StreamTransport, so the TLS layer is left out), streams handled by an
+connection (plain StreamTransport; with --tls over the tunnel's TLSStream), streams handled by an
 echo/sink handler. Measures process CPU time, which a busy shared machine disturbs far
 less than wall-clock throughput. Used to A/B tunnel changes:
 
@@ -19,7 +19,7 @@ import trio
 
 from tunnel import protocol as p
 from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
-from tunnel.transports import PeerInfo, StreamTransport
+from tunnel.transports import PeerInfo, StreamTransport, TLSStream
 
 T = p.Target("127.0.0.1", 9)
 
@@ -37,11 +37,26 @@ async def allow(hello: p.Hello, peer: PeerInfo) -> p.Hello:
     return p.Hello(identity={"server": "micro"})
 
 
-async def main(mib: int, rr_count: int, opens: int) -> dict[str, float]:
+async def main(mib: int, rr_count: int, opens: int, parallel: int,
+               tls: bool, fast_path: bool = False) -> dict[str, float]:
     a, b = _tcp_pair()
-    sa, sb = trio.SocketStream(trio.socket.from_stdlib_socket(a)), \
-        trio.SocketStream(trio.socket.from_stdlib_socket(b))
+    sa: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
+    sb: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(b))
+    if tls:  # the tunnel's own TLS layer, as in production (tls://)
+        from nodeagent import pki
+        ca = pki.create_ca("micro")
+        cert = pki.issue_server_certificate(ca, ["localhost"], [])
+        ta = TLSStream(sa, pki.client_ssl_context(ca.certificate_pem),
+                       server_hostname="localhost")
+        tb = TLSStream(sb, pki.server_ssl_context(cert.certificate_pem, cert.key_pem),
+                       server_side=True)
+        async with trio.open_nursery() as handshakes:
+            handshakes.start_soon(ta.do_handshake)
+            handshakes.start_soon(tb.do_handshake)
+        sa, sb = ta, tb
     settings = EndpointSettings(ping_interval=0, open_rate=1e9)
+    if fast_path:  # (set only when asked: older trees, run for A/B, lack the field)
+        settings.send_fast_path = True
     d = TunnelConnection(StreamTransport(sa, PeerInfo("a")), p.Role.DIALER, settings, None)
     acc = TunnelConnection(StreamTransport(sb, PeerInfo("b")), p.Role.ACCEPTOR, settings,
                            sink_or_echo)
@@ -64,17 +79,28 @@ async def main(mib: int, rr_count: int, opens: int) -> dict[str, float]:
         out["bulk_cpu_s_per_gb"] = (time.process_time() - t0) / (n * len(chunk) / 1e9)
         await stream.aclose()
 
-        # request/response on one stream
-        stream = await d.open_stream(T, {"mode": "echo"})
+        # request/response on one stream, then on `parallel` streams at once (the HTTP
+        # benchmark's shape: 16 connections, so the writer has several streams to batch)
         msg = b"r" * 64
+
+        async def rr(count: int) -> None:
+            stream = await d.open_stream(T, {"mode": "echo"})
+            for _ in range(count):
+                await stream.send_all(msg)
+                got = 0
+                while got < len(msg):
+                    got += len(await stream.receive_some())
+            await stream.aclose()
+
         t0 = time.process_time()
-        for _ in range(rr_count):
-            await stream.send_all(msg)
-            got = 0
-            while got < len(msg):
-                got += len(await stream.receive_some())
+        await rr(rr_count)
         out["rr_cpu_us"] = (time.process_time() - t0) / rr_count * 1e6
-        await stream.aclose()
+        t0 = time.process_time()
+        async with trio.open_nursery() as streams:
+            for _ in range(parallel):
+                streams.start_soon(rr, rr_count // parallel)
+        out[f"rr{parallel}_cpu_us"] = (time.process_time() - t0) / (
+            rr_count // parallel * parallel) * 1e6
 
         # open, 1-byte echo, close
         t0 = time.process_time()
@@ -107,6 +133,11 @@ if __name__ == "__main__":
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--rr", type=int, default=20000)
     parser.add_argument("--opens", type=int, default=3000)
+    parser.add_argument("--parallel", type=int, default=16)
+    parser.add_argument("--tls", action="store_true", help="the tunnel's TLS layer too")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="EndpointSettings.send_fast_path (the writer fast path)")
     args = parser.parse_args()
-    print(json.dumps({k: round(v, 3) for k, v in trio.run(main, args.mib, args.rr,
-                                                        args.opens).items()}))
+    print(json.dumps({k: round(v, 3) for k, v in trio.run(
+        main, args.mib, args.rr, args.opens, args.parallel, args.tls,
+        args.fast_path).items()}))

@@ -79,3 +79,22 @@ async def test_mark_without_privilege_is_a_clear_error() -> None:
     with pytest.raises(DialFailed) as info:
         await connect_tcp("127.0.0.1", 9, connect_timeout=5, mark=1)
     assert info.value.cause == "mark" and "CAP_NET_ADMIN" in info.value.message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+async def test_ip_literals_are_not_resolved(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_resolver(*args: object, **kwargs: object) -> None:
+        raise AssertionError("getaddrinfo called for an IP literal")
+
+    try:
+        listeners = await trio.open_tcp_listeners(0, host=host)
+    except OSError:
+        pytest.skip(f"no {host} on this host")
+    port = listeners[0].socket.getsockname()[1]
+    monkeypatch.setattr(trio.socket, "getaddrinfo", no_resolver)
+    stream = await connect_tcp(host, port, connect_timeout=5)
+    assert stream.socket.getpeername()[:2] == (host, port)
+    await stream.aclose()
+    await listeners[0].aclose()
+    with pytest.raises(AssertionError, match="getaddrinfo called"):
+        await connect_tcp("localhost", port, connect_timeout=5)

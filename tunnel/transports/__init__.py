@@ -7,34 +7,49 @@ its implementations, a TLS (or plain TCP) byte stream and WebSocket binary messa
   exceptions (trio, OSError, ssl) are mapped there, once, into `TransportError`.
 - `websocket`: the WebSocket codecs over sans-IO cores and `WebSocketTransport`.
 - `handshake`: the WebSocket opening handshake, client and server.
+  (Both WebSocket modules load on first use of their names: an agent or server on tls://
+  never imports the WebSocket libraries.)
 
 Dialing and listening (endpoint URL → transport) is tunnel.dial.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from tunnel.transports.base import (
+    MAX_HANDSHAKE_SIZE,
+    MAX_MESSAGE_SIZE,
     STREAM_RECEIVE_SIZE,
+    WEBSOCKET_IMPLS,
+    WEBSOCKET_RECEIVE_SIZE,
     DialError,
     Endpoint,
     PeerInfo,
     Transport,
     TransportClosed,
     TransportError,
-)
-from tunnel.transports.handshake import (
-    MAX_HANDSHAKE_SIZE,
     WebSocketHandshakeError,
-    websocket_accept,
-    websocket_connect,
+    WebSocketImpl,
 )
 from tunnel.transports.stream import CLOSE_TIMEOUT, StreamTransport, socket_of
 from tunnel.transports.tls import TLS_RECORD_SIZE, TLSStream, describe_error, is_tls_error
-from tunnel.transports.websocket import (
-    MAX_MESSAGE_SIZE,
-    WEBSOCKET_IMPLS,
-    WEBSOCKET_RECEIVE_SIZE,
-    WebSocketImpl,
-    WebSocketTransport,
-)
+
+if TYPE_CHECKING:
+    from tunnel.transports.handshake import websocket_accept, websocket_connect
+    from tunnel.transports.websocket import WebSocketTransport
+
+# The WebSocket transport and handshake load the WebSocket libraries (~3 MiB): only for
+# ws:// and wss:// endpoints, on first use of these names.
+_LAZY = {"websocket_accept": "handshake", "websocket_connect": "handshake",
+         "WebSocketTransport": "websocket"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "CLOSE_TIMEOUT",

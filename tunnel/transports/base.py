@@ -11,9 +11,23 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Literal
 
 # The tunnel moves bulk data: read big chunks, so the protocol core sees few, large calls.
 STREAM_RECEIVE_SIZE = 256 * 1024
+
+
+# WebSocket figures live here, not in websocket.py, so that dialing and config code can
+# name them without importing the WebSocket libraries (loaded only for ws:// and wss://).
+WEBSOCKET_RECEIVE_SIZE = 256 * 1024
+# Largest WebSocket message accepted (and sent: bigger sends are split). The tunnel's
+# default max frame is 64 KiB; 1 MiB leaves headroom for coalesced frames while a peer
+# can never make us buffer more than this for one message.
+MAX_MESSAGE_SIZE = 1024 * 1024
+WebSocketImpl = Literal["websockets", "wsproto"]
+WEBSOCKET_IMPLS: tuple[WebSocketImpl, ...] = ("websockets", "wsproto")
+# Largest HTTP upgrade request/response we read before giving up on a handshake.
+MAX_HANDSHAKE_SIZE = 64 * 1024
 
 
 class TransportError(Exception):
@@ -30,6 +44,16 @@ class DialError(TransportError):
     def __init__(self, message: str, reason: str = "dial_failed") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class WebSocketHandshakeError(TransportError):
+    """The HTTP upgrade failed. `status` is the HTTP status the server answered (client
+    side) or that we answered (server side), if any; `reason` a short word for logs."""
+
+    def __init__(self, message: str, reason: str = "http", status: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -53,6 +77,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send all of data. Raises TransportClosed if the transport is closed."""
+
+    def can_send_nowait(self) -> bool:
+        """Whether send_nowait() may be called now (no send in progress or left over)."""
+        return False
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
+        """Take all of `data` now, in the calling task, without awaiting (only when
+        can_send_nowait()): True if it all went to the socket; False if some waits in
+        the transport for the next send() (an empty one flushes it, and reports any
+        error). Never leaves a record or frame half-written, since it cannot be
+        cancelled part-way."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     async def receive(self) -> bytes:

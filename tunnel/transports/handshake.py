@@ -25,7 +25,11 @@ import wsproto
 import wsproto.events
 import wsproto.utilities
 
-from tunnel.transports.base import PeerInfo, TransportError
+from tunnel.transports.base import (
+    MAX_HANDSHAKE_SIZE,
+    PeerInfo,
+    WebSocketHandshakeError,
+)
 from tunnel.transports.tls import describe_error, is_tls_error
 from tunnel.transports.websocket import (
     MAX_MESSAGE_SIZE,
@@ -42,20 +46,6 @@ __all__ = [
     "websocket_accept",
     "websocket_connect",
 ]
-
-# Largest HTTP upgrade request/response we read before giving up on a handshake.
-MAX_HANDSHAKE_SIZE = 64 * 1024
-
-
-class WebSocketHandshakeError(TransportError):
-    """The HTTP upgrade failed. `status` is the HTTP status the server answered (client
-    side) or that we answered (server side), if any; `reason` a short word for logs."""
-
-    def __init__(self, message: str, reason: str = "http", status: int | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.status = status
-
 
 async def websocket_connect(
     stream: trio.abc.Stream, *, impl: WebSocketImpl, host: str, port: int, path: str,

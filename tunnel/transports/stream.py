@@ -10,6 +10,7 @@ where native exceptions (trio, OSError, ssl) become `TransportError` / `Transpor
 from __future__ import annotations
 
 import contextlib
+import os
 import ssl
 from collections.abc import Iterator
 
@@ -148,15 +149,42 @@ class StreamTransport(StreamOwner, Transport):
                  close_timeout: float = CLOSE_TIMEOUT, initial: bytes = b"") -> None:
         super().__init__(stream, peer, close_timeout, initial)
         self._receive_size = receive_size
+        # Bytes send_nowait() could not write at once on a plain socket: sent first by
+        # the next send() (for TLS the TLSStream keeps them, as whole records).
+        self._raw_unsent = b""
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         self._check_can_send()
         async with self._send_lock:
             self._check_can_send()
-            if len(data):
-                await self._send_raw(data)
+            if self._raw_unsent:
+                data, self._raw_unsent = self._raw_unsent + bytes(data), b""
+            if len(data) or isinstance(self._stream, TLSStream):
+                await self._send_raw(data)  # an empty TLS send flushes what it kept
             else:
                 await trio.lowlevel.checkpoint()
+
+    def can_send_nowait(self) -> bool:
+        if self._closed or self._broken is not None or self._send_lock.locked():
+            return False
+        stream = self._stream
+        if isinstance(stream, TLSStream):
+            return stream.can_send_nowait()
+        return not self._raw_unsent and isinstance(stream, trio.SocketStream)
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
+        stream = self._stream
+        if isinstance(stream, TLSStream):
+            return stream.send_nowait(data)
+        assert isinstance(stream, trio.SocketStream) and self.can_send_nowait()
+        try:
+            sent = os.write(stream.socket.fileno(), data)
+        except OSError:  # would block, or broken: the next send() sees which
+            sent = 0
+        if sent < len(data):
+            self._raw_unsent = bytes(memoryview(data)[sent:])
+            return False
+        return True
 
     async def receive(self) -> bytes:
         if self._closed and not self._pushback:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -89,6 +90,9 @@ class TLSStream(trio.abc.Stream):
         # time (trio's Stream contract: a second one gets BusyResourceError).
         self._receiving = False
         self._sending = False
+        # Encrypted bytes send_nowait() could not write at once: they go first on the
+        # next flush (the TLS records are whole in here, so nothing is ever half-sent).
+        self._unsent = b""
 
     # Attributes people look at after the handshake.
     def getpeercert(self, binary_form: bool = False) -> Any:
@@ -116,6 +120,13 @@ class TLSStream(trio.abc.Stream):
         return err
 
     async def _flush_locked(self) -> None:
+        if self._unsent:
+            data, self._unsent = self._unsent, b""
+            try:
+                await self.transport_stream.send_all(data)
+            except BaseException as exc:
+                self._failed = self._failed or exc
+                raise
         while self._outgoing.pending:
             data = self._outgoing.read()
             try:
@@ -127,8 +138,10 @@ class TLSStream(trio.abc.Stream):
 
     async def _flush_if_idle(self) -> None:
         """Send what reading produced (alerts, key updates) unless a sender is busy; it
-        sends everything queued before it lets go of the lock."""
-        if self._outgoing.pending and not self._out_lock.locked():
+        sends everything queued before it lets go of the lock. Not while send_nowait()
+        left bytes: those are the sender's to flush (after them, these), and a reader
+        blocked writing bulk would stop reading (two such peers deadlock)."""
+        if self._outgoing.pending and not self._unsent and not self._out_lock.locked():
             async with self._out_lock:
                 await self._flush_locked()
 
@@ -250,7 +263,11 @@ class TLSStream(trio.abc.Stream):
             raise RuntimeError("TLSStream: do_handshake() first")
         view = memoryview(data).cast("B")
         if not len(view):
-            await trio.lowlevel.checkpoint()
+            if self._unsent:  # an empty send flushes what send_nowait() left
+                async with self._out_lock:
+                    await self._flush_locked()
+            else:
+                await trio.lowlevel.checkpoint()
             return
         async with self._out_lock:
             for offset in range(0, len(view), _TLS_WRITE_CHUNK):
@@ -260,6 +277,36 @@ class TLSStream(trio.abc.Stream):
                 except ssl.SSLError as exc:
                     raise self._fail(exc) from exc
                 await self._flush_locked()
+
+    def can_send_nowait(self) -> bool:
+        """Whether send_nowait() may be called now: no send in progress or left over."""
+        return (self._handshake_done and not self._sending and not self._closed
+                and self._failed is None and not self._out_lock.locked()
+                and not self._unsent and not self._outgoing.pending
+                and isinstance(self.transport_stream, trio.SocketStream))
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
+        """Encrypt all of `data` and write what the socket takes without blocking, in
+        the calling task, with no scheduler round trip (only when can_send_nowait()).
+        True: all of it is on the wire. False: the rest waits here, whole records, for
+        the next send_all() (an empty one will do), which also reports any error. It
+        never awaits, so a cancelled caller cannot leave a record half-written."""
+        sock = self.transport_stream
+        assert isinstance(sock, trio.SocketStream) and self.can_send_nowait()
+        try:
+            self.ssl_object.write(data)
+        except ssl.SSLError as exc:
+            self._fail(exc)
+            return False  # the next send_all() raises it
+        out = self._outgoing.read()
+        try:
+            sent = os.write(sock.socket.fileno(), out)
+        except OSError:  # would block, or broken: the next send_all() sees which
+            sent = 0
+        if sent < len(out):
+            self._unsent = out[sent:]
+            return False
+        return True
 
     async def wait_send_all_might_not_block(self) -> None:
         with self._sending_now():

@@ -19,7 +19,6 @@ import contextlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import trio
 import websockets.exceptions
@@ -30,7 +29,16 @@ import wsproto.events
 import wsproto.utilities
 from wsproto.connection import ConnectionState
 
-from tunnel.transports.base import PeerInfo, Transport, TransportClosed, TransportError
+from tunnel.transports.base import (
+    MAX_MESSAGE_SIZE,
+    WEBSOCKET_IMPLS,
+    WEBSOCKET_RECEIVE_SIZE,
+    PeerInfo,
+    Transport,
+    TransportClosed,
+    TransportError,
+    WebSocketImpl,
+)
 from tunnel.transports.stream import CLOSE_TIMEOUT, StreamOwner
 
 __all__ = [
@@ -44,14 +52,6 @@ __all__ = [
     "WsprotoCodec",
 ]
 
-WEBSOCKET_RECEIVE_SIZE = 256 * 1024
-# Largest WebSocket message accepted (and sent: bigger sends are split). The tunnel's
-# default max frame is 64 KiB; 1 MiB leaves headroom for coalesced frames while a peer
-# can never make us buffer more than this for one message.
-MAX_MESSAGE_SIZE = 1024 * 1024
-
-WebSocketImpl = Literal["websockets", "wsproto"]
-WEBSOCKET_IMPLS: tuple[WebSocketImpl, ...] = ("websockets", "wsproto")
 
 # Close codes that mean "the peer is done", as opposed to "something broke".
 _CLEAN_CLOSE_CODES = frozenset({1000, 1001, 1005})

@@ -267,7 +267,8 @@ class ConnectFront:
                 "busy", f"{self.config.max_streams} streams open; retry later"), target=wanted)
             return
         try:
-            upstream = await self._open(decision, client)
+            upstream = await open_control_plane(self._open_stream, decision, client,
+                                                self.dial_timeout)
         except StreamFailed as exc:
             await self._refuse(stream, client, failure_refusal(decision, exc), target=wanted)
             return
@@ -275,15 +276,6 @@ class ConnectFront:
             await self._tunnel(stream, conn, upstream, client, decision, wanted)
         else:
             await self._forward(stream, conn, request, upstream, client, decision, wanted)
-
-    async def _open(self, route: ConnectRoute, client: str) -> TunnelStream:
-        metadata = {"origin": client, PURPOSE_KEY: CONTROL_PLANE_PURPOSE}
-        with trio.move_on_after(self.dial_timeout) as scope:
-            return await self._open_stream(route.node, p.Target(route.dial_host, route.port),
-                                           metadata)
-        assert scope.cancelled_caught
-        raise StreamFailed(p.StreamReason.TIMEOUT,
-                           f"node {route.node} did not answer within {self.dial_timeout:g}s")
 
     async def _tunnel(self, stream: trio.abc.Stream, conn: h11.Connection,
                       upstream: TunnelStream, client: str,
@@ -385,6 +377,19 @@ class ConnectFront:
 _PHRASES = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout",
             502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 assert set(REASONS.values()) <= set(_PHRASES)
+
+
+async def open_control_plane(open_stream: StreamOpener, route: ConnectRoute, client: str,
+                             dial_timeout: float) -> TunnelStream:
+    """A control-plane stream to `route` (the CONNECT front's and the DNAT path's): marked
+    purpose=control-plane for the agent's own check; TIMEOUT if the node does not answer
+    within `dial_timeout`."""
+    metadata = {"origin": client, PURPOSE_KEY: CONTROL_PLANE_PURPOSE}
+    with trio.move_on_after(dial_timeout) as scope:
+        return await open_stream(route.node, p.Target(route.dial_host, route.port), metadata)
+    assert scope.cancelled_caught
+    raise StreamFailed(p.StreamReason.TIMEOUT,
+                       f"node {route.node} did not answer within {dial_timeout:g}s")
 
 
 def failure_refusal(route: ConnectRoute, exc: StreamFailed) -> Refusal:

@@ -19,17 +19,15 @@ import time
 from collections import Counter
 from typing import Any
 
-import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
-from nodeagent.config import CONTROL_PLANE_PURPOSE, PURPOSE_KEY, RoutesConfig
+from nodeagent.config import RoutesConfig
 from nodeagent.ops.streams import LiveStreams
 from nodeagent.server.connect import ConnectRoute, ProxyTarget, Refusal, decide
-from nodeagent.server.connectfront import StreamOpener, failure_refusal
+from nodeagent.server.connectfront import StreamOpener, failure_refusal, open_control_plane
 from tunnel import protocol as p
 from tunnel.endpoint import IncomingStream
-from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog, StructuredLogger
 from tunnel.relay import relay_incoming
 
@@ -80,7 +78,8 @@ class DnatPath:
                                 sends_toward_target=False):
             started = time.monotonic()
             relayed = await relay_incoming(
-                incoming, lambda: self._open(route, client),
+                incoming,
+                lambda: open_control_plane(self._open_stream, route, client, self.dial_timeout),
                 on_accepted=lambda: self._count("established"))
         if relayed.failure is not None:
             return self._refused(failure_refusal(route, relayed.failure), client, wanted)
@@ -93,15 +92,6 @@ class DnatPath:
                       bytes_out=result.b_to_a, seconds=round(time.monotonic() - started, 1),
                       error=result.error or "")
         return "established"
-
-    async def _open(self, route: ConnectRoute, client: str) -> trio.abc.HalfCloseableStream:
-        metadata = {"origin": client, PURPOSE_KEY: CONTROL_PLANE_PURPOSE}
-        with trio.move_on_after(self.dial_timeout) as scope:
-            return await self._open_stream(route.node, p.Target(route.dial_host, route.port),
-                                           metadata)
-        assert scope.cancelled_caught
-        raise StreamFailed(p.StreamReason.TIMEOUT,
-                           f"node {route.node} did not answer within {self.dial_timeout:g}s")
 
     def _refused(self, refusal: Refusal, client: str, wanted: ProxyTarget) -> str:
         self._count(refusal.reason)

@@ -146,8 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--debug-socket", type=Path, metavar="PATH",
                          help="debug socket (default /run/nodeagent/agent.sock)")
     cluster.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus /metrics")
+    cluster.add_argument("--drain-seconds", type=float, default=None, metavar="S",
+                         help="on SIGTERM, how long intercepted connections and streams in "
+                              "flight may finish before the agent exits (default 10)")
+    cluster.add_argument("--keep-rules-on-exit", action="store_true",
+                         help="leave the interception rules in the kernel on exit, for the "
+                              "next agent (a DaemonSet restart): meanwhile intercepted "
+                              "connections are refused (REDIRECT) or wait in SYN "
+                              "retransmission (TPROXY) instead of bypassing the tunnel")
     agent.add_argument("--check", action="store_true",
                        help="validate the config, print a summary and exit")
+    agent.add_argument("--cleanup", action="store_true",
+                       help="remove the interception rules and policy routing an agent left "
+                            "in this host's kernel, then exit (after uninstalling, like "
+                            "kube-proxy --cleanup)")
 
     controller = sub.add_parser(
         "controller", help="run the cluster controller (Kubernetes)",
@@ -220,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.config is not None and cluster_flags:
                 parser.error(f"{args.command}: give --config FILE (standalone) or the "
                              "controller-mode flags, not both")
-            if args.config is None and not cluster_flags:
+            if args.config is None and not cluster_flags and not getattr(args, "cleanup",
+                                                                          False):
                 parser.error(f"{args.command}: give --config FILE (standalone) or "
                              "--controller URL with its flags (see --help)")
         if args.command == "server":
@@ -230,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from nodeagent.server.main import run_server
             return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds)
         if args.command == "agent":
+            if args.cleanup:
+                from nodeagent.agent.main import run_cleanup
+                return run_cleanup()
             if args.config is None:
                 from nodeagent.agent.main import run_agent_cluster
                 return run_agent_cluster(args)

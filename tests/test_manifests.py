@@ -32,7 +32,7 @@ BOOTSTRAPPED = {("Secret", "nodeagent-ca"), ("Secret", "nodeagent-server-tls"),
 # The CLI contract of controller mode (nodeagent/cli.py implements it).
 FLAGS = {
     "agent": {"--node", "--server", "--token-file", "--ca-file", "--controller",
-              "--debug-socket", "--metrics-listen"},
+              "--debug-socket", "--metrics-listen", "--keep-rules-on-exit", "--drain-seconds"},
     "server": {"--controller", "--token-file", "--ca-file", "--tunnel-listen", "--tls-cert",
                "--tls-key", "--ingress-http", "--ingress-https", "--server-id",
                "--metrics-listen", "--connect-listen", "--connect-client-ca", "--state-dir"},

@@ -185,6 +185,7 @@ class TunnelClient:
         self._replicas_hint: int | None = None
         self._changed = trio.Event()
         self._dial_lock = trio.Lock()
+        self._stopping = False  # drain(): dial nothing more
         self._connected = trio.Event()
 
     def _dialer(self, endpoint: Endpoint, direct: bool, policy: ReconnectPolicy) -> _Dialer:
@@ -268,7 +269,26 @@ class TunnelClient:
         finally:
             self.status.state = "stopped"
 
+    def drain(self, message: str = "agent shutting down") -> None:
+        """Stop dialing and send GOAWAY on every tunnel: the servers open no new streams
+        here, the running ones finish (wait_idle). For a graceful restart."""
+        self._stopping = True
+        for tunnel in self.tunnels:
+            if tunnel.connection.is_open:
+                tunnel.connection.goaway(message)
+        self._notify()
+
+    async def wait_idle(self) -> None:
+        """Until no tunnel has a stream open (after drain())."""
+        for tunnel in list(self.tunnels):
+            await tunnel.connection.wait_idle()
+
+    def streams_open(self) -> int:
+        return sum(t.connection.info().streams_open for t in self.tunnels)
+
     def _wanted(self, dialer: _Dialer) -> bool:
+        if self._stopping:
+            return False
         live = self.live()
         mine = any(t.endpoint is dialer.endpoint for t in live)
         if dialer.direct:

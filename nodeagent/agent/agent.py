@@ -90,9 +90,11 @@ class Agent:
         self._nursery: trio.Nursery | None = None  # run()'s, while it runs
 
     def _interceptor(self, intercept: InterceptConfig) -> Interceptor:
-        return Interceptor(intercept, skip_mark=self.config.socket_mark,
-                           open_tunnel=self.client.open_stream,
-                           dial_timeout=self.config.dial_timeout, node=self.config.node)
+        interceptor = Interceptor(intercept, skip_mark=self.config.socket_mark,
+                                  open_tunnel=self.client.open_stream,
+                                  dial_timeout=self.config.dial_timeout, node=self.config.node)
+        interceptor.keep_rules_on_exit = self.config.keep_rules_on_exit
+        return interceptor
 
     async def apply_node_config(self, node_config: NodeConfig) -> None:
         """Switch to a new NodeConfig atomically: interception rules first (if they fail,
@@ -236,6 +238,33 @@ class Agent:
             "config_watch": self.config_watch.as_dict() if self.config_watch else None,
             "identity": self.identity.status() if self.identity else None,
         }
+
+    async def drain(self) -> None:
+        """Graceful stop (SIGTERM), until what is in flight has finished; the caller
+        bounds it with `drain_seconds`. Intercepted connections: the proxy listener
+        closes, those accepted carry on. Tunnels: GOAWAY, so the servers open no new
+        streams to this node (they answer 502 meanwhile), and the running ones finish."""
+        interceptor = self.interceptor
+        if interceptor is not None:
+            await interceptor.stop_accepting()
+        self.client.drain("agent shutting down")
+
+        def in_flight() -> tuple[int, int]:
+            return (interceptor.active_connections if interceptor else 0,
+                    self.client.streams_open())
+
+        intercepted, streams = in_flight()
+        self.log.info("draining", intercepted=intercepted, streams=streams)
+        try:
+            if interceptor is not None:
+                await interceptor.wait_idle()
+            await self.client.wait_idle()
+            self.log.info("drained: nothing left in flight")
+        finally:
+            intercepted, streams = in_flight()
+            if intercepted or streams:
+                self.log.warning("drain time over; resetting what is left",
+                                 intercepted=intercepted, streams=streams)
 
     def rules(self) -> dict[str, Any]:
         if self.interceptor is None:

@@ -15,6 +15,7 @@ import functools
 import os
 import signal
 import ssl
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,9 +101,24 @@ async def serve_agent(agent: Agent, config_path: Path | None = None, *,
                 if signum == signal.SIGHUP and config_path is not None:
                     await _reload(agent, config_path)
                     continue
-                log.info("shutting down", signal=signal.Signals(signum).name)
+                log.info("shutting down", signal=signal.Signals(signum).name,
+                         drain_seconds=agent.config.drain_seconds)
+                # A second signal during the drain ends it at once.
+                with trio.move_on_after(agent.config.drain_seconds) as drain_scope:
+                    nursery.start_soon(_cancel_on_next_signal, signals, drain_scope)
+                    await agent.drain()
+                drain_scope.cancel()
                 nursery.cancel_scope.cancel()
                 break
+
+
+async def _cancel_on_next_signal(signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        if signum != signal.SIGHUP:
+            log.info("second signal: not waiting for the drain",
+                     signal=signal.Signals(signum).name)
+            scope.cancel()
+            return
 
 
 async def _reload(agent: Agent, config_path: Path) -> None:
@@ -136,6 +152,18 @@ async def serve_agent_reloading(agent: Agent, config_path: Path) -> None:
             nursery.start_soon(reloader.run)
         await serve_agent(agent, config_path)
         nursery.cancel_scope.cancel()
+
+
+def run_cleanup() -> int:
+    """`nodeagent agent --cleanup`: what an agent left in the kernel, removed."""
+    from nodeagent.agent.intercept.rules import remove_all
+    try:
+        removed = remove_all()
+    except (NetfilterError, OSError) as exc:
+        print(f"nodeagent agent --cleanup: {exc}", file=sys.stderr)
+        return 1
+    print("removed: " + ", ".join(removed) if removed else "nothing to remove")
+    return 0
 
 
 def run_agent(config_path: Path, *, check: bool = False) -> int:
@@ -173,6 +201,10 @@ def agent_config_from_flags(args: argparse.Namespace) -> AgentConfig:
         doc["debug_socket"] = str(args.debug_socket)
     if args.metrics_listen:
         doc["metrics_listen"] = args.metrics_listen
+    if args.drain_seconds is not None:
+        doc["drain_seconds"] = args.drain_seconds
+    if args.keep_rules_on_exit:
+        doc["keep_rules_on_exit"] = True
     return parse_config(AgentConfig, doc, "flags")
 
 

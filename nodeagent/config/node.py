@@ -221,6 +221,13 @@ class AgentConfig(NodeConfig):
     # Controller mode: URL of the controller's config stream (http://host:port), reached
     # through the tunnel. Set, the controller's NodeConfig replaces the file's.
     controller: str | None = None
+    # On SIGTERM: stop taking new intercepted connections and new streams, let running
+    # ones finish for up to this long, then exit.
+    drain_seconds: float = Field(default=10.0, ge=0, le=3600)
+    # Leave the interception rules in the kernel on exit, for the next agent to replace
+    # (a DaemonSet restart): pods' intercepted connections are then refused or held,
+    # never sent around the tunnel. `nodeagent agent --cleanup` removes them (uninstall).
+    keep_rules_on_exit: bool = False
 
     @field_validator("node")
     @classmethod

@@ -353,3 +353,54 @@ def test_agent_is_back_soon_after_its_path_dropped_packets(tmp_path: Path) -> No
     failed = lines(agent, "tunnel connect failed")
     assert len(failed) == 1 and "failure=unreachable" in failed[0], agent.logs()
     no_tracebacks(*procs)
+
+
+def test_agent_sigterm_finishes_the_stream_in_flight_and_new_ones_fail_fast(
+        tmp_path: Path, certs: Certs, upstream: Upstream) -> None:
+    """An agent restarting (DaemonSet rollout): on SIGTERM it sends GOAWAY, the stream the
+    server opened before carries on to its end, a new one is refused at once (not hung
+    until a timeout), and the agent exits as soon as the last stream is done."""
+    scfg = server_config(tmp_path, certs, upstream)
+    server = NodeagentProcess("server", scfg, tmp_path, "server").start()
+    acfg = agent_config(tmp_path, certs, upstream, scfg["tunnel"], reconnect=DEFAULT_RECONNECT)
+    acfg["drain_seconds"] = 30
+    agent = NodeagentProcess("agent", acfg, tmp_path, "agent")
+    stream = None
+    try:
+        server.wait_ready()
+        agent.start().wait_ready()
+        wait_agent_on(server)
+        stream = socket.create_connection(("127.0.0.1", listen_port(server, 0)), timeout=5)
+        stream.sendall(b"before")
+        assert stream.recv(6) == b"before"
+
+        agent.signal(signal.SIGTERM)
+        agent.wait_for_log("draining")
+        assert "streams=1" in agent.logs()
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", listen_port(server, 0)), timeout=5) as new:
+            new.sendall(b"x")
+            try:
+                assert new.recv(10) == b"", "refused: closed without data"
+            except ConnectionResetError:
+                pass
+        refused_in = time.monotonic() - started
+        print(f"\na new stream to the draining agent failed in {refused_in * 1000:.0f} ms")
+        assert refused_in < 4.0, refused_in  # not the 10 s open timeout
+
+        stream.sendall(b"during the drain")
+        got = b""
+        while len(got) < 16:
+            got += stream.recv(64)
+        assert got == b"during the drain"
+        assert agent.proc is not None and agent.proc.poll() is None, "exited while busy"
+        stream.close()
+        stream = None
+        assert agent.proc.wait(10) == 0
+        assert "drained: nothing left in flight" in agent.logs()
+    finally:
+        if stream is not None:
+            stream.close()
+        agent.kill()
+        server.kill()
+    no_tracebacks(server, agent)

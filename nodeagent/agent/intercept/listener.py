@@ -69,6 +69,15 @@ class Interceptor:
         self._rules: tuple[ActiveRule, ...] = ()
         self._routing: Any = None
         self._lock = trio.Lock()
+        # An agent restarting in place (DaemonSet rollout) leaves its rules to the next
+        # one, which replaces them atomically at start: meanwhile intercepted connections
+        # are refused (REDIRECT) or wait in SYN retransmission (TPROXY) instead of
+        # silently leaving the node without the tunnel.
+        self.keep_rules_on_exit = False
+        self.active_connections = 0
+        self._idle = trio.Event()
+        self._accept_scope: trio.CancelScope | None = None
+        self._listeners_open: list[trio.SocketListener] = []
 
     # ------------------------------------------------------------------ rules
 
@@ -133,8 +142,10 @@ class Interceptor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on the proxy port, reconcile the kernel with the config (a table left
-        by a crashed agent is replaced), serve until cancelled, then remove the rules."""
+        by a crashed or restarted agent is replaced), serve until cancelled, then remove
+        the rules (unless `keep_rules_on_exit`)."""
         listeners = self._listeners()
+        self._listeners_open = listeners
         try:
             from netfilter.routing import list_interfaces
             interfaces = await trio.to_thread.run_sync(list_interfaces, self._netns)
@@ -152,15 +163,42 @@ class Interceptor:
             self.log.info("intercepting", rules=len(model.rules), mode=model.mode.value,
                           proxy_port=self.config.proxy_port,
                           backend=type(self.backend).__name__, why=self.backend_reason)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(trio.serve_listeners, self._handle, listeners)
+            async with trio.open_nursery() as connections:
+                await connections.start(self._accept, listeners, connections)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
-                try:
-                    await self.remove()
-                except (NetfilterError, OSError) as exc:
-                    self.log.error("could not remove intercept rules", error=str(exc))
+                await self._close_listeners()
+                if self.keep_rules_on_exit:
+                    self.log.info("leaving intercept rules in place for the next agent",
+                                  rules=len(self._rules))
+                else:
+                    try:
+                        await self.remove()
+                    except (NetfilterError, OSError) as exc:
+                        self.log.error("could not remove intercept rules", error=str(exc))
+
+    async def _accept(self, listeners: list[trio.SocketListener], connections: trio.Nursery,
+                      *, task_status: trio.TaskStatus[list[trio.SocketListener]]
+                      = trio.TASK_STATUS_IGNORED) -> None:
+        # Accepting has its own cancel scope so that stop_accepting() ends it while the
+        # connections already accepted (in `connections`) carry on.
+        with trio.CancelScope() as self._accept_scope:
+            await trio.serve_listeners(self._handle, listeners, handler_nursery=connections,
+                                       task_status=task_status)
+
+    async def stop_accepting(self) -> None:
+        """Close the proxy listeners; connections already accepted carry on. New
+        intercepted connections are then refused by the kernel (nobody listens), or
+        taken by another agent listening on the port."""
+        if self._accept_scope is not None:
+            self._accept_scope.cancel()
+        await self._close_listeners()
+
+    async def _close_listeners(self) -> None:
+        listeners, self._listeners_open = self._listeners_open, []
+        for listener in listeners:
+            await listener.aclose()
 
     def _listeners(self) -> list[trio.SocketListener]:
         # IP_TRANSPARENT always: even in REDIRECT mode, connections kube-proxy already
@@ -191,6 +229,7 @@ class Interceptor:
         return None
 
     async def _handle(self, client: trio.SocketStream) -> None:
+        self.active_connections += 1
         try:
             await self._proxy(client)
         except Exception as exc:
@@ -198,6 +237,16 @@ class Interceptor:
             # let the exception end every listener).
             self.log.error("intercepted connection failed", error=repr(exc), exc_info=True)
             await close_stream(client, abort=True)
+        finally:
+            self.active_connections -= 1
+            if not self.active_connections:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no intercepted connection is open (a draining agent)."""
+        while self.active_connections:
+            self._idle = trio.Event()
+            await self._idle.wait()
 
     async def _proxy(self, client: trio.SocketStream) -> None:
         try:

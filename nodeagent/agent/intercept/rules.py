@@ -87,3 +87,23 @@ def active_rule(config: InterceptRuleConfig, rule: InterceptRule) -> ActiveRule:
         name=rule.name, protocol=rule.protocol.value, networks=rule.destinations,
         exclude=rule.exclude, ports=tuple((r.first, r.last) for r in rule.ports),
         via=config.via)
+
+
+def remove_all(netns: str | None = None) -> list[str]:
+    """`nodeagent agent --cleanup`: remove what any agent left in this host's kernel (our
+    own nftables table, our iptables chains, the TPROXY policy routing at its default mark
+    and table), never anything else. Returns what was removed, for the user."""
+    from netfilter.iptables import IptablesBackend
+    from netfilter.model import InterceptModel
+    from netfilter.nftables import NftablesBackend
+    from netfilter.routing import PolicyRouting
+    removed = []
+    if shutil.which("nft") is not None and NftablesBackend(netns).remove():
+        removed.append("nftables table")
+    if (shutil.which("iptables-restore") or shutil.which("iptables-legacy-restore")) and \
+            IptablesBackend(netns, use_ipset=False).remove():
+        removed.append("iptables chains")
+    if PolicyRouting(mark=InterceptModel.tproxy_mark, table=InterceptModel.route_table,
+                     netns=netns).remove():
+        removed.append("policy routing")
+    return removed

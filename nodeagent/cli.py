@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--connect-client-ca", type=Path, metavar="FILE",
                          help="CA whose client certificates the --connect-listen front "
                               "accepts (kube-apiserver's egress client certificate)")
+    cluster.add_argument("--handshake-rate", type=float, metavar="PER_S",
+                         help="agent handshakes admitted per second (default 200); beyond it "
+                              "agents are refused with a retry-after and come back spread out")
+    cluster.add_argument("--handshake-burst", type=int, metavar="N",
+                         help="handshakes admitted at once before the rate applies "
+                              "(default 200)")
     cluster.add_argument("--server-id", metavar="NAME", help="this replica (default POD_NAME)")
     cluster.add_argument("--state-dir", type=Path, metavar="DIR",
                          help="keep the last routes here (routes.json, mode 0600: it holds "

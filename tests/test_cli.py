@@ -189,3 +189,23 @@ def test_the_command_prints_the_one_line(tls_files: Path, tmp_path: Path) -> Non
     assert result.returncode == 2
     assert result.stderr == (f"nodeagent server: invalid config:\n{path}: tls.key_file: "
                              f"{tls_files}/junk: not a PEM private key\n")
+
+
+def test_controller_mode_flags_set_the_servers_handshake_admission(tmp_path: Path) -> None:
+    """--handshake-rate/--handshake-burst reach the server's tunnel settings; a bad value
+    is a config error naming the field, not a traceback."""
+    from nodeagent.cli import build_parser
+    from nodeagent.config import ConfigError
+    from nodeagent.server.main import server_config_from_flags
+
+    base = ["server", "--controller", "https://c:8090", "--token-file", str(tmp_path / "t"),
+            "--ca-file", str(tmp_path / "ca"), "--tls-cert", str(tmp_path / "c"),
+            "--tls-key", str(tmp_path / "k"), "--tunnel-listen", "tls://0.0.0.0:9443"]
+    default = server_config_from_flags(build_parser().parse_args(base))
+    assert (default.tunnel.handshake_rate, default.tunnel.handshake_burst) == (200, 200)
+    config = server_config_from_flags(build_parser().parse_args(
+        [*base, "--handshake-rate", "50", "--handshake-burst", "10"]))
+    assert (config.tunnel.handshake_rate, config.tunnel.handshake_burst) == (50, 10)
+    assert config.tunnel.url == "tls://0.0.0.0:9443"
+    with pytest.raises(ConfigError, match="handshake_rate"):
+        server_config_from_flags(build_parser().parse_args([*base, "--handshake-rate", "0"]))

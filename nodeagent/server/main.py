@@ -296,6 +296,12 @@ def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
         # 0: no per-client cap (behind a load balancer that SNATs every client).
         doc["http_limits"] = {"max_connections_per_client":
                               args.max_connections_per_client or None}
+    if args.handshake_rate is not None or args.handshake_burst is not None:
+        doc["tunnel"] = {"url": args.tunnel_listen}
+        if args.handshake_rate is not None:
+            doc["tunnel"]["handshake_rate"] = args.handshake_rate
+        if args.handshake_burst is not None:
+            doc["tunnel"]["handshake_burst"] = args.handshake_burst
     connect = connect_from_flags(args)
     if connect:
         doc["connect"] = connect

@@ -78,8 +78,9 @@ def render_table(
         return "  ".join(h for _, h in cols) + "\n(none)"
     cells = [[format_value(k, row.get(k)) for k, _ in cols] for row in rows]
     numeric = [
-        all(_is_number(rows[r].get(k)) or rows[r].get(k) is None for r in range(len(rows)))
-        for i, (k, _) in enumerate(cols)
+        all(_is_number(row.get(k)) or row.get(k) is None for row in rows)
+        and any(_is_number(row.get(k)) for row in rows)
+        for k, _ in cols
     ]
     widths = [max(len(h), *(len(line[i]) for line in cells)) for i, (_, h) in enumerate(cols)]
 

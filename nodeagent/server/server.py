@@ -522,7 +522,9 @@ class Server:
                         f"{backend.port}"))
             else:
                 stream = await self.open_to(backend.node, backend.host, backend.port, client)
-                self.stream_notes.note(stream, f"http route {route.name} client {client}")
+                # One upstream stream serves a client connection's requests in turn.
+                self.stream_notes.note(stream, f"http route {route.name}" + (
+                    f" client {client}" if client else ""))
         except StreamFailed as exc:
             self._count(exc.outcome)
             status = 504 if exc.reason is p.StreamReason.TIMEOUT else 502

@@ -41,6 +41,7 @@ Config files are YAML; see examples/ and README.md.
 """
 
 
+DEBUG_VIEWS = ("status", "tunnels", "streams", "config", "rules", "metrics")
 DEBUG_DESCRIPTION = """\
 Read the node-local debug socket of a running agent or server and print what it is doing.
 
@@ -225,8 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         "debug", help="inspect a running agent or server through its debug socket",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=DEBUG_DESCRIPTION, epilog=DEBUG_EPILOG)
-    debug.add_argument("what", choices=["status", "tunnels", "streams", "config", "rules",
-                                        "metrics"], metavar="VIEW",
+    debug.add_argument("what", choices=DEBUG_VIEWS, metavar="VIEW",
                        help="status | tunnels | streams | config | rules | metrics "
                             "(see above)")
     debug.add_argument("--socket", type=Path, default=None, metavar="PATH",
@@ -253,9 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _watch_before_view(argv: Sequence[str]) -> list[str]:
+    """`debug --watch streams`: argparse would read the view as --watch's SECONDS; give
+    --watch its default there instead."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--watch" and out[i + 1] in DEBUG_VIEWS:
+            out.insert(i + 1, "2")
+            break
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_watch_before_view(sys.argv[1:] if argv is None else argv))
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -19,7 +19,6 @@ from nodeagent.config import DEFAULT_AGENT_SOCKET, DEFAULT_SERVER_SOCKET
 from nodeagent.ops.debug import DebugUnavailable, fetch_debug
 from nodeagent.ops.render import render_status, render_streams, render_tunnels
 
-VIEWS = ("status", "tunnels", "streams", "config", "rules", "metrics")
 # Views that take `--node` (a server's: every node's rows, or one node's).
 NODE_VIEWS = ("tunnels", "streams")
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (any ANSI terminal)

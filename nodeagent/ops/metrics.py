@@ -1,8 +1,10 @@
 """Prometheus metrics of one nodeagent process (any role).
 
 Counters are incremented where things happen; gauges that mirror live state (agents
-connected, RTT, open streams) are read from the objects at scrape time by a collector,
-so they can never drift from the truth.
+connected, RTT, open streams), and counts the tunnel code keeps anyway (tunnels ended by
+reason), are read from the objects at scrape time by a collector, so they can never
+drift from the truth. Histograms (PING round trips, stream setup, config apply) take one
+sample per event, never per byte or frame.
 """
 
 from __future__ import annotations

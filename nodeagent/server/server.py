@@ -380,7 +380,9 @@ class Server:
         node's egress allows it (protected ranges only when a rule names them); otherwise
         refuse (FORBIDDEN, counted, logged). Nothing is an open proxy."""
         target = incoming.target
-        self.stream_notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
+        self.stream_notes.note(
+            incoming.stream, "agent to the controller" if (target.host, target.port) ==
+            self._controller else opener_from_metadata(incoming.metadata))
         if self.dnat.catches(node, target.host, self.routes):
             # A cloud node's caught dial to a node's address: decided like a CONNECT.
             outcome = await self.dnat.relay(node, incoming, self.routes)

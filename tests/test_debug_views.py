@@ -12,6 +12,8 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, Histogram
 
+from nodeagent.agent.agent import Agent
+from nodeagent.config import AgentConfig, ConfigError, NodeConfig, RoutesConfig
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.debugcli import render, route_for, run_debug
 from nodeagent.ops.jsonhttp import QueryRoute
@@ -23,6 +25,7 @@ from nodeagent.ops.streams import (
     stream_rows,
     tracked_opener,
 )
+from tests.test_server_policy import make_server
 from tests.tunnel.test_endpoint import echo_handler, linked
 from tunnel import protocol as p
 from tunnel.endpoint import EndpointSettings, TunnelClosedError
@@ -233,3 +236,46 @@ async def test_query_routes_and_watch_until_interrupted(
     [line] = [ln for ln in out.err.splitlines() if ln.startswith("nodeagent debug:")]
     assert "no agent is listening on" in line
     assert len(out.out.splitlines()) == 1  # the one JSON line before it went away
+
+
+def _sample(registry: Any, name: str, labels: dict[str, str] | None = None) -> float | None:
+    value: float | None = registry.get_sample_value(name, labels or {})
+    return value
+
+
+def test_server_config_applies_are_timed_and_its_views_filter_by_node() -> None:
+    server = make_server({})
+    registry = server.metrics.registry
+    server.apply_routes(RoutesConfig(version=2))
+    assert _sample(registry, "nodeagent_config_apply_seconds_count", {"outcome": "ok"}) == 1
+    assert _sample(registry, "nodeagent_config_version") == 2
+    tcp = RoutesConfig.model_validate({"version": 3, "tcp": [
+        {"listen": "127.0.0.1:1", "node": "edge-1", "target": "127.0.0.1:2"}]})
+    with pytest.raises(ConfigError):
+        server.apply_routes(tcp)  # listeners cannot change while running
+    assert _sample(registry, "nodeagent_config_apply_seconds_count",
+                   {"outcome": "failed"}) == 1
+    assert _sample(registry, "nodeagent_config_version") == 2
+    doc = server.tunnels("edge-1")
+    assert doc["node_filter"] == "edge-1" and doc["tunnels"] == [] and doc["connected"] == 0
+    assert server.streams()["streams"] == []
+    text = render_tunnels(doc)
+    assert "node edge-1 has no tunnel to this server" in text
+
+
+async def test_agent_config_applies_are_timed_and_it_lists_the_server_it_dials() -> None:
+    agent = Agent(AgentConfig.model_validate({
+        "node": "edge-1", "server": "tcp://127.0.0.1:9", "insecure": True,
+        "token": "0123456789abcdef0",
+        "debug_socket": ""}), ssl_context=None)
+    await agent.apply_node_config(NodeConfig(version=7))
+    registry = agent.metrics.registry
+    assert _sample(registry, "nodeagent_config_apply_seconds_count", {"outcome": "ok"}) == 1
+    assert _sample(registry, "nodeagent_config_version") == 7
+    doc = agent.tunnels()
+    assert doc["state"] == "starting" and doc["reconnects"] == {}
+    [row] = doc["tunnels"]  # not running yet: the address it is to dial, no failure
+    assert row["address"] == "tcp://127.0.0.1:9" and row["state"] == "backoff"
+    assert row["last_error"] is None
+    assert agent.streams() == {"role": "agent", "node": "edge-1", "streams": []}
+    assert "nodeagent_tunnel_reconnects" in agent.metrics.render().decode()

@@ -300,7 +300,8 @@ class TunnelServer:
                 del self.sessions[node]
                 self._notify()
             reason = conn.end_reason
-            label = end_label(reason, drained=conn.is_draining)
+            # (conn.is_draining is no test: closing sends a GOAWAY too)
+            label = end_label(reason, drained=self._draining)
             self.disconnects[label] += 1
             self.recent_ends.pop(node, None)
             self.recent_ends[node] = EndedSession(node, transport.peer.address, label,

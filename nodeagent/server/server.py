@@ -615,9 +615,10 @@ class Server:
                 "streams_open": info.streams_open, "bytes_in": info.bytes_in,
                 "bytes_out": info.bytes_out,
                 "since_seconds": round(max(0.0, now - session.since), 1),
-                # A node connected again: why its previous tunnel ended.
+                # A node connected again (the live tunnel has not ended): why its
+                # previous tunnel ended, replaced by this one included.
                 "last_error": f"previous tunnel: {ended.label}: {ended.reason}"
-                if ended is not None and ended.since <= session.since else None,
+                if ended is not None else None,
             })
         for name, ended in reversed(self.tunnel.recent_ends.items()):
             if name in sessions or (node is not None and name != node):

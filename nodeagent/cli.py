@@ -27,7 +27,7 @@ roles:
   nodeagent controller                      in a cluster: computes config from the Kubernetes API
 
 tools:
-  nodeagent debug status                    what a local agent or server is doing
+  nodeagent debug status|tunnels|streams    what a local agent or server is doing
   nodeagent demo                            server + agent + sample service on loopback
 """
 
@@ -39,6 +39,49 @@ examples:
 
 Config files are YAML; see examples/ and README.md.
 """
+
+
+DEBUG_VIEWS = ("status", "tunnels", "streams", "config", "rules", "metrics")
+DEBUG_DESCRIPTION = """\
+Read the node-local debug socket of a running agent or server and print what it is doing.
+
+views:
+  status    everything at a glance: role, versions, tunnels, counters, config watch
+  tunnels   each tunnel: agent: one row per server held or being dialed (server id,
+            address, state, RTT, open streams, bytes, since when, last error); server: one
+            row per node, connected ones then nodes whose tunnel ended lately and why
+  streams   each stream now open: id, direction (to-node: the server opened it, for an
+            Ingress, a TCP mapping or a CONNECT client; from-node: the agent did, for
+            intercepted pod traffic or the controller), target, bytes toward the target
+            and back, age, and who opened it
+  config    the config in use, with its version (secret values shown as [redacted])
+  rules     interception rules as applied in the kernel, next to the model (agent)
+  metrics   Prometheus text
+"""
+
+DEBUG_EPILOG = """\
+questions and the command that answers them:
+  is node X connected, to which servers?    (server) nodeagent debug tunnels --node X
+                                            (agent)  nodeagent debug tunnels
+  what is node X doing?                     nodeagent debug streams --node X --watch
+  why did that request fail?                nodeagent debug tunnels (LAST ERROR), then
+                                            nodeagent debug status (streams_by_outcome)
+                                            and the log lines of that node/target
+examples:
+  nodeagent debug tunnels --socket /run/nodeagent/server.sock --node edge-1
+  nodeagent debug streams --watch 1
+  nodeagent debug streams --json | jq '.streams[] | select(.target | test(":10250"))'
+"""
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError("--watch takes 0.1 to 3600 seconds")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -199,15 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     debug = sub.add_parser(
         "debug", help="inspect a running agent or server through its debug socket",
-        description="Read the node-local debug socket of a running agent or server.")
-    debug.add_argument("what", choices=["status", "config", "rules", "metrics"],
-                       help="status: tunnel and streams; config: the config in use; "
-                            "rules: interception rules as applied in the kernel next to the "
-                            "model (agent); metrics: Prometheus text")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=DEBUG_DESCRIPTION, epilog=DEBUG_EPILOG)
+    debug.add_argument("what", choices=DEBUG_VIEWS, metavar="VIEW",
+                       help="status | tunnels | streams | config | rules | metrics "
+                            "(see above)")
     debug.add_argument("--socket", type=Path, default=None, metavar="PATH",
-                       help="debug socket (default: the agent's, else the server's, "
-                            "under /run/nodeagent)")
-    debug.add_argument("--json", action="store_true", help="print JSON for scripts")
+                       help="debug socket (default: the agent's, else the server's: "
+                            "/run/nodeagent/agent.sock, /run/nodeagent/server.sock)")
+    debug.add_argument("--node", metavar="NAME",
+                       help="on a server, tunnels and streams: only this node's")
+    debug.add_argument("--json", action="store_true",
+                       help="print JSON for scripts (with --watch: one document per line)")
+    debug.add_argument("--watch", nargs="?", type=_positive_seconds, const=2.0,
+                       default=None, metavar="SECONDS",
+                       help="redraw every SECONDS (default 2) until Ctrl-C")
 
     demo = sub.add_parser(
         "demo", help="run a server, an agent and a sample service on loopback",
@@ -222,9 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _watch_before_view(argv: Sequence[str]) -> list[str]:
+    """`debug --watch streams`: argparse would read the view as --watch's SECONDS; give
+    --watch its default there instead."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--watch" and out[i + 1] in DEBUG_VIEWS:
+            out.insert(i + 1, "2")
+            break
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_watch_before_view(sys.argv[1:] if argv is None else argv))
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -262,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_controller(args)
         if args.command == "debug":
             from nodeagent.ops.debugcli import run_debug
-            return run_debug(args.what, args.socket, as_json=args.json)
+            return run_debug(args.what, args.socket, as_json=args.json, node=args.node,
+                             watch=args.watch)
         if args.command == "demo":
             from nodeagent.demo import run_demo
             return run_demo(seconds=args.seconds, transport=args.transport)

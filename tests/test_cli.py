@@ -42,6 +42,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
      "flags: connect.uds_mode: uds_mode 0o666 lets every local user in"),
     (["controller", "--listen", "nowhere"], "--listen 'nowhere'"),
     (["frobnicate"], "invalid choice"),
+    (["debug", "streams", "--watch", "soon"], "--watch: not a number of seconds: 'soon'"),
+    (["debug", "streams", "--watch", "0"], "--watch takes 0.1 to 3600 seconds"),
+    (["debug", "sockets"], "invalid choice: 'sockets'"),
 ])
 def test_usage_errors_exit_2_with_one_clear_line(args: list[str], message: str,
                                                  tmp_path: Path) -> None:
@@ -59,6 +62,25 @@ def test_help_teaches_both_modes() -> None:
         assert result.returncode == 0
         for word in words:
             assert word in result.stdout, (role, word)
+
+
+def test_debug_help_maps_questions_to_views() -> None:
+    result = run("debug", "--help")
+    assert result.returncode == 0
+    for word in ("tunnels", "streams", "--node", "--watch", "--json",
+                 "is node X connected", "why did that request fail"):
+        assert word in result.stdout, word
+
+
+def test_debug_watch_takes_its_default_before_the_view() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(cli._watch_before_view(["debug", "--watch", "streams"]))
+    assert args.what == "streams" and args.watch == 2.0
+    args = parser.parse_args(cli._watch_before_view(["debug", "tunnels", "--watch"]))
+    assert args.what == "tunnels" and args.watch == 2.0
+    args = parser.parse_args(cli._watch_before_view(
+        ["debug", "streams", "--node", "edge-1", "--watch", "0.5"]))
+    assert (args.what, args.node, args.watch) == ("streams", "edge-1", 0.5)
 
 
 TOKEN = "cli-token-0123456789abcdef"

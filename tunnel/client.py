@@ -24,12 +24,13 @@ with fewest streams); a tunnel that ends or drains is skipped at once, no backof
 
 from __future__ import annotations
 
+import collections
 import copy
 import random
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -46,6 +47,7 @@ from tunnel.endpoint import (
     TunnelConnection,
     TunnelStream,
 )
+from tunnel.errors import end_label
 from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
 from tunnel.transports import DialError, Endpoint, TransportError
 
@@ -88,6 +90,8 @@ class ClientStatus:
     last_error: str | None = None
     last_failure: str | None = None  # unreachable | overloaded | rejected
     already_connected: int = 0  # dials that reached a server already held
+    # Tunnels that ended (each one redialed), by why: errors.END_LABELS, a closed set.
+    lost: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 @dataclass
@@ -133,6 +137,8 @@ class _Dialer:
     down_since: float | None = None
     next_delay: float = 0.0
     not_before: float = 0.0  # trio clock: no dial before (after a tunnel was lost)
+    dialing: bool = False  # a dial or handshake is under way now
+    last_error: str | None = None  # this address's last failure or lost tunnel
 
 
 class TunnelClient:
@@ -219,6 +225,25 @@ class TunnelClient:
 
     def held_servers(self) -> set[str]:
         return {t.server_id for t in self.live()}
+
+    def dialing(self) -> list[dict[str, object]]:
+        """For debug views: a row per address a tunnel is wanted through and not held
+        yet (the public address while replicas are missing, a direct server that is
+        down): dialing now or waiting to, since when, and its last failure."""
+        now = trio.current_time()
+        rows: list[dict[str, object]] = []
+        for dialer in self._dialers:
+            if not self._wanted(dialer):
+                continue
+            down = dialer.down_since
+            rows.append({
+                "server_id": None, "address": str(dialer.endpoint), "peer": None,
+                "state": "dialing" if dialer.dialing else "backoff",
+                "rtt_ms": None, "streams_open": 0, "bytes_in": 0, "bytes_out": 0,
+                "since_seconds": round(now - down, 1) if down is not None else None,
+                "last_error": dialer.last_error,
+            })
+        return rows
 
     @property
     def connection(self) -> TunnelConnection | None:
@@ -315,7 +340,11 @@ class TunnelClient:
             async with self._dial_lock:
                 if not self._wanted(dialer):
                     continue
-                result = await self._connect_once(dialer)
+                dialer.dialing = True
+                try:
+                    result = await self._connect_once(dialer)
+                finally:
+                    dialer.dialing = False
             if isinstance(result, TunnelConnection):
                 tunnel = Tunnel(result, dialer.endpoint,
                                 result.identity.get(p.IDENTITY_SERVER, ""), time.time())
@@ -383,6 +412,7 @@ class TunnelClient:
         self.status.connects += 1
         self.status.failures = 0
         self.status.last_error = None
+        dialer.last_error = None
         self.status.last_failure = None
         dialer.policy.reset()
         dialer.failure_log = RateLimitedLog(dialer.log, period=FAILURE_LOG_PERIOD)
@@ -413,6 +443,7 @@ class TunnelClient:
             dialer.down_since = trio.current_time()
         self.status.failures += 1
         self.status.last_error = message
+        dialer.last_error = message
         self.status.last_failure = failure.value
         dialer.next_delay = dialer.policy.delay(failure, retry_after)
         fields = {"reason": message, "failure": failure.value,
@@ -446,6 +477,11 @@ class TunnelClient:
                 dialer.down_since = trio.current_time()
             drained = conn.goaway_received.is_set()
             reason = conn.end_reason
+            label = end_label(reason, drained=drained)
+            self.status.lost[label] += 1
+            if not drained:
+                dialer.last_error = f"tunnel to {tunnel.server_id or 'server'} lost " \
+                                    f"({label}): {reason or 'cancelled'}"
             if drained:
                 pass  # its replacement was dialed when the GOAWAY came
             elif reason is not None and reason.code is p.ErrorCode.REPLACED:

@@ -66,6 +66,9 @@ class EndpointSettings:
     # The writer fast path (see TunnelConnection._wake_writer): off by default, measured
     # to lose the writer's batching with many concurrent streams.
     send_fast_path: bool = False
+    # Called with each keepalive round trip, in seconds (a metrics histogram): once per
+    # ping_interval per connection, never per frame.
+    on_rtt: Callable[[float], None] | None = None
 
 
 @dataclass
@@ -157,6 +160,12 @@ class TunnelConnection:
             streams_open=len(self._streams) + len(self._pending_opens),
             bytes_in=self.bytes_in, bytes_out=self.bytes_out, draining=self.is_draining,
         )
+
+    def open_streams(self) -> list[tuple[TunnelStream, bool]]:
+        """The streams open now (a copy, for debug views), each with whether its OPEN still
+        waits for the peer's answer."""
+        pending = self._pending_opens
+        return [(s, s.stream_id in pending) for s in self._streams.values()]
 
     # ------------------------------------------------------------------ handshake
 
@@ -346,6 +355,8 @@ class TunnelConnection:
             if sent is not None:
                 self.rtt = trio.current_time() - sent
                 self._ping_acked.set()
+                if self.settings.on_rtt is not None:
+                    self.settings.on_rtt(self.rtt)
         elif isinstance(event, p.GoAwayReceived):
             self._on_goaway_message = event.message
             self.log.info("peer is draining the connection", reason=event.message)

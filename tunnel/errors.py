@@ -84,3 +84,27 @@ class HandshakeRefused(Exception):
 
 class AuthenticationFailed(HandshakeRefused):
     """The dialer is not who it may be (UNAUTHORIZED)."""
+
+
+# Why a tunnel connection ended, as a word from a closed set (metric labels, debug views):
+# whatever the peer sends, the label set stays this size.
+_END_LABELS = {
+    p.ErrorCode.NO_ERROR: "closed",
+    p.ErrorCode.SHUTTING_DOWN: "shutting_down",
+    p.ErrorCode.REPLACED: "replaced",
+    p.ErrorCode.KEEPALIVE_TIMEOUT: "keepalive_timeout",
+    p.ErrorCode.UNAUTHORIZED: "unauthorized",
+    # A transport that failed (the peer vanished, a reset) ends with INTERNAL_ERROR too.
+    p.ErrorCode.INTERNAL_ERROR: "connection_lost",
+}
+END_LABELS = frozenset({*_END_LABELS.values(), "drained", "protocol_error", "cancelled"})
+
+
+def end_label(reason: TunnelClosedError | None, *, drained: bool = False) -> str:
+    """`reason` (a connection's `end_reason`) as one of END_LABELS; `drained`: the peer
+    sent GOAWAY first (a rollout), whatever the final close said."""
+    if drained:
+        return "drained"
+    if reason is None:
+        return "cancelled"
+    return _END_LABELS.get(reason.code, "protocol_error")

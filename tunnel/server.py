@@ -20,6 +20,7 @@ as ALREADY_CONNECTED (politely, before authenticating) instead of replacing that
 
 from __future__ import annotations
 
+import collections
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,7 @@ from tunnel.endpoint import (
     TunnelConnection,
     TunnelStream,
 )
+from tunnel.errors import end_label
 from tunnel.limits import HandshakeAdmission as HandshakeAdmission  # re-exported
 from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
 from tunnel.transports import PeerInfo, Transport
@@ -70,6 +72,18 @@ class NodeNotConnected(StreamRefusedError):
         where = f" to server {server_id}" if server_id else ""
         super().__init__(p.StreamReason.UNREACHABLE, f"node {node} is not connected{where}")
         self.node = node
+
+
+RECENT_ENDS = 1024
+
+
+@dataclass
+class EndedSession:
+    node: str
+    peer: str
+    label: str  # errors.END_LABELS
+    reason: str
+    since: float  # wall clock, when it ended
 
 
 @dataclass
@@ -114,6 +128,12 @@ class TunnelServer:
         self.bootstrap_served = 0  # ever
         self.log = log or get_logger("tunnel.server")
         self.sessions: dict[str, AgentSession] = {}
+        # Agent tunnels that ended, by why (errors.END_LABELS, a closed set), and the
+        # latest ends per node for debug views ("node X: gone since ..., keepalive
+        # timeout"), the oldest forgotten beyond RECENT_ENDS.
+        self.disconnects: Counter[str] = Counter()
+        self.recent_ends: collections.OrderedDict[str, EndedSession] = \
+            collections.OrderedDict()
         self.handshake_failures = 0
         self.handshake_failures_by_code: Counter[str] = Counter()
         self._handshake_log = RateLimitedLog(self.log, period=60.0)
@@ -280,6 +300,15 @@ class TunnelServer:
                 del self.sessions[node]
                 self._notify()
             reason = conn.end_reason
+            # (conn.is_draining is no test: closing sends a GOAWAY too)
+            label = end_label(reason, drained=self._draining)
+            self.disconnects[label] += 1
+            self.recent_ends.pop(node, None)
+            self.recent_ends[node] = EndedSession(node, transport.peer.address, label,
+                                                  str(reason) if reason else "cancelled",
+                                                  time.time())
+            while len(self.recent_ends) > RECENT_ENDS:
+                self.recent_ends.popitem(last=False)
             log.info("agent disconnected", reason=str(reason) if reason else "cancelled")
 
     async def _serve_bootstrap(self, conn: TunnelConnection, bootstrap: Bootstrap,

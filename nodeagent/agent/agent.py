@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import trio
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from netfilter.model import NetfilterError
 from nodeagent import __version__
@@ -30,8 +30,15 @@ from nodeagent.config import (
 from nodeagent.configwatch import WatchStatus
 from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
-from nodeagent.ops.metrics import Metrics, gauge
-from nodeagent.ops.streams import LiveStreams
+from nodeagent.ops.metrics import Metrics, counter, gauge
+from nodeagent.ops.streams import (
+    FROM_NODE,
+    LiveStreams,
+    StreamNotes,
+    opener_from_metadata,
+    stream_rows,
+    tracked_opener,
+)
 from tunnel import protocol as p
 from tunnel.backoff import ReconnectPolicy
 from tunnel.client import TunnelClient
@@ -70,7 +77,8 @@ class Agent:
             return p.Hello(identity=identity)
 
         settings = EndpointSettings(ping_interval=config.keepalive.interval,
-                                    ping_timeout=config.keepalive.timeout)
+                                    ping_timeout=config.keepalive.timeout,
+                                    on_rtt=self.metrics.tunnel_rtt.observe)
         self.client = TunnelClient(
             endpoint, hello=hello, handler=self.handle_stream, ssl_context=ssl_context,
             server_hostname=config.tls.server_name, settings=settings,
@@ -83,6 +91,11 @@ class Agent:
                 retry_after_jitter=config.reconnect.retry_after_jitter),
             log=self.log.bind(server=config.server))
         self.client.set_replicas(self.node_config.server_replicas)
+        # When each stream opened and for what (debug streams); streams this agent opens
+        # go through open_stream, which also times their setup.
+        self.stream_notes = StreamNotes()
+        self.open_stream = tracked_opener(self.client.open_stream, self.stream_notes,
+                                          self.metrics.stream_setup.labels(FROM_NODE).observe)
         self.metrics.add_live(self._live_metrics)
         self.interceptor: Interceptor | None = None
         if self.node_config.intercept is not None:
@@ -91,7 +104,7 @@ class Agent:
 
     def _interceptor(self, intercept: InterceptConfig) -> Interceptor:
         interceptor = Interceptor(intercept, skip_mark=self.config.socket_mark,
-                                  open_tunnel=self.client.open_stream,
+                                  open_tunnel=self.open_stream,
                                   dial_timeout=self.config.dial_timeout, node=self.config.node)
         interceptor.keep_rules_on_exit = self.config.keep_rules_on_exit
         return interceptor
@@ -100,6 +113,15 @@ class Agent:
         """Switch to a new NodeConfig atomically: interception rules first (if they fail,
         nothing changes and the error is raised), then the allow list. Streams and
         proxied connections already running keep going."""
+        started = time.monotonic()
+        try:
+            await self._apply_node_config(node_config)
+        except BaseException:
+            self.metrics.config_apply.labels("failed").observe(time.monotonic() - started)
+            raise
+        self.metrics.config_apply.labels("ok").observe(time.monotonic() - started)
+
+    async def _apply_node_config(self, node_config: NodeConfig) -> None:
         if node_config.intercept != self.node_config.intercept:
             if self.interceptor is None:
                 if node_config.intercept is not None:
@@ -132,6 +154,7 @@ class Agent:
         control = incoming.metadata.get(PURPOSE_KEY) == CONTROL_PLANE_PURPOSE
         prefix = "control_plane_" if control else ""
         slog = self.log.bind(stream=incoming.stream.stream_id, target=str(target), origin=origin)
+        self.stream_notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
 
         async def open_upstream() -> trio.abc.HalfCloseableStream:
             allowed = (self.node_config.allows_control_plane if control
@@ -180,7 +203,7 @@ class Agent:
         self.outcomes[outcome] += 1
         self.metrics.streams.labels("inbound", outcome).inc()
 
-    def _live_metrics(self) -> Iterable[GaugeMetricFamily]:
+    def _live_metrics(self) -> Iterable[Metric]:
         live = self.client.live()
         up = gauge("nodeagent_tunnel_up", "1 while a tunnel to a server is connected")
         up.add_metric([], 1 if live else 0)
@@ -194,6 +217,17 @@ class Agent:
                          "Server replicas announced (tunnels the agent aims to hold)")
         replicas.add_metric([], self.client.replicas)
         yield replicas
+        reconnects = counter(
+            "nodeagent_tunnel_reconnects",
+            "Tunnels to a server that ended and were redialed, by why (drained, "
+            "keepalive_timeout, connection_lost, shutting_down, replaced, unauthorized, "
+            "protocol_error, closed, cancelled)", labels=["reason"])
+        for reason, count in sorted(self.client.status.lost.items()):
+            reconnects.add_metric([reason], count)
+        yield reconnects
+        connects = counter("nodeagent_tunnel_connects", "Tunnel handshakes completed")
+        connects.add_metric([], self.client.status.connects)
+        yield connects
         rtt = gauge("nodeagent_tunnel_rtt_seconds", "Round-trip time to each server",
                     labels=["server"])
         for tunnel in live:
@@ -265,6 +299,31 @@ class Agent:
             if intercepted or streams:
                 self.log.warning("drain time over; resetting what is left",
                                  intercepted=intercepted, streams=streams)
+
+    def tunnels(self) -> dict[str, Any]:
+        """`nodeagent debug tunnels`: a row per server connection, held or being dialed."""
+        rows = []
+        for tunnel in self.client.tunnels:
+            d = tunnel.as_dict()
+            rows.append({"server_id": d["server_id"], "address": d["address"],
+                         "peer": d["peer"], "state": d["state"], "rtt_ms": d["rtt_ms"],
+                         "streams_open": d["streams_open"], "bytes_in": d["bytes_in"],
+                         "bytes_out": d["bytes_out"], "since_seconds": d["connected_seconds"],
+                         "last_error": None})
+        rows.extend(self.client.dialing())
+        status = self.client.status
+        return {"role": "agent", "node": self.config.node, "state": status.state,
+                "replicas": self.client.replicas, "connects": status.connects,
+                "reconnects": dict(status.lost), "last_error": status.last_error,
+                "tunnels": rows}
+
+    def streams(self) -> dict[str, Any]:
+        """`nodeagent debug streams`: every stream on every tunnel, both directions."""
+        rows = []
+        for tunnel in self.client.tunnels:
+            rows.extend(stream_rows(tunnel.connection, self.stream_notes,
+                                    peer={"server_id": tunnel.server_id}))
+        return {"role": "agent", "node": self.config.node, "streams": rows}
 
     def rules(self) -> dict[str, Any]:
         if self.interceptor is None:

@@ -86,6 +86,8 @@ async def serve_agent(agent: Agent, config_path: Path | None = None, *,
             "/status": agent.status,
             "/config": lambda: redacted(agent.node_config.model_dump(mode="json")),
             "/rules": agent.rules,
+            "/tunnels": agent.tunnels,
+            "/streams": agent.streams,
         }, registry=agent.metrics.registry)
         await nursery.start(debug.run)
         if agent.config.metrics_listen is not None:
@@ -260,7 +262,8 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
                                log=agent.log)
 
     async def open_stream() -> trio.abc.Stream:
-        stream: trio.abc.Stream = await agent.client.open_stream(p.Target(host, port))
+        stream: trio.abc.Stream = await agent.open_stream(p.Target(host, port))
+        agent.stream_notes.note(stream, f"config watch to the controller {host}:{port}")
         return stream
 
     async def apply(node_config: NodeConfig) -> None:

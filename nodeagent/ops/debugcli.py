@@ -1,14 +1,27 @@
-"""`nodeagent debug ...`: read a running agent's or server's debug socket."""
+"""`nodeagent debug ...`: read a running agent's or server's debug socket and print it.
+
+One fetch per view, or with `--watch` one every few seconds, the screen redrawn, until
+Ctrl-C (exit 0, no traceback). A socket that is not there, or goes away while watching, is
+one line on stderr and exit 1.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 from nodeagent.config import DEFAULT_AGENT_SOCKET, DEFAULT_SERVER_SOCKET
 from nodeagent.ops.debug import DebugUnavailable, fetch_debug
-from nodeagent.ops.render import render_status
+from nodeagent.ops.render import render_status, render_streams, render_tunnels
+
+# Views that take `--node` (a server's: every node's rows, or one node's).
+NODE_VIEWS = ("tunnels", "streams")
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (any ANSI terminal)
 
 
 def _default_socket() -> Path:
@@ -18,23 +31,61 @@ def _default_socket() -> Path:
     return Path(DEFAULT_AGENT_SOCKET)
 
 
-def run_debug(what: str, socket: Path | None, *, as_json: bool) -> int:
-    path = socket or _default_socket()
-    try:
-        doc = fetch_debug(str(path), f"/{what}")
-    except DebugUnavailable as exc:
-        print(f"nodeagent debug: {exc}", file=sys.stderr)
-        return 1
+def route_for(what: str, node: str | None) -> str:
+    if node and what in NODE_VIEWS:
+        return f"/{what}?node={quote(node, safe='')}"
+    return f"/{what}"
+
+
+def render(what: str, doc: Any, *, as_json: bool) -> str:
+    """The text `nodeagent debug WHAT` prints for `doc`."""
     if what == "metrics":
-        print(doc if isinstance(doc, str) else json.dumps(doc), end="")
-    elif what == "rules" and not as_json and isinstance(doc, dict) and "backend" in doc:
-        print(f"backend {doc['backend']}, mode {doc['mode']}, {len(doc['rules'])} rule(s)\n")
-        print("# applied in the kernel now")
-        print(doc["applied_in_kernel"] or "(no table)")
-        print("# rendered from the model")
-        print(doc["rendered_from_model"] or "(nothing)")
-    elif as_json or what != "status":
-        print(json.dumps(doc, indent=2, sort_keys=True))
-    else:
-        print(render_status(doc))
-    return 0
+        return doc if isinstance(doc, str) else json.dumps(doc) + "\n"
+    if as_json:
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if what == "rules" and isinstance(doc, dict) and "backend" in doc:
+        return (f"backend {doc['backend']}, mode {doc['mode']}, {len(doc['rules'])} rule(s)"
+                "\n\n# applied in the kernel now\n"
+                f"{doc['applied_in_kernel'] or '(no table)'}\n"
+                "# rendered from the model\n"
+                f"{doc['rendered_from_model'] or '(nothing)'}\n")
+    if what == "tunnels" and isinstance(doc, dict):
+        return render_tunnels(doc)
+    if what == "streams" and isinstance(doc, dict):
+        return render_streams(doc)
+    if what == "status" and isinstance(doc, dict):
+        return render_status(doc) + "\n"
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def run_debug(what: str, socket: Path | None, *, as_json: bool, node: str | None = None,
+              watch: float | None = None,
+              sleep: Callable[[float], None] = time.sleep) -> int:
+    path = str(socket or _default_socket())
+    route = route_for(what, node)
+    try:
+        while True:
+            try:
+                doc = fetch_debug(path, route)
+            except DebugUnavailable as exc:
+                print(f"nodeagent debug: {exc}", file=sys.stderr)
+                return 1
+            text = render(what, doc, as_json=as_json)
+            if watch is None:
+                sys.stdout.write(text)
+                return 0
+            if as_json:
+                # One document per line, for `jq` and scripts that follow along.
+                sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                sys.stdout.write(f"{_CLEAR}every {watch:g}s, {stamp}  (Ctrl-C to stop)"
+                                 f"  nodeagent debug {what}\n\n{text}")
+            sys.stdout.flush()
+            sleep(watch)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # `nodeagent debug streams --watch | head`: the reader left; so do we, quietly.
+        sys.stderr.close()
+        return 0

@@ -10,7 +10,8 @@ idle connection is closed after `idle_timeout`.
 
 `JsonRoutes` is the handler the debug socket and the health listener share: GET/HEAD of a
 path → a callable returning JSON-able data (or `HttpStatus` for another status), plus
-`/metrics` (Prometheus text) when given a registry and `/` listing the routes.
+`/metrics` (Prometheus text) when given a registry and `/` listing the routes; a route
+wrapped in `QueryRoute` is given the query string (`/tunnels?node=edge-1`).
 
 None of this is on the data path: it favours one obvious code path over speed.
 """
@@ -183,7 +184,14 @@ class HttpStatus:
     body: Any
 
 
-RouteHandler = Callable[[], Awaitable[Any] | Any]
+@dataclass(frozen=True)
+class QueryRoute:
+    """A route that reads the query string: `handler(query)` (e.g. `?node=edge-1`)."""
+
+    handler: Callable[[Mapping[str, list[str]]], Awaitable[Any] | Any]
+
+
+RouteHandler = Callable[[], Awaitable[Any] | Any] | QueryRoute
 
 
 class JsonRoutes:
@@ -213,7 +221,8 @@ class JsonRoutes:
         if path == "/" and "/" not in self.routes:
             return json_reply(200, {"routes": self.names()})
         try:
-            result = self.routes[path]()
+            route = self.routes[path]
+            result = route.handler(request.query) if isinstance(route, QueryRoute) else route()
             if inspect.isawaitable(result):
                 result = await result
         except Exception as exc:  # a broken route must not take the listener down

@@ -1,26 +1,31 @@
 """Prometheus metrics of one nodeagent process (any role).
 
 Counters are incremented where things happen; gauges that mirror live state (agents
-connected, RTT, open streams) are read from the objects at scrape time by a collector,
-so they can never drift from the truth.
+connected, RTT, open streams), and counts the tunnel code keeps anyway (tunnels ended by
+reason), are read from the objects at scrape time by a collector, so they can never
+drift from the truth. Histograms (PING round trips, stream setup, config apply) take one
+sample per event, never per byte or frame.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from nodeagent import __version__
 
+_LATENCY_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
+
 
 class _LiveCollector(Collector):
-    def __init__(self, collect: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
         self._collect = collect
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         return self._collect()
 
 
@@ -36,13 +41,6 @@ class Metrics:
         self.stream_bytes = Counter(
             "nodeagent_stream_bytes_total", "Payload bytes carried by streams",
             ["direction"], registry=self.registry)
-        self.tunnel_connects = Counter(
-            "nodeagent_tunnel_connects_total", "Tunnel handshakes completed",
-            registry=self.registry)
-        self.tunnel_failures = Counter(
-            "nodeagent_tunnel_failures_total",
-            "Tunnel dials or handshakes that failed, by reason", ["reason"],
-            registry=self.registry)
         self.bad_input = Counter(
             "nodeagent_bad_input_total",
             "Malformed or refused input from peers (protocol errors, bad HTTP, bad config)",
@@ -53,8 +51,24 @@ class Metrics:
         self.config_version = Gauge(
             "nodeagent_config_version", "Version of the config this process runs",
             registry=self.registry)
+        self.config_apply = Histogram(
+            "nodeagent_config_apply_seconds",
+            "Time to apply a new config (agent: netfilter, listeners, allow list; server: "
+            "route tables, certificates), by outcome (ok, failed)", ["outcome"],
+            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10),
+            registry=self.registry)
+        self.tunnel_rtt = Histogram(
+            "nodeagent_tunnel_ping_rtt_seconds",
+            "Keepalive PING round trips on the tunnels (one sample per ping interval per "
+            "tunnel)", buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.stream_setup = Histogram(
+            "nodeagent_stream_setup_seconds",
+            "From sending a stream's OPEN to the peer's accept (which includes the peer's "
+            "dial of the target), by direction: to-node (the server opens, Ingress/TCP/"
+            "CONNECT) or from-node (the agent opens: intercepted traffic, the controller)",
+            ["direction"], buckets=_LATENCY_BUCKETS, registry=self.registry)
 
-    def add_live(self, collect: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+    def add_live(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register gauges computed from live state at scrape time."""
         self.registry.register(_LiveCollector(collect))
 
@@ -64,3 +78,8 @@ class Metrics:
 
 def gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    """A counter read from live state at scrape time (`name` without `_total`)."""
+    return CounterMetricFamily(name, doc, labels=labels)

@@ -78,8 +78,9 @@ def render_table(
         return "  ".join(h for _, h in cols) + "\n(none)"
     cells = [[format_value(k, row.get(k)) for k, _ in cols] for row in rows]
     numeric = [
-        all(_is_number(rows[r].get(k)) or rows[r].get(k) is None for r in range(len(rows)))
-        for i, (k, _) in enumerate(cols)
+        all(_is_number(row.get(k)) or row.get(k) is None for row in rows)
+        and any(_is_number(row.get(k)) for row in rows)
+        for k, _ in cols
     ]
     widths = [max(len(h), *(len(line[i]) for line in cells)) for i, (_, h) in enumerate(cols)]
 
@@ -135,3 +136,52 @@ def render_status(doc: Mapping[str, Any]) -> str:
         out.append(f"{title} ({len(rows)})")
         out.append(render_table(rows))
     return "\n".join(out) + "\n"
+
+
+_TUNNEL_COLUMNS: list[str | tuple[str, str]] = [
+    ("state", "STATE"), ("peer", "PEER"), ("rtt_ms", "RTT"),
+    ("streams_open", "STREAMS"), ("bytes_in", "BYTES IN"), ("bytes_out", "BYTES OUT"),
+    ("since_seconds", "SINCE"), ("last_error", "LAST ERROR / REASON")]
+
+
+def _counts(counts: Mapping[str, Any] | None) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted((counts or {}).items())) or "none"
+
+
+def render_tunnels(doc: Mapping[str, Any]) -> str:
+    """`nodeagent debug tunnels`: a headline, then a row per tunnel. Agent: one per server
+    held or being dialed; server: one per node (connected, then lately disconnected)."""
+    rows = doc.get("tunnels") or []
+    if doc.get("role") == "server":
+        head = (f"server {doc.get('server_id')}: {doc.get('connected')} node(s) connected; "
+                f"disconnects: {_counts(doc.get('disconnects'))}")
+        if doc.get("node_filter") and not rows:
+            head += f"\nnode {doc['node_filter']} has no tunnel to this server and none " \
+                    "ended lately"
+        columns = [("node", "NODE"), *_TUNNEL_COLUMNS]
+    else:
+        held = sum(1 for r in rows if r.get("state") == "open")
+        head = (f"agent {doc.get('node')}: {doc.get('state')}, {held} of "
+                f"{doc.get('replicas')} server(s) held; connects {doc.get('connects')}, "
+                f"reconnects: {_counts(doc.get('reconnects'))}")
+        columns = [("server_id", "SERVER"), ("address", "ADDRESS"), *_TUNNEL_COLUMNS]
+    return f"{head}\n\n{render_table(rows, columns)}\n"
+
+
+def render_streams(doc: Mapping[str, Any]) -> str:
+    """`nodeagent debug streams`: a row per stream. Bytes count toward the target (what the
+    opening side sent) and back; to-node streams the server opened, from-node the agent."""
+    rows = doc.get("streams") or []
+    if doc.get("role") == "server":
+        head = f"server {doc.get('server_id')}: {len(rows)} stream(s)"
+        if doc.get("node_filter"):
+            head += f" of node {doc['node_filter']}"
+        first: list[str | tuple[str, str]] = [("node", "NODE")]
+    else:
+        head = f"agent {doc.get('node')}: {len(rows)} stream(s)"
+        first = [("server_id", "SERVER")]
+    columns = [*first, ("id", "ID"), ("direction", "DIRECTION"), ("target", "TARGET"),
+               ("state", "STATE"), ("bytes_to_target", "TO TARGET"),
+               ("bytes_from_target", "FROM TARGET"), ("age_seconds", "AGE"),
+               ("opened_by", "OPENED BY")]
+    return f"{head}\n\n{render_table(rows, columns)}\n"

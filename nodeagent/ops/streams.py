@@ -1,4 +1,14 @@
-"""Long-lived streams shown live in `nodeagent debug`: who, where, bytes so far, age.
+"""Streams shown live in `nodeagent debug`: who opened them, where to, bytes so far, age.
+
+`stream_rows(connection, notes)` lists every stream a tunnel connection holds now, read from
+the connection itself (its streams and their byte counters), so nothing is added per byte
+or per frame. What the connection does not know, when a stream opened and what asked for
+it in this process (an Ingress route, a TCP mapping), is in `StreamNotes`, written once
+when the stream opens (`tracked_opener` for streams this side opens, `StreamNotes.note`
+in the handlers of streams the peer opens) and forgotten with the stream (weak keys).
+The metadata the opener sent with its OPEN (origin address, control-plane purpose,
+interception rule) crosses the tunnel, so both sides can say who opened a stream.
+
 
 `LiveStreams` is a table of the streams open right now (the server's CONNECT front and
 the agent's control-plane streams fill it). An entry holds the tunnel stream itself and
@@ -12,10 +22,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
+
+from nodeagent.config import CONTROL_PLANE_PURPOSE, PURPOSE_KEY
+from tunnel import protocol as p
 
 
 class CountsBytes(Protocol):
@@ -80,3 +94,112 @@ class LiveStreams:
 
     def as_list(self) -> list[dict[str, Any]]:
         return [s.as_dict() for s in self._open.values()]
+
+
+# -- every stream of a tunnel connection ---------------------------------------------------
+
+# Stream ids: odd for streams the dialing side (the agent) opened, even for the server's.
+TO_NODE, FROM_NODE = "to-node", "from-node"
+
+
+def direction(stream_id: int) -> str:
+    """`to-node`: the server opened it (Ingress, TCP mapping, CONNECT) and the target is
+    on the node's side; `from-node`: the agent opened it (intercepted pod traffic, the
+    controller) and the target is on the server's side. The same word on both sides."""
+    return FROM_NODE if stream_id % 2 else TO_NODE
+
+
+@dataclass(slots=True)
+class StreamNote:
+    opened: float  # time.monotonic()
+    opened_by: str
+
+
+class StreamNotes:
+    """When each stream opened and what asked for it, for as long as the stream lives."""
+
+    def __init__(self) -> None:
+        self._notes: weakref.WeakKeyDictionary[Any, StreamNote] = weakref.WeakKeyDictionary()
+
+    def note(self, stream: Any, opened_by: str, opened: float | None = None) -> None:
+        """Remember `stream`'s opener (replacing a vaguer note made when it opened)."""
+        existing = self._notes.get(stream)
+        when = opened if opened is not None else (
+            existing.opened if existing is not None else time.monotonic())
+        self._notes[stream] = StreamNote(when, opened_by)
+
+    def get(self, stream: Any) -> StreamNote | None:
+        return self._notes.get(stream)
+
+    def __len__(self) -> int:
+        return len(self._notes)
+
+
+def opener_from_metadata(metadata: Mapping[str, str]) -> str:
+    """Who opened a stream, as its OPEN's metadata says (set by the opening side)."""
+    origin = metadata.get("origin", "") or "?"
+    if metadata.get(PURPOSE_KEY) == CONTROL_PLANE_PURPOSE:
+        return f"control-plane client {origin}"
+    if "intercepted" in metadata:
+        rule = metadata.get("intercepted") or ""
+        return f"intercepted pod {origin}" + (f" (rule {rule})" if rule else "")
+    return f"client {origin}" if metadata.get("origin") else "-"
+
+
+class TunnelStreams(Protocol):
+    """tunnel.endpoint.TunnelConnection"""
+
+    role: p.Role
+
+    def open_streams(self) -> list[tuple[Any, bool]]: ...
+
+
+def stream_rows(connection: TunnelStreams, notes: StreamNotes, *,
+                peer: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per stream `connection` holds now, `peer` (`{"node": ...}` on a server,
+    `{"server_id": ...}` on an agent) first in each. Bytes are counted toward the target
+    (what the opening side sent) and back from it."""
+    now = time.monotonic()
+    rows = []
+    for stream, opening in connection.open_streams():
+        sid = stream.stream_id
+        opened_here = bool(sid % 2) == (connection.role is p.Role.DIALER)
+        note = notes.get(stream)
+        sent, received = stream.bytes_sent, stream.bytes_received
+        rows.append({
+            **peer,
+            "id": sid,
+            "direction": direction(sid),
+            "target": str(stream.target),
+            "state": "opening" if opening else "open",
+            "opened_by": note.opened_by if note is not None
+            else opener_from_metadata(stream.metadata),
+            "bytes_to_target": sent if opened_here else received,
+            "bytes_from_target": received if opened_here else sent,
+            "age_seconds": round(now - note.opened, 1) if note is not None else None,
+        })
+    return rows
+
+
+_S = TypeVar("_S")
+_P = ParamSpec("_P")
+
+
+def tracked_opener(
+    open_stream: Callable[_P, Awaitable[_S]], notes: StreamNotes,
+    observe_setup: Callable[[float], None] | None = None,
+) -> Callable[_P, Coroutine[Any, Any, _S]]:
+    """`open_stream` that notes each stream it opens (the opener from its metadata) and
+    reports how long the OPEN took to be accepted: once per stream, nothing per byte."""
+
+    async def open_tracked(*args: _P.args, **kwargs: _P.kwargs) -> _S:
+        started = time.monotonic()
+        stream = await open_stream(*args, **kwargs)
+        accepted = time.monotonic()
+        if observe_setup is not None:
+            observe_setup(accepted - started)
+        metadata = getattr(stream, "metadata", None)
+        notes.note(stream, opener_from_metadata(metadata) if metadata else "-", started)
+        return stream
+
+    return open_tracked

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import ssl
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from nodeagent.http.tls import TlsConfig
 from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
+from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.logs import get_logger
 from nodeagent.server.server import Server
 from tunnel.dial import parse_endpoint, serve
@@ -217,6 +219,8 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             server.bound["connect"] = await nursery.start(server.connect.run)
         debug = DebugServer(str(config.debug_socket), {
             "/status": server.status,
+            "/tunnels": QueryRoute(lambda query: server.tunnels(_node_filter(query))),
+            "/streams": QueryRoute(lambda query: server.streams(_node_filter(query))),
             # The running routes (the controller's, in controller mode) over the file's,
             # secrets redacted.
             "/config": lambda: redacted({
@@ -254,6 +258,12 @@ def _reload_server(server: Server, config_path: Path) -> None:
         server.apply_routes(new.routes())
     except ConfigError as exc:
         log.error("config reload refused; keeping the running config", error=str(exc))
+
+
+def _node_filter(query: Mapping[str, list[str]]) -> str | None:
+    """`?node=NAME` of the debug routes (`nodeagent debug tunnels --node NAME`)."""
+    values = query.get("node") or [""]
+    return values[-1] or None
 
 
 def _sockname(listener: trio.SocketListener) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 from prometheus_client import Counter as MetricCounter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from nodeagent import __version__
 from nodeagent.config import (
@@ -43,7 +43,14 @@ from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import CertStore, context_from_pem
 from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
-from nodeagent.ops.metrics import Metrics, gauge
+from nodeagent.ops.metrics import Metrics, counter, gauge
+from nodeagent.ops.streams import (
+    TO_NODE,
+    StreamNotes,
+    opener_from_metadata,
+    stream_rows,
+    tracked_opener,
+)
 from nodeagent.pki import node_name_from_certificate
 from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.dnat import POLICY_REASONS, DnatPath
@@ -169,7 +176,8 @@ class Server:
         # removes or rotates it closes that node's tunnel (reload_tokens).
         self._session_tokens: dict[str, bytes] = {}
         settings = EndpointSettings(ping_interval=config.keepalive.interval,
-                                    ping_timeout=config.keepalive.timeout)
+                                    ping_timeout=config.keepalive.timeout,
+                                    on_rtt=self.metrics.tunnel_rtt.observe)
         # Controller mode: agents without a certificate yet may open a bootstrap
         # connection, whose streams reach the controller's signer and nothing else.
         self.tunnel = TunnelServer(
@@ -182,6 +190,11 @@ class Server:
             on_refusal=lambda reason: self.refusals.labels(f"handshake_{reason}").inc(),
             log=self.log)
         self._egress_refusals = RateLimitedLog(self.log, period=60.0)
+        # When each stream opened and for what (debug streams); every stream this server
+        # opens to a node goes through open_stream, which also times its setup.
+        self.stream_notes = StreamNotes()
+        self.open_stream = tracked_opener(self.tunnel.open_stream, self.stream_notes,
+                                          self.metrics.stream_setup.labels(TO_NODE).observe)
         # Streams refused by policy, by why (a fixed set: see _refuse), and handshakes
         # refused before authentication (handshake_overloaded, handshake_shutting_down).
         self.refusals = MetricCounter(
@@ -203,12 +216,12 @@ class Server:
         self.metrics.add_live(self._live_metrics)
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
-            config.connect, routes=lambda: self.routes, open_stream=self.tunnel.open_stream,
+            config.connect, routes=lambda: self.routes, open_stream=self.open_stream,
             dial_timeout=config.dial_timeout, registry=self.metrics.registry, log=self.log,
             server_tls=(config.tls.cert_file, config.tls.key_file) if config.tls else None,
         ) if config.connect.enabled else None
         # Cloud nodes' caught dials to other nodes' addresses (control_plane_sources).
-        self.dnat = DnatPath(open_stream=self.tunnel.open_stream,
+        self.dnat = DnatPath(open_stream=self.open_stream,
                              dial_timeout=config.dial_timeout,
                              registry=self.metrics.registry, log=self.log)
 
@@ -220,6 +233,15 @@ class Server:
         streams keep going. Listeners are fixed for the process's life (the controller
         never changes them): a change of TCP mappings or HTTP listen addresses raises
         ConfigError and nothing changes."""
+        started = time.monotonic()
+        try:
+            self._apply_routes(routes)
+        except BaseException:
+            self.metrics.config_apply.labels("failed").observe(time.monotonic() - started)
+            raise
+        self.metrics.config_apply.labels("ok").observe(time.monotonic() - started)
+
+    def _apply_routes(self, routes: RoutesConfig) -> None:
         old = self.routes
         if [m.model_dump() for m in routes.tcp] != [m.model_dump() for m in old.tcp] or \
                 [h.listen for h in routes.http] != [h.listen for h in old.http]:
@@ -358,6 +380,9 @@ class Server:
         node's egress allows it (protected ranges only when a rule names them); otherwise
         refuse (FORBIDDEN, counted, logged). Nothing is an open proxy."""
         target = incoming.target
+        self.stream_notes.note(
+            incoming.stream, "agent to the controller" if (target.host, target.port) ==
+            self._controller else opener_from_metadata(incoming.metadata))
         if self.dnat.catches(node, target.host, self.routes):
             # A cloud node's caught dial to a node's address: decided like a CONNECT.
             outcome = await self.dnat.relay(node, incoming, self.routes)
@@ -477,8 +502,7 @@ class Server:
         if node is None:
             return await connect_tcp(host, port, connect_timeout=self.config.dial_timeout)
         with trio.move_on_after(self.config.dial_timeout) as scope:
-            return await self.tunnel.open_stream(
-                node, p.Target(host, port), {"origin": origin})
+            return await self.open_stream(node, p.Target(host, port), {"origin": origin})
         assert scope.cancelled_caught
         raise StreamRefusedError(p.StreamReason.TIMEOUT,
                                  f"node {node} did not answer within {self.config.dial_timeout}s")
@@ -500,6 +524,9 @@ class Server:
                         f"{backend.port}"))
             else:
                 stream = await self.open_to(backend.node, backend.host, backend.port, client)
+                # One upstream stream serves a client connection's requests in turn.
+                self.stream_notes.note(stream, f"http route {route.name}" + (
+                    f" client {client}" if client else ""))
         except StreamFailed as exc:
             self._count(exc.outcome)
             status = 504 if exc.reason is p.StreamReason.TIMEOUT else 502
@@ -517,10 +544,16 @@ class Server:
         peer = _address(client)
         mlog = self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
                              node=mapping.node, target=str(mapping.target), client=peer)
-        relayed = await relay_connection(
-            client, lambda: self.open_to(mapping.node, mapping.target.host,
-                                         mapping.target.port, peer),
-            on_accepted=lambda: self._count("accepted"))
+        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
+
+        async def open_upstream() -> trio.abc.HalfCloseableStream:
+            stream = await self.open_to(mapping.node, mapping.target.host,
+                                        mapping.target.port, peer)
+            self.stream_notes.note(stream, name)
+            return stream
+
+        relayed = await relay_connection(client, open_upstream,
+                                         on_accepted=lambda: self._count("accepted"))
         if relayed.failure is not None:
             self._count(relayed.failure.outcome)
             mlog.info("connection refused", reason=relayed.failure.outcome,
@@ -535,7 +568,7 @@ class Server:
 
     # ---------------------------------------------------------------- status
 
-    def _live_metrics(self) -> Iterable[GaugeMetricFamily]:
+    def _live_metrics(self) -> Iterable[Metric]:
         agents = gauge("nodeagent_agents_connected", "Agents with an open tunnel")
         agents.add_metric([], len(self.tunnel.sessions))
         yield agents
@@ -547,12 +580,69 @@ class Server:
             streams.add_metric([node], session.connection.info().streams_open)
         yield rtt
         yield streams
+        disconnects = counter(
+            "nodeagent_agent_disconnects",
+            "Agent tunnels that ended, by why (drained, keepalive_timeout, "
+            "connection_lost, shutting_down, replaced, unauthorized, protocol_error, "
+            "closed, cancelled)", labels=["reason"])
+        for reason, count in sorted(self.tunnel.disconnects.items()):
+            disconnects.add_metric([reason], count)
+        yield disconnects
         http = gauge("nodeagent_http_front", "HTTP front counters by listener",
                      ["listener", "counter"])
         for name, stats in self.http_stats.items():
-            for counter, value in stats.as_dict().items():
-                http.add_metric([name, counter], value)
+            for field_name, value in stats.as_dict().items():
+                http.add_metric([name, field_name], value)
         yield http
+
+    def tunnels(self, node: str | None = None) -> dict[str, Any]:
+        """`nodeagent debug tunnels` on a server: a row per node tunnel (or `node`'s),
+        then nodes whose tunnel ended lately (state disconnected, why, since when)."""
+        rows = []
+        now = time.time()
+        sessions = self.tunnel.sessions
+        for name in ([node] if node is not None else sorted(sessions)):
+            session = sessions.get(name)
+            if session is None:
+                continue
+            info = session.connection.info()
+            ended = self.tunnel.recent_ends.get(name)
+            rows.append({
+                "node": name, "peer": info.peer,
+                "state": "draining" if info.draining else "open",
+                "rtt_ms": round(info.rtt_seconds * 1000, 2) if info.rtt_seconds is not None
+                else None,
+                "streams_open": info.streams_open, "bytes_in": info.bytes_in,
+                "bytes_out": info.bytes_out,
+                "since_seconds": round(max(0.0, now - session.since), 1),
+                # A node connected again (the live tunnel has not ended): why its
+                # previous tunnel ended, replaced by this one included.
+                "last_error": f"previous tunnel: {ended.label}: {ended.reason}"
+                if ended is not None else None,
+            })
+        for name, ended in reversed(self.tunnel.recent_ends.items()):
+            if name in sessions or (node is not None and name != node):
+                continue
+            rows.append({"node": name, "peer": ended.peer, "state": "disconnected",
+                         "rtt_ms": None, "streams_open": 0, "bytes_in": None,
+                         "bytes_out": None,
+                         "since_seconds": round(max(0.0, now - ended.since), 1),
+                         "last_error": f"{ended.label}: {ended.reason}"})
+        return {"role": "server", "server_id": self.config.server_id,
+                "node_filter": node, "connected": len(sessions),
+                "disconnects": dict(self.tunnel.disconnects), "tunnels": rows}
+
+    def streams(self, node: str | None = None) -> dict[str, Any]:
+        """`nodeagent debug streams` on a server: every stream of every node's tunnel."""
+        sessions = self.tunnel.sessions
+        rows = []
+        for name in ([node] if node is not None else sorted(sessions)):
+            session = sessions.get(name)
+            if session is not None:
+                rows.extend(stream_rows(session.connection, self.stream_notes,
+                                        peer={"node": name}))
+        return {"role": "server", "server_id": self.config.server_id,
+                "node_filter": node, "streams": rows}
 
     def status(self) -> dict[str, Any]:
         agents = []

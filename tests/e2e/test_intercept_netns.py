@@ -10,6 +10,7 @@ destination sees the connection coming from the cloud (10.30.0.1), not from the 
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -329,3 +330,41 @@ def test_sigterm_resets_what_outlives_the_drain_time_and_removes_the_rules(
     assert "drain time over; resetting what is left" in agent.logs()
     assert "intercepted=1" in agent.logs()
     assert nft_table(topo).returncode != 0, "without keep_rules_on_exit the table goes"
+
+
+def test_debug_streams_show_an_intercepted_connection_on_both_sides(
+        lab: dict[str, Any]) -> None:
+    """`nodeagent debug streams`: a pod's intercepted connection, held open, is a from-node
+    stream naming the pod's address and the rule, with its bytes, on the agent and on the
+    server."""
+    topo = lab["topo"]
+    payload = b"x" * 3000
+    with in_netns(topo.ns("pod")):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with sock:
+        sock.settimeout(5)
+        sock.connect(("10.30.0.2", 8080))
+        host, port = sock.getsockname()[:2]
+        pod = f"{host}:{port}"
+        first = b""
+        while not first.endswith(b"\n"):
+            first += sock.recv(1)
+        sock.sendall(payload)
+        echoed = b""
+        while len(echoed) < len(payload):
+            echoed += sock.recv(65536)
+        for proc, peer in ((lab["agent"], {"server_id": "nodeagent-server"}),
+                           (lab["server"], {"node": "edge-1"})):
+            result = subprocess.run([sys.executable, "-m", "nodeagent", "debug", "streams",
+                                     "--socket", str(proc.socket), "--json"],
+                                    capture_output=True, text=True, timeout=30)
+            assert result.returncode == 0, result.stderr
+            rows = [r for r in json.loads(result.stdout)["streams"]
+                    if r["target"] == "tcp://10.30.0.2:8080"]
+            assert len(rows) == 1, rows
+            row = rows[0]
+            assert row["direction"] == "from-node" and row["id"] % 2 == 1, row
+            assert row["opened_by"] == f"intercepted pod {pod} (rule to-remote)", row
+            assert row["bytes_to_target"] == len(payload), row
+            assert row["bytes_from_target"] == len(first) + len(payload), row
+            assert peer.items() <= row.items(), row

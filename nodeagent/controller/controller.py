@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,9 @@ import trio
 
 from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import CA_SECRET, Bootstrap
-from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
 from nodeagent.controller.crds import ensure_crds
-from nodeagent.controller.ingress import translate_ingresses
+from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
 from nodeagent.controller.inputs import (
     LeaderWrite,
     feeds_config,
@@ -141,6 +142,9 @@ class Controller:
     versions: ConfigVersions = field(default_factory=ConfigVersions)
     recomputes: int = 0  # recomputes run
     recompute_triggers: int = 0  # cache changes that asked for one (debounced into runs)
+    # What earlier recomputes built, reused for what did not change since (see compute.py)
+    translation_memo: TranslationMemo = field(default_factory=TranslationMemo)
+    compute_memo: ComputeMemo = field(default_factory=ComputeMemo)
     listen_port: int = 0  # the config stream's, once listening (settings may say 0)
 
     def __post_init__(self) -> None:
@@ -153,6 +157,7 @@ class Controller:
             CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
         self.metrics = ControllerMetrics()
+        self.metrics.watch_informers(lambda: self.informers.informers)
         dns, ips = service_names(self.settings.service_name, ns, self.settings.tls_names)
         self.tls = ServingTLS(lambda: self.bootstrap.ca, dns, ips,
                               trust=lambda: self.bootstrap.trust_pem)
@@ -211,15 +216,16 @@ class Controller:
         self._secret_refs = secret_references(ingresses)
         services, endpoint_slices = c["services"].list(), c["endpointslices"].list()
         nodes = c["nodes"].list()
+        started = time.perf_counter()
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
             services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
-            nodes=nodes)
+            nodes=nodes, memo=self.translation_memo)
         tunnel_objects = c["clustertunnels"].list()
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
                       services=services, endpoint_slices=endpoint_slices,
-                      namespace=self.settings.namespace)
+                      namespace=self.settings.namespace, memo=self.compute_memo)
         changed = [name for name, config in out.nodes.items()
                    if self.versions.update(f"node/{name}", config)]
         for key in self.versions.keys():
@@ -230,8 +236,10 @@ class Controller:
         servers_changed = self.versions.update("servers", out.routes)
         problems = tunnel_problems + out.problems
         self.recomputes += 1
+        self.metrics.recompute_seconds.observe(time.perf_counter() - started)
         if changed or servers_changed:
-            self.stream.notify()
+            self.stream.notify([*(f"node/{n}" for n in changed),
+                                *(["servers"] if servers_changed else [])])
             log.info("config recomputed", nodes_changed=len(changed),
                      servers_changed=servers_changed, ingress_rules=len(
                          out.routes.ingress.rules), problems=len(problems))

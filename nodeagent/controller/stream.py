@@ -27,7 +27,7 @@ import functools
 import json
 import ssl
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,14 +124,29 @@ class ConfigStreamServer:
         self.metrics = metrics or ControllerMetrics()
         self.heartbeat = heartbeat
         self.request_timeout = request_timeout
-        self._changed = trio.Event()
+        # key → the event its open watches wait on: a change wakes only the watches of
+        # the keys it changed (one node's Ingress edit wakes one task, not 5,000)
+        self._waiting: dict[str, trio.Event] = {}
         self._refusals = RateLimitedLog(log)
         self.subscribers: Counter[str] = Counter()  # key → open watches
 
-    def notify(self) -> None:
-        """New versions are in `versions`: wake every watch."""
-        self._changed.set()
-        self._changed = trio.Event()
+    def notify(self, keys: Iterable[str] | None = None) -> None:
+        """New versions are in `versions` for `keys` ("node/NAME", "servers"; None: any):
+        wake the watches of those keys."""
+        if keys is None:
+            waiting, self._waiting = self._waiting, {}
+            for event in waiting.values():
+                event.set()
+            return
+        for key in keys:
+            if key in self._waiting:
+                self._waiting.pop(key).set()
+
+    def _wakeup(self, key: str) -> trio.Event:
+        event = self._waiting.get(key)
+        if event is None:
+            event = self._waiting[key] = trio.Event()
+        return event
 
     async def run(self, host: str, port: int, *,
                   task_status: trio.TaskStatus[list[trio.SocketListener]]
@@ -199,7 +214,7 @@ class ConfigStreamServer:
         log.info("config watch opened", subscriber=name, kind=kind, after=after)
         try:
             while True:
-                changed = self._changed
+                changed = self._wakeup(key)
                 current = self.versions.get(key)
                 if current is None and key.startswith("node/"):
                     current = (0, NodeConfig())
@@ -217,6 +232,7 @@ class ConfigStreamServer:
             self.subscribers[key] -= 1
             if not self.subscribers[key]:
                 del self.subscribers[key]
+                self._waiting.pop(key, None)
             log.info("config watch closed", subscriber=name, kind=kind)
 
 

@@ -35,6 +35,7 @@ version goes up only when its content changes, so an unrelated object event send
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 from collections.abc import Iterable
@@ -188,8 +189,18 @@ def _ip_addresses(node: Obj) -> list[str]:
     return out
 
 
+# A fan-out (a ClusterTunnel edit) rebuilds every node's config from mostly the same
+# rules: validating each AllowRule again (its host parsed as an address) was a third of
+# the rebuild. Frozen models, so one object serves every config that holds the rule;
+# bounded, so a churning cluster cannot grow it without limit.
+@functools.lru_cache(maxsize=1 << 16)
 def _allow_exact(host: str, port: int) -> AllowRule:
     return AllowRule(host=host, ports=(PortRange(first=port, last=port),))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _allow_ports(host: str, ports: tuple[PortRange, ...]) -> AllowRule:
+    return AllowRule(host=host, ports=ports)
 
 
 def _host_network(text: Any) -> Network | None:
@@ -268,8 +279,17 @@ class NodePart:
     problems: tuple[Problem, ...]
 
 
-# (Node object, tunnels, its Ingress targets, server replicas, denied)
-NodeKey = tuple[Obj, list[Tunnel], frozenset[tuple[str, int]], int | None, bool]
+# (what node_part reads of the Node, tunnels, its Ingress targets, server replicas, denied)
+NodeKey = tuple[Any, list[Tunnel], frozenset[tuple[str, int]], int | None, bool]
+
+
+def node_view(node: Obj) -> tuple[Any, ...]:
+    """What `node_part` reads of a Node: labels, podCIDRs and addresses; not the status
+    conditions and heartbeats a kubelet rewrites every few seconds (a Node object that
+    changed only there keeps its part)."""
+    return ((node.get("metadata") or {}).get("labels"),
+            (node.get("spec") or {}).get("podCIDRs"),
+            (node.get("status") or {}).get("addresses"))
 
 
 def node_part(name: str, node: Obj, tunnels: list[Tunnel],
@@ -291,9 +311,9 @@ def node_part(name: str, node: Obj, tunnels: list[Tunnel],
                 "its settings are used there"))
         if tunnel.spec.allowed_node_ports:
             for host in ["127.0.0.1", *node_addresses(node)]:
-                allow.append(AllowRule(host=host, ports=tunnel.spec.allowed_node_ports))
-                control_plane.append(AllowRule(host=host,
-                                               ports=tunnel.spec.allowed_node_ports))
+                rule = _allow_ports(host, tunnel.spec.allowed_node_ports)
+                allow.append(rule)
+                control_plane.append(rule)
         intercept = tunnel.spec.intercept
     cidrs = []
     for text in (node.get("spec") or {}).get("podCIDRs") or []:
@@ -338,12 +358,12 @@ class ComputeMemo:
             self._tunnels = tunnels
         return self._tunnels
 
-    def part(self, name: str, key: NodeKey) -> NodePart:
+    def part(self, name: str, node: Obj, key: NodeKey) -> NodePart:
         known = self._parts.get(name)
         if known is not None and known[0] == key:
             return known[1]
         self.built += 1
-        part = node_part(name, *key)
+        part = node_part(name, node, *key[1:])
         self._parts[name] = (key, part)
         return part
 
@@ -378,8 +398,9 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         name = str((node.get("metadata") or {}).get("name", ""))
         if not name:
             continue
-        part = memo.part(name, (node, tunnels, targets.get(name, NO_TARGETS), replicas,
-                                name in denied))
+        part = memo.part(name, node, (node_view(node), tunnels,
+                                      targets.get(name, NO_TARGETS), replicas,
+                                      name in denied))
         all_labels[name] = part.labels
         ip_addresses[name] = list(part.ip_addresses)
         if part.tunnel is not None:

@@ -184,15 +184,31 @@ def references(ingress: Obj) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(sorted(services)), tuple(sorted(secrets))
 
 
+def ingress_view(ingress: Obj) -> tuple[Any, ...]:
+    """What the translation reads of an Ingress besides its name: not its status (the
+    leader writes it, on every Ingress, without changing a route) nor resourceVersion."""
+    meta = _meta(ingress)
+    return (ingress.get("spec"), meta.get("annotations"), meta.get("creationTimestamp"))
+
+
+def node_view(node: Obj | None) -> tuple[Any, ...] | None:
+    """What the translation reads of a Node: its podCIDRs and addresses, not the status
+    conditions a kubelet rewrites every few seconds."""
+    if node is None:
+        return None
+    return ((node.get("spec") or {}).get("podCIDRs"),
+            (node.get("status") or {}).get("addresses"))
+
+
 @dataclass
 class _Memo:
     """One Ingress's translation and everything it read to make it."""
 
-    ingress: Obj
+    ingress: tuple[Any, ...]  # ingress_view
     refs: tuple[tuple[str, ...], tuple[str, ...]]  # references(ingress)
     inputs: tuple[Any, ...]  # its Services, their EndpointSlices, its Secrets, as read
     node_names: tuple[str, ...]  # the Nodes its endpoints name (derived from `inputs`)
-    nodes: tuple[Obj | None, ...]  # those Nodes, as read
+    nodes: tuple[Any, ...]  # node_view of those Nodes, as read
     out: _Out
 
 
@@ -206,15 +222,16 @@ class TranslationMemo:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], _Memo] = {}
-        self._networks: dict[str, tuple[Obj, list[Network]]] = {}
+        self._networks: dict[str, tuple[Any, list[Network]]] = {}
         self.translated = 0
 
     def networks(self, name: str, node: Obj | None) -> list[Network]:
         if node is None:
             return []
+        view = node_view(node)
         known = self._networks.get(name)
-        if known is None or not (known[0] is node or known[0] == node):
-            known = (node, networks_of(node))
+        if known is None or known[0] != view:
+            known = (view, networks_of(node))
             self._networks[name] = known
         return known[1]
 
@@ -222,14 +239,15 @@ class TranslationMemo:
         key = _key(ingress)
         namespace = key[0]
         entry = self._entries.get(key)
-        same = entry is not None and (entry.ingress is ingress or entry.ingress == ingress)
+        view = ingress_view(ingress)
+        same = entry is not None and entry.ingress == view
         refs = entry.refs if entry is not None and same else references(ingress)
         services, secrets = refs
-        inputs = (tuple(index.services.get((namespace, s)) for s in services),
+        inputs = (tuple(_spec(index.services.get((namespace, s))) for s in services),
                   tuple(tuple(index.slices.get((namespace, s), ())) for s in services),
                   tuple(index.secrets.get((namespace, s)) for s in secrets))
         if entry is not None and same and entry.inputs == inputs and entry.nodes == tuple(
-                index.nodes.get(n) for n in entry.node_names):
+                node_view(index.nodes.get(n)) for n in entry.node_names):
             return entry.out
         self.translated += 1
         out = _Out()
@@ -237,14 +255,21 @@ class TranslationMemo:
                                    for e in es.get("endpoints") or []
                                    if isinstance(e, dict) and e.get("nodeName")}))
         _translate_one(ingress, index, out)
-        self._entries[key] = _Memo(ingress, refs, inputs, node_names,
-                                   tuple(index.nodes.get(n) for n in node_names), out)
+        self._entries[key] = _Memo(view, refs, inputs, node_names,
+                                   tuple(node_view(index.nodes.get(n)) for n in node_names),
+                                   out)
         return out
 
     def forget_except(self, keys: set[tuple[str, str]]) -> None:
         """Drop the entries (and Node networks) of objects that are gone."""
         for key in [k for k in self._entries if k not in keys]:
             del self._entries[key]
+
+
+def _spec(service: Obj | None) -> Any:
+    # A Service's spec is all the translation reads of it (its LoadBalancer status is
+    # the leader's concern): None for a missing one.
+    return None if service is None else ("service", service.get("spec"))
 
 
 def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],

@@ -235,8 +235,7 @@ class TranslationMemo:
             self._networks[name] = known
         return known[1]
 
-    def translate(self, ingress: Obj, index: _Index) -> _Out:
-        key = _key(ingress)
+    def translate(self, key: tuple[str, str], ingress: Obj, index: _Index) -> _Out:
         namespace = key[0]
         entry = self._entries.get(key)
         view = ingress_view(ingress)
@@ -266,6 +265,10 @@ class TranslationMemo:
             del self._entries[key]
 
 
+def _first(pair: tuple[tuple[str, str], Obj]) -> tuple[str, str]:
+    return pair[0]
+
+
 def _spec(service: Obj | None) -> Any:
     # A Service's spec is all the translation reads of it (its LoadBalancer status is
     # the leader's concern): None for a missing one.
@@ -286,13 +289,12 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
             index.slices.setdefault((_key(es)[0], svc), []).append(es)
     out = _Out()
     seen: set[tuple[str, str]] = set()
-    for ingress in sorted(ingresses, key=_key):
+    for key, ingress in sorted(((_key(i), i) for i in ingresses), key=_first):
         if not is_ours(ingress, classes, default):
             continue
-        key = _key(ingress)
         seen.add(key)
         out.served.append(key)
-        one = memo.translate(ingress, index)
+        one = memo.translate(key, ingress, index)
         out.rules.extend(one.rules)
         out.tls.extend(one.tls)
         out.problems.extend(one.problems)

@@ -358,6 +358,23 @@ class ComputeMemo:
         self._parts: dict[str, tuple[NodeKey, NodePart]] = {}
         self._tunnels: list[Tunnel] = []
         self.built = 0
+        # protected_ranges and server_replicas read every Service and EndpointSlice:
+        # reused while those are the very same objects (and the tunnels the same)
+        self._cluster: tuple[Any, ...] = ((), (), None, None, (), None)
+
+    def cluster_wide(self, tunnels: list[Tunnel], services: list[Obj],
+                     endpoint_slices: list[Obj], namespace: str | None
+                     ) -> tuple[tuple[Network, ...], int | None]:
+        last_tunnels, last_services, last_slices, last_ns, protected, replicas = \
+            self._cluster
+        if not (tunnels is last_tunnels and namespace == last_ns
+                and _same_objects(services, last_services)
+                and _same_objects(endpoint_slices, last_slices)):
+            protected = protected_ranges(tunnels, services, endpoint_slices)
+            replicas = server_replicas(endpoint_slices, namespace)
+            self._cluster = (tunnels, services, endpoint_slices, namespace, protected,
+                             replicas)
+        return protected, replicas
 
     def tunnels(self, tunnels: list[Tunnel]) -> list[Tunnel]:
         """`tunnels`, or the equal list seen before (so node keys compare by identity)."""
@@ -382,6 +399,10 @@ class ComputeMemo:
 NO_TARGETS: frozenset[tuple[str, int]] = frozenset()
 
 
+def _same_objects(a: list[Obj], b: list[Obj]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: IngressTranslation,
             services: Iterable[Obj], endpoint_slices: Iterable[Obj],
             namespace: str | None = None, memo: ComputeMemo | None = None) -> Computed:
@@ -390,6 +411,8 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     same as without one."""
     memo = memo if memo is not None else ComputeMemo()
     tunnels = memo.tunnels(tunnels)
+    services, endpoint_slices = list(services), list(endpoint_slices)
+    protected, replicas = memo.cluster_wide(tunnels, services, endpoint_slices, namespace)
     problems: list[Problem] = list(translation.problems)
     node_configs: dict[str, NodeConfig] = {}
     node_cidrs: dict[str, tuple[Network, ...]] = {}
@@ -399,7 +422,6 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     denied = frozenset(n for t in tunnels for n in t.spec.denied_nodes)
     all_labels: dict[str, dict[str, str]] = {}
     ip_addresses: dict[str, list[str]] = {}
-    replicas = server_replicas(endpoint_slices, namespace)
     targets = translation.node_targets
     for node in nodes:
         name = str((node.get("metadata") or {}).get("name", ""))
@@ -446,7 +468,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                                         relays=policy.to))
     routes = RoutesConfig(ingress=translation.routes, scopes=tuple(scopes),
                           node_cidrs=node_cidrs,
-                          protected=protected_ranges(tunnels, services, endpoint_slices),
+                          protected=protected,
                           nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)),
                           connect_nodes=connect_nodes, control_plane_sources=dnat.sources,
                           replicas=replicas)

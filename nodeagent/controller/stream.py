@@ -35,7 +35,7 @@ import trio
 from cryptography import x509
 
 from nodeagent import pki
-from nodeagent.config import DNS_NAME, NodeConfig
+from nodeagent.config import DNS_NAME, NodeConfig, RoutesConfig
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.ops.jsonhttp import (
@@ -220,9 +220,7 @@ class ConfigStreamServer:
                     current = (0, NodeConfig())
                 if current is not None and current[0] > after:
                     after = current[0]
-                    yield _line({"version": current[0],
-                                 "config": current[1].model_dump(mode="json",
-                                                                 exclude={"version"})})
+                    yield _config_line(current[0], current[1])
                     continue
                 with trio.move_on_after(self.heartbeat):
                     await changed.wait()
@@ -234,6 +232,14 @@ class ConfigStreamServer:
                 del self.subscribers[key]
                 self._waiting.pop(key, None)
             log.info("config watch closed", subscriber=name, kind=kind)
+
+
+def _config_line(version: int, config: NodeConfig | RoutesConfig) -> bytes:
+    """`{"version": V, "config": {...}}`: the config serialised by pydantic's own JSON
+    encoder (no intermediate dicts; at a fan-out to 5,000 nodes, model_dump + json.dumps
+    was most of the sending CPU)."""
+    body = config.model_dump_json(exclude={"version"}).encode()
+    return b'{"version":%d,"config":%s}\n' % (version, body)
 
 
 def _line(doc: dict[str, Any]) -> bytes:

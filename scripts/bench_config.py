@@ -178,6 +178,16 @@ async def recompute_totals(port: int) -> tuple[float, int]:
     return total, count
 
 
+async def recompute_totals_or_none(port: int) -> tuple[float, int] | None:
+    """The recompute totals once the metrics listener answers (after the first
+    recompute) with at least one recompute counted; None before."""
+    try:
+        total, count = await recompute_totals(port)
+    except OSError:
+        return None
+    return (total, count) if count else None
+
+
 def proc_status(pid: int) -> dict[str, float]:
     """VmRSS and VmHWM (peak RSS) of a process, in MiB."""
     out = {}
@@ -247,6 +257,11 @@ async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: fl
         try:
             with trio.fail_after(300):
                 cert, key = await wait_for_ca(fake, controller)
+            # Before any watch: what the caches, the configs and the memos hold alone.
+            with trio.fail_after(300):
+                while (await recompute_totals_or_none(metrics_port)) is None:  # noqa: ASYNC110
+                    await trio.sleep(0.2)
+            result["rss_before_watches_mib"] = proc_status(controller.pid)["VmRSS"]
             (tmp / "ca.crt").write_text(cert)
             key_path = tmp / "ca.key"
             key_path.touch(mode=0o600)

@@ -179,13 +179,13 @@ async def recompute_totals(port: int) -> tuple[float, int]:
 
 
 async def recompute_totals_or_none(port: int) -> tuple[float, int] | None:
-    """The recompute totals once the metrics listener answers (after the first
-    recompute) with at least one recompute counted; None before."""
+    """The recompute totals once the metrics listener answers (it starts after the
+    first recompute); None before. (0, 0) from a --source controller without the
+    recompute histogram."""
     try:
-        total, count = await recompute_totals(port)
+        return await recompute_totals(port)
     except OSError:
         return None
-    return (total, count) if count else None
 
 
 def proc_status(pid: int) -> dict[str, float]:

@@ -231,11 +231,11 @@ def _free_port() -> int:
 
 async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: float,
                 quiet: float, source: Path = ROOT, settle: float = 10.0,
-                say: Any = print) -> dict[str, Any]:
+                say: Any = print, directory: Path | None = None) -> dict[str, Any]:
     """Run the cases; the figures, and the functional facts (`targeted_unconcerned_applies`
     must be 0; every node applies every fan-out) that tests/controller/test_scale.py
     checks on a small cluster."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-config-"))
+    tmp = directory or Path(tempfile.mkdtemp(prefix="bench-config-"))
     result: dict[str, Any] = {"nodes": nodes, "hosts": hosts, "events": events,
                               "client_procs": client_procs}
     applies = Applies(nodes)

@@ -23,11 +23,12 @@ def bench_config() -> ModuleType:
     return module
 
 
-async def test_a_targeted_change_reaches_its_node_only_and_a_fanout_every_node() -> None:
+async def test_a_targeted_change_reaches_its_node_only_and_a_fanout_every_node(
+        tmp_path: Path) -> None:
     nodes, events = 100, 2
     result = await bench_config().bench(nodes=nodes, hosts=2 * nodes, events=events,
                                         client_procs=1, idle=0.5, quiet=0.5, settle=0.0,
-                                        say=lambda *_: None)
+                                        say=lambda *_: None, directory=tmp_path)
     # (a) each edit reached its node (bench waits for it, or fails) and no other node
     assert result["targeted_unconcerned_applies"] == 0
     assert result["targeted_recomputes"] >= events

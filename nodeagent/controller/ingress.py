@@ -26,6 +26,10 @@ Problem on the Ingress; its hosts are then served over plain HTTP only.
 Anything wrong with an object becomes a `Problem` (for an Event, a status condition and
 a log line); the object's other rules and every other Ingress keep working. Nothing here
 raises on bad input.
+
+`TranslationMemo` keeps each Ingress's translation between calls with what it read (its
+spec and annotations, its Services' specs, their EndpointSlices, its Secrets, the Nodes
+its endpoints name): a change translates again only the Ingresses that read it.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from prometheus_client.registry import Collector
 from nodeagent import __version__
 from nodeagent.kube import Informer
 
-# A recompute at 5,000 nodes and 10,000 Ingress hosts: ~5 ms to ~0.2 s when one object
-# changed, ~1.5 s for the first one (scripts/bench_config.py).
+# A recompute at 5,000 nodes and 10,000 Ingress hosts (scripts/bench_config.py): ~0.1 s
+# when one Ingress changed, ~0.5 s for a change to every node, ~1 s for the first.
 RECOMPUTE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -62,8 +62,9 @@ class ControllerMetrics:
             "reason code", ["outcome", "reason"], registry=self.registry)
         self.recompute_seconds = Histogram(
             "nodeagent_controller_recompute_seconds",
-            "CPU-bound time of one config recompute (every node's config and the servers' "
-            "routes, from the caches)", buckets=RECOMPUTE_BUCKETS, registry=self.registry)
+            "Duration of one config recompute (every node's config and the servers' "
+            "routes from the caches; CPU only, no I/O)", buckets=RECOMPUTE_BUCKETS,
+            registry=self.registry)
 
     def watch_informers(self, informers: Callable[[], Iterable[Informer]]) -> None:
         """Export the watch restarts of these informers (once per registry)."""

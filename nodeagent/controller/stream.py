@@ -17,7 +17,8 @@ line `{"version": V, "config": {...}}` at once if the subscriber's current versi
 newer than `after` (an unknown node gets an empty NodeConfig at version 0), then one line
 per new version, and `{}` as a heartbeat every `heartbeat` seconds so either side notices a
 dead peer. A slow subscriber is never queued for: each wake-up sends only the newest
-version. A refusal is one JSON line `{"error": ..., "reason": <code>}`, counted by reason
+version; a change wakes only the watches of the keys it changed (`notify(keys)`). A
+refusal is one JSON line `{"error": ..., "reason": <code>}`, counted by reason
 and logged at most once a minute per reason.
 """
 

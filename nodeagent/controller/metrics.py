@@ -1,5 +1,6 @@
 """The controller's Prometheus metrics: who asked for a certificate or a config watch, and
-why a request was refused. Served by the metrics/health listener (`--metrics-listen`).
+why a request was refused; how long a recompute takes; how often the Kubernetes watches
+had to be opened again. Served by the metrics/health listener (`--metrics-listen`).
 
 Every label value comes from a fixed set (kinds, outcomes, reason codes), never from
 what a client sent, so the series stay bounded whatever clients do.
@@ -7,9 +8,42 @@ what a client sent, so the series stay bounded whatever clients do.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Info
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from nodeagent import __version__
+from nodeagent.kube import Informer
+
+# A recompute at 5,000 nodes and 10,000 Ingress hosts (scripts/bench_config.py): ~0.1 s
+# when one Ingress changed, ~0.5 s for a change to every node, ~1 s for the first.
+RECOMPUTE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class WatchRestarts(Collector):
+    """nodeagent_controller_watch_restarts_total{resource, reason}: read at scrape time
+    from the informers' own counts (`Informer.restarts`), so the kube package needs no
+    metrics of its own."""
+
+    def __init__(self, informers: Callable[[], Iterable[Informer]]) -> None:
+        self._informers = informers
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "nodeagent_controller_watch_restarts",
+            "Kubernetes watches opened again, by resource and reason (closed: the API "
+            "server ended it; expired: 410 Gone, relisted; error: backed off)",
+            labels=["resource", "reason"])
+        totals: dict[tuple[str, str], int] = {}
+        for informer in self._informers():
+            for reason, count in informer.restarts.items():
+                key = (informer.resource.plural, reason)
+                totals[key] = totals.get(key, 0) + count
+        for (resource, reason), count in sorted(totals.items()):
+            family.add_metric([resource, reason], count)
+        yield family
 
 
 class ControllerMetrics:
@@ -26,6 +60,15 @@ class ControllerMetrics:
             "nodeagent_controller_config_requests_total",
             "Requests to the config stream listener by outcome (watching, refused) and "
             "reason code", ["outcome", "reason"], registry=self.registry)
+        self.recompute_seconds = Histogram(
+            "nodeagent_controller_recompute_seconds",
+            "Duration of one config recompute (every node's config and the servers' "
+            "routes from the caches; CPU only, no I/O)", buckets=RECOMPUTE_BUCKETS,
+            registry=self.registry)
+
+    def watch_informers(self, informers: Callable[[], Iterable[Informer]]) -> None:
+        """Export the watch restarts of these informers (once per registry)."""
+        self.registry.register(WatchRestarts(informers))
 
     def certificate(self, kind: str, reason: str) -> None:
         outcome = "issued" if reason == "issued" else "refused"

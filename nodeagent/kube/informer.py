@@ -220,6 +220,9 @@ class Informer:
         self.watches = 0
         self.gone = 0
         self.errors = 0
+        # Why the watch had to be opened again: "closed" (the server ended it, as it does
+        # at timeoutSeconds), "expired" (410 Gone: relisted), "error" (backed off)
+        self.restarts: dict[str, int] = {"closed": 0, "expired": 0, "error": 0}
         self._log = log.bind(resource=str(resource))
 
     @property
@@ -246,14 +249,17 @@ class Informer:
                         reported = True
                     continue
                 await self._watch(self._version)
+                self.restarts["closed"] += 1
             except Gone as exc:
                 self.gone += 1
+                self.restarts["expired"] += 1
                 self._version = None  # never retry a compacted version: relist
                 self._log.info("watch restarted", reason="410", message=exc.message)
                 if listing:  # the list's own continue token expired; do not spin
                     await trio.sleep(self._backoff.next_delay())
             except KubeError as exc:
                 self.errors += 1
+                self.restarts["error"] += 1
                 delay = self._backoff.next_delay()
                 self._log.warning(
                     "list/watch failed",

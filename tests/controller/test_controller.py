@@ -277,3 +277,29 @@ async def test_the_servers_certificate_is_reissued_at_half_life(
     renewed = pki.load_certificate(pem.encode())
     assert renewed.not_valid_after_utc - renewed.not_valid_before_utc > dt.timedelta(days=1)
     assert certificate_names(pem) >= set(dns) | set(ips)
+
+
+async def test_metrics_count_recomputes_and_watch_restarts_by_resource(
+        nursery: trio.Nursery, fake_kube: FakeKube, kube: KubeClient, tmp_path: Path) -> None:
+    controller = await start_controller(nursery, fake_kube, tmp_path)
+
+    def sample(name: str, **labels: str) -> float:
+        value = controller.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    assert sample("nodeagent_controller_recompute_seconds_count") >= 1
+    assert sample("nodeagent_controller_watch_restarts_total", resource="nodes",
+                  reason="error") + sample("nodeagent_controller_watch_restarts_total",
+                                           resource="nodes", reason="closed") == 0
+    # Every watch cut mid-stream: each informer opens its watch again, counted per resource.
+    fake_kube.drop_watches()
+    await wait_for(lambda: all(sample("nodeagent_controller_watch_restarts_total",
+                                      resource=r, reason="error") +
+                               sample("nodeagent_controller_watch_restarts_total",
+                                      resource=r, reason="closed") >= 1
+                               for r in ("nodes", "ingresses", "clustertunnels")),
+                   "watch restarts counted")
+    recomputes = sample("nodeagent_controller_recompute_seconds_count")
+    await create_app(kube)
+    await wait_for(lambda: rule_paths(controller) == ["/"], "the Ingress in the config")
+    assert sample("nodeagent_controller_recompute_seconds_count") > recomputes

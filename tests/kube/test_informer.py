@@ -129,6 +129,7 @@ async def test_410_relists_and_never_retries_the_stale_version(
                          (True, asked[4][1])]
     assert int(asked[4][1] or 0) > int(stale) and int(relisted) >= int(asked[4][1] or 0)
     assert informer.lists == 2 and informer.gone == 1
+    assert informer.restarts["expired"] == 1  # the controller's watch restart metric
 
 
 async def test_reconnects_from_last_version_without_gaps_or_duplicates(
@@ -163,6 +164,7 @@ async def test_reconnects_from_last_version_without_gaps_or_duplicates(
                                                                        "configmaps"))
     assert informer.lists == 1 and informer.gone == 0  # every reconnect resumed
     assert dropped >= 5 and informer.watches == dropped + 1  # one reconnect per cut
+    assert sum(informer.restarts.values()) == dropped and informer.restarts["expired"] == 0
     for name, versions in seen.items():  # each write seen once, in order
         assert versions == sorted(set(versions), key=int), name
     watch_versions = [int(r.resource_version or 0)

@@ -1,0 +1,86 @@
+"""Simulated agents for scripts/bench_config.py: `--count` config watches (nodes
+`n{first}` … `n{first+count-1}`) against a controller's config stream, over TLS, each
+presenting its own node certificate issued here from the controller's CA (`--ca-cert`,
+`--ca-key`: the bench measures config delivery, not signing).
+
+Runs in a process of its own, so the controller's CPU and RSS are measured alone. Each
+applied config is one line on stdout, `A <node index> <version> <CLOCK_MONOTONIC>` (the
+clock is system-wide, so the bench compares it with the time it made the change), then
+flushed; `C <count>` once every watch has applied a first config.
+
+    python scripts/benchlib/config_clients.py --port P --ca-cert F --ca-key F \\
+        --first 0 --count 2500
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import ssl
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nodeagent import pki  # noqa: E402
+from nodeagent.config import NodeConfig  # noqa: E402
+from nodeagent.configwatch import WatchStatus, watch_config  # noqa: E402
+from nodeagent.ops.logs import configure  # noqa: E402
+from tunnel.backoff import Backoff  # noqa: E402
+
+
+async def run(port: int, ca: pki.CertificateAuthority, first: int, count: int) -> None:
+    contexts: dict[str, ssl.SSLContext] = {}
+    for i in range(first, first + count):
+        cert = pki.issue_client_certificate(ca, f"n{i}")
+        contexts[f"n{i}"] = pki.client_ssl_context(ca.certificate_pem, cert.certificate_pem,
+                                                   cert.key_pem)
+    started: set[int] = set()
+    out = sys.stdout
+
+    async def apply(index: int, config: NodeConfig) -> None:
+        out.write(f"A {index} {config.version} {time.monotonic():.6f}\n")
+        out.flush()
+        if index not in started:
+            started.add(index)
+            if len(started) == count:
+                out.write(f"C {count}\n")
+                out.flush()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(first, first + count):
+            name = f"n{i}"
+            nursery.start_soon(functools.partial(
+                watch_config, open_stream=functools.partial(
+                    trio.open_tcp_stream, "127.0.0.1", port),
+                host="127.0.0.1", path=f"/v1/config/nodes/{name}",
+                tls=functools.partial(contexts.__getitem__, name), model=NodeConfig,
+                apply=functools.partial(apply, i), status=WatchStatus(name),
+                backoff=Backoff(initial=0.2, maximum=2.0)))
+            if i % 100 == 99:
+                await trio.sleep(0.01)  # let earlier watches connect: no deep SYN burst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ca-cert", type=Path, required=True)
+    parser.add_argument("--ca-key", type=Path, required=True)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--count", type=int, required=True)
+    args = parser.parse_args()
+    configure(level="warning")  # an "applied" log line per watch per change costs CPU here
+    ca = pki.CertificateAuthority.load(args.ca_cert.read_bytes(), args.ca_key.read_bytes())
+    try:
+        trio.run(run, args.port, ca, args.first, args.count)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -198,11 +198,13 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                         max_connections_per_client=wanted.max_connections_per_client,
                         max_header_fields=wanted.max_header_fields,
                         min_body_rate=wanted.min_body_rate, body_grace=wanted.body_grace)
+        fronts: list[HttpFront] = []  # told to finish keep-alive connections on drain
         for index, listener in enumerate(config.http):
             name = f"http:{listener.name or index}"
             front = HttpFront(table=functools.partial(server.tables.__getitem__, index),
                               open_upstream=server.open_upstream, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
+            fronts.append(front)
             listeners = await nursery.start(front.run, listener.listen.host,
                                             listener.listen.port)
             server.bound[name] = [_sockname(lst) for lst in listeners]
@@ -215,6 +217,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             front = HttpFront(table=lambda: server.ingress_table,
                               open_upstream=server.open_upstream, tls=tls, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
+            fronts.append(front)
             listeners = await nursery.start(front.run, listen.host, listen.port)
             server.bound[name] = [_sockname(lst) for lst in listeners]
         if server.connect is not None:  # kube-apiserver's egress selector, Prometheus
@@ -249,8 +252,14 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                 stop_accepting.set()
                 # Public requests keep being served through the tunnels until the load
                 # balancer has seen readiness fail: a GOAWAY at once would answer 502 to
-                # every request it still sends here meanwhile.
+                # every request it still sends here meanwhile. Keep-alive clients are told
+                # to reconnect (through the balancer, to another replica) after their
+                # current request; the connections idle all along close after the delay.
+                for front in fronts:
+                    front.drain(close_idle=False)
                 await trio.sleep(shutdown_delay)
+                for front in fronts:
+                    front.drain(close_idle=True)
                 await server.tunnel.drain("server shutting down", grace=drain_seconds)
                 nursery.cancel_scope.cancel()
                 break

@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -46,7 +47,13 @@ VIP_CLIENT = "10.90.1.1"  # the balancer, as the public client sees it
 VIP_EDGE = "10.90.4.1"  # the balancer, as the edge site (behind NAT) sees it
 REPLICAS = {"replica-a": "10.90.2.2", "replica-b": "10.90.3.2"}
 TUNNEL, HTTP, HEALTH = 8443, 8080, 9100
+# Short, so the link-down test notices in seconds. At 20 % loss TCP itself stalls now and
+# then for longer than any such timeout, in both directions at once (its retransmission
+# timer backs off 0.2, 0.4, 0.8 ... s while retransmissions and ACKs keep being dropped;
+# plain TCP through the same nft rule here: silent gaps up to 9.6 s, and one over 20 s, in
+# a 20 MiB transfer), which no keepalive can tell from a dead path: that case gets 30 s.
 KEEPALIVE = {"interval": 1, "timeout": 3}
+LOSSY_KEEPALIVE = {"interval": 1, "timeout": 30}
 
 
 def blob(size: int) -> bytes:
@@ -159,8 +166,9 @@ class Request:
 
 @dataclass
 class Load:
-    """Worker threads in the client namespace, each sending GET /hello on a new
-    connection back to back; every request's start, end and outcome is kept."""
+    """Worker threads in the client namespace sending GET /hello back to back, half on a
+    new connection each, half on a keep-alive connection (reopened when the server says
+    `connection: close`); every request's start, end and outcome is kept."""
 
     topo: Topology
     workers: int = 4
@@ -168,21 +176,31 @@ class Load:
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
 
-    def _work(self) -> None:
+    def _work(self, keepalive: bool) -> None:
         with in_netns(self.topo.ns("client")):
+            conn = http.client.HTTPConnection(VIP_CLIENT, 80, timeout=5)
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
-                    status, body = get("/hello")
+                    if keepalive:
+                        conn.request("GET", "/hello", headers={"Host": "app.test"})
+                        response = conn.getresponse()
+                        status, body = response.status, response.read()
+                        if response.will_close:
+                            conn.close()
+                    else:
+                        status, body = get("/hello")
                     ok, detail = status == 200 and body == b"hello from the edge", \
                         f"{status} {body[:120]!r}"
                 except (OSError, http.client.HTTPException) as exc:
-                    ok, detail = False, repr(exc)
+                    ok, detail = False, f"keepalive={keepalive} {exc!r}"
+                    conn.close()
                 self.results.append(Request(started, time.monotonic(), ok, detail))
+            conn.close()
 
     def __enter__(self) -> Load:
-        self._threads = [threading.Thread(target=self._work, daemon=True)
-                         for _ in range(self.workers)]
+        self._threads = [threading.Thread(target=self._work, args=(i % 2 == 1,), daemon=True)
+                         for i in range(self.workers)]
         for thread in self._threads:
             thread.start()
         return self
@@ -199,8 +217,9 @@ class Load:
 class Site:
     """The whole topology, its processes and the balancer's health loop."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, keepalive: dict[str, float]) -> None:
         self.tmp = tmp
+        self.keepalive = keepalive
         self.topo = Topology()
         self.servers: dict[str, NodeagentProcess] = {}
         self.old: list[NodeagentProcess] = []  # servers replaced, for the log checks
@@ -245,7 +264,7 @@ class Site:
             "tls": {"ca_file": str(self.tmp / "ca.crt")},
             "allow": [f"127.0.0.1:{self.sample_port}"],
             "debug_socket": str(self.tmp / "agent.sock"),
-            "keepalive": KEEPALIVE,
+            "keepalive": self.keepalive,
         }, self.tmp, "agent", netns=topo.ns("edge")).start()
         self.agent.wait_ready()
         self.health = HealthChecker(topo, self.balancer)
@@ -264,7 +283,7 @@ class Site:
                  "target": f"127.0.0.1:{self.sample_port}"}]}],
             "metrics_listen": f"0.0.0.0:{HEALTH}",
             "debug_socket": str(self.tmp / f"{name}.sock"),
-            "keepalive": KEEPALIVE,
+            "keepalive": self.keepalive,
         }
 
     def start_server(self, name: str) -> NodeagentProcess:
@@ -324,14 +343,14 @@ class Site:
         return [*self.servers.values(), *self.old, self.agent]
 
 
-@pytest.fixture
-def healthy(tmp_path: Path) -> Iterator[Site]:
+@contextmanager
+def built_site(tmp_path: Path, keepalive: dict[str, float]) -> Iterator[Site]:
     """The site built, both replicas in rotation holding the node's tunnel (a topology
     per test: each test's processes end with it)."""
     reason = netns_available()
     if reason is not None:
         pytest.skip(reason)
-    site = Site(tmp_path)
+    site = Site(tmp_path, keepalive)
     try:
         site.build()
         assert site.in_client(get, "/hello") == (200, b"hello from the edge")
@@ -339,6 +358,12 @@ def healthy(tmp_path: Path) -> Iterator[Site]:
     finally:
         site.close()
     no_tracebacks(*site.procs())
+
+
+@pytest.fixture
+def healthy(tmp_path: Path) -> Iterator[Site]:
+    with built_site(tmp_path, KEEPALIVE) as site:
+        yield site
 
 
 # ------------------------------------------------------------------ rollouts
@@ -482,32 +507,32 @@ def test_link_down_10s_streams_reset_node_back_soon_memory_flat(healthy: Site) -
 
 
 @pytest.mark.parametrize("loss", [5, 20])
-def test_packet_loss_slows_transfers_but_never_corrupts_them(healthy: Site,
+def test_packet_loss_slows_transfers_but_never_corrupts_them(tmp_path: Path,
                                                              loss: int) -> None:
     """nft drops `loss` % of the packets both ways on the edge's path (the NAT router):
     downloads through the tunnel arrive whole and byte for byte; at 5 % the tunnels stay
     up (no keepalive flap)."""
-    site = healthy
-    size = 2 * 1024 * 1024 if loss <= 5 else 512 * 1024
-    expected = hashlib.sha256(blob(size)).hexdigest()
-    before = len(lines(site.agent, "tunnel connected"))
-    lost_before = len(lines(site.agent, "tunnel connection lost"))
-    site.topo.exec("nat", ["nft", "-f", "-"], input=(
-        "table ip lossy {\n chain drops {\n  type filter hook forward priority 0;\n"
-        f"  numgen random mod 100 < {loss} counter drop\n }}\n}}\n"))
-    try:
-        started = time.monotonic()
-        for _ in range(2):  # one through each replica (round robin)
-            status, body = site.in_client(get, f"/bytes/{size}", 60.0)
-            assert status == 200, body[:300]
-            assert len(body) == size and hashlib.sha256(body).hexdigest() == expected
-        took = time.monotonic() - started
-        dropped = site.topo.exec("nat", ["nft", "list", "table", "ip", "lossy"]).stdout
-    finally:
-        site.topo.exec("nat", ["nft", "delete", "table", "ip", "lossy"])
-    reconnects = len(lines(site.agent, "tunnel connected")) - before
-    print(f"\n{loss} % loss: 2 x {size // 1024} KiB intact in {took:.2f} s; "
-          f"{reconnects} reconnect(s); dropped: {dropped.split('counter')[1].split('drop')[0]}")
-    if loss <= 5:
-        assert reconnects == 0, site.agent.logs()[-3000:]
-        assert len(lines(site.agent, "tunnel connection lost")) == lost_before
+    with built_site(tmp_path, KEEPALIVE if loss <= 5 else LOSSY_KEEPALIVE) as site:
+        size = 2 * 1024 * 1024 if loss <= 5 else 512 * 1024
+        expected = hashlib.sha256(blob(size)).hexdigest()
+        before = len(lines(site.agent, "tunnel connected"))
+        lost_before = len(lines(site.agent, "tunnel connection lost"))
+        site.topo.exec("nat", ["nft", "-f", "-"], input=(
+            "table ip lossy {\n chain drops {\n  type filter hook forward priority 0;\n"
+            f"  numgen random mod 100 < {loss} counter drop\n }}\n}}\n"))
+        try:
+            started = time.monotonic()
+            for _ in range(2):  # one through each replica (round robin)
+                status, body = site.in_client(get, f"/bytes/{size}", 60.0)
+                assert status == 200, body[:300]
+                assert len(body) == size and hashlib.sha256(body).hexdigest() == expected
+            took = time.monotonic() - started
+            dropped = site.topo.exec("nat", ["nft", "list", "table", "ip", "lossy"]).stdout
+        finally:
+            site.topo.exec("nat", ["nft", "delete", "table", "ip", "lossy"])
+        reconnects = len(lines(site.agent, "tunnel connected")) - before
+        print(f"\n{loss} % loss: 2 x {size // 1024} KiB intact in {took:.2f} s; "
+              f"{reconnects} reconnect(s); dropped: {dropped.split('counter')[1].split('drop')[0]}")
+        if loss <= 5:
+            assert reconnects == 0, site.agent.logs()[-3000:]
+            assert len(lines(site.agent, "tunnel connection lost")) == lost_before

@@ -165,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="validate the config, print a summary and exit")
     server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
                         help="on shutdown, how long running streams may finish (default 30)")
+    server.add_argument("--shutdown-delay", type=float, default=2.0, metavar="S",
+                        help="on shutdown, how long readiness fails while requests are still "
+                             "served, before agents are told to move (GOAWAY): at least the "
+                             "load balancer's health-check interval (default 2)")
+    server.add_argument("--ready-grace", type=float, default=30.0, metavar="S",
+                        help="a new replica is ready once it holds a tunnel from every node "
+                             "its routes name, or after this long (default 30)")
 
     agent = sub.add_parser(
         "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -307,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from nodeagent.server.main import run_server_cluster
                 return run_server_cluster(args)
             from nodeagent.server.main import run_server
-            return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds)
+            return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds,
+                              shutdown_delay=args.shutdown_delay, ready_grace=args.ready_grace)
         if args.command == "agent":
             if args.cleanup:
                 from nodeagent.agent.main import run_cleanup

@@ -3,9 +3,10 @@
 flap every few minutes; RSS and open descriptors of every process sampled throughout.
 
 Topology (one host, real processes and sockets): replica-a and replica-b (`replicas: 2`)
-behind a TCP balancer for the tunnel (the agent dials it) and another for the public side
-(TCP mapping and HTTP listener: the load dials those; a backend that refuses is skipped,
-as a load balancer with health checks would). Every `--period` seconds, in turn:
+behind a TCP balancer for the tunnel (the agent dials it; it reaches every running
+replica) and others for the public side (TCP mapping and HTTP listener: the load dials
+those; they send only to replicas whose /readyz passed within 0.2 s, as a Service's ready
+endpoints, and skip a backend that refuses). Every `--period` seconds, in turn:
   - rollout: SIGTERM to one replica (`--drain-seconds 5`), a new process with the same
     config once it has exited;
   - path flap: the tunnel balancer cuts every connection and refuses new ones for
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,13 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from nodeagent import pki  # noqa: E402
-from tests.e2e.conftest import Certs, Upstream, _echo_server, _Handler  # noqa: E402
+from tests.e2e.conftest import (  # noqa: E402
+    Certs,
+    Upstream,
+    _echo_server,
+    _Handler,
+    free_port,
+)
 from tests.e2e.test_standalone import agent_config, server_config  # noqa: E402
 from tests.procs import NodeagentProcess  # noqa: E402
 
@@ -56,8 +64,11 @@ class Balancer:
     connection and its listener (new connections are refused, as from a host whose path
     is gone after the kernel gave up) until `resume()`."""
 
-    def __init__(self, backends: list[int]) -> None:
+    def __init__(self, backends: list[int],
+                 ready: Callable[[int], bool] | None = None) -> None:
         self.backends = backends
+        # The health check (the public side: a replica's /readyz); None: every backend.
+        self.ready = ready
         self._turn = itertools.cycle(range(len(backends)))
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -78,6 +89,8 @@ class Balancer:
             backend = None
             for _ in self.backends:
                 port = self.backends[next(self._turn)]
+                if self.ready is not None and not self.ready(port):
+                    continue
                 try:
                     backend = socket.create_connection(("127.0.0.1", port), timeout=2)
                     break
@@ -127,6 +140,30 @@ class Balancer:
         self.sock = socket.create_server(("127.0.0.1", self.port))
         self.paused = False
         threading.Thread(target=self._accept, daemon=True).start()
+
+
+class HealthCheck:
+    """The public balancers' health check: GET /readyz of each replica every 0.2 s (as
+    kube-proxy follows a Service's ready endpoints), by the replica's public port."""
+
+    def __init__(self) -> None:
+        self.health: dict[int, int] = {}  # public port -> its replica's health port
+        self.ready: set[int] = set()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=0.5) as client:
+            while True:
+                for public, health in list(self.health.items()):
+                    try:
+                        ok = client.get(f"http://127.0.0.1:{health}/readyz").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    (self.ready.add if ok else self.ready.discard)(public)
+                time.sleep(0.2)
+
+    def __call__(self, port: int) -> bool:
+        return port in self.ready
 
 
 class QuietHTTPServer(ThreadingHTTPServer):
@@ -211,7 +248,8 @@ def main() -> int:
         configs: dict[str, dict[str, Any]] = {}
         for name in ("replica-a", "replica-b"):
             cfg = server_config(tmp, certs, upstream)
-            cfg.update(server_id=name, replicas=2, debug_socket=str(tmp / f"{name}.sock"))
+            cfg.update(server_id=name, replicas=2, debug_socket=str(tmp / f"{name}.sock"),
+                       metrics_listen=f"127.0.0.1:{free_port()}")
             configs[name] = cfg
 
         def port(cfg: dict[str, Any], key: str) -> int:
@@ -219,9 +257,15 @@ def main() -> int:
                 cfg["tcp"][0]["listen"] if key == "tcp" else cfg["http"][0]["listen"])
             return int(value.rsplit(":", 1)[1])
 
+        # The tunnel balancer reaches every running replica (agents must reach a new one
+        # before it can be ready); the public ones only replicas whose /readyz passes.
+        check = HealthCheck()
+        for cfg in configs.values():
+            health = int(cfg["metrics_listen"].rsplit(":", 1)[1])
+            check.health[port(cfg, "tcp")] = check.health[port(cfg, "http")] = health
         tunnel_lb = Balancer([port(c, "tunnel") for c in configs.values()])
-        tcp_lb = Balancer([port(c, "tcp") for c in configs.values()])
-        http_lb = Balancer([port(c, "http") for c in configs.values()])
+        tcp_lb = Balancer([port(c, "tcp") for c in configs.values()], ready=check)
+        http_lb = Balancer([port(c, "http") for c in configs.values()], ready=check)
         procs: dict[str, NodeagentProcess] = {}
         generation: Counter[str] = Counter()
 

@@ -138,3 +138,35 @@ def in_netns(real_name: str) -> Iterator[None]:
         _setns(own)
         os.close(own)
         os.close(target)
+
+
+@dataclass
+class NftBalancer:
+    """An L4 load balancer in one namespace, as a cloud LB or kube-proxy builds it: for
+    each frontend port, `dnat to numgen inc mod N map @backends` (round robin over N
+    slots), the slots filled by `set_backends` in one nft transaction. Connections already
+    set up keep their backend (conntrack), as with a Service endpoint removed."""
+
+    topo: Topology
+    ns: str  # the Topology's short name of its namespace
+    ports: dict[str, tuple[int, int]]  # map name -> (frontend port, backend port)
+    slots: int = 2
+
+    def install(self) -> None:
+        maps = "".join(f"  map {name} {{ typeof numgen inc mod {self.slots} : ip daddr; }}\n"
+                       for name in self.ports)
+        rules = "".join(f"    tcp dport {front} dnat to numgen inc mod {self.slots} "
+                        f"map @{name}:{back}\n" for name, (front, back) in self.ports.items())
+        self.topo.exec(self.ns, ["nft", "-f", "-"], input=(
+            f"table ip balancer {{\n{maps}  chain pre {{\n    type nat hook prerouting "
+            f"priority dstnat; policy accept;\n{rules}  }}\n}}\n"))
+
+    def set_backends(self, name: str, addresses: Sequence[str]) -> None:
+        """Round robin over `addresses` (the slots cycle through them); none: the map is
+        empty and connections reach the balancer itself, which refuses them."""
+        lines = [f"flush map ip balancer {name}"]
+        if addresses:
+            elements = ", ".join(f"{i} : {addresses[i % len(addresses)]}"
+                                 for i in range(self.slots))
+            lines.append(f"add element ip balancer {name} {{ {elements} }}")
+        self.topo.exec(self.ns, ["nft", "-f", "-"], input="\n".join(lines) + "\n")

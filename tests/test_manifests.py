@@ -35,7 +35,8 @@ FLAGS = {
               "--debug-socket", "--metrics-listen", "--keep-rules-on-exit", "--drain-seconds"},
     "server": {"--controller", "--token-file", "--ca-file", "--tunnel-listen", "--tls-cert",
                "--tls-key", "--ingress-http", "--ingress-https", "--server-id",
-               "--metrics-listen", "--connect-listen", "--connect-client-ca", "--state-dir"},
+               "--metrics-listen", "--connect-listen", "--connect-client-ca", "--state-dir",
+               "--shutdown-delay", "--ready-grace"},
     "controller": {"--kubeconfig", "--namespace", "--listen", "--identity", "--lease-name",
                    "--metrics-listen", "--tls-name"},
 }

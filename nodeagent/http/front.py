@@ -22,7 +22,7 @@ from collections.abc import Callable
 import trio
 
 from nodeagent.http.balancer import Balancer
-from nodeagent.http.connection import HttpConnection
+from nodeagent.http.connection import GracefulClose, HttpConnection
 from nodeagent.http.limits import Limits
 from nodeagent.http.routes import RouteTable
 from nodeagent.http.stats import HttpStats
@@ -69,6 +69,7 @@ async def serve_http_connection(
     stats: HttpStats | None = None,
     balancer: Balancer | None = None,
     access_log: bool = False,
+    closing: GracefulClose | None = None,
 ) -> None:
     """Serve one client connection until it closes; closes `stream` (and upstreams) at the end.
 
@@ -86,6 +87,7 @@ async def serve_http_connection(
         stats if stats is not None else HttpStats(),
         balancer if balancer is not None else Balancer(limits.failed_backend_cooldown),
         access_log,
+        closing,
     ).run()
 
 
@@ -115,6 +117,8 @@ class HttpFront:
         self.access_log = access_log
         self._ssl_context = tls.server_context() if tls is not None else None
         self._scope: trio.CancelScope | None = None
+        # drain(): keep-alive connections close after their current request.
+        self.closing = GracefulClose()
         self.listeners: list[trio.SocketListener] = []
         self.per_client: dict[str, int] = {}
         """Open connections by `client_key`; a key goes when its count reaches zero."""
@@ -157,6 +161,14 @@ class HttpFront:
         """Close the listeners and every connection (the run/serve call returns)."""
         if self._scope is not None:
             self._scope.cancel()
+
+    def drain(self, *, close_idle: bool) -> None:
+        """Finish keep-alive connections: every response from now on says `connection:
+        close`; with `close_idle`, connections waiting for a next request close now."""
+        if close_idle:
+            self.closing.close_idle()
+        else:
+            self.closing.start()
 
     @property
     def port(self) -> int:
@@ -237,6 +249,7 @@ class HttpFront:
                 stats=stats,
                 balancer=self.balancer,
                 access_log=self.access_log,
+                closing=self.closing,
             )
         except Exception as exc:
             # A bug here must cost one connection, not the listener and all its clients.

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import ssl
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.logs import get_logger
+from nodeagent.server.readiness import DEFAULT_READY_GRACE, ReadinessGate
 from nodeagent.server.server import Server
 from tunnel.dial import parse_endpoint, serve
 
@@ -159,7 +161,9 @@ def start_reloaders(server: Server, nursery: trio.Nursery,
 
 
 async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
-                       drain_seconds: float = 30.0, config_path: Path | None = None,
+                       drain_seconds: float = 30.0, shutdown_delay: float = 0.0,
+                       ready_grace: float = DEFAULT_READY_GRACE,
+                       config_path: Path | None = None,
                        tls_source: str = "config", tls_fields: dict[str, str] = TLS_FIELDS,
                        task_status: trio.TaskStatus[dict[str, list[str]]]
                        = trio.TASK_STATUS_IGNORED) -> None:
@@ -196,11 +200,13 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                         max_connections_per_client=wanted.max_connections_per_client,
                         max_header_fields=wanted.max_header_fields,
                         min_body_rate=wanted.min_body_rate, body_grace=wanted.body_grace)
+        fronts: list[HttpFront] = []  # told to finish keep-alive connections on drain
         for index, listener in enumerate(config.http):
             name = f"http:{listener.name or index}"
             front = HttpFront(table=functools.partial(server.tables.__getitem__, index),
                               open_upstream=server.open_upstream, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
+            fronts.append(front)
             listeners = await nursery.start(front.run, listener.listen.host,
                                             listener.listen.port)
             server.bound[name] = [_sockname(lst) for lst in listeners]
@@ -213,6 +219,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             front = HttpFront(table=lambda: server.ingress_table,
                               open_upstream=server.open_upstream, tls=tls, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
+            fronts.append(front)
             listeners = await nursery.start(front.run, listen.host, listen.port)
             server.bound[name] = [_sockname(lst) for lst in listeners]
         if server.connect is not None:  # kube-apiserver's egress selector, Prometheus
@@ -229,10 +236,10 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         }, registry=server.metrics.registry)
         await nursery.start(debug.run)
         if config.metrics_listen is not None:
-            health = HealthServer(server.metrics.registry,
-                                  lambda: "draining" if server.tunnel.draining else None)
+            health = HealthServer(server.metrics.registry, server.not_ready)
             await nursery.start(health.run, config.metrics_listen.host,
                                 config.metrics_listen.port)
+        server.ready_gate = ReadinessGate(started=time.monotonic(), grace=ready_grace)
         log.info("server ready", **{k: ",".join(v) for k, v in server.bound.items()})
         task_status.started(dict(server.bound))
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -242,11 +249,21 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                         _reload_server(server, config_path)
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
-                         grace_seconds=drain_seconds)
+                         grace_seconds=drain_seconds, delay_seconds=shutdown_delay)
                 # Readiness fails first (a load balancer stops sending), then new tunnels
                 # are refused by the kernel (they go to the next server), then GOAWAY.
                 server.tunnel.start_draining()
                 stop_accepting.set()
+                # Public requests keep being served through the tunnels until the load
+                # balancer has seen readiness fail: a GOAWAY at once would answer 502 to
+                # every request it still sends here meanwhile. Keep-alive clients are told
+                # to reconnect (through the balancer, to another replica) after their
+                # current request; the connections idle all along close after the delay.
+                for front in fronts:
+                    front.drain(close_idle=False)
+                await trio.sleep(shutdown_delay)
+                for front in fronts:
+                    front.drain(close_idle=True)
                 await server.tunnel.drain("server shutting down", grace=drain_seconds)
                 nursery.cancel_scope.cancel()
                 break
@@ -271,7 +288,8 @@ def _sockname(listener: trio.SocketListener) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0) -> int:
+def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0,
+               shutdown_delay: float = 0.0, ready_grace: float = DEFAULT_READY_GRACE) -> int:
     config = load_config(ServerConfig, config_path)
     ssl_context = server_ssl_context(config, str(config_path))
     check_token_files(config, str(config_path))
@@ -282,6 +300,7 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
               f"listener(s)")
         return 0
     trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds,
+                                  shutdown_delay=shutdown_delay, ready_grace=ready_grace,
                                   config_path=config_path, tls_source=str(config_path)))
     return 0
 
@@ -424,7 +443,9 @@ def run_server_cluster(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             await nursery.start(watch)
             await serve_server(server, ssl_context, tls_source="flags",  # returns on SIGTERM/SIGINT
-                               tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds)
+                               tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds,
+                               shutdown_delay=args.shutdown_delay,
+                               ready_grace=args.ready_grace)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

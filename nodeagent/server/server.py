@@ -54,6 +54,7 @@ from nodeagent.ops.streams import (
 from nodeagent.pki import node_name_from_certificate
 from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.dnat import POLICY_REASONS, DnatPath
+from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
 from tunnel import protocol as p
 from tunnel.endpoint import (
     AuthenticationFailed,
@@ -224,6 +225,8 @@ class Server:
         self.dnat = DnatPath(open_stream=self.open_stream,
                              dial_timeout=config.dial_timeout,
                              registry=self.metrics.registry, log=self.log)
+        # /readyz: replaced by serve_server when the listeners are up (its grace from then).
+        self.ready_gate = ReadinessGate(started=time.monotonic())
 
     # ---------------------------------------------------------------- config
 
@@ -258,6 +261,33 @@ class Server:
         self.metrics.config_version.set(routes.version)
         self.log.info("routes applied", version=routes.version,
                       ingress_rules=len(routes.ingress.rules), certificates=len(certs))
+
+    # ---------------------------------------------------------------- readiness
+
+    def not_ready(self) -> str | None:
+        """None when this replica may take public traffic, else why not (readiness.py)."""
+        gate = self.ready_gate
+        was_ready = gate.ready
+        reason = gate.check(
+            time.monotonic(), draining=self.tunnel.draining,
+            have_routes=self.config.controller is None or self.routes.version > 0,
+            expected=[n for n in nodes_routed_to(self.routes) if self._may_register(n)],
+            held=self.tunnel.sessions)
+        if gate.ready and not was_ready:
+            self.log.info("ready for public traffic", because=gate.became,
+                          agents=len(self.tunnel.sessions),
+                          missing=",".join(gate.missing[:20]) or "none")
+        return reason
+
+    def _may_register(self, node: str) -> bool:
+        """Whether `node`'s agent could register here at all (a node no token or
+        certificate admits is never waited for)."""
+        if self.config.controller is not None:
+            return self.routes.nodes is None or self.routes.admits(node)
+        tls = self.config.tls
+        if tls is not None and tls.client_ca_file is not None:
+            return True
+        return any(allowed in (node, "*") for allowed, _ in self._tokens)
 
     # ---------------------------------------------------------------- identity
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import socket
 import ssl
 import subprocess
@@ -170,7 +171,7 @@ def controllers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict
             proc.wait_for_log("controller ready", timeout=20)
             if name == "c1":
                 proc.wait_for_log("leading", timeout=10)
-        yield {"api": api, "procs": procs, "ports": ports}
+        yield {"api": api, "procs": procs, "ports": ports, "fake": fake}
     finally:
         for proc in procs:
             proc.kill()
@@ -241,6 +242,7 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     assert status["identity"]["not_after"] and agent.status()["identity"]["not_after"]
     assert [a["node"] for a in status["agents"]] == ["edge-1"]
     yield {"api": api, "http": ports["http"], "procs": procs, "server": server,
+           "fake": controllers["fake"],
            "agent": agent, "upstream": upstream, "connect": tmp_path / "connect.sock"}
 
 
@@ -444,9 +446,11 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
 
 def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up(
         cluster: dict[str, Any], tmp_path: Path) -> None:
-    """Both controllers gone: traffic keeps flowing; a server restarted meanwhile serves
-    the routes it persisted (mode 0600) at once; a change made meanwhile applies once a
-    controller is back, although the new process numbers its versions from 1 again."""
+    """Both controllers and the API server gone (the API server frozen with SIGSTOP: it
+    neither answers nor closes, as behind a partition): traffic keeps flowing; a server
+    restarted meanwhile serves the routes it persisted (mode 0600) at once; a change made
+    once the API is back, while no controller runs, applies when a controller returns,
+    although the new process numbers its versions from 1 again."""
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
     procs, server, agent = cluster["procs"], cluster["server"], cluster["agent"]
     api.replace_status(NODES, "edge-1", None, {"addresses": [
@@ -464,6 +468,8 @@ def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up
     c1, c2 = procs[0], procs[1]
     c1.kill()
     c2.kill()
+    fake: subprocess.Popen[bytes] = cluster["fake"]
+    fake.send_signal(signal.SIGSTOP)
     deadline = time.monotonic() + 3
     served = 0
     while time.monotonic() < deadline:  # the controller gone: traffic keeps flowing
@@ -484,6 +490,7 @@ def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up
     print(f"\n{served} requests served with the controller gone; restarted server "
           f"serving its persisted routes {took:.2f}s after the agent was back")
 
+    fake.send_signal(signal.SIGCONT)  # the API back; the controllers still gone
     api.create(INGRESSES, ingress("b", "b.test", "/"))  # while no controller runs
     time.sleep(1)
     assert get(port, "b.test", "/").status_code == 404

@@ -109,6 +109,28 @@ async def test_keep_alive_reuses_one_upstream(nursery: trio.Nursery) -> None:
         assert {req["connection"] for req in up.requests} == {1}
 
 
+async def test_draining_front_closes_keep_alive_connections_between_requests(
+        nursery: trio.Nursery) -> None:
+    """A server draining: a busy keep-alive client gets `connection: close` on its next
+    response (and reconnects elsewhere); one idle all along is closed by close_idle."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port))]) as f:
+        async with client(limits=httpx.Limits(max_connections=1)) as busy, \
+                client(limits=httpx.Limits(max_connections=1)) as idle:
+            assert (await busy.get(f"{f.url}/a")).headers.get("connection") is None
+            assert (await idle.get(f"{f.url}/a")).status_code == 200
+            f.front.drain(close_idle=False)
+            r = await busy.get(f"{f.url}/b")
+            assert r.status_code == 200 and r.headers["connection"] == "close"
+            f.front.drain(close_idle=True)
+            await trio.sleep(1.5)  # cancelled at once, then the lingering close (1 s)
+            assert f.front.stats.connections_open == 0
+            # The idle client's next request goes out on a new connection.
+            assert (await idle.get(f"{f.url}/c")).status_code == 200
+        assert f.front.stats.connections_accepted == 3  # busy, idle, idle again
+
+
 async def test_upstream_closing_keeps_client_connection(nursery: trio.Nursery) -> None:
     up = Upstream()
     port = await start_tcp(nursery, up.handle)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -262,6 +263,42 @@ async def test_keepalive_detects_a_silent_peer(autojump_clock: trio.abc.Clock) -
         # The acceptor never runs its reader: it is "frozen" (a dead NAT mapping).
         with trio.fail_after(30):
             await d.run()
+    assert d.end_reason is not None
+    assert d.end_reason.code is p.ErrorCode.KEEPALIVE_TIMEOUT
+
+
+async def test_keepalive_waits_while_the_peer_sends_but_its_answer_is_late(
+        autojump_clock: trio.abc.Clock) -> None:
+    """A lossy path with a bulk transfer queues the PING's answer behind seconds of data:
+    bytes still arriving prove the peer alive, so the tunnel (and the transfer) stays up;
+    once they stop, the keepalive ends it one timeout later."""
+    ta, tb = memory_transport_pair()
+    settings = EndpointSettings(ping_interval=5, ping_timeout=3)
+    d = TunnelConnection(ta, p.Role.DIALER, settings)
+    a = TunnelConnection(tb, p.Role.ACCEPTOR, EndpointSettings(ping_interval=0))
+    async with trio.open_nursery() as n:
+        n.start_soon(a.accept_handshake, allow_all)
+        await d.dial_handshake(p.Hello())
+        ended = trio.Event()
+
+        async def run_dialer() -> None:
+            try:
+                await d.run()
+            finally:
+                ended.set()
+
+        n.start_soon(run_dialer)
+        # The acceptor never reads (so never answers) but sends a frame every second
+        # for 20 s: its own PINGs stand for the data it sends.
+        for i in range(20):
+            a._core.ping(struct.pack("!Q", i))
+            await tb.send(a._core.data_to_send())
+            await trio.sleep(1)
+            assert d.is_open, f"closed after {i + 1} s of traffic"
+        started = trio.current_time()
+        with trio.fail_after(30):
+            await ended.wait()
+        assert trio.current_time() - started <= 2 * settings.ping_timeout
     assert d.end_reason is not None
     assert d.end_reason.code is p.ErrorCode.KEEPALIVE_TIMEOUT
 

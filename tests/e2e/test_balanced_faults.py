@@ -498,7 +498,9 @@ def test_link_down_10s_streams_reset_node_back_soon_memory_flat(healthy: Site) -
     assert back <= 5.0, back
     assert max(rss) - base_rss < 20 * 1024, (base_rss, rss)
     # The streams in flight were cut (not hung until the client gave up at 30 s).
-    assert len(cut) == 2 and all("completed" not in what for _, what in cut), cut
+    # A stream cut before the node's response head crossed is answered 502 by the server
+    # (the client gets a clean error); one cut after it ends short. Neither completes.
+    assert len(cut) == 2 and all(not what.startswith("completed 200") for _, what in cut), cut
     assert all(t - down < 20 for t, _ in cut), cut
     assert site.in_client(get, "/hello") == (200, b"hello from the edge")
 

@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="validate the config, print a summary and exit")
     server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
                         help="on shutdown, how long running streams may finish (default 30)")
+    server.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="worker processes (default 1; 2 uses both cores of a 2-core "
+                             "host): each is a server of its own that every agent holds a "
+                             "tunnel to, sharing the public ports (SO_REUSEPORT); a parent "
+                             "restarts one that exits and serves --metrics-listen for all. "
+                             "Ports must be fixed (no port 0)")
+    # The parent starts each worker with the same arguments plus this (not for users).
+    server.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
 
     agent = sub.add_parser(
         "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -224,11 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(f"{args.command}: give --config FILE (standalone) or "
                              "--controller URL with its flags (see --help)")
         if args.command == "server":
+            # A server with --workers starts its workers with these same arguments.
+            worker_argv = list(argv if argv is not None else sys.argv[1:])
             if args.config is None:
                 from nodeagent.server.main import run_server_cluster
-                return run_server_cluster(args)
-            from nodeagent.server.main import run_server
-            return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds)
+                return run_server_cluster(args, worker_argv)
+            from nodeagent.server.main import run_server, worker_slot
+            return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds,
+                              workers=args.workers, slot=worker_slot(args), argv=worker_argv)
         if args.command == "agent":
             if args.config is None:
                 from nodeagent.agent.main import run_agent_cluster

@@ -51,7 +51,14 @@ from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
 from nodeagent.server.server import Server
+from nodeagent.server.workers import (
+    WorkerSlot,
+    check_worker_config,
+    die_with_parent,
+    run_supervisor,
+)
 from tunnel.dial import parse_endpoint, serve
+from tunnel.listeners import open_tcp_listeners
 
 log = get_logger("nodeagent.server")
 
@@ -66,7 +73,8 @@ def persist_routes(state_dir: Path, routes: RoutesConfig) -> None:
     text = json.dumps({"version": routes.version,
                        "config": routes.model_dump(mode="json", exclude={"version"})},
                       separators=(",", ":"))
-    tmp = state_dir / f"{ROUTES_STATE}.tmp"
+    # Per process: a server's workers persist the same routes into one directory.
+    tmp = state_dir / f"{ROUTES_STATE}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)  # created afresh below, so with our mode and owner
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -159,12 +167,18 @@ def start_reloaders(server: Server, nursery: trio.Nursery,
 async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                        drain_seconds: float = 30.0, config_path: Path | None = None,
                        tls_source: str = "config", tls_fields: dict[str, str] = TLS_FIELDS,
+                       slot: WorkerSlot | None = None,
                        task_status: trio.TaskStatus[dict[str, list[str]]]
                        = trio.TASK_STATUS_IGNORED) -> None:
     """Run every listener of a server until cancelled or signalled; reports the bound
     addresses ({"tunnel": [...], "tcp:NAME": [...], "http:NAME": [...]}). The tunnel's
-    certificate files and the token files are reloaded when they change."""
+    certificate files and the token files are reloaded when they change.
+
+    `slot`: this process is one of several workers (nodeagent/server/workers.py): its
+    public listeners share their ports with the other workers (SO_REUSEPORT), and only
+    worker 0 runs the CONNECT front."""
     config = server.config
+    reuse_port = slot is not None
     stop_accepting = trio.Event()
     async with trio.open_nursery() as nursery:
         endpoint = parse_endpoint(config.tunnel.url)
@@ -178,7 +192,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         bound = await nursery.start(lambda task_status: serve(
             endpoint, server.tunnel.handle_transport,
             ssl_context=current_context if ssl_context is not None else None,
-            stop_accepting=stop_accepting, task_status=task_status))
+            stop_accepting=stop_accepting, reuse_port=reuse_port, task_status=task_status))
         server.bound["tunnel"] = [str(b) for b in bound]
         for index, mapping in enumerate(config.tcp):
             name = f"tcp:{mapping.name or index}"
@@ -186,8 +200,9 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             async def handler(client: trio.SocketStream, mapping: Any = mapping) -> None:
                 await server.serve_tcp_mapping(mapping, client)
 
-            listeners = await nursery.start(functools.partial(
-                trio.serve_tcp, handler, mapping.listen.port, host=mapping.listen.host))
+            listeners = await open_tcp_listeners(mapping.listen.port, host=mapping.listen.host,
+                                                 reuse_port=reuse_port)
+            await nursery.start(trio.serve_listeners, handler, listeners)
             server.bound[name] = [_sockname(lst) for lst in listeners]
         wanted = config.http_limits
         limits = Limits(max_connections=wanted.max_connections,
@@ -199,8 +214,10 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             front = HttpFront(table=functools.partial(server.tables.__getitem__, index),
                               open_upstream=server.open_upstream, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
-            listeners = await nursery.start(front.run, listener.listen.host,
-                                            listener.listen.port)
+            listeners = await open_tcp_listeners(listener.listen.port,
+                                                 host=listener.listen.host,
+                                                 reuse_port=reuse_port)
+            await nursery.start(front.serve, listeners)
             server.bound[name] = [_sockname(lst) for lst in listeners]
         # The Ingress listeners: routes (and certificates) swap under them on every update.
         for name, listen, tls in (("ingress-http", config.ingress_http, None),
@@ -211,9 +228,12 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             front = HttpFront(table=lambda: server.ingress_table,
                               open_upstream=server.open_upstream, tls=tls, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
-            listeners = await nursery.start(front.run, listen.host, listen.port)
+            listeners = await open_tcp_listeners(listen.port, host=listen.host,
+                                                 reuse_port=reuse_port)
+            await nursery.start(front.serve, listeners)
             server.bound[name] = [_sockname(lst) for lst in listeners]
-        if server.connect is not None:  # kube-apiserver's egress selector, Prometheus
+        # The CONNECT front (kube-apiserver's egress selector, Prometheus).
+        if server.connect is not None and (slot is None or slot.runs_connect_front):
             server.bound["connect"] = await nursery.start(server.connect.run)
         debug = DebugServer(str(config.debug_socket), {
             "/status": server.status,
@@ -235,7 +255,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     if config_path is not None:
-                        _reload_server(server, config_path)
+                        _reload_server(server, config_path, slot)
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds)
@@ -248,10 +268,11 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                 break
 
 
-def _reload_server(server: Server, config_path: Path) -> None:
+def _reload_server(server: Server, config_path: Path, slot: WorkerSlot | None) -> None:
     try:
         new = load_config(ServerConfig, config_path)
-        server.apply_routes(new.routes())
+        routes = new.routes()
+        server.apply_routes(slot.routes(routes) if slot is not None else routes)
     except ConfigError as exc:
         log.error("config reload refused; keeping the running config", error=str(exc))
 
@@ -261,18 +282,40 @@ def _sockname(listener: trio.SocketListener) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0) -> int:
+def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:
+    """This process's worker slot: None when it is the only server process."""
+    index = getattr(args, "worker_index", None)
+    if index is None:
+        return None
+    count = int(getattr(args, "workers", 1) or 1)
+    if not 0 <= index < count:
+        raise ConfigError(f"--worker-index {index}: not in 0-{count - 1}")
+    die_with_parent()
+    return WorkerSlot(index, count)
+
+
+def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0,
+               workers: int = 1, slot: WorkerSlot | None = None,
+               argv: list[str] | None = None) -> int:
+    """Standalone mode. `workers` > 1 (and no `slot`): this process supervises that
+    many worker processes, `argv` each (plus its --worker-index)."""
     config = load_config(ServerConfig, config_path)
+    check_worker_config(config, workers, str(config_path))
     ssl_context = server_ssl_context(config, str(config_path))
     check_token_files(config, str(config_path))
-    server = Server(config)  # reads token files: errors surface before anything listens
+    server = Server(slot.config(config) if slot is not None else config)  # reads token
+    # files: errors surface before anything listens
     if check:
         print(f"{config_path}: valid. tunnel {config.tunnel.url}, {len(config.tokens)} "
               f"token(s), {len(config.tcp)} TCP mapping(s), {len(config.http)} HTTP "
-              f"listener(s)")
+              f"listener(s)" + (f", {workers} workers" if workers > 1 else ""))
         return 0
+    if workers > 1 and slot is None:
+        assert argv is not None
+        return run_supervisor(argv, workers, config)
     trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds,
-                                  config_path=config_path, tls_source=str(config_path)))
+                                  config_path=config_path, tls_source=str(config_path),
+                                  slot=slot))
     return 0
 
 
@@ -327,13 +370,23 @@ def connect_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def run_server_cluster(args: argparse.Namespace) -> int:
+def run_server_cluster(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     config = server_config_from_flags(args)
+    workers = int(getattr(args, "workers", 1) or 1)
+    check_worker_config(config, workers, "flags")
+    token = token_reader(Path(str(args.token_file)))
+    ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
+    slot = worker_slot(args)
+    if workers > 1 and slot is None:
+        assert argv is not None
+        return run_supervisor(argv, workers, config)
+    if slot is not None:
+        # Each worker is a server of its own to the controller too: its own certificate
+        # (the controller signs for the pod's token, whatever the id) and routes watch.
+        config = slot.config(config)
     assert config.controller is not None and config.tls is not None
     assert config.tls.client_ca_file is not None
     host, port = controller_address(config.controller)
-    token = token_reader(Path(str(args.token_file)))
-    ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
     ca_file = config.tls.client_ca_file
     ca_pem = read_ca_file(ca_file)
     server = Server(config)
@@ -369,7 +422,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     state_dir: Path | None = getattr(args, "state_dir", None)
 
     async def apply(routes: RoutesConfig) -> None:
-        server.apply_routes(routes)
+        server.apply_routes(slot.routes(routes) if slot is not None else routes)
         if state_dir is not None:
             try:
                 persist_routes(state_dir, routes)
@@ -381,7 +434,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     persisted = load_persisted_routes(state_dir) if state_dir is not None else None
     running: dict[str, Any] | None = None
     if persisted is not None:
-        server.apply_routes(persisted[0])
+        server.apply_routes(slot.routes(persisted[0]) if slot is not None else persisted[0])
         running = persisted[1]
         status.applied_version = persisted[0].version
         log.info("serving the routes persisted before the restart until the controller "
@@ -408,7 +461,8 @@ def run_server_cluster(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             await nursery.start(watch)
             await serve_server(server, ssl_context, tls_source="flags",  # returns on SIGTERM/SIGINT
-                               tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds)
+                               tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds,
+                               slot=slot)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "Ports must be fixed (no port 0)")
     # The parent starts each worker with the same arguments plus this (not for users).
     server.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    server.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     agent = sub.add_parser(
         "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import ssl
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,8 @@ from nodeagent.server.server import Server
 from nodeagent.server.workers import (
     WorkerSlot,
     check_worker_config,
-    die_with_parent,
     run_supervisor,
+    serve_worker,
 )
 from tunnel.dial import parse_endpoint, serve
 from tunnel.listeners import open_tcp_listeners
@@ -290,8 +291,7 @@ def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:
     count = int(getattr(args, "workers", 1) or 1)
     if not 0 <= index < count:
         raise ConfigError(f"--worker-index {index}: not in 0-{count - 1}")
-    die_with_parent()
-    return WorkerSlot(index, count)
+    return WorkerSlot(index, count, getattr(args, "parent_fd", None))
 
 
 def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0,
@@ -313,9 +313,14 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
     if workers > 1 and slot is None:
         assert argv is not None
         return run_supervisor(argv, workers, config)
-    trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds,
-                                  config_path=config_path, tls_source=str(config_path),
-                                  slot=slot))
+    def main() -> Awaitable[None]:
+        return serve_server(server, ssl_context, drain_seconds=drain_seconds,
+                            config_path=config_path, tls_source=str(config_path), slot=slot)
+
+    if slot is not None:
+        trio.run(serve_worker, slot, main)
+    else:
+        trio.run(main)
     return 0
 
 
@@ -465,5 +470,8 @@ def run_server_cluster(args: argparse.Namespace, argv: list[str] | None = None) 
                                slot=slot)
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    if slot is not None:
+        trio.run(serve_worker, slot, main)
+    else:
+        trio.run(main)
     return 0

@@ -23,16 +23,18 @@ whole server: the same mechanism as N server replicas behind one address, on one
 - The parent restarts a worker that exits (backoff 0.5 s doubling to 30 s, reset after a
   worker has run 60 s), forwards SIGHUP, and on SIGTERM/SIGINT forwards it to every
   worker (each drains as a single server does) and exits when they all have. A worker
-  gets SIGTERM if the parent dies (PR_SET_PDEATHSIG), so none outlives it.
+  drains as on SIGTERM when the parent dies (it holds the read end of a pipe whose only
+  write end is the parent's: end of file), so none outlives it. (Not PR_SET_PDEATHSIG:
+  that fires when the *thread* that started the child exits, and trio starts processes
+  from its thread cache.)
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class WorkerSlot:
 
     index: int
     count: int
+    parent_fd: int | None = None  # read end of the parent's pipe: EOF when it is gone
 
     def server_id(self, base: str) -> str:
         return f"{base}-w{self.index}"
@@ -108,17 +111,21 @@ def check_worker_config(config: ServerConfig, count: int, source: str) -> None:
                               f"worker would listen on a port of its own; give a port")
 
 
-def die_with_parent() -> None:
-    """Ask the kernel for SIGTERM when the parent exits (Linux), so a worker never
-    outlives a parent killed with SIGKILL; then drain as on any SIGTERM."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+async def serve_worker(slot: WorkerSlot, serve: Callable[[], Awaitable[None]]) -> None:
+    """Run `serve` (the server), draining it as on SIGTERM if the parent goes away."""
+    async with trio.open_nursery() as nursery:
+        if slot.parent_fd is not None:
+            nursery.start_soon(_exit_with_parent, slot.parent_fd)
+        await serve()
+        nursery.cancel_scope.cancel()
+
+
+async def _exit_with_parent(fd: int) -> None:
+    async with trio.lowlevel.FdStream(os.dup(fd)) as pipe:
+        while await pipe.receive_some(1024):
+            pass  # the parent writes nothing: only its end of file matters
+    log.warning("the server's parent process is gone; draining")
+    os.kill(os.getpid(), signal.SIGTERM)  # the server's own shutdown path
 
 
 # ------------------------------------------------------------------------ the parent
@@ -141,10 +148,13 @@ class Supervisor:
     debug_socket: Path
     workers: list[_Worker] = field(init=False)
     stop: trio.Event = field(default_factory=trio.Event)
+    # Workers hold the read end; the write end stays here, unwritten, for our life.
+    _pipe: tuple[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.workers = [_Worker(k, worker_socket(self.debug_socket, k))
                         for k in range(self.count)]
+        self._pipe = os.pipe()  # not inheritable: only pass_fds hands the read end on
 
     async def run(self, metrics_listen: tuple[str, int] | None = None) -> None:
         """Until every worker has exited after SIGTERM/SIGINT."""
@@ -183,8 +193,9 @@ class Supervisor:
             # Its own process group: a Ctrl-C in a terminal reaches the parent only,
             # which passes it on (once) like any signal.
             worker.process = await trio.lowlevel.open_process(
-                [*self.argv, "--worker-index", str(worker.index)],
-                start_new_session=True)
+                [*self.argv, "--worker-index", str(worker.index),
+                 "--parent-fd", str(self._pipe[0])],
+                start_new_session=True, pass_fds=(self._pipe[0],))
             if self.stopping:  # a signal came while it was starting
                 worker.process.send_signal(signal.SIGTERM)
             with trio.CancelScope(shield=True):  # a worker is waited for, never left
@@ -308,5 +319,5 @@ def run_supervisor(argv: Sequence[str], count: int, config: ServerConfig) -> int
     return 0
 
 
-__all__ = ["WorkerSlot", "check_worker_config", "die_with_parent", "run_supervisor",
+__all__ = ["WorkerSlot", "check_worker_config", "run_supervisor", "serve_worker",
            "worker_socket"]

@@ -75,8 +75,8 @@ def workers(tmp_path: Path, certs: Certs, upstream: Upstream
     finally:
         agent.kill()
         parent.kill()
-        # A parent killed with SIGKILL: its workers get SIGTERM from the kernel
-        # (PR_SET_PDEATHSIG) and drain; wait for their sockets to stop answering.
+        # A parent killed with SIGKILL: its workers see their pipe from it end and
+        # drain; wait for their sockets to stop answering.
         deadline = time.monotonic() + 15
         for view in views:
             while view.socket.exists() and time.monotonic() < deadline:
@@ -135,6 +135,15 @@ def test_two_workers_each_hold_the_agent_and_both_serve_requests(
     assert text.count("# TYPE nodeagent_tunnel_handshakes_total") <= 1
     no_tracebacks(parent, agent)
 
+    # The parent killed outright: no worker outlives it (they drain and exit).
+    pids = [_worker_pid(parent, k) for k in (0, 1)]
+    parent.kill()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, f"workers {pids} outlived their parent"
+        time.sleep(0.1)
+    assert "the server's parent process is gone; draining" in parent.logs()
+
 
 def test_a_killed_worker_is_restarted_and_the_agent_reconnects_to_it(
         workers: tuple[NodeagentProcess, list[NodeagentProcess], NodeagentProcess]) -> None:
@@ -169,12 +178,12 @@ def test_a_killed_worker_is_restarted_and_the_agent_reconnects_to_it(
 
 def _worker_pid(parent: NodeagentProcess, index: int) -> int:
     """Worker `index`'s pid, from the process table: the parent's child whose command
-    line ends with --worker-index INDEX."""
+    line ends with --worker-index INDEX --parent-fd FD."""
     assert parent.proc is not None
     tasks = Path(f"/proc/{parent.proc.pid}/task")  # trio starts processes from a thread
     for pid in (p for t in tasks.iterdir() for p in (t / "children").read_text().split()):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if cmdline[-3:-1] == [b"--worker-index", str(index).encode()]:
+        if cmdline[-5:-3] == [b"--worker-index", str(index).encode()]:
             return int(pid)
     raise AssertionError(f"no worker {index} under pid {parent.proc.pid}")
 

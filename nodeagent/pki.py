@@ -26,7 +26,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from nodeagent import tlscontext
 from nodeagent.config import valid_node_name
+from nodeagent.tlscontext import TlsInputError, harden
 
 __all__ = [
     "NODE_URI_PREFIX",
@@ -439,22 +441,6 @@ def write_private_key(path: str | os.PathLike[str], key: PrivateKey) -> None:
 # ----------------------------------------------------------------------------- contexts
 
 
-class TlsInputError(ValueError):
-    """A certificate, key or CA given for a TLS context that cannot be used.
-
-    `which` says which input failed: "cert", "key", "ca", or "pair" (a certificate and a
-    key that each load but do not belong together); `path` is its file, when it was one;
-    the message says what is wrong in words ("/x/k.key: not a PEM private key"), so the
-    caller only adds which config field named that input.
-    """
-
-    def __init__(self, which: str, problem: str, path: str | None = None) -> None:
-        super().__init__(f"{path}: {problem}" if path else problem)
-        self.which = which
-        self.problem = problem
-        self.path = path
-
-
 def _input_bytes(source: bytes | str | os.PathLike[str], which: str) -> tuple[bytes, str | None]:
     """The PEM bytes of one input and its path (None for in-memory PEM)."""
     if isinstance(source, bytes) or not _is_path(source):
@@ -562,17 +548,6 @@ def _ca_data(ca: CertLike) -> str:
                    for c in _checked_certificates(ca, "ca"))
 
 
-def _harden(ctx: ssl.SSLContext, alpn: Sequence[str] | None) -> None:
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # 1.3 is negotiated whenever both can
-    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
-    # A TCP FIN without close_notify is a truncation, not a clean end. Some Python builds
-    # (Debian's 3.11.2) set OP_IGNORE_UNEXPECTED_EOF by default, and TLS then reports a
-    # cut connection as a clean EOF: always clear it.
-    ctx.options &= ~ssl.OP_IGNORE_UNEXPECTED_EOF
-    if alpn:
-        ctx.set_alpn_protocols(list(alpn))
-
-
 def server_ssl_context(cert: CertLike, key: KeyLike, client_ca: CertLike | None = None,
                        require_client_cert: bool = False, *,
                        alpn: Sequence[str] | None = None) -> ssl.SSLContext:
@@ -583,7 +558,7 @@ def server_ssl_context(cert: CertLike, key: KeyLike, client_ca: CertLike | None 
     if require_client_cert and client_ca is None:
         raise ValueError("require_client_cert needs client_ca to verify clients against")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _harden(ctx, alpn)
+    harden(ctx, alpn)
     ctx.options |= ssl.OP_SINGLE_ECDH_USE | ssl.OP_CIPHER_SERVER_PREFERENCE
     _load_chain(ctx, cert, key)
     if client_ca is not None:
@@ -600,12 +575,14 @@ def client_ssl_context(ca: CertLike | None = None, cert: CertLike | None = None,
                        alpn: Sequence[str] | None = None) -> ssl.SSLContext:
     """TLS 1.2+ client context verifying the server against `ca` (the system trust store
     if None), with hostname checks; `cert` + `key` are our client certificate. An input
-    that cannot be used raises TlsInputError saying which and why."""
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
-                                     cadata=_ca_data(ca) if ca is not None else None)
-    _harden(ctx, alpn)
-    if key is not None and cert is None:
-        raise ValueError("a client key needs its certificate")
-    if cert is not None:
-        _load_chain(ctx, cert, key)
-    return ctx
+    that cannot be used raises TlsInputError saying which and why. Certificate and key
+    objects become PEM; tlscontext does the rest with `ssl` alone (as an agent started
+    from files does, without importing this module)."""
+    def pem(source: Any) -> Any:
+        if isinstance(source, x509.Certificate):
+            return source.public_bytes(serialization.Encoding.PEM)
+        if isinstance(source, ec.EllipticCurvePrivateKey):
+            return _key_pem(source)
+        return source
+
+    return tlscontext.client_ssl_context(pem(ca), pem(cert), pem(key), alpn=alpn)

@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "cause a second (bursts of 2.5x); beyond: 429 (default 20)")
     controller.add_argument("--metrics-listen", metavar="HOST:PORT",
                             help="/healthz and /readyz for probes")
+    controller.add_argument("--server-workers", type=int, default=1, metavar="N",
+                            help="worker processes per server pod (set it to the servers' "
+                                 "--workers): each agent holds a tunnel to ready server "
+                                 "pods x N (default 1)")
 
     debug = sub.add_parser(
         "debug", help="inspect a running agent or server through its debug socket",

@@ -255,7 +255,11 @@ def server_replicas(endpoint_slices: Iterable[Obj], namespace: str | None) -> in
 
 def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: IngressTranslation,
             services: Iterable[Obj], endpoint_slices: Iterable[Obj],
-            namespace: str | None = None) -> Computed:
+            namespace: str | None = None, server_workers: int = 1) -> Computed:
+    """`server_workers`: worker processes per server pod (the servers' --workers). The
+    servers' routes count pods (each server multiplies by its own workers when it
+    announces); a node's `server_replicas` counts every server process it must hold a
+    tunnel to: pods x workers."""
     problems: list[Problem] = list(translation.problems)
     node_configs: dict[str, NodeConfig] = {}
     node_cidrs: dict[str, tuple[Network, ...]] = {}
@@ -266,6 +270,8 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     all_labels: dict[str, dict[str, str]] = {}
     ip_addresses: dict[str, list[str]] = {}
     replicas = server_replicas(endpoint_slices, namespace)
+    tunnels_to_hold = (min(replicas * server_workers, 64)
+                       if replicas is not None and server_workers > 1 else replicas)
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
@@ -315,7 +321,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         node_configs[name] = (NodeConfig() if name in denied else
                               NodeConfig(allow=tuple(allow), intercept=intercept,
                                          control_plane=tuple(control_plane),
-                                         server_replicas=replicas))
+                                         server_replicas=tunnels_to_hold))
     dnat = dnat_paths(tunnels, all_labels, ip_addresses,
                       {t: [n for n, _ in c] for t, c in covered.items()}, connect_nodes,
                       denied)

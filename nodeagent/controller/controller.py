@@ -98,6 +98,7 @@ class ControllerSettings:
     server_service_account: str = "nodeagent-server"
     certificate_validity: float = 24 * 3600.0  # seconds
     token_review_rate: float = REVIEW_RATE  # TokenReviews a second for certificate requests
+    server_workers: int = 1  # the servers' --workers: agents hold pods x workers tunnels
 
 
 class LeaderWrites:
@@ -219,7 +220,8 @@ class Controller:
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
                       services=services, endpoint_slices=endpoint_slices,
-                      namespace=self.settings.namespace)
+                      namespace=self.settings.namespace,
+                      server_workers=self.settings.server_workers)
         changed = [name for name, config in out.nodes.items()
                    if self.versions.update(f"node/{name}", config)]
         for key in self.versions.keys():

@@ -237,14 +237,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(f"{args.command}: give --config FILE (standalone) or "
                              "--controller URL with its flags (see --help)")
         if args.command == "server":
-            # A server with --workers starts its workers with these same arguments.
-            worker_argv = list(argv if argv is not None else sys.argv[1:])
+            if args.workers > 1 and args.worker_index is None and not args.check:
+                # The parent of the workers, which it starts with these same arguments.
+                from nodeagent.server.workers import run_parent
+                return run_parent(args, list(argv if argv is not None else sys.argv[1:]))
             if args.config is None:
                 from nodeagent.server.main import run_server_cluster
-                return run_server_cluster(args, worker_argv)
+                return run_server_cluster(args)
             from nodeagent.server.main import run_server, worker_slot
             return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds,
-                              workers=args.workers, slot=worker_slot(args), argv=worker_argv)
+                              workers=args.workers, slot=worker_slot(args))
         if args.command == "agent":
             if args.config is None:
                 from nodeagent.agent.main import run_agent_cluster

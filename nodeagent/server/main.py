@@ -51,11 +51,11 @@ from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certifica
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
+from nodeagent.server.flags import server_config_from_flags
 from nodeagent.server.server import Server
 from nodeagent.server.workers import (
     WorkerSlot,
     check_worker_config,
-    run_supervisor,
     serve_worker,
 )
 from tunnel.dial import parse_endpoint, serve
@@ -295,24 +295,21 @@ def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:
 
 
 def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0,
-               workers: int = 1, slot: WorkerSlot | None = None,
-               argv: list[str] | None = None) -> int:
-    """Standalone mode. `workers` > 1 (and no `slot`): this process supervises that
-    many worker processes, `argv` each (plus its --worker-index)."""
+               workers: int = 1, slot: WorkerSlot | None = None) -> int:
+    """Standalone mode: the only server process, or worker `slot` of `workers` (their
+    parent: workers.run_parent)."""
     config = load_config(ServerConfig, config_path)
     check_worker_config(config, workers, str(config_path))
     ssl_context = server_ssl_context(config, str(config_path))
     check_token_files(config, str(config_path))
-    server = Server(slot.config(config) if slot is not None else config)  # reads token
-    # files: errors surface before anything listens
+    # Reads the token files: errors surface before anything listens.
+    server = Server(slot.config(config) if slot is not None else config)
     if check:
         print(f"{config_path}: valid. tunnel {config.tunnel.url}, {len(config.tokens)} "
               f"token(s), {len(config.tcp)} TCP mapping(s), {len(config.http)} HTTP "
               f"listener(s)" + (f", {workers} workers" if workers > 1 else ""))
         return 0
-    if workers > 1 and slot is None:
-        assert argv is not None
-        return run_supervisor(argv, workers, config)
+
     def main() -> Awaitable[None]:
         return serve_server(server, ssl_context, drain_seconds=drain_seconds,
                             config_path=config_path, tls_source=str(config_path), slot=slot)
@@ -324,67 +321,13 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
     return 0
 
 
-def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
-    missing = [flag for flag, value in (("--token-file", args.token_file),
-                                        ("--ca-file", args.ca_file),
-                                        ("--tls-cert", args.tls_cert),
-                                        ("--tls-key", args.tls_key),
-                                        ("--controller", args.controller)) if not value]
-    if missing:
-        raise ConfigError(f"controller mode needs {', '.join(missing)} (or use --config FILE)")
-    controller_address(args.controller)
-    # No tokens: agents present the node certificates the controller signs (verified
-    # against --ca-file); one without a certificate may only fetch one (bootstrap).
-    doc: dict[str, Any] = {
-        "server_id": args.server_id or os.environ.get("POD_NAME") or "nodeagent-server",
-        "tunnel": args.tunnel_listen, "controller": args.controller,
-        "tls": {"cert_file": str(args.tls_cert), "key_file": str(args.tls_key),
-                "client_ca_file": str(args.ca_file)}}
-    if args.max_connections_per_client is not None:
-        # 0: no per-client cap (behind a load balancer that SNATs every client).
-        doc["http_limits"] = {"max_connections_per_client":
-                              args.max_connections_per_client or None}
-    connect = connect_from_flags(args)
-    if connect:
-        doc["connect"] = connect
-    for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
-        value = getattr(args, key, None)
-        if value:
-            doc[key] = str(value)
-    return parse_config(ServerConfig, doc, "flags")
-
-
-def connect_from_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The CONNECT front's settings from --connect-* flags (empty: off)."""
-    doc: dict[str, Any] = {}
-    if getattr(args, "connect_uds", None):
-        try:
-            mode = int(str(args.connect_uds_mode), 8)
-        except ValueError:
-            raise ConfigError(f"--connect-uds-mode: {args.connect_uds_mode!r} is not an "
-                              f"octal mode (0600, 0660)") from None
-        doc.update(uds=str(args.connect_uds), uds_mode=mode)
-        if args.connect_uds_group is not None:
-            doc["uds_group"] = args.connect_uds_group
-    if getattr(args, "connect_listen", None):
-        doc["listen"] = args.connect_listen
-        if args.connect_client_ca is None:
-            raise ConfigError("--connect-listen needs --connect-client-ca (only clients with "
-                              "a certificate from that CA may use it)")
-        doc["tls"] = {"client_ca_file": str(args.connect_client_ca)}
-    return doc
-
-
-def run_server_cluster(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+def run_server_cluster(args: argparse.Namespace) -> int:
     config = server_config_from_flags(args)
     workers = int(getattr(args, "workers", 1) or 1)
     check_worker_config(config, workers, "flags")
     token = token_reader(Path(str(args.token_file)))
     ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
     slot = worker_slot(args)
-    if workers > 1 and slot is None:
-        assert argv is not None
-        return run_supervisor(argv, workers, config)
     if slot is not None:
         # Each worker is a server of its own to the controller too: its own certificate
         # (the controller signs for the pod's token, whatever the id) and routes watch.

@@ -197,3 +197,19 @@ def test_port_zero_with_workers_is_refused_with_one_line(
     assert server.proc is not None
     assert server.proc.wait(30) == 2
     assert "http[0].listen: port 0 with --workers 2" in server.logs()
+
+
+def test_a_config_the_workers_cannot_use_stops_the_server_with_exit_code_2(
+        tmp_path: Path, certs: Certs, upstream: Upstream) -> None:
+    # The parent reads only the config's fields; the workers load the key, and the first
+    # one to fail at its first start stops the server: no restart loop.
+    cfg = server_config(tmp_path, certs, upstream)
+    cfg["tls"]["key_file"] = str(tmp_path / "missing.key")
+    server = NodeagentProcess("server", cfg, tmp_path, "server",
+                              extra_args=["--workers", "2"]).start()
+    assert server.proc is not None
+    assert server.proc.wait(60) == 2
+    logs = server.logs()
+    assert f"tls.key_file: {tmp_path}/missing.key: no such file" in logs
+    assert "worker found the config invalid; stopping the server" in logs
+    assert "restarting it" not in logs

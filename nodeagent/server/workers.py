@@ -202,14 +202,19 @@ class Supervisor:
             worker.starts += 1
             # Its own process group: a Ctrl-C in a terminal reaches the parent only,
             # which passes it on (once) like any signal.
-            worker.process = await trio.lowlevel.open_process(
-                [*self.argv, "--worker-index", str(worker.index),
-                 "--parent-fd", str(self._pipe[0])],
-                start_new_session=True, pass_fds=(self._pipe[0],))
-            if self.stopping:  # a signal came while it was starting
-                worker.process.send_signal(signal.SIGTERM)
-            with trio.CancelScope(shield=True):  # a worker is waited for, never left
-                code = await worker.process.wait()
+            try:
+                worker.process = await trio.lowlevel.open_process(
+                    [*self.argv, "--worker-index", str(worker.index),
+                     "--parent-fd", str(self._pipe[0])],
+                    start_new_session=True, pass_fds=(self._pipe[0],))
+            except OSError as exc:  # out of processes or memory: try again, as on an exit
+                log.error("cannot start a worker", worker=worker.index, error=str(exc))
+                code = None
+            else:
+                if self.stopping:  # a signal came while it was starting
+                    worker.process.send_signal(signal.SIGTERM)
+                with trio.CancelScope(shield=True):  # a worker is waited for, never left
+                    code = await worker.process.wait()
             if self.stopping:
                 log.info("worker exited", worker=worker.index, code=code)
                 return

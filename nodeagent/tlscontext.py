@@ -1,9 +1,9 @@
-"""TLS client contexts from PEM files with the `ssl` module alone.
+"""TLS contexts from PEM files with the `ssl` module alone.
 
-An agent in standalone mode needs TLS only to verify its server against a CA file (and
-perhaps to present a certificate and key from files): `ssl` loads all of that itself.
-`cryptography` (pki.py) costs ~9 MiB of RSS at start, so this path does not import it;
-pki.client_ssl_context converts its certificate and key objects to PEM and comes here.
+An agent or a server started from files needs TLS only to load a CA bundle, a certificate
+and a key: `ssl` loads all of that itself. `cryptography` (pki.py) costs ~9 MiB of RSS at
+start, so this path does not import it; pki's context functions convert their
+certificate and key objects to PEM and come here.
 
 Each unusable input raises TlsInputError saying which input and why, in the words pki
 uses for the server side ("/x/ca.key: not a PEM certificate (it holds a private key)"),
@@ -152,6 +152,27 @@ def _as_files(cert: PemSource, cert_data: bytes, key: PemSource | None,
         with os.fdopen(fd, "wb") as out:
             out.write(key_data)
         yield cert_file, key_file
+
+
+def server_ssl_context(cert: PemSource, key: PemSource | None,
+                       client_ca: PemSource | None = None, require_client_cert: bool = False,
+                       *, alpn: Sequence[str] | None = None) -> ssl.SSLContext:
+    """TLS 1.2+ server context. With `client_ca`, clients may present a certificate
+    signed by it (verified; mutual TLS); `require_client_cert` makes that mandatory. An
+    input that cannot be used raises TlsInputError saying which and why."""
+    if require_client_cert and client_ca is None:
+        raise ValueError("require_client_cert needs client_ca to verify clients against")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    harden(ctx, alpn)
+    ctx.options |= ssl.OP_SINGLE_ECDH_USE | ssl.OP_CIPHER_SERVER_PREFERENCE
+    load_chain(ctx, cert, key)
+    if client_ca is not None:
+        ctx.load_verify_locations(cadata=ca_text(client_ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
+    # TLS 1.3 clients learn that their certificate was accepted from the session tickets
+    # that follow it (tunnel.dial waits for them); keep sending some.
+    ctx.num_tickets = max(ctx.num_tickets, 1)
+    return ctx
 
 
 def client_ssl_context(ca: PemSource | None = None, cert: PemSource | None = None,

@@ -1,6 +1,7 @@
 """Each role loads only what it uses: an agent or a server on tls:// does not import the
-debug client's HTTP library or the WebSocket libraries (memory: see the README's
-performance section). Checked in a fresh interpreter, as a process starts."""
+debug client's HTTP library, the WebSocket libraries or, started from a file,
+cryptography (memory: see the README's performance section). Checked in a fresh
+interpreter, as a process starts."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ def test_a_role_does_not_import_what_it_does_not_use(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", _CHECK, module], check=True,
                          capture_output=True, text=True, timeout=60).stdout.split()
     assert "trio" in out  # the check itself works
-    assert not {"httpx", "httpcore", "websockets", "wsproto"} & set(out), out
+    # cryptography: only for certificates the process makes or reads itself (controller
+    # mode, or agents' certificates on a server), imported when first needed.
+    assert not {"httpx", "httpcore", "websockets", "wsproto", "cryptography",
+                "_cffi_backend"} & set(out), out
 
 
 def test_websocket_names_still_load_on_use() -> None:

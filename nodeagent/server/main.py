@@ -27,7 +27,6 @@ from typing import Any
 
 import trio
 
-from nodeagent import pki
 from nodeagent.config import (
     ConfigError,
     RoutesConfig,
@@ -47,7 +46,6 @@ from nodeagent.filewatch import FileReloader
 from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
-from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
@@ -58,6 +56,8 @@ from nodeagent.server.workers import (
     check_worker_config,
     serve_worker,
 )
+from nodeagent.tlscontext import TlsInputError
+from nodeagent.tlscontext import server_ssl_context as tls_server_context
 from tunnel.dial import parse_endpoint, serve
 from tunnel.listeners import open_tcp_listeners
 
@@ -117,10 +117,10 @@ def server_ssl_context(config: ServerConfig, source: str = "config",
     if config.tls is None:
         return None
     try:
-        return pki.server_ssl_context(
+        return tls_server_context(
             config.tls.cert_file, config.tls.key_file, client_ca=config.tls.client_ca_file,
             require_client_cert=config.tls.require_client_cert)
-    except pki.TlsInputError as exc:
+    except TlsInputError as exc:
         raise ConfigError(f"{source}: {fields[exc.which]}: {exc}") from None
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise ConfigError(f"{source}: tls: cannot load certificate or key: {exc}") from None
@@ -322,6 +322,11 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
 
 
 def run_server_cluster(args: argparse.Namespace) -> int:
+    # Controller mode only: this server's own certificate (a key, a CSR: cryptography).
+    # A server started from a file never imports these.
+    from nodeagent import pki
+    from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
+
     config = server_config_from_flags(args)
     workers = int(getattr(args, "workers", 1) or 1)
     check_worker_config(config, workers, "flags")

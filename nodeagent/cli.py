@@ -172,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--ready-grace", type=float, default=30.0, metavar="S",
                         help="a new replica is ready once it holds a tunnel from every node "
                              "its routes name, or after this long (default 30)")
+    server.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="worker processes (default 1; 2 uses both cores of a 2-core "
+                             "host): each is a server of its own that every agent holds a "
+                             "tunnel to, sharing the public ports (SO_REUSEPORT); a parent "
+                             "restarts one that exits and serves --metrics-listen for all. "
+                             "Ports must be fixed (no port 0)")
+    # The parent starts each worker with the same arguments plus this (not for users).
+    server.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    server.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     agent = sub.add_parser(
         "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -246,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "cause a second (bursts of 2.5x); beyond: 429 (default 20)")
     controller.add_argument("--metrics-listen", metavar="HOST:PORT",
                             help="/healthz and /readyz for probes")
+    controller.add_argument("--server-workers", type=int, default=1, metavar="N",
+                            help="worker processes per server pod (set it to the servers' "
+                                 "--workers): each agent holds a tunnel to ready server "
+                                 "pods x N (default 1)")
 
     debug = sub.add_parser(
         "debug", help="inspect a running agent or server through its debug socket",
@@ -310,12 +323,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(f"{args.command}: give --config FILE (standalone) or "
                              "--controller URL with its flags (see --help)")
         if args.command == "server":
+            if args.workers > 1 and args.worker_index is None and not args.check:
+                # The parent of the workers, which it starts with these same arguments.
+                from nodeagent.server.workers import run_parent
+                return run_parent(args, list(argv if argv is not None else sys.argv[1:]))
             if args.config is None:
                 from nodeagent.server.main import run_server_cluster
                 return run_server_cluster(args)
-            from nodeagent.server.main import run_server
+            from nodeagent.server.main import run_server, worker_slot
             return run_server(args.config, check=args.check, drain_seconds=args.drain_seconds,
-                              shutdown_delay=args.shutdown_delay, ready_grace=args.ready_grace)
+                              shutdown_delay=args.shutdown_delay, ready_grace=args.ready_grace,
+                              workers=args.workers, slot=worker_slot(args))
         if args.command == "agent":
             if args.cleanup:
                 from nodeagent.agent.main import run_cleanup

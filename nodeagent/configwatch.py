@@ -27,7 +27,7 @@ import h11
 import trio
 from pydantic import BaseModel
 
-from nodeagent import pki
+from nodeagent import tlscontext
 from nodeagent.config import ConfigError, parse_config
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from tunnel.backoff import Backoff
@@ -243,7 +243,7 @@ def read_ca_file(path: Path) -> bytes:
     ConfigError naming the flag otherwise."""
     try:
         ca_pem = path.read_bytes()
-        pki.load_certificates(ca_pem)
+        tlscontext.ca_text(ca_pem)  # ssl alone: no cryptography on an agent's path
     except (OSError, ValueError) as exc:
         raise ConfigError(f"flags: --ca-file: {path}: {exc}") from None
     return ca_pem

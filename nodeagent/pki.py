@@ -15,18 +15,19 @@ import ipaddress
 import os
 import ssl
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from nodeagent import tlscontext
 from nodeagent.config import valid_node_name
+from nodeagent.tlscontext import TlsInputError
 
 __all__ = [
     "NODE_URI_PREFIX",
@@ -439,160 +440,24 @@ def write_private_key(path: str | os.PathLike[str], key: PrivateKey) -> None:
 # ----------------------------------------------------------------------------- contexts
 
 
-class TlsInputError(ValueError):
-    """A certificate, key or CA given for a TLS context that cannot be used.
-
-    `which` says which input failed: "cert", "key", "ca", or "pair" (a certificate and a
-    key that each load but do not belong together); `path` is its file, when it was one;
-    the message says what is wrong in words ("/x/k.key: not a PEM private key"), so the
-    caller only adds which config field named that input.
-    """
-
-    def __init__(self, which: str, problem: str, path: str | None = None) -> None:
-        super().__init__(f"{path}: {problem}" if path else problem)
-        self.which = which
-        self.problem = problem
-        self.path = path
-
-
-def _input_bytes(source: bytes | str | os.PathLike[str], which: str) -> tuple[bytes, str | None]:
-    """The PEM bytes of one input and its path (None for in-memory PEM)."""
-    if isinstance(source, bytes) or not _is_path(source):
-        return _read(source), None
-    path = str(os.fspath(source))
-    try:
-        return Path(path).read_bytes(), path
-    except FileNotFoundError:
-        problem = "no such file"
-    except PermissionError:
-        problem = "permission denied (cannot read it)"
-    except IsADirectoryError:
-        problem = "is a directory, not a file"
-    except OSError as exc:
-        problem = (exc.strerror or str(exc)).lower()
-    raise TlsInputError(which, problem, path)
-
-
-def _checked_certificates(source: CertLike, which: str) -> list[x509.Certificate]:
-    if isinstance(source, x509.Certificate):
-        return [source]
-    data, path = _input_bytes(source, which)
-    try:
-        certs = x509.load_pem_x509_certificates(data)
-    except ValueError:
-        certs = []
-    if not certs:
-        holds = " (it holds a private key)" if b"PRIVATE KEY-----" in data else ""
-        raise TlsInputError(which, f"not a PEM certificate{holds}", path)
-    return certs
-
-
-def _checked_key(source: KeyLike, which: str = "key") -> Any:
-    if isinstance(source, ec.EllipticCurvePrivateKey):
-        return source
-    data, path = _input_bytes(source, which)
-    try:
-        return serialization.load_pem_private_key(data, password=None)
-    except TypeError:
-        problem = "an encrypted private key; nodeagent needs it without a passphrase"
-    except UnsupportedAlgorithm:
-        problem = "a private key of a type TLS here cannot use"
-    except ValueError:
-        holds = " (it holds a certificate)" if b"CERTIFICATE-----" in data else ""
-        problem = f"not a PEM private key{holds}"
-    raise TlsInputError(which, problem, path)
-
-
-def _public_der(key: Any) -> bytes:
-    der: bytes = key.public_bytes(serialization.Encoding.DER,
-                                  serialization.PublicFormat.SubjectPublicKeyInfo)
-    return der
-
-
-def _check_pair(cert: CertLike, key: KeyLike | None) -> None:
-    """Raise TlsInputError unless `cert` is a certificate (chain) and `key` its key (None:
-    the key is in the certificate's file)."""
-    certs = _checked_certificates(cert, "cert")
-    private = _checked_key(key if key is not None else cert)  # type: ignore[arg-type]
-    if _public_der(certs[0].public_key()) != _public_der(private.public_key()):
-        names = [os.fspath(x) for x in (cert, key)  # type: ignore[arg-type]
-                 if x is not None and _is_path(x)]
-        where = " and ".join(names)
-        raise TlsInputError("pair", f"{where}: certificate and key do not match" if where
-                            else "certificate and key do not match")
-
-
-def _load_chain(ctx: ssl.SSLContext, cert: CertLike, key: KeyLike | None) -> None:
-    _check_pair(cert, key)
-    with _as_files(cert, key) as (cert_path, key_path):
-        try:
-            ctx.load_cert_chain(cert_path, key_path)
-        except ssl.SSLError as exc:  # checked above; this is what the checks did not foresee
-            path = os.fspath(cert) if _is_path(cert) else None  # type: ignore[arg-type]
-            raise TlsInputError("cert", f"refused by OpenSSL: {exc.reason or exc}",
-                                path) from None
-
-
-def _is_path(source: object) -> bool:
-    if isinstance(source, str):
-        return not source.lstrip().startswith("-----BEGIN")
-    return isinstance(source, os.PathLike)
-
-
-@contextlib.contextmanager
-def _as_files(cert: CertLike, key: KeyLike | None) -> Iterator[tuple[str, str | None]]:
-    """ssl loads certificate chains only from files: give it paths, writing in-memory
-    material to a private temporary directory that is removed straight after. A key of
-    None means the certificate file holds the key too."""
-    if _is_path(cert) and (key is None or _is_path(key)):
-        yield os.fspath(cert), os.fspath(key) if key is not None else None  # type: ignore[arg-type]
-        return
-    if key is None:
-        raise ValueError("in-memory certificate given without its key")
-    with tempfile.TemporaryDirectory(prefix="nodeagent-tls-") as tmp:
-        cert_path = os.path.join(tmp, "cert.pem")
-        write_certificate(cert_path, *load_certificates(cert))
-        key_path = os.path.join(tmp, "key.pem")
-        write_private_key(key_path, load_private_key(key))
-        yield cert_path, key_path
-
-
-def _ca_data(ca: CertLike) -> str:
-    return "".join(c.public_bytes(serialization.Encoding.PEM).decode()
-                   for c in _checked_certificates(ca, "ca"))
-
-
-def _harden(ctx: ssl.SSLContext, alpn: Sequence[str] | None) -> None:
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # 1.3 is negotiated whenever both can
-    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
-    # A TCP FIN without close_notify is a truncation, not a clean end. Some Python builds
-    # (Debian's 3.11.2) set OP_IGNORE_UNEXPECTED_EOF by default, and TLS then reports a
-    # cut connection as a clean EOF: always clear it.
-    ctx.options &= ~ssl.OP_IGNORE_UNEXPECTED_EOF
-    if alpn:
-        ctx.set_alpn_protocols(list(alpn))
-
-
 def server_ssl_context(cert: CertLike, key: KeyLike, client_ca: CertLike | None = None,
                        require_client_cert: bool = False, *,
                        alpn: Sequence[str] | None = None) -> ssl.SSLContext:
     """TLS 1.2+ server context. With `client_ca`, clients may present a certificate
     signed by it (verified; mutual TLS); `require_client_cert` makes that mandatory.
     `cert`/`key`/`client_ca` are paths, PEM bytes, or objects; one that cannot be used
-    raises TlsInputError saying which and why."""
-    if require_client_cert and client_ca is None:
-        raise ValueError("require_client_cert needs client_ca to verify clients against")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _harden(ctx, alpn)
-    ctx.options |= ssl.OP_SINGLE_ECDH_USE | ssl.OP_CIPHER_SERVER_PREFERENCE
-    _load_chain(ctx, cert, key)
-    if client_ca is not None:
-        ctx.load_verify_locations(cadata=_ca_data(client_ca))
-        ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
-    # TLS 1.3 clients learn that their certificate was accepted from the session tickets
-    # that follow it (tunnel.dial waits for them); keep sending some.
-    ctx.num_tickets = max(ctx.num_tickets, 1)
-    return ctx
+    raises TlsInputError saying which and why (tlscontext, with `ssl` alone)."""
+    return tlscontext.server_ssl_context(_pem(cert), _pem(key), _pem(client_ca),
+                                         require_client_cert, alpn=alpn)
+
+
+def _pem(source: Any) -> Any:
+    """Certificate and key objects as PEM; paths and PEM as they are."""
+    if isinstance(source, x509.Certificate):
+        return source.public_bytes(serialization.Encoding.PEM)
+    if isinstance(source, ec.EllipticCurvePrivateKey):
+        return _key_pem(source)
+    return source
 
 
 def client_ssl_context(ca: CertLike | None = None, cert: CertLike | None = None,
@@ -600,12 +465,7 @@ def client_ssl_context(ca: CertLike | None = None, cert: CertLike | None = None,
                        alpn: Sequence[str] | None = None) -> ssl.SSLContext:
     """TLS 1.2+ client context verifying the server against `ca` (the system trust store
     if None), with hostname checks; `cert` + `key` are our client certificate. An input
-    that cannot be used raises TlsInputError saying which and why."""
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
-                                     cadata=_ca_data(ca) if ca is not None else None)
-    _harden(ctx, alpn)
-    if key is not None and cert is None:
-        raise ValueError("a client key needs its certificate")
-    if cert is not None:
-        _load_chain(ctx, cert, key)
-    return ctx
+    that cannot be used raises TlsInputError saying which and why. Certificate and key
+    objects become PEM; tlscontext does the rest with `ssl` alone (as an agent started
+    from files does, without importing this module)."""
+    return tlscontext.client_ssl_context(_pem(ca), _pem(cert), _pem(key), alpn=alpn)

@@ -17,6 +17,7 @@ nodeagent CLI), so each gets its own core; wrk, iperf3 and a small C tool
     sudo .venv/bin/python scripts/bench.py --quick    # smoke run, ~1 minute
     sudo .venv/bin/python scripts/bench.py --only bulk --only http
     sudo .venv/bin/python scripts/bench.py --only bulk --profile   # py-spy summaries
+    sudo .venv/bin/python scripts/bench.py --only http --workers 2  # server on 2 processes
 
 Needs root and: iproute2 wrk iperf3 nginx-light openssh-server openssh-client gcc.
 Prints a table and writes bench-results/bench.json. Namespaces and processes are removed
@@ -596,8 +597,10 @@ class Stack:
     def _cmd(self, role: str, cfg: dict[str, Any]) -> list[str]:
         path = self.dir / f"{role}.yaml"
         path.write_text(yaml.safe_dump(cfg))
+        workers = self.bench.args.workers if role == "server" else 1
         return [sys.executable, "-m", "nodeagent", "--log-level", self.bench.args.log_level,
-                role, "--config", str(path)]
+                role, "--config", str(path),
+                *(["--workers", str(workers)] if workers > 1 else [])]
 
     def start(self) -> None:
         b = self.bench
@@ -609,17 +612,21 @@ class Stack:
         b.wait_listening("cloud", HTTP + self.offset, PUBLIC)
         self.agent = b.spawn("edge", self._cmd("agent", self.agent_cfg),
                              f"{self.scheme}-agent", env=env, cwd=tree)
-        deadline = time.monotonic() + 20
+        # Workers: the agent's dials reach a worker at random, and one already held is
+        # retried on a paced backoff (1 s growing), so allow longer.
+        deadline = time.monotonic() + (20 if b.args.workers == 1 else 90)
         while time.monotonic() < deadline:
             for proc, name in ((self.server, "server"), (self.agent, "agent")):
                 if proc.poll() is not None:
                     raise RuntimeError(f"nodeagent {name} exited: "
                                        f"{(b.tmp / f'{self.scheme}-{name}.log').read_text()}")
             with contextlib.suppress(Exception):
-                if self.server_status()["agents"]:
+                # A tunnel to every worker (one, without --workers).
+                tunnels = [t for t in self.agent_status()["tunnels"] if t["state"] == "open"]
+                if len(tunnels) >= b.args.workers:
                     return
             time.sleep(0.1)
-        raise RuntimeError("agent did not connect within 20s")
+        raise RuntimeError(f"agent did not hold {b.args.workers} tunnel(s) within 20s")
 
     def _status(self, sock: str) -> dict[str, Any]:
         import httpx
@@ -629,16 +636,30 @@ class Stack:
             return resp.json()  # type: ignore[no-any-return]
 
     def server_status(self) -> dict[str, Any]:
-        return self._status(self.server_cfg["debug_socket"])
+        sock = Path(self.server_cfg["debug_socket"])
+        if self.bench.args.workers > 1:  # worker 0's (server-w0.sock)
+            sock = sock.with_name(f"{sock.stem}-w0{sock.suffix}")
+        return self._status(str(sock))
+
+    def server_pids(self) -> list[int]:
+        """The server's processes: with --workers, the parent and its workers."""
+        pids = [self.server.pid]
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{self.server.pid}/task").iterdir():
+                pids += [int(p) for p in (task / "children").read_text().split()]
+        return pids
 
     def agent_status(self) -> dict[str, Any]:
         return self._status(self.agent_cfg["debug_socket"])
 
     def rss(self) -> dict[str, int]:
-        return {"server": rss_of(self.server.pid), "agent": rss_of(self.agent.pid)}
+        # With --workers: every server process together (the parent and each worker).
+        return {"server": sum(rss_of(p) for p in self.server_pids()),
+                "agent": rss_of(self.agent.pid)}
 
     def cpu(self) -> dict[str, float]:
-        return {"server": cpu_of(self.server.pid), "agent": cpu_of(self.agent.pid)}
+        return {"server": sum(cpu_of(p) for p in self.server_pids()),
+                "agent": cpu_of(self.agent.pid)}
 
     def stop(self) -> None:
         for proc in (getattr(self, "agent", None), getattr(self, "server", None)):
@@ -840,6 +861,9 @@ def main() -> int:
     parser.add_argument("--log-level", default="warning",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="run the nodeagent server with --workers N (RSS and CPU: all "
+                             "its processes together)")
     parser.add_argument("--tree", type=Path, default=None,
                         help="run nodeagent from this source tree (A/B comparisons)")
     args = parser.parse_args()
@@ -887,7 +911,7 @@ def main() -> int:
         "seconds": round(time.time() - started, 1), "quick": args.quick,
         "tests": selected, "cpus": os.cpu_count(), "kernel": platform.release(),
         "python": platform.python_version(), "duration_per_measurement": bench.dur,
-        "tree": str(args.tree or ROOT),
+        "tree": str(args.tree or ROOT), "workers": args.workers,
         "loadavg_at_end": os.getloadavg(),
         "uncommitted_tunnel_changes": subprocess.run(
             ["git", "-C", str(ROOT), "status", "--short", "tunnel"], capture_output=True,

@@ -1,11 +1,14 @@
 """Each role loads only what it uses: an agent or a server on tls:// does not import the
-debug client's HTTP library or the WebSocket libraries (memory: see the README's
-performance section). Checked in a fresh interpreter, as a process starts."""
+debug client's HTTP library, the WebSocket libraries or, started from a file,
+cryptography (memory: see the README's performance section). Checked in a fresh
+interpreter, as a process starts."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +24,10 @@ def test_a_role_does_not_import_what_it_does_not_use(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", _CHECK, module], check=True,
                          capture_output=True, text=True, timeout=60).stdout.split()
     assert "trio" in out  # the check itself works
-    assert not {"httpx", "httpcore", "websockets", "wsproto"} & set(out), out
+    # cryptography: only for certificates the process makes or reads itself (controller
+    # mode, or agents' certificates on a server), imported when first needed.
+    assert not {"httpx", "httpcore", "websockets", "wsproto", "cryptography",
+                "_cffi_backend"} & set(out), out
 
 
 def test_websocket_names_still_load_on_use() -> None:
@@ -32,3 +38,57 @@ def test_websocket_names_still_load_on_use() -> None:
         " 'websockets' in sys.modules)")], check=True, capture_output=True, text=True,
         timeout=60).stdout.split()
     assert out == ["WebSocketTransport", "websocket_connect", "True"]
+
+
+# What each start path must not load: cryptography (~9 MiB) is for certificates an agent
+# in standalone mode never makes (ssl loads its CA, certificate and key files itself:
+# nodeagent/tlscontext.py); yaml only for config files.
+_AGENT_STANDALONE_NEVER = {"cryptography", "_cffi_backend", "httpx", "websockets", "wsproto"}
+
+
+def test_the_agent_cli_does_not_import_cryptography() -> None:
+    out = subprocess.run([sys.executable, "-c", _CHECK.replace(
+        "importlib.import_module(sys.argv[1])",
+        "importlib.import_module('nodeagent.cli'); importlib.import_module(sys.argv[1])"),
+        "nodeagent.agent.main"], check=True, capture_output=True, text=True,
+        timeout=60).stdout.split()
+    assert "pydantic" in out
+    assert not _AGENT_STANDALONE_NEVER & set(out), out
+    assert "yaml" not in out  # loaded by the file loader when there is a file
+
+
+@pytest.mark.needs("root")  # the agent marks its tunnel socket (SO_MARK)
+def test_a_running_standalone_agent_has_not_loaded_cryptography(tmp_path: Path) -> None:
+    """A real agent from a file, with a CA, a client certificate and key, dialing a
+    server that is not there: its start path, as it runs, without cryptography."""
+    from nodeagent import pki  # the test makes the files; the agent must not need it
+
+    ca = pki.create_ca("imports-test")
+    ca.write(tmp_path / "ca.crt", tmp_path / "ca.key")
+    pki.issue_client_certificate(ca, "edge-1").write(tmp_path / "edge.crt",
+                                                     tmp_path / "edge.key")
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        "node: edge-1\nserver: tls://127.0.0.1:1\n"
+        f"tls: {{ca_file: {tmp_path}/ca.crt, cert_file: {tmp_path}/edge.crt,"
+        f" key_file: {tmp_path}/edge.key}}\n"
+        f"debug_socket: {tmp_path}/agent.sock\nallow: ['127.0.0.1:80']\n")
+    with subprocess.Popen([sys.executable, "-m", "nodeagent", "agent", "--config",
+                           str(config)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as agent:
+        try:
+            deadline = time.monotonic() + 30
+            while not (tmp_path / "agent.sock").exists():
+                assert agent.poll() is None, agent.stdout.read() if agent.stdout else ""
+                assert time.monotonic() < deadline, "the agent did not start"
+                time.sleep(0.05)
+            time.sleep(1.5)  # a dial or two to the absent server
+            maps = Path(f"/proc/{agent.pid}/maps").read_text()
+            assert agent.poll() is None
+        finally:
+            agent.terminate()
+            agent.wait(10)
+    loaded = {Path(line.split()[-1]).name for line in maps.splitlines() if "/" in line}
+    assert not any("cryptography" in name or "_rust" in name or "_cffi_backend" in name
+                   for name in loaded), sorted(loaded)
+    assert any(name.startswith("_ssl") for name in loaded)  # the check sees extensions

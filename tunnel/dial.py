@@ -18,6 +18,7 @@ from typing import Literal
 
 import trio
 
+from tunnel.listeners import open_tcp_listeners
 from tunnel.log import RateLimitedLog, get_logger
 from tunnel.tcp import SO_MARK, DialFailed, connect_tcp, format_address
 from tunnel.transports import (
@@ -306,6 +307,7 @@ async def serve(
     websocket_impl: str = "auto",
     max_message_size: int = MAX_MESSAGE_SIZE,
     stop_accepting: trio.Event | None = None,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[list[Endpoint]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on `endpoint` until cancelled, calling `handler(transport)` for each
@@ -323,7 +325,10 @@ async def serve(
     Each connection's TLS handshake and WebSocket upgrade must finish within
     `handshake_timeout`. A failed handshake is logged (logger "tunnel.dial", with peer and
     reason; at most one line per reason a minute, with a count: anyone can cause them)
-    and costs only that connection; so does a handler that raises."""
+    and costs only that connection; so does a handler that raises.
+
+    `reuse_port`: other processes may listen on the same address (a server's workers;
+    tunnel/listeners.py)."""
     endpoint = _as_endpoint(endpoint)
     impl = _choose_impl(websocket_impl)
     if endpoint.uses_tls and ssl_context is None:
@@ -331,7 +336,7 @@ async def serve(
     if ssl_context is not None and not endpoint.uses_tls:
         raise ValueError(f"{endpoint}: ssl_context given for an endpoint without TLS")
     host = None if endpoint.host in ("", "*") else endpoint.host
-    listeners = await trio.open_tcp_listeners(endpoint.port, host=host)
+    listeners = await open_tcp_listeners(endpoint.port, host=host, reuse_port=reuse_port)
     bound = [Endpoint(endpoint.scheme, str(lst.socket.getsockname()[0]),
                       int(lst.socket.getsockname()[1]), endpoint.path) for lst in listeners]
 

@@ -12,7 +12,7 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client.metrics_core import Metric
@@ -28,7 +28,6 @@ from nodeagent.config import (
     NodeConfig,
 )
 from nodeagent.configwatch import WatchStatus
-from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, counter, gauge
 from nodeagent.ops.streams import (
@@ -48,6 +47,9 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
+
+if TYPE_CHECKING:  # controller mode only: it imports cryptography
+    from nodeagent.identity import IdentityKeeper
 
 log = get_logger("nodeagent.agent")
 

@@ -23,9 +23,7 @@ from typing import Any
 import trio
 
 from netfilter.model import NetfilterError
-from nodeagent import pki
 from nodeagent.agent.agent import Agent
-from nodeagent.agent.identity import node_certificate_requester
 from nodeagent.config import (
     AgentConfig,
     ConfigError,
@@ -42,16 +40,16 @@ from nodeagent.configwatch import (
     watch_config,
 )
 from nodeagent.filewatch import FileReloader
-from nodeagent.identity import IdentityKeeper, IssuedIdentity
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
+from nodeagent.tlscontext import TlsInputError, client_ssl_context
 from tunnel import protocol as p
 
 log = get_logger("nodeagent.agent")
 
 
-# Which setting named each TLS input (pki.TlsInputError.which), in a file and as flags.
+# Which setting named each TLS input (TlsInputError.which), in a file and as flags.
 TLS_FIELDS = {"ca": "tls.ca_file", "cert": "tls.cert_file", "key": "tls.key_file",
               "pair": "tls.cert_file, tls.key_file"}
 TLS_FLAGS = {"ca": "--ca-file"}
@@ -65,9 +63,9 @@ def agent_ssl_context(config: AgentConfig, source: str = "config",
     if not config.server.startswith(("tls://", "wss://")):
         return None
     try:
-        ctx = pki.client_ssl_context(config.tls.ca_file, config.tls.cert_file,
+        ctx = client_ssl_context(config.tls.ca_file, config.tls.cert_file,
                                      config.tls.key_file)
-    except pki.TlsInputError as exc:
+    except TlsInputError as exc:
         raise ConfigError(f"{source}: {fields[exc.which]}: {exc}") from None
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise ConfigError(f"{source}: tls: cannot load CA, certificate or key: {exc}") from None
@@ -217,6 +215,11 @@ class _Trust:
 
 
 def run_agent_cluster(args: argparse.Namespace) -> int:
+    # Controller mode only: the node certificate (a key, a CSR: cryptography). An agent
+    # started from a file never imports these (tests/test_imports.py).
+    from nodeagent.agent.identity import node_certificate_requester
+    from nodeagent.identity import IdentityKeeper, IssuedIdentity
+
     config = agent_config_from_flags(args)
     assert config.controller is not None and config.identity_token_file is not None
     assert config.tls.ca_file is not None
@@ -234,7 +237,7 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
         # The tunnel presents the node certificate from its next connection on.
         identity = keeper.identity
         if identity is not None:
-            agent.client.ssl_context = pki.client_ssl_context(
+            agent.client.ssl_context = client_ssl_context(
                 ca.pem, identity.certificate_pem, identity.key_pem)
 
     def renewed(identity: IssuedIdentity) -> None:

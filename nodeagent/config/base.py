@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -255,6 +254,8 @@ def parse_config(model: type[M], doc: Any, source: str) -> M:
 
 def load_config(model: type[M], path: Path) -> M:
     """Read and validate a YAML file; raises ConfigError with a human message."""
+    import yaml  # files only: a role in controller mode never loads it (~1.3 MiB)
+
     try:
         text = path.read_text()
     except OSError as exc:

@@ -412,14 +412,20 @@ def _same_objects(a: list[Obj], b: list[Obj]) -> bool:
 
 def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: IngressTranslation,
             services: Iterable[Obj], endpoint_slices: Iterable[Obj],
-            namespace: str | None = None, memo: ComputeMemo | None = None) -> Computed:
+            namespace: str | None = None, memo: ComputeMemo | None = None,
+            server_workers: int = 1) -> Computed:
     """Every node's config and the servers' routes. With a `memo` kept from earlier
     calls, the parts of nodes whose inputs did not change are reused: the result is the
-    same as without one."""
+    same as without one. `server_workers`: worker processes per server pod (the servers'
+    --workers). The servers' routes count pods (each server multiplies by its own workers
+    when it announces); a node's `server_replicas` counts every server process it must
+    hold a tunnel to: pods x workers."""
     memo = memo if memo is not None else ComputeMemo()
     tunnels = memo.tunnels(tunnels)
     services, endpoint_slices = list(services), list(endpoint_slices)
     protected, replicas = memo.cluster_wide(tunnels, services, endpoint_slices, namespace)
+    tunnels_to_hold = (min(replicas * server_workers, 64)
+                       if replicas is not None and server_workers > 1 else replicas)
     problems: list[Problem] = list(translation.problems)
     node_configs: dict[str, NodeConfig] = {}
     node_cidrs: dict[str, tuple[Network, ...]] = {}
@@ -435,7 +441,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         if not name:
             continue
         part = memo.part(name, node, (node_view(node), tunnels,
-                                      targets.get(name, NO_TARGETS), replicas,
+                                      targets.get(name, NO_TARGETS), tunnels_to_hold,
                                       name in denied))
         all_labels[name] = part.labels
         ip_addresses[name] = list(part.ip_addresses)

@@ -104,6 +104,7 @@ class ControllerSettings:
     # gc.freeze() once the caches synced (the `nodeagent controller` process; not in
     # tests, where the process is pytest's and many controllers come and go)
     freeze_gc: bool = False
+    server_workers: int = 1  # the servers' --workers: agents hold pods x workers tunnels
 
 
 class LeaderWrites:
@@ -237,7 +238,8 @@ class Controller:
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
                       services=services, endpoint_slices=endpoint_slices,
-                      namespace=self.settings.namespace, memo=self.compute_memo)
+                      namespace=self.settings.namespace, memo=self.compute_memo,
+                      server_workers=self.settings.server_workers)
         changed = [name for name, config in out.nodes.items()
                    if self.versions.update(f"node/{name}", config)]
         for key in self.versions.keys():

@@ -30,6 +30,10 @@ def run_controller(args: argparse.Namespace) -> int:
     if not 0 < args.token_reviews_per_second <= 10_000:
         raise ConfigError(f"--token-reviews-per-second {args.token_reviews_per_second:g}: "
                           f"give (0, 10000]")
+    server_workers = getattr(args, "server_workers", 1)
+    if not 1 <= server_workers <= 16:
+        raise ConfigError(f"--server-workers {server_workers}: give 1-16 (the servers' "
+                          f"--workers)")
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     settings = ControllerSettings(
         namespace=args.namespace, identity=identity, listen_host=listen.host,
@@ -37,7 +41,8 @@ def run_controller(args: argparse.Namespace) -> int:
         lease_duration=args.lease_seconds, metrics_listen=metrics,
         tls_names=tuple(getattr(args, "tls_name", None) or ()),
         certificate_validity=args.certificate_hours * 3600.0,
-        token_review_rate=args.token_reviews_per_second, freeze_gc=True)
+        token_review_rate=args.token_reviews_per_second, freeze_gc=True,
+        server_workers=server_workers)
     try:
         trio.run(serve_controller, settings)
     except CredentialsError as exc:

@@ -45,7 +45,7 @@ _HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]{0,252})$")
 _MAX_TARGET = 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProxyTarget:
     """Where a request asks to go. `path` is None for CONNECT (a raw stream), else the
     origin-form path of a forwarded HTTP request."""
@@ -59,7 +59,7 @@ class ProxyTarget:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ConnectRoute:
     """What the front opens: a stream through `node`'s agent to dial_host:port."""
 
@@ -69,7 +69,7 @@ class ConnectRoute:
     kind: str  # "node" (its own addresses) or "pod"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Refusal:
     reason: str  # a key of REASONS
     message: str  # one line, for the response body and the log

@@ -35,7 +35,6 @@ import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
-from nodeagent import pki
 from nodeagent.config import (
     CONTROL_PLANE_PURPOSE,
     PURPOSE_KEY,
@@ -52,6 +51,7 @@ from nodeagent.server.connect import (
     decide,
     parse_target,
 )
+from nodeagent.tlscontext import TlsInputError, server_ssl_context
 from tunnel import protocol as p
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog, StructuredLogger
@@ -125,9 +125,9 @@ class ConnectFront:
             raise ConfigError("connect.tls: give cert_file and key_file (the server has no "
                               "tunnel certificate to reuse)")
         try:
-            return pki.server_ssl_context(cert, key, client_ca=tls.client_ca_file,
-                                          require_client_cert=True)
-        except pki.TlsInputError as exc:
+            return server_ssl_context(cert, key, client_ca=tls.client_ca_file,
+                                      require_client_cert=True)
+        except TlsInputError as exc:
             which = {"cert": "cert_file", "key": "key_file", "ca": "client_ca_file",
                      "pair": "cert_file, key_file"}[exc.which]
             raise ConfigError(f"connect.tls.{which}: {exc}") from None
@@ -193,6 +193,8 @@ class ConnectFront:
                 await close_stream(raw, abort=True)
                 return
             der = tls_stream.getpeercert(binary_form=True)
+            from nodeagent import pki  # client certificates: loaded with the first one
+
             if der is not None and (pki.node_name_from_certificate(der) is not None or
                                     pki.server_name_from_certificate(der) is not None):
                 # A node's or a server's tunnel certificate (the CA given here is the

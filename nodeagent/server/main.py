@@ -22,13 +22,12 @@ import os
 import signal
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from nodeagent import pki
 from nodeagent.config import (
     ConfigError,
     RoutesConfig,
@@ -48,14 +47,22 @@ from nodeagent.filewatch import FileReloader
 from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
-from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.logs import get_logger
+from nodeagent.server.flags import server_config_from_flags
 from nodeagent.server.readiness import DEFAULT_READY_GRACE, ReadinessGate
 from nodeagent.server.server import Server
+from nodeagent.server.workers import (
+    WorkerSlot,
+    check_worker_config,
+    serve_worker,
+)
+from nodeagent.tlscontext import TlsInputError
+from nodeagent.tlscontext import server_ssl_context as tls_server_context
 from tunnel.dial import parse_endpoint, serve
+from tunnel.listeners import open_tcp_listeners
 
 log = get_logger("nodeagent.server")
 
@@ -70,7 +77,8 @@ def persist_routes(state_dir: Path, routes: RoutesConfig) -> None:
     text = json.dumps({"version": routes.version,
                        "config": routes.model_dump(mode="json", exclude={"version"})},
                       separators=(",", ":"))
-    tmp = state_dir / f"{ROUTES_STATE}.tmp"
+    # Per process: a server's workers persist the same routes into one directory.
+    tmp = state_dir / f"{ROUTES_STATE}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)  # created afresh below, so with our mode and owner
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -112,10 +120,10 @@ def server_ssl_context(config: ServerConfig, source: str = "config",
     if config.tls is None:
         return None
     try:
-        return pki.server_ssl_context(
+        return tls_server_context(
             config.tls.cert_file, config.tls.key_file, client_ca=config.tls.client_ca_file,
             require_client_cert=config.tls.require_client_cert)
-    except pki.TlsInputError as exc:
+    except TlsInputError as exc:
         raise ConfigError(f"{source}: {fields[exc.which]}: {exc}") from None
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise ConfigError(f"{source}: tls: cannot load certificate or key: {exc}") from None
@@ -165,12 +173,18 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                        ready_grace: float = DEFAULT_READY_GRACE,
                        config_path: Path | None = None,
                        tls_source: str = "config", tls_fields: dict[str, str] = TLS_FIELDS,
+                       slot: WorkerSlot | None = None,
                        task_status: trio.TaskStatus[dict[str, list[str]]]
                        = trio.TASK_STATUS_IGNORED) -> None:
     """Run every listener of a server until cancelled or signalled; reports the bound
     addresses ({"tunnel": [...], "tcp:NAME": [...], "http:NAME": [...]}). The tunnel's
-    certificate files and the token files are reloaded when they change."""
+    certificate files and the token files are reloaded when they change.
+
+    `slot`: this process is one of several workers (nodeagent/server/workers.py): its
+    public listeners share their ports with the other workers (SO_REUSEPORT), and only
+    worker 0 runs the CONNECT front."""
     config = server.config
+    reuse_port = slot is not None
     stop_accepting = trio.Event()
     async with trio.open_nursery() as nursery:
         endpoint = parse_endpoint(config.tunnel.url)
@@ -184,7 +198,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         bound = await nursery.start(lambda task_status: serve(
             endpoint, server.tunnel.handle_transport,
             ssl_context=current_context if ssl_context is not None else None,
-            stop_accepting=stop_accepting, task_status=task_status))
+            stop_accepting=stop_accepting, reuse_port=reuse_port, task_status=task_status))
         server.bound["tunnel"] = [str(b) for b in bound]
         for index, mapping in enumerate(config.tcp):
             name = f"tcp:{mapping.name or index}"
@@ -192,8 +206,9 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             async def handler(client: trio.SocketStream, mapping: Any = mapping) -> None:
                 await server.serve_tcp_mapping(mapping, client)
 
-            listeners = await nursery.start(functools.partial(
-                trio.serve_tcp, handler, mapping.listen.port, host=mapping.listen.host))
+            listeners = await open_tcp_listeners(mapping.listen.port, host=mapping.listen.host,
+                                                 reuse_port=reuse_port)
+            await nursery.start(trio.serve_listeners, handler, listeners)
             server.bound[name] = [_sockname(lst) for lst in listeners]
         wanted = config.http_limits
         limits = Limits(max_connections=wanted.max_connections,
@@ -207,8 +222,10 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                               open_upstream=server.open_upstream, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
             fronts.append(front)
-            listeners = await nursery.start(front.run, listener.listen.host,
-                                            listener.listen.port)
+            listeners = await open_tcp_listeners(listener.listen.port,
+                                                 host=listener.listen.host,
+                                                 reuse_port=reuse_port)
+            await nursery.start(front.serve, listeners)
             server.bound[name] = [_sockname(lst) for lst in listeners]
         # The Ingress listeners: routes (and certificates) swap under them on every update.
         for name, listen, tls in (("ingress-http", config.ingress_http, None),
@@ -220,9 +237,12 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                               open_upstream=server.open_upstream, tls=tls, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
             fronts.append(front)
-            listeners = await nursery.start(front.run, listen.host, listen.port)
+            listeners = await open_tcp_listeners(listen.port, host=listen.host,
+                                                 reuse_port=reuse_port)
+            await nursery.start(front.serve, listeners)
             server.bound[name] = [_sockname(lst) for lst in listeners]
-        if server.connect is not None:  # kube-apiserver's egress selector, Prometheus
+        # The CONNECT front (kube-apiserver's egress selector, Prometheus).
+        if server.connect is not None and (slot is None or slot.runs_connect_front):
             server.bound["connect"] = await nursery.start(server.connect.run)
         debug = DebugServer(str(config.debug_socket), {
             "/status": server.status,
@@ -246,7 +266,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     if config_path is not None:
-                        _reload_server(server, config_path)
+                        _reload_server(server, config_path, slot)
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds, delay_seconds=shutdown_delay)
@@ -269,10 +289,11 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                 break
 
 
-def _reload_server(server: Server, config_path: Path) -> None:
+def _reload_server(server: Server, config_path: Path, slot: WorkerSlot | None) -> None:
     try:
         new = load_config(ServerConfig, config_path)
-        server.apply_routes(new.routes())
+        routes = new.routes()
+        server.apply_routes(slot.routes(routes) if slot is not None else routes)
     except ConfigError as exc:
         log.error("config reload refused; keeping the running config", error=str(exc))
 
@@ -288,87 +309,65 @@ def _sockname(listener: trio.SocketListener) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:
+    """This process's worker slot: None when it is the only server process."""
+    index = getattr(args, "worker_index", None)
+    if index is None:
+        return None
+    count = int(getattr(args, "workers", 1) or 1)
+    if not 0 <= index < count:
+        raise ConfigError(f"--worker-index {index}: not in 0-{count - 1}")
+    return WorkerSlot(index, count, getattr(args, "parent_fd", None))
+
+
 def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0,
-               shutdown_delay: float = 0.0, ready_grace: float = DEFAULT_READY_GRACE) -> int:
+               shutdown_delay: float = 0.0, ready_grace: float = DEFAULT_READY_GRACE,
+               workers: int = 1, slot: WorkerSlot | None = None) -> int:
+    """Standalone mode: the only server process, or worker `slot` of `workers` (their
+    parent: workers.run_parent)."""
     config = load_config(ServerConfig, config_path)
+    check_worker_config(config, workers, str(config_path))
     ssl_context = server_ssl_context(config, str(config_path))
     check_token_files(config, str(config_path))
-    server = Server(config)  # reads token files: errors surface before anything listens
+    # Reads the token files: errors surface before anything listens.
+    server = Server(slot.config(config) if slot is not None else config)
     if check:
         print(f"{config_path}: valid. tunnel {config.tunnel.url}, {len(config.tokens)} "
               f"token(s), {len(config.tcp)} TCP mapping(s), {len(config.http)} HTTP "
-              f"listener(s)")
+              f"listener(s)" + (f", {workers} workers" if workers > 1 else ""))
         return 0
-    trio.run(lambda: serve_server(server, ssl_context, drain_seconds=drain_seconds,
-                                  shutdown_delay=shutdown_delay, ready_grace=ready_grace,
-                                  config_path=config_path, tls_source=str(config_path)))
+
+    def main() -> Awaitable[None]:
+        return serve_server(server, ssl_context, drain_seconds=drain_seconds,
+                            shutdown_delay=shutdown_delay, ready_grace=ready_grace,
+                            config_path=config_path, tls_source=str(config_path), slot=slot)
+
+    if slot is not None:
+        trio.run(serve_worker, slot, main)
+    else:
+        trio.run(main)
     return 0
 
 
-def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
-    missing = [flag for flag, value in (("--token-file", args.token_file),
-                                        ("--ca-file", args.ca_file),
-                                        ("--tls-cert", args.tls_cert),
-                                        ("--tls-key", args.tls_key),
-                                        ("--controller", args.controller)) if not value]
-    if missing:
-        raise ConfigError(f"controller mode needs {', '.join(missing)} (or use --config FILE)")
-    controller_address(args.controller)
-    # No tokens: agents present the node certificates the controller signs (verified
-    # against --ca-file); one without a certificate may only fetch one (bootstrap).
-    doc: dict[str, Any] = {
-        "server_id": args.server_id or os.environ.get("POD_NAME") or "nodeagent-server",
-        "tunnel": args.tunnel_listen, "controller": args.controller,
-        "tls": {"cert_file": str(args.tls_cert), "key_file": str(args.tls_key),
-                "client_ca_file": str(args.ca_file)}}
-    if args.max_connections_per_client is not None:
-        # 0: no per-client cap (behind a load balancer that SNATs every client).
-        doc["http_limits"] = {"max_connections_per_client":
-                              args.max_connections_per_client or None}
-    if args.handshake_rate is not None or args.handshake_burst is not None:
-        doc["tunnel"] = {"url": args.tunnel_listen}
-        if args.handshake_rate is not None:
-            doc["tunnel"]["handshake_rate"] = args.handshake_rate
-        if args.handshake_burst is not None:
-            doc["tunnel"]["handshake_burst"] = args.handshake_burst
-    connect = connect_from_flags(args)
-    if connect:
-        doc["connect"] = connect
-    for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
-        value = getattr(args, key, None)
-        if value:
-            doc[key] = str(value)
-    return parse_config(ServerConfig, doc, "flags")
-
-
-def connect_from_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The CONNECT front's settings from --connect-* flags (empty: off)."""
-    doc: dict[str, Any] = {}
-    if getattr(args, "connect_uds", None):
-        try:
-            mode = int(str(args.connect_uds_mode), 8)
-        except ValueError:
-            raise ConfigError(f"--connect-uds-mode: {args.connect_uds_mode!r} is not an "
-                              f"octal mode (0600, 0660)") from None
-        doc.update(uds=str(args.connect_uds), uds_mode=mode)
-        if args.connect_uds_group is not None:
-            doc["uds_group"] = args.connect_uds_group
-    if getattr(args, "connect_listen", None):
-        doc["listen"] = args.connect_listen
-        if args.connect_client_ca is None:
-            raise ConfigError("--connect-listen needs --connect-client-ca (only clients with "
-                              "a certificate from that CA may use it)")
-        doc["tls"] = {"client_ca_file": str(args.connect_client_ca)}
-    return doc
-
-
 def run_server_cluster(args: argparse.Namespace) -> int:
+    # Controller mode only: this server's own certificate (a key, a CSR: cryptography).
+    # A server started from a file never imports these.
+    from nodeagent import pki
+    from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
+
     config = server_config_from_flags(args)
+    workers = int(getattr(args, "workers", 1) or 1)
+    check_worker_config(config, workers, "flags")
+    token = token_reader(Path(str(args.token_file)))
+    ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
+    slot = worker_slot(args)
+    if slot is not None:
+        # Each worker is a server of its own to the controller too: its own certificate
+        # (the controller signs for the pod's token, whatever the id) and routes watch.
+        config = slot.config(config)
     assert config.controller is not None and config.tls is not None
     assert config.tls.client_ca_file is not None
     host, port = controller_address(config.controller)
-    token = token_reader(Path(str(args.token_file)))
-    ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)
     ca_file = config.tls.client_ca_file
     ca_pem = read_ca_file(ca_file)
     server = Server(config)
@@ -404,7 +403,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     state_dir: Path | None = getattr(args, "state_dir", None)
 
     async def apply(routes: RoutesConfig) -> None:
-        server.apply_routes(routes)
+        server.apply_routes(slot.routes(routes) if slot is not None else routes)
         if state_dir is not None:
             try:
                 persist_routes(state_dir, routes)
@@ -416,7 +415,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     persisted = load_persisted_routes(state_dir) if state_dir is not None else None
     running: dict[str, Any] | None = None
     if persisted is not None:
-        server.apply_routes(persisted[0])
+        server.apply_routes(slot.routes(persisted[0]) if slot is not None else persisted[0])
         running = persisted[1]
         status.applied_version = persisted[0].version
         log.info("serving the routes persisted before the restart until the controller "
@@ -445,8 +444,11 @@ def run_server_cluster(args: argparse.Namespace) -> int:
             await serve_server(server, ssl_context, tls_source="flags",  # returns on SIGTERM/SIGINT
                                tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds,
                                shutdown_delay=args.shutdown_delay,
-                               ready_grace=args.ready_grace)
+                               ready_grace=args.ready_grace, slot=slot)
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    if slot is not None:
+        trio.run(serve_worker, slot, main)
+    else:
+        trio.run(main)
     return 0

@@ -17,7 +17,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client import Counter as MetricCounter
@@ -41,7 +41,6 @@ from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import CertStore, context_from_pem
-from nodeagent.identity import IdentityKeeper
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, counter, gauge
 from nodeagent.ops.streams import (
@@ -51,7 +50,6 @@ from nodeagent.ops.streams import (
     stream_rows,
     tracked_opener,
 )
-from nodeagent.pki import node_name_from_certificate
 from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.dnat import POLICY_REASONS, DnatPath
 from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
@@ -68,6 +66,9 @@ from tunnel.relay import relay_connection, relay_incoming
 from tunnel.server import Bootstrap, HandshakeAdmission, TunnelServer
 from tunnel.tcp import DialFailed, connect_tcp
 from tunnel.transports import PeerInfo
+
+if TYPE_CHECKING:  # controller mode only: it imports cryptography
+    from nodeagent.identity import IdentityKeeper
 
 log = get_logger("nodeagent.server")
 
@@ -306,6 +307,10 @@ class Server:
             raise AuthenticationFailed("HELLO names an invalid node name (a node name is a "
                                        "lower-case DNS name of at most 253 characters)")
         if peer.certificate_der is not None:
+            # Only agents with certificates need cryptography to read them (~9 MiB):
+            # a server of token-authenticated agents never loads it.
+            from nodeagent.pki import node_name_from_certificate
+
             cert_node = node_name_from_certificate(peer.certificate_der)
             if cert_node is not None:
                 if cert_node != node:

@@ -317,3 +317,10 @@ def test_servers_announce_the_ready_replicas_of_the_server_service() -> None:
     assert out.routes.replicas == 3
     assert out.nodes["edge-1"].server_replicas == 3
     assert run([], []).routes.replicas is None
+    # Servers with --workers 2: the routes still count pods (each server multiplies by
+    # its own workers in its handshake); a node holds a tunnel to every worker of each.
+    out = compute(nodes=[node("edge-1", "192.168.1.10")], tunnels=[],
+                  translation=translation(), services=[], endpoint_slices=slices,
+                  namespace="nodeagent", server_workers=2)
+    assert out.routes.replicas == 3
+    assert out.nodes["edge-1"].server_replicas == 6

@@ -1,15 +1,17 @@
 """The upstream side of the HTTP front: a small sans-IO HTTP/1.1 client codec.
 
-The front parses what clients send with h11. For upstreams it uses this codec instead:
+The front parses what clients send with `request.RequestReader` (llhttp, and h11 for
+whatever is unusual). For upstreams it uses this codec instead:
 on this project's 2-core machines one h11 client cycle (send a request, parse a 1 KiB
 response) costs about 90 µs of CPU, a third of the front's per-request budget, while the
-requests it writes are already validated (h11 parsed them on the client side) and the
+requests it writes are already validated (parsed strictly on the client side) and the
 responses it reads come from the cluster's own backends. This codec writes a request
 head with one join and parses the response head with one split; bodies are framed per
 RFC 9112 §6.3 (no body for HEAD/1xx/204/304, chunked, Content-Length, or until close).
 It is still strict where it matters for a proxy: conflicting Content-Length values,
 malformed chunk sizes, oversized heads, an early close and header folding are errors, and
-the headers it returns go through h11 again before reaching a client.
+the headers it returns go through the front's header policy (`headers.frame_response`)
+before reaching a client.
 
 No I/O here: `ResponseParser.feed(bytes)` then `next()` returns `NEED_DATA`, a
 `ResponseHead`, a body `bytes` piece, or `END`. A differential property test checks it
@@ -27,7 +29,9 @@ class UpstreamProtocolError(Exception):
     """The upstream's response is not valid HTTP/1.1."""
 
 
-class _Sentinel:
+class Sentinel:
+    """A parser's answer that is not an event (NEED_DATA, END...)."""
+
     __slots__ = ("name",)
 
     def __init__(self, name: str) -> None:
@@ -37,8 +41,8 @@ class _Sentinel:
         return self.name
 
 
-NEED_DATA: Final = _Sentinel("NEED_DATA")
-END: Final = _Sentinel("END")
+NEED_DATA: Final = Sentinel("NEED_DATA")
+END: Final = Sentinel("END")
 
 _TOKEN = re.compile(rb"^[-!#$%&'*+.^_`|~0-9A-Za-z]+$")
 _STATUS_LINE = re.compile(rb"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
@@ -150,7 +154,7 @@ class ResponseParser:
         data, self._buf = self._buf, b""
         return data
 
-    def next(self) -> ResponseHead | bytes | _Sentinel:
+    def next(self) -> ResponseHead | bytes | Sentinel:
         mode = self._mode
         buf = self._buf
         if mode == _LENGTH:
@@ -191,7 +195,7 @@ class ResponseParser:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _parse_head(self) -> ResponseHead | _Sentinel:
+    def _parse_head(self) -> ResponseHead | Sentinel:
         buf = self._buf
         end = buf.find(b"\r\n\r\n")
         if end < 0:
@@ -270,7 +274,7 @@ class ResponseParser:
             self.keep_alive = False
         return head
 
-    def _chunked(self) -> bytes | _Sentinel:
+    def _chunked(self) -> bytes | Sentinel:
         while True:
             mode = self._mode
             buf = self._buf

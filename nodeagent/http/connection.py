@@ -34,10 +34,10 @@ counted by reason and logged rate-limited (`HttpStats.refused`).
 Performance notes (2-core VM, 1 KiB GETs, 16 keep-alive connections, bench_proxy): the
 front does about half of what a bare trio byte relay does; of its CPU about a third is the
 loopback socket syscalls themselves, the rest is shared by trio's I/O machinery, request
-parsing (~2 µs a plain head with llhttp; it was ~12-24 µs with h11) and this module. The hot path allocates one header list, one upstream
-request head, one response head, one `ClientRequest` and two cancel scopes per request; a
-request without a body runs in the connection's task (only a request body gets a second
-task, to stream both ways at once).
+parsing (~2 µs a plain head with llhttp; it was ~12-24 µs with h11) and this module.
+The hot path allocates one header list, one upstream request head, one response head, one
+`ClientRequest` and two cancel scopes per request; a request without a body runs in the
+connection's task (only a request body gets a second task, to stream both ways at once).
 """
 
 from __future__ import annotations

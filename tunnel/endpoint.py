@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import trio
 import trio.lowlevel
-from trio._core._run import GLOBAL_RUN_CONTEXT as _RUN_CONTEXT
 
 from tunnel import protocol as p
 from tunnel.errors import (
@@ -46,6 +45,11 @@ from tunnel.transports import PeerInfo, Transport, TransportError
 
 # Stream senders wait while this much of our own output is queued.
 OUTGOING_HIGH_WATER = 1024 * 1024
+# The writer writes at most this much synchronously (send_nowait); more goes through the
+# transport's send, which encrypts and writes it piece by piece: one big synchronous
+# write encrypted all of it at once and copied what the socket did not take (bulk CPU per
+# GB up 10-20 % in bench.py).
+_NOWAIT_MAX = 64 * 1024
 # The reader stops reading only beyond what stream data alone can queue (the peer's
 # connection window, capped here): a reader that stopped for stream data while its
 # writer is blocked on the peer, whose reader does the same, would deadlock both. Past
@@ -63,9 +67,9 @@ class EndpointSettings:
     # Streams the peer may open per second (burst = 2x): beyond it, OVERLOADED refusals.
     open_rate: float = 2000.0
     receive_chunk: int = 256 * 1024
-    # The writer fast path (see TunnelConnection._wake_writer): off by default, measured
-    # to lose the writer's batching with many concurrent streams.
-    send_fast_path: bool = False
+    # The writer's synchronous send (see TunnelConnection._writer); False: always the
+    # transport's async send (its locks and checkpoints), as before.
+    send_fast_path: bool = True
     # Called with each keepalive round trip, in seconds (a metrics histogram): once per
     # ping_interval per connection, never per frame.
     on_rtt: Callable[[float], None] | None = None
@@ -110,8 +114,6 @@ class TunnelConnection:
         self._pending_opens: dict[int, _PendingOpen] = {}
         self._window_waiters: set[TunnelStream] = set()
         self._writer_wakeup = trio.Event()
-        # The writer task is inside transport.send(): nobody else may send then.
-        self._writing = False
         # send_nowait() left bytes in the transport: the writer's next send takes them.
         self._transport_pending = False
         # The reader is dispatching one read's events: output they queue is sent once,
@@ -405,6 +407,24 @@ class TunnelConnection:
                 await incoming.stream.aclose()
 
     async def _writer(self) -> None:
+        """Send what the core queued, one write per wake-up: the writer runs after the
+        tasks that were ready when it was woken, so what they all queued goes out at once.
+
+        The fast path (EndpointSettings.send_fast_path): when the transport can take the
+        bytes now (`send_nowait`: nothing left over, no send in progress), the writer
+        writes them synchronously, without the transport's and TLS layer's locks and
+        their checkpoints: one task step per wake-up instead of four. What the socket
+        does not take stays in the transport, whole, and the next send (awaited, as
+        before) sends it first. Batching, fairness and flow control are the queued
+        path's: same writer, same queue, same windows. Only up to `_NOWAIT_MAX` bytes:
+        the request/response case, not bulk.
+
+        An earlier version let the stream task that queued output send it itself when
+        the writer was idle and trio's private run queue was empty. Measured against
+        this one (scripts/benchlib/micro.py --tls, CPU per unit, same machine, back to
+        back): one stream's round trip 8 % cheaper, but 16 concurrent streams' 45 %
+        dearer (their writes fell to a few frames each, and stayed there), and it read
+        trio's internals; removed."""
         core = self._core
         while True:
             data = core.data_to_send()
@@ -413,7 +433,13 @@ class TunnelConnection:
                 await self._writer_wakeup.wait()
                 continue
             self._space.set()
-            self._writing = True
+            if (data and self._fast_path and len(data) <= _NOWAIT_MAX
+                    and not self._transport_pending and self.transport.can_send_nowait()):
+                # No lock, no checkpoint: one task step per wake-up instead of four.
+                self.bytes_out += len(data)
+                if not self.transport.send_nowait(data):
+                    self._transport_pending = True
+                continue
             self._transport_pending = False
             try:
                 await self.transport.send(data)
@@ -422,8 +448,6 @@ class TunnelConnection:
                 # Wake the reader's world: closing the transport makes receive() fail.
                 await self.transport.aclose()
                 return
-            finally:
-                self._writing = False
             self.bytes_out += len(data)
 
     async def _final_flush(self) -> None:
@@ -440,37 +464,12 @@ class TunnelConnection:
 
     def _wake_writer(self) -> None:
         """Get the core's queued output moving: wake the writer, which runs after the
-        tasks ready now, so what they queue meanwhile goes out in one write.
-
-        The fast path (EndpointSettings.send_fast_path): when the writer is idle, no
-        other task is ready to run and the transport can take the bytes at once, the
-        calling task sends them itself, synchronously (no wake-up of the writer, no lock,
-        no checkpoint). A synchronous send cannot be cancelled part-way, and what the
-        socket does not take stays queued, whole, in the transport for the writer.
-        Measured (scripts/benchlib/micro.py --tls --fast-path): one stream's round trip
-        -25 to -33 % CPU, open+echo+close -20 to -40 %, bulk -30 %; but 16 concurrent
-        request/response streams settle, depending on how they start, into a regime of
-        small writes (4 frames per write instead of ~15: +50 % CPU per round trip), and
-        the real HTTP benchmark showed the same two outcomes. Hence off by default,
-        until the writer's batching no longer depends on the phase it starts in."""
+        tasks ready now, so what they queue meanwhile goes out in one write."""
         if self._dispatching:
             return  # the reader sends once, after its loop
         wakeup = self._writer_wakeup
-        if wakeup.is_set():
-            return  # the writer is due to run: it takes everything queued by then
-        if (self._fast_path and not self._writing and not self._transport_pending
-                and self.end_reason is None and not _others_runnable()
-                and self.transport.can_send_nowait()):
-            data = self._core.data_to_send()
-            if not data:
-                return
-            self.bytes_out += len(data)
-            if not self._space.is_set():
-                self._space.set()
-            if self.transport.send_nowait(data):
-                return
-            self._transport_pending = True
-        wakeup.set()
+        if not wakeup.is_set():
+            wakeup.set()
 
     async def _wait_for_space(self, high_water: int = OUTGOING_HIGH_WATER) -> None:
         while self._core.outgoing_size > high_water and self.end_reason is None:
@@ -597,17 +596,6 @@ class TunnelConnection:
             del self._streams[stream.stream_id]
             self._streams_changed.set()
         self._window_waiters.discard(stream)
-
-
-def _others_runnable() -> bool:
-    """Whether other tasks are ready to run in this scheduling batch. trio's run queue is
-    private, and its public statistics walk every registered socket, so this looks at
-    the queue directly; if that ever fails, the answer is "yes" (always wake the writer,
-    which is correct, only slower)."""
-    try:
-        return bool(_RUN_CONTEXT.runner.runq)
-    except AttributeError:
-        return True
 
 
 class _PendingOpen:

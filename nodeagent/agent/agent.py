@@ -8,6 +8,7 @@ rules never intercept them) and splices the two. Its debug socket shows what it 
 
 from __future__ import annotations
 
+import logging
 import ssl
 import time
 from collections import Counter
@@ -155,7 +156,6 @@ class Agent:
         # reach more of the node by labelling a stream one way or the other.
         control = incoming.metadata.get(PURPOSE_KEY) == CONTROL_PLANE_PURPOSE
         prefix = "control_plane_" if control else ""
-        slog = self.log.bind(stream=incoming.stream.stream_id, target=str(target), origin=origin)
         self.stream_notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
 
         async def open_upstream() -> trio.abc.HalfCloseableStream:
@@ -191,15 +191,18 @@ class Agent:
                     reason=prefix + "forbidden", stream=incoming.stream.stream_id,
                     target=str(target), origin=origin)
             else:
-                slog.info("stream refused: dial failed", reason=failure.outcome,
-                          error=failure.message)
+                self.log.info("stream refused: dial failed", stream=incoming.stream.stream_id,
+                              target=str(target), origin=origin, reason=failure.outcome,
+                              error=failure.message)
             return
         result = relayed.spliced
         assert result is not None
         self.metrics.stream_bytes.labels("in").inc(result.a_to_b)
         self.metrics.stream_bytes.labels("out").inc(result.b_to_a)
-        slog.debug("stream finished", sent=result.b_to_a, received=result.a_to_b,
-                   error=result.error or "")
+        if self.log.isEnabledFor(logging.DEBUG):  # no fields built per stream otherwise
+            self.log.debug("stream finished", stream=incoming.stream.stream_id,
+                           target=str(target), origin=origin, sent=result.b_to_a,
+                           received=result.a_to_b, error=result.error or "")
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] += 1

@@ -1,11 +1,11 @@
 """One client connection of the HTTP front: its request loop, request by request.
 
 `HttpConnection` serves one client connection until it closes (its entry point is
-`front.serve_http_connection`). h11 parses every
-client request (all the protocol checks a public listener needs: framing, smuggling,
-limits); the response is written directly from what the upstream codec (`h1`) validated,
-and each keep-alive request gets a fresh h11 parser (cheaper than h11's own send path,
-which re-validates every header: about a third of the per-request CPU it cost here).
+`front.serve_http_connection`). One `request.RequestReader` per connection parses every
+client request (llhttp for plain heads, h11 for everything else: all the protocol checks a
+public listener needs, framing, smuggling, limits); responses, the front's own answers
+included, are written directly from what the upstream codec (`h1`) validated (h11's send
+path re-validates every header: about a third of the per-request CPU it cost here).
 Upstream streams come from a caller-supplied opener `open_upstream(backend, route)`, which
 raises `UpstreamUnavailable` when it cannot give one: nothing here knows about tunnels.
 
@@ -26,18 +26,18 @@ Per request, in named steps:
    Upgrades).
 Every failure answers a short text/plain body while no response byte has been sent, and
 closes the connection otherwise. (At ~690 lines this is over the ~600 the project aims
-for: it is one state machine whose steps share the connection's buffers and h11 state.
+for: it is one state machine whose steps share the connection's buffers and parser state.
 The next cut, if it grows, is the body pump and response relay into a module of their
 own.) Refusals that protect the front (`_reject`) are also
 counted by reason and logged rate-limited (`HttpStats.refused`).
 
 Performance notes (2-core VM, 1 KiB GETs, 16 keep-alive connections, bench_proxy): the
 front does about half of what a bare trio byte relay does; of its CPU about a third is the
-loopback socket syscalls themselves, the rest is shared by trio's I/O machinery, h11's
-request parsing and this module. The hot path allocates one header list, one upstream
-request head, one response head, one `ClientRequest` and two cancel scopes per request; a
-request without a body runs in the connection's task (only a request body gets a second
-task, to stream both ways at once).
+loopback socket syscalls themselves, the rest is shared by trio's I/O machinery, request
+parsing (~2 µs a plain head with llhttp; it was ~12-24 µs with h11) and this module.
+The hot path allocates one header list, one upstream request head, one response head, one
+`ClientRequest` and two cancel scopes per request; a request without a body runs in the
+connection's task (only a request body gets a second task, to stream both ways at once).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
-import h11
 import trio
 
 from nodeagent.http.balancer import Balancer
@@ -63,11 +62,18 @@ from nodeagent.http.headers import (
     frame_response,
     read_request,
     request_head_size,
+    response_head,
     switch_response,
     upstream_headers,
 )
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
+from nodeagent.http.request import (
+    BadRequest,
+    EndOfRequest,
+    RequestHead,
+    RequestReader,
+)
 from nodeagent.http.routes import Route, RouteTable
 from nodeagent.http.stats import HttpStats, RefusalReason
 from nodeagent.http.upstream import (
@@ -83,10 +89,6 @@ from tunnel.splice import splice
 log = get_logger("nodeagent.http")
 
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
-_NEED_DATA = h11.NEED_DATA
-_Data = h11.Data
-_EOM = h11.EndOfMessage
-_Request = h11.Request
 
 
 class _ClientGone(Exception):
@@ -148,20 +150,20 @@ class GracefulClose:
 
 
 class HttpConnection:
-    """One client connection: the h11 server state, the held upstream, the loop."""
+    """One client connection: its request reader, the held upstream, the loop."""
 
     __slots__ = (
         "access_log",
         "balancer",
         "client_addr",
         "closing",
-        "conn",
         "creq",
         "head_request",
         "http11",
         "keep",
         "limits",
         "opener",
+        "reader",
         "scheme",
         "started",
         "stats",
@@ -195,7 +197,7 @@ class HttpConnection:
         self.stats = stats
         self.balancer = balancer
         self.access_log = access_log
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.reader = RequestReader(limits.max_header_bytes)
         self.up: Upstream | None = None
         self.creq: ClientRequest  # the request being served, as `read_request` read it
         self.started = False  # the final response head went out: errors can only close
@@ -222,18 +224,10 @@ class HttpConnection:
                 else:
                     assert type(route) is Refusal
                     keep = await self._refuse(route, req)
-                conn = self.conn
-                if not keep or conn.their_state is not h11.DONE:
+                reader = self.reader
+                if not keep or not reader.done:
                     return
-                # The response went out without h11 (see _relay_response), so instead of
-                # start_next_cycle a fresh parser takes over the bytes already received.
-                rest, eof = conn.trailing_data
-                conn = self.conn = h11.Connection(h11.SERVER, self.limits.max_header_bytes)
-                pending = len(rest)
-                if rest:
-                    conn.receive_data(bytes(rest))
-                if eof:
-                    conn.receive_data(b"")
+                pending = reader.start_next()
         except _ClientGone:
             graceful = False
         finally:
@@ -263,7 +257,7 @@ class HttpConnection:
 
     async def _receive(self) -> bytes:
         try:
-            # trio may hand out a bytearray; h11 takes either (its stub says bytes).
+            # trio may hand out a bytearray; the reader takes either.
             return cast(bytes, await self.stream.receive_some(self.limits.read_size))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _ClientGone() from exc
@@ -274,16 +268,16 @@ class HttpConnection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _ClientGone() from exc
 
-    async def _read_request(self, first: bool, received: int) -> h11.Request | None:
+    async def _read_request(self, first: bool, received: int) -> RequestHead | None:
         """The next request head, or None when the connection should just close.
 
         `received`: bytes of it already fed to the parser (pipelined after the last one).
         """
-        conn = self.conn
+        reader = self.reader
         limits = self.limits
         try:
-            event = conn.next_event()
-            if event is _NEED_DATA and not first:
+            event = reader.next()
+            if event is NEED_DATA and not first:
                 # Keep-alive: wait quietly for the first byte of the next request.
                 closing = self.closing
                 if closing.idle_closed:
@@ -298,31 +292,32 @@ class HttpConnection:
                 if data is None:
                     return None
                 received += len(data)
-                conn.receive_data(data)
-                event = conn.next_event()
-            if event is _NEED_DATA:
+                reader.feed(data)
+                event = reader.next()
+            if event is NEED_DATA:
                 with trio.move_on_after(limits.header_timeout):
-                    while event is _NEED_DATA:
+                    while event is NEED_DATA:
                         data = await self._receive()
                         received += len(data)
-                        conn.receive_data(data)
-                        event = conn.next_event()
-                if event is _NEED_DATA:
+                        reader.feed(data)
+                        event = reader.next()
+                if event is NEED_DATA:
                     await self._reject(
                         "head_timeout", 408, "timed out waiting for the request headers"
                     )
                     return None
-        except h11.RemoteProtocolError as exc:
-            status = exc.error_status_hint
+        except BadRequest as exc:
+            self.head_request = False
+            status = exc.status
             await self._reject(
                 "head_too_large" if status == 431 else "malformed",
                 status,
                 f"malformed request: {clip(str(exc))}",
             )
             return None
-        if type(event) is not _Request:
-            return None  # ConnectionClosed, or PAUSED cannot happen in IDLE
-        # h11 bounds a head only while it is incomplete: one that arrived whole is measured
+        if type(event) is not RequestHead:
+            return None  # CLOSED (PAUSED cannot happen before a request)
+        # The reader bounds a head only while it is incomplete: one that arrived whole is measured
         # here, and only when more bytes than the limit arrived (never for most requests).
         if len(event.headers) > limits.max_header_fields:
             await self._reject(
@@ -339,7 +334,7 @@ class HttpConnection:
 
     # -- one request --------------------------------------------------------------------
 
-    def _route(self, req: h11.Request) -> Route | Refusal:
+    def _route(self, req: RequestHead) -> Route | Refusal:
         """Policy, then route: read the request (`headers`), look it up (`dispatch`).
 
         Not a coroutine: on this path each await level costs at every later suspension.
@@ -360,7 +355,7 @@ class HttpConnection:
             max_body=self.limits.max_body_bytes,
         )
 
-    async def _refuse(self, refusal: Refusal, req: h11.Request) -> bool:
+    async def _refuse(self, refusal: Refusal, req: RequestHead) -> bool:
         if refusal.location is not None:
             return await self._redirect(refusal.location)
         reason = _DISPATCH_REASONS.get(refusal.status)
@@ -370,7 +365,7 @@ class HttpConnection:
             keep = await self._error(refusal.status, refusal.reason, req)
         return keep and not refusal.close
 
-    async def _forward(self, req: h11.Request, route: Route) -> bool:
+    async def _forward(self, req: RequestHead, route: Route) -> bool:
         """Send the request to one of the route's backends and relay the response.
 
         A kept-alive upstream that turns out to have closed before answering gets the
@@ -391,13 +386,13 @@ class HttpConnection:
             method, serialize_request(method, creq.target, headers), creq.chunked
         )
         try:
-            # Does the request have a body? h11 answers EndOfMessage at once if not.
-            first_body = self.conn.next_event()
-        except h11.RemoteProtocolError as exc:
+            # Does the request have a body? The reader answers EndOfRequest at once if not.
+            first_body = self.reader.next()
+        except BadRequest as exc:
             return await self._reject(
                 "malformed", 400, f"malformed request body: {clip(str(exc))}", req
             )
-        replayable = type(first_body) is _EOM and method in _IDEMPOTENT
+        replayable = type(first_body) is EndOfRequest and method in _IDEMPOTENT
         status = 0
         try:
             for attempt in (0, 1):
@@ -477,8 +472,8 @@ class HttpConnection:
         """Send the request, relay the response; returns its status. Keeps `up` if reusable."""
         up.request_done = False
         up.parser.start(req.method == b"HEAD")
-        if type(first_body) is _EOM:
-            head = req.head + encode_last_chunk(first_body.headers) if req.chunked else req.head
+        if type(first_body) is EndOfRequest:
+            head = req.head + encode_last_chunk(first_body.trailers) if req.chunked else req.head
             up.request_done = True
             await up.send(head, stale=reused)
             status = await self._relay_response(up, upgrade, reused)
@@ -509,7 +504,7 @@ class HttpConnection:
         nursery: trio.Nursery,
     ) -> None:
         """Client request body → upstream, until EndOfMessage. Failures stop the exchange."""
-        conn = self.conn
+        reader = self.reader
         limits = self.limits
         max_body = limits.max_body_bytes
         idle = limits.idle_timeout
@@ -520,7 +515,7 @@ class HttpConnection:
         seen = 0
         try:
             while True:
-                if event is _NEED_DATA:
+                if event is NEED_DATA:
                     wait = idle if rate is None else credit
                     start = trio.current_time()
                     with trio.move_on_at(start + wait):
@@ -528,30 +523,30 @@ class HttpConnection:
                         if rate is not None:
                             spent = trio.current_time() - start
                             credit = min(credit - spent + len(data) / rate, idle)
-                        conn.receive_data(data)
-                        event = conn.next_event()
+                        reader.feed(data)
+                        event = reader.next()
                         continue
                     if wait < idle:
                         raise _SlowBody(f"request body slower than {rate:g} bytes/s")
                     raise _SlowBody(f"no request body data for {idle:g}s")
                 t = type(event)
-                if t is _Data:
-                    data = event.data
+                if t is bytes:
+                    data = event
                     seen += len(data)
                     if max_body is not None and seen > max_body:
                         raise _BodyTooLarge()
                     if chunked:
                         data = encode_chunk(data)
                     await up.send(data)
-                elif t is _EOM:
+                elif t is EndOfRequest:
                     if chunked:
-                        await up.send(encode_last_chunk(event.headers))
+                        await up.send(encode_last_chunk(event.trailers))
                     up.request_done = True
                     return
-                else:  # ConnectionClosed: the client went away mid-body
+                else:  # CLOSED: the client went away mid-body
                     raise _ClientGone()
-                event = conn.next_event()
-        except h11.RemoteProtocolError as exc:
+                event = reader.next()
+        except BadRequest as exc:
             state[0] = _BadBody(str(exc))
         except (_SlowBody, _BodyTooLarge, _ClientGone, UpstreamFailed) as exc:
             state[0] = exc
@@ -597,9 +592,7 @@ class HttpConnection:
                         parser.feed(data)
                         continue
                     self.stats.timeouts += 1
-                    raise UpstreamFailed(
-                        504, f"upstream {up.backend} timed out after {timeout:g}s"
-                    )
+                    raise UpstreamFailed(504, f"upstream {up.backend} timed out after {timeout:g}s")
                 t = type(event)
                 if t is bytes:
                     out.append(encode_chunk(event) if chunked else event)
@@ -644,7 +637,7 @@ class HttpConnection:
         """After a 101: raw bytes both ways, with each side's leftover input first."""
         self.stats.upgrades += 1
         self.up = None  # the upstream now belongs to this upgraded connection only
-        client_rest, _ = self.conn.trailing_data
+        client_rest = self.reader.trailing_data
         await splice(
             self.stream,
             up.stream,
@@ -656,7 +649,7 @@ class HttpConnection:
     # -- answers made here ------------------------------------------------------------------
 
     async def _reject(
-        self, reason: RefusalReason, status: int, detail: str, req: h11.Request | None = None
+        self, reason: RefusalReason, status: int, detail: str, req: RequestHead | None = None
     ) -> bool:
         """A refusal that protects the front: counted by reason, logged rate-limited, then
         answered by `_error` (`detail` is the one-line body; client text in it is clipped)."""
@@ -668,12 +661,11 @@ class HttpConnection:
         stats.refused(reason, status=status, client=self.client_addr.decode(), detail=detail)
         return await self._error(status, detail, req)
 
-    async def _error(self, status: int, reason: str, req: h11.Request | None = None) -> bool:
+    async def _error(self, status: int, reason: str, req: RequestHead | None = None) -> bool:
         """A short text/plain answer; returns whether the connection can go on."""
-        conn = self.conn
-        if self.started or conn.our_state not in (h11.SEND_RESPONSE, h11.IDLE):
-            return False
-        keep = self.keep and conn.their_state is h11.DONE and status not in (400, 408, 413, 431)
+        if self.started:
+            return False  # a response (or an answer of ours) went out already: only close
+        keep = self.keep and self.reader.done and status not in (400, 408, 413, 431)
         body = f"{status} {_REASONS.get(status, '')}: {reason}\n".encode()
         headers = [
             (b"content-type", b"text/plain; charset=utf-8"),
@@ -690,19 +682,7 @@ class HttpConnection:
                 client=self.client_addr.decode(),
                 method=req.method.decode("latin-1") if req is not None else None,
             )
-        try:
-            # From IDLE too: h11 lets a server answer a request it could not parse.
-            data = conn.send(
-                h11.Response(
-                    status_code=status, headers=headers, reason=_REASONS.get(status, "").encode()
-                )
-            )
-            assert data is not None
-            data += conn.send(h11.Data(data=body)) or b""
-            data += conn.send(_EOM()) or b""
-        except h11.LocalProtocolError:
-            return False
-        await self._send(data)
+        await self._answer(status, _REASONS.get(status, "").encode(), headers, body)
         return keep
 
     async def _redirect(self, location: str) -> bool:
@@ -712,17 +692,20 @@ class HttpConnection:
             (b"content-type", b"text/plain; charset=utf-8"),
             (b"content-length", str(len(body)).encode()),
         ]
-        keep = self.keep and self.conn.their_state is h11.DONE
+        keep = self.keep and self.reader.done
         if not keep:
             headers.append((b"connection", b"close"))
         self.stats.count_status(308)
-        conn = self.conn
-        data = conn.send(h11.Response(status_code=308, headers=headers))
-        assert data is not None
-        data += conn.send(h11.Data(data=body)) or b""
-        data += conn.send(_EOM()) or b""
-        await self._send(data)
+        await self._answer(308, b"Permanent Redirect", headers, body)
         return keep
+
+    async def _answer(
+        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        """One response of the front's own; no body to a HEAD (its length is still said)."""
+        self.started = True
+        head = response_head(status, reason, headers)
+        await self._send(head if self.head_request else head + body)
 
 
 __all__ = ["HttpConnection"]

@@ -1,7 +1,7 @@
 """The front's header policy, both ways, as pure functions: no I/O, no h11 state.
 
-Requests (RFC 9110 §7.6.1, RFC 9112 §3.2.2): `read_request` takes a head as h11 parsed it
-(lowercased names, validated values, one Host at most) and returns what the proxy needs to
+Requests (RFC 9110 §7.6.1, RFC 9112 §3.2.2): `read_request` takes a head as `request.RequestReader`
+parsed it (lowercased names, validated values, one Host at most) and returns what the proxy needs to
 route and forward it; `upstream_headers` then adds what the proxy itself says. Responses:
 `frame_response` and `switch_response` build the head written to the client from what the
 upstream codec (`h1`) parsed.
@@ -163,7 +163,7 @@ class ClientRequest(HopByHop):
 def read_request(
     http_version: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]]
 ) -> ClientRequest:
-    """Read a request head (as h11 parsed it) for routing and forwarding."""
+    """Read a request head (as `RequestReader` parsed it) for routing and forwarding."""
     req = ClientRequest()
     kept = strip_hop_by_hop(fields(headers), req)
     host = b""

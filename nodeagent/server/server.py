@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import socket
 import time
 from collections import Counter
@@ -41,7 +42,7 @@ from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import CertStore, context_from_pem
-from nodeagent.ops.logs import get_logger
+from nodeagent.ops.logs import StructuredLogger, get_logger
 from nodeagent.ops.metrics import Metrics, counter, gauge
 from nodeagent.ops.streams import (
     TO_NODE,
@@ -576,9 +577,7 @@ class Server:
         self.metrics.streams.labels("outbound", outcome).inc()
 
     async def serve_tcp_mapping(self, mapping: TcpMapping, client: trio.SocketStream) -> None:
-        peer = _address(client)
-        mlog = self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
-                             node=mapping.node, target=str(mapping.target), client=peer)
+        peer = _address(client)  # the stream's origin, which the agent logs
         name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
 
         async def open_upstream() -> trio.abc.HalfCloseableStream:
@@ -591,15 +590,22 @@ class Server:
                                          on_accepted=lambda: self._count("accepted"))
         if relayed.failure is not None:
             self._count(relayed.failure.outcome)
-            mlog.info("connection refused", reason=relayed.failure.outcome,
-                      error=relayed.failure.message)
+            self._mapping_log(mapping, peer).info(
+                "connection refused", reason=relayed.failure.outcome,
+                error=relayed.failure.message)
             return
         result = relayed.spliced
         assert result is not None
         self.metrics.stream_bytes.labels("out").inc(result.a_to_b)
         self.metrics.stream_bytes.labels("in").inc(result.b_to_a)
-        mlog.debug("connection finished", sent=result.a_to_b, received=result.b_to_a,
-                   error=result.error or "")
+        if self.log.isEnabledFor(logging.DEBUG):  # no logger bound per connection otherwise
+            self._mapping_log(mapping, peer).debug(
+                "connection finished", sent=result.a_to_b, received=result.b_to_a,
+                error=result.error or "")
+
+    def _mapping_log(self, mapping: TcpMapping, peer: str) -> StructuredLogger:
+        return self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
+                             node=mapping.node, target=str(mapping.target), client=peer)
 
     # ---------------------------------------------------------------- status
 

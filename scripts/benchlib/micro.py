@@ -55,8 +55,8 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
             handshakes.start_soon(tb.do_handshake)
         sa, sb = ta, tb
     settings = EndpointSettings(ping_interval=0, open_rate=1e9)
-    if fast_path:  # (set only when asked: older trees, run for A/B, lack the field)
-        settings.send_fast_path = True
+    if not fast_path:  # (set only when asked: older trees, run for A/B, lack the field)
+        settings.send_fast_path = False
     d = TunnelConnection(StreamTransport(sa, PeerInfo("a")), p.Role.DIALER, settings, None)
     acc = TunnelConnection(StreamTransport(sb, PeerInfo("b")), p.Role.ACCEPTOR, settings,
                            sink_or_echo)
@@ -135,8 +135,8 @@ if __name__ == "__main__":
     parser.add_argument("--opens", type=int, default=3000)
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--tls", action="store_true", help="the tunnel's TLS layer too")
-    parser.add_argument("--fast-path", action="store_true",
-                        help="EndpointSettings.send_fast_path (the writer fast path)")
+    parser.add_argument("--no-fast-path", dest="fast_path", action="store_false",
+                        help="EndpointSettings.send_fast_path off (the writer's async send)")
     args = parser.parse_args()
     print(json.dumps({k: round(v, 3) for k, v in trio.run(
         main, args.mib, args.rr, args.opens, args.parallel, args.tls,

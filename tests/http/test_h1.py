@@ -21,8 +21,8 @@ from nodeagent.http.h1 import (
 )
 
 
-def run_parser(chunks: list[bytes], head_request: bool) -> dict[str, Any]:
-    p = ResponseParser()
+def run_parser(chunks: list[bytes], head_request: bool, fast: bool = True) -> dict[str, Any]:
+    p = ResponseParser(fast=fast)
     p.start(head_request)
     out: dict[str, Any] = {"body": b"", "end": False}
     for chunk in [*chunks, b""]:
@@ -33,6 +33,7 @@ def run_parser(chunks: list[bytes], head_request: bool) -> dict[str, Any]:
                 break
             if isinstance(ev, ResponseHead):
                 out["status"], out["headers"] = ev.status, ev.headers
+                out["reason"], out["version"] = ev.reason, ev.http_version
             elif isinstance(ev, bytes):
                 out["body"] += ev
             else:
@@ -118,7 +119,81 @@ def test_parser_agrees_with_h11(resp: tuple[bytes, bool], cuts: list[int]) -> No
     chunks = [c for c in chunks if c]
     want = run_h11(chunks, head_request)
     got = run_parser(chunks, head_request)
+    del got["reason"], got["version"]
     assert got == want
+
+
+def _run_or_error(chunks: list[bytes], head_request: bool, fast: bool) -> Any:
+    try:
+        return run_parser(chunks, head_request, fast)
+    except UpstreamProtocolError as exc:
+        return ("error", str(exc))
+
+
+@st.composite
+def flawed_responses(draw: Any) -> tuple[bytes, bool]:
+    """responses(), at times with one byte replaced, inserted or removed, or an odd line."""
+    data, head_request = draw(responses())
+    extra = draw(
+        st.sampled_from(
+            [
+                b"",
+                b"",
+                b"Content-Length: 3\r\n",
+                b"Content-Length: 3, 3\r\n",
+                b" folded\r\n",
+                b"Transfer-Encoding: gzip\r\n",
+                b"X: a\x7fb\r\n",
+                b"X: \x80\xff\r\n",
+                b"X :b\r\n",
+                b"X:\tb\t\r\n",
+                b"Y: v \r\n",
+                b"\r\n",
+            ]
+        )
+    )
+    line_end = data.find(b"\r\n") + 2
+    data = data[:line_end] + extra + data[line_end:]
+    if draw(st.integers(0, 2)) == 0:
+        i = draw(st.integers(0, max(0, data.find(b"\r\n\r\n") + 4)))
+        b = draw(st.binary(min_size=1, max_size=1))
+        data = draw(
+            st.sampled_from(
+                [data[:i] + b + data[i + 1 :], data[:i] + b + data[i:], data[:i] + data[i + 1 :]]
+            )
+        )
+    status_line = draw(
+        st.sampled_from(
+            [
+                None,
+                None,
+                b"HTTP/1.1 200",
+                b"HTTP/1.1 200 ",
+                b"HTTP/1.1  200 OK",
+                b"HTTP/1.1 200 O\x01K",
+                b"HTTP/2.0 200 OK",
+                b"HTTP/1.1 099 x",
+                b"HTTP/1.1 2000 OK",
+                b"HTTP/1.1 101 Switching",
+                b"http/1.1 200 OK",
+            ]
+        )
+    )
+    if status_line is not None:
+        data = status_line + data[data.find(b"\r\n") :]
+    return data, head_request
+
+
+@settings(max_examples=1000, deadline=None)
+@given(resp=flawed_responses(), cuts=st.lists(st.integers(0, 2000), max_size=3))
+def test_llhttp_heads_agree_with_the_line_reader(resp: tuple[bytes, bool], cuts: list[int]) -> None:
+    """Every head llhttp reads gives what the Python line reader gives (which reads every
+    head llhttp declines): same status, reason, headers, body and errors."""
+    data, head_request = resp
+    points = sorted({min(c, len(data)) for c in cuts})
+    chunks = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+    chunks = [c for c in chunks if c]
+    assert _run_or_error(chunks, head_request, True) == _run_or_error(chunks, head_request, False)
 
 
 @settings(max_examples=300, deadline=None)

@@ -689,6 +689,19 @@ async def test_error_answer_honours_connection_close() -> None:
         assert out.startswith(b"HTTP/1.1 404 ") and b"connection: close" in out.lower()
 
 
+async def test_error_answer_to_head_has_no_body() -> None:
+    """The front's own answers follow HEAD's framing (h11's send path refused to write
+    them, and the client got a bare close)."""
+    async with running_front([]) as f:
+        with trio.fail_after(2):
+            out = await raw_exchange(
+                f.port, b"HEAD /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+        head, body = out.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 404 ") and b"content-length: " in head
+        assert body == b""
+
+
 async def test_any_half_closeable_stream_is_an_upstream(nursery: trio.Nursery) -> None:
     """The opener may return any HalfCloseableStream (the tunnel's streams, here memory)."""
     import trio.testing

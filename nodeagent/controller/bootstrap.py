@@ -37,6 +37,9 @@ CA_SECRET = "nodeagent-ca"  # the CA's certificate and key
 CA_CONFIGMAP = "nodeagent-ca"  # its certificate alone, for agents and servers (ca.crt)
 SERVER_TLS_SECRET = "nodeagent-server-tls"  # the servers' tunnel certificate
 SERVER_SERVICE = "nodeagent-server"  # the servers' Service: its names go into their cert
+# The tunnel port's own Service (publishNotReadyAddresses): agents reach a new replica
+# before it is ready, which its readiness waits for. Its names go into the cert too.
+TUNNEL_SERVICE = "nodeagent-tunnel"
 # The servers' in-cluster CONNECT front (Prometheus proxy_url, kube-apiserver egress over
 # TCP): its names go into the same certificate, which that listener serves.
 CONNECT_SERVICE = "nodeagent-connect"
@@ -108,7 +111,7 @@ class Bootstrap:
         Service names (the tunnel's and the CONNECT front's), the ClusterTunnels'
         serverUrl hosts, the LoadBalancer address."""
         ns = self.namespace
-        dns = [name for service in (SERVER_SERVICE, CONNECT_SERVICE)
+        dns = [name for service in (SERVER_SERVICE, TUNNEL_SERVICE, CONNECT_SERVICE)
                for name in (service, f"{service}.{ns}", f"{service}.{ns}.svc",
                             f"{service}.{ns}.svc.cluster.local")]
         ips: list[str] = []

@@ -252,30 +252,39 @@ def protected_ranges(tunnels: list[Tunnel], services: Iterable[Obj],
     return tuple(sorted(out, key=lambda n: (n.version, n.network_address, n.prefixlen)))
 
 
-# The servers' Service (nodeagent.controller.bootstrap.SERVER_SERVICE; not imported:
-# bootstrap does I/O and compute must not).
+# The servers' Services (nodeagent.controller.bootstrap.SERVER_SERVICE and
+# TUNNEL_SERVICE; not imported: bootstrap does I/O and compute must not).
 SERVER_SERVICE_NAME = "nodeagent-server"
+TUNNEL_SERVICE_NAME = "nodeagent-tunnel"
 
 
 def server_replicas(endpoint_slices: Iterable[Obj], namespace: str | None) -> int | None:
-    """How many server replicas serve the public address: the ready, not terminating
-    endpoints of the server Service in `namespace` (distinct addresses). None when there
-    is none (or no namespace): the servers announce no count and agents hold one tunnel.
-    A terminating replica is draining, so it no longer counts."""
+    """How many server replicas agents must hold a tunnel to: the not terminating
+    endpoints of the tunnel Service in `namespace` (distinct addresses), ready or not —
+    a new replica becomes ready only once the agents reached it, so counting ready ones
+    would wait for ever. Without a tunnel Service (an older install, the tunnel port on
+    the server Service), the ready, not terminating endpoints of the server Service.
+    None when there is none (or no namespace): agents hold one tunnel. A terminating
+    replica is draining, so it no longer counts."""
     if namespace is None:
         return None
-    addresses: set[str] = set()
+    tunnel: set[str] = set()
+    server: set[str] = set()
     for es in endpoint_slices:
         meta = es.get("metadata") or {}
-        if meta.get("namespace") != namespace or (
-                (meta.get("labels") or {}).get(SERVICE_NAME_LABEL) != SERVER_SERVICE_NAME):
+        service = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
+        if meta.get("namespace") != namespace or service not in (TUNNEL_SERVICE_NAME,
+                                                                 SERVER_SERVICE_NAME):
             continue
         for endpoint in es.get("endpoints") or []:
             conditions = endpoint.get("conditions") or {}
-            if conditions.get("ready") is False or conditions.get("terminating") is True:
+            if conditions.get("terminating") is True:
                 continue
-            addresses.update(str(a) for a in endpoint.get("addresses") or [])
-    return min(len(addresses), 64) or None
+            if service == TUNNEL_SERVICE_NAME:
+                tunnel.update(str(a) for a in endpoint.get("addresses") or [])
+            elif conditions.get("ready") is not False:
+                server.update(str(a) for a in endpoint.get("addresses") or [])
+    return min(len(tunnel or server), 64) or None
 
 
 @dataclass(frozen=True)

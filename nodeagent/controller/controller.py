@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import trio
 
 from nodeagent.config import NodeConfig
-from nodeagent.controller.bootstrap import CA_SECRET, Bootstrap
+from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
 from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
@@ -279,8 +279,10 @@ class Controller:
         tunnels, _ = parse_tunnels(self.caches["clustertunnels"].list())
         hosts = [urlsplit(t.spec.server_url).hostname or "" for t in tunnels
                  if t.spec.server_url]
-        return hosts + [a.get("ip") or a.get("hostname") or "" for a in public_addresses(
-            self.caches["services"], self.settings.namespace)]
+        return hosts + [a.get("ip") or a.get("hostname") or ""
+                        for service in (SERVER_SERVICE, TUNNEL_SERVICE)
+                        for a in public_addresses(self.caches["services"],
+                                                  self.settings.namespace, service)]
 
     async def lead(self) -> None:
         """While holding the Lease: bootstrap, then every leader write, then those that

@@ -17,7 +17,12 @@ import enum
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, SERVER_TLS_SECRET
+from nodeagent.controller.bootstrap import (
+    CA_SECRET,
+    SERVER_SERVICE,
+    SERVER_TLS_SECRET,
+    TUNNEL_SERVICE,
+)
 from nodeagent.crd import CLUSTER_TUNNELS
 from nodeagent.kube import (
     ENDPOINTSLICES,
@@ -150,6 +155,8 @@ def leader_writes(plural: str, event: CacheEvent, namespace: str) -> set[LeaderW
     ours = meta.get("namespace") == namespace
     if plural == "watchers":  # another replica's (or our own) report: nodesConnected
         return {LeaderWrite.TUNNEL_STATUS}
+    if plural == SERVICES.plural and ours and meta.get("name") == TUNNEL_SERVICE:
+        return {LeaderWrite.PKI}  # its LoadBalancer address: in the servers' certificate
     if plural == SERVICES.plural and ours and meta.get("name") == SERVER_SERVICE:
         # Its LoadBalancer address: on every Ingress, and in the servers' certificate.
         return {LeaderWrite.INGRESS_STATUS, LeaderWrite.PKI}

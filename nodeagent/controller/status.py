@@ -54,9 +54,11 @@ class Outcome:
     config_version: int  # of the servers' config
 
 
-def public_addresses(services: Cache, namespace: str) -> list[dict[str, str]]:
-    """The servers' public address: the LoadBalancer status of the server Service."""
-    service = services.get(SERVER_SERVICE, namespace)
+def public_addresses(services: Cache, namespace: str,
+                     name: str = SERVER_SERVICE) -> list[dict[str, str]]:
+    """The servers' public address: the LoadBalancer status of the server Service (or of
+    Service `name`)."""
+    service = services.get(name, namespace)
     if service is None:
         return []
     found = ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []

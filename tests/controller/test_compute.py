@@ -292,6 +292,28 @@ def test_each_tunnel_with_a_cloud_selector_adds_a_rule_for_its_own_nodes() -> No
         ("control-plane-1", ("192.168.2.1/32",), ("10250", "10255"))]
 
 
+def test_replicas_are_the_tunnel_services_endpoints_ready_or_not() -> None:
+    """With Service nodeagent-tunnel (publishNotReadyAddresses), every not terminating
+    endpoint counts, ready or not: a new replica becomes ready only once agents reached
+    it, and they aim for it only if it counts. The server Service is then ignored."""
+    def slice_of(service: str, *endpoints: dict[str, Any]) -> dict[str, Any]:
+        es = slice_(service, *endpoints, port=8443, port_name="tunnel")
+        es["metadata"]["namespace"] = "nodeagent"
+        return es
+
+    tunnel_slices = [slice_of("nodeagent-tunnel", endpoint("10.2.0.1"),
+                              endpoint("10.2.0.2", ready=False),
+                              endpoint("10.2.0.3", terminating=True))]
+    server_slices = [slice_of("nodeagent-server", endpoint("10.2.0.1"),
+                              endpoint("10.2.0.2", ready=False))]
+    assert server_replicas(tunnel_slices, "nodeagent") == 2
+    assert server_replicas(tunnel_slices + server_slices, "nodeagent") == 2
+    assert server_replicas(server_slices, "nodeagent") == 1  # an older install: ready ones
+    assert server_replicas([slice_of("nodeagent-tunnel",
+                                      endpoint("10.2.0.3", terminating=True))],
+                           "nodeagent") is None
+
+
 def test_servers_announce_the_ready_replicas_of_the_server_service() -> None:
     """The routes carry how many server replicas serve the public address: the ready,
     not terminating endpoints of Service nodeagent-server in the controller's namespace

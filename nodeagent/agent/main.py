@@ -40,6 +40,7 @@ from nodeagent.configwatch import (
     watch_config,
 )
 from nodeagent.filewatch import FileReloader
+from nodeagent.malloctune import trim_forever
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
@@ -80,6 +81,7 @@ async def serve_agent(agent: Agent, config_path: Path | None = None, *,
                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(agent.run)
+        nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
         debug = DebugServer(str(agent.config.debug_socket), {
             "/status": agent.status,
             "/config": lambda: redacted(agent.node_config.model_dump(mode="json")),

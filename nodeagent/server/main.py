@@ -47,6 +47,7 @@ from nodeagent.filewatch import FileReloader
 from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
+from nodeagent.malloctune import trim_forever
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.jsonhttp import QueryRoute
@@ -187,6 +188,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     reuse_port = slot is not None
     stop_accepting = trio.Event()
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
         endpoint = parse_endpoint(config.tunnel.url)
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
 

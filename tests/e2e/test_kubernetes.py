@@ -179,6 +179,8 @@ def controllers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict
             api.http.close()
         fake.kill()
         fake.wait()
+        if fake.stdout is not None:
+            fake.stdout.close()
     for proc in procs:
         assert "Traceback" not in proc.logs(), proc.logs()
 

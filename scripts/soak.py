@@ -276,14 +276,19 @@ def main() -> int:
             procs[name] = proc.start()
             proc.wait_ready()
 
-        for name in configs:
-            start_server(name)
-        acfg = agent_config(tmp, certs, upstream, f"tls://127.0.0.1:{tunnel_lb.port}")
-        acfg["reconnect"] = {}  # the defaults, as shipped
-        procs["agent"] = NodeagentProcess("agent", acfg, tmp, "agent").start()
-        procs["agent"].wait_ready()
-        procs["agent"].wait_for(lambda s: len(s["tunnels"]) == 2, timeout=20,
-                                what="a tunnel to each replica")
+        try:
+            for name in configs:
+                start_server(name)
+            acfg = agent_config(tmp, certs, upstream, f"tls://127.0.0.1:{tunnel_lb.port}")
+            acfg["reconnect"] = {}  # the defaults, as shipped
+            procs["agent"] = NodeagentProcess("agent", acfg, tmp, "agent").start()
+            procs["agent"].wait_ready()
+            procs["agent"].wait_for(lambda s: len(s["tunnels"]) == 2, timeout=20,
+                                    what="a tunnel to each replica")
+        except BaseException:
+            for proc in procs.values():  # a failed start must not leave servers running
+                proc.kill()
+            raise
 
         load = Load(tcp_lb.port, http_lb.port)
         workers = [threading.Thread(target=load.worker, daemon=True)

@@ -7,7 +7,8 @@ in flight). The growth is glibc malloc's: tunnel reads and frames are buffers of
 KiB; glibc raises its mmap threshold each time such a buffer is freed, so later ones come
 from the heap, where a long-lived small allocation between them pins the pages after they
 are freed. `malloc_trim(0)` gives every free page in the heap back (madvise), wherever it
-lies: tests/test_malloctune.py shows 70 MB of such holes returned in ~5 ms.
+lies: 70 MB of such holes came back in ~5 ms here (tests/test_malloctune.py makes
+them and checks they come back).
 
 Why not the other fix, a fixed mmap threshold (MALLOC_MMAP_THRESHOLD_=131072): it held the
 soak's growth to 4.2 %, but every 256 KiB read then maps and faults in fresh pages, which

@@ -30,7 +30,7 @@ import trio
 
 from nodeagent import pki
 from nodeagent.controller.bootstrap import secret_value
-from nodeagent.kube.resources import ENDPOINTSLICES, INGRESSES, NODES, SECRETS, SERVICES
+from nodeagent.kube.resources import SECRETS
 from tests.controller.identity import obtain_identity
 from tests.e2e.conftest import Certs
 from tests.e2e.test_kubernetes import (  # noqa: F401 (fixtures)
@@ -43,6 +43,7 @@ from tests.e2e.test_kubernetes import (  # noqa: F401 (fixtures)
     get,
     ingress,
     read_config,
+    serve_shop_on_edge,
     wait_for,
 )
 from tests.e2e.test_reload import presented_serial
@@ -111,14 +112,7 @@ def test_the_ca_rotates_through_a_two_ca_bundle_with_no_failed_request(
     tunnel_ca = certs.ca.read_bytes()  # the server's tunnel certificate (test CA)
 
     # Traffic through the agent for the whole rotation.
-    api.replace(NODES, {"metadata": {"name": "edge-1"}, "spec": {"podCIDRs": ["10.1.0.0/24"]}})
-    api.replace_status(NODES, "edge-1", None, {"addresses": [
-        {"type": "InternalIP", "address": "127.0.0.1"}]})
-    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
-        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [
-        {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}]))
-    api.create(INGRESSES, ingress("shop", "shop.test", "/"))
+    serve_shop_on_edge(api, upstream)
     wait_for(lambda: get(port, "shop.test", "/").status_code == 200, "served")
     statuses: list[int | str] = []
     stop = threading.Event()

@@ -185,14 +185,11 @@ def controllers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict
         assert "Traceback" not in proc.logs(), proc.logs()
 
 
-@pytest.fixture
-def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
-            upstream: Upstream) -> Iterator[dict[str, Any]]:
-    """A server replica and an agent on edge-1, started only with flags and projected
-    ServiceAccount tokens: each gets its certificate from the controller (the agent
-    through a bootstrap tunnel connection), then watches its config over TLS."""
-    api, procs = controllers["api"], controllers["procs"]
-    ports = {name: free_port() for name in ("tunnel", "http")}
+def seed_identities(api: Api, tmp_path: Path, certs: Certs) -> None:
+    """What a cluster gives edge-1's agent and server pod s1 before they start: the CA
+    bundles they verify with (cluster-ca.crt; agent-ca.crt, which adds the test CA of the
+    tunnel's certificate), Node edge-1, and each pod's projected token (agent-token,
+    server-token)."""
     wait_for(lambda: "ca.crt" in (api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent").get(
         "data") or {}), "the leader published the CA")
     cluster_ca = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
@@ -211,6 +208,30 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     add_token(api, SERVER_TOKEN, namespace="nodeagent", service_account="nodeagent-server",
               pod_name="s1", pod_uid=uid, audiences=["nodeagent"])
     (tmp_path / "server-token").write_text(SERVER_TOKEN)
+
+
+def serve_shop_on_edge(api: Api, upstream: Upstream) -> None:
+    """Ingress shop.test/ → Service web → the upstream's HTTP port on edge-1 (127.0.0.1)."""
+    api.replace(NODES, {"metadata": {"name": "edge-1"}, "spec": {
+        "podCIDRs": ["10.1.0.0/24"]}})
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"}]})
+    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
+    ready = {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [ready]))
+    api.create(INGRESSES, ingress("shop", "shop.test", "/"))
+
+
+@pytest.fixture
+def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
+            upstream: Upstream) -> Iterator[dict[str, Any]]:
+    """A server replica and an agent on edge-1, started only with flags and projected
+    ServiceAccount tokens: each gets its certificate from the controller (the agent
+    through a bootstrap tunnel connection), then watches its config over TLS."""
+    api, procs = controllers["api"], controllers["procs"]
+    ports = {name: free_port() for name in ("tunnel", "http")}
+    seed_identities(api, tmp_path, certs)
     # Its own copy of the tunnel certificate: a test may rotate it (the server reloads it).
     (tmp_path / "tunnel.crt").write_bytes(certs.server_cert.read_bytes())
     (tmp_path / "tunnel.key").write_bytes(certs.server_key.read_bytes())
@@ -565,15 +586,7 @@ def test_certificates_renew_while_requests_run_without_a_failure(
     agent's tunnel: renewal swaps the TLS contexts for the next connections and never
     breaks a running one, so not one request fails."""
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
-    api.replace(NODES, {"metadata": {"name": "edge-1"}, "spec": {
-        "podCIDRs": ["10.1.0.0/24"]}})
-    api.replace_status(NODES, "edge-1", None, {"addresses": [
-        {"type": "InternalIP", "address": "127.0.0.1"}]})
-    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
-        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
-    ready = {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [ready]))
-    api.create(INGRESSES, ingress("shop", "shop.test", "/"))
+    serve_shop_on_edge(api, upstream)
     wait_for(lambda: get(port, "shop.test", "/").status_code == 200, "served")
     agent, server = cluster["agent"], cluster["server"]
     first = agent.status()["identity"]["not_after"]

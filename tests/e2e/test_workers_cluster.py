@@ -16,18 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
-from nodeagent.kube.resources import CONFIGMAPS, ENDPOINTSLICES, INGRESSES, NODES, SERVICES
+from nodeagent.kube.resources import ENDPOINTSLICES
 from nodeagent.server.workers import worker_socket
 from tests.e2e.conftest import Certs, Upstream, free_port
 from tests.e2e.test_kubernetes import (
-    AGENT_TOKEN,
-    NS,
-    SERVER_TOKEN,
-    add_token,
     controllers,  # noqa: F401 (a fixture)
-    endpoint_slice,
-    ingress,
-    pod,
+    seed_identities,
+    serve_shop_on_edge,
     wait_for,
 )
 from tests.procs import NodeagentProcess
@@ -49,22 +44,8 @@ def workers_cluster(controllers: dict[str, Any], tmp_path: Path,  # noqa: F811
                     certs: Certs, upstream: Upstream) -> Iterator[dict[str, Any]]:
     api, procs = controllers["api"], controllers["procs"]
     ports = {name: free_port() for name in ("tunnel", "http")}
-    wait_for(lambda: "ca.crt" in (api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent").get(
-        "data") or {}), "the leader published the CA")
-    cluster_ca = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
-    (tmp_path / "cluster-ca.crt").write_text(cluster_ca)
-    (tmp_path / "agent-ca.crt").write_text(cluster_ca + certs.ca.read_text())
-    api.create(NODES, {"metadata": {"name": "edge-1"}})
+    seed_identities(api, tmp_path, certs)
     api.create(ENDPOINTSLICES, _server_endpoints("10.2.0.1"))
-    uid = pod(api, "nodeagent-agent-x1", "edge-1", "nodeagent-agent")
-    add_token(api, AGENT_TOKEN, namespace="nodeagent", service_account="nodeagent-agent",
-              pod_name="nodeagent-agent-x1", pod_uid=uid, node_name="edge-1", node_uid="n1",
-              audiences=["nodeagent"])
-    (tmp_path / "agent-token").write_text(AGENT_TOKEN)
-    uid = pod(api, "s1", "cloud-1", "nodeagent-server")
-    add_token(api, SERVER_TOKEN, namespace="nodeagent", service_account="nodeagent-server",
-              pod_name="s1", pod_uid=uid, audiences=["nodeagent"])
-    (tmp_path / "server-token").write_text(SERVER_TOKEN)
     controller_url = f"https://127.0.0.1:{controllers['ports']['c1']}"
     server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
                               tmp_path, "server", args=[
@@ -113,14 +94,7 @@ def test_an_agent_holds_every_worker_of_a_server_pod_and_both_serve_ingress(
         assert s["replicas"] == 2  # routes count 1 pod; the worker announces 1 x 2
 
     upstream = workers_cluster["upstream"]
-    api.replace(NODES, {"metadata": {"name": "edge-1"}, "spec": {"podCIDRs": ["10.1.0.0/24"]}})
-    api.replace_status(NODES, "edge-1", None, {"addresses": [
-        {"type": "InternalIP", "address": "127.0.0.1"}]})
-    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
-        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [
-        {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}]))
-    api.create(INGRESSES, ingress("shop", "shop.test", "/"))
+    serve_shop_on_edge(api, upstream)
 
     def served_by_both() -> bool:
         return all(v.status()["http"].get("ingress-http", {}).get("responses_2xx", 0) > 0

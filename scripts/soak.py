@@ -38,7 +38,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ import httpx  # noqa: E402
 from nodeagent import pki  # noqa: E402
 from tests.e2e.conftest import (  # noqa: E402
     Certs,
+    QuietHTTPServer,
     Upstream,
     _echo_server,
     _Handler,
@@ -164,13 +164,6 @@ class HealthCheck:
 
     def __call__(self, port: int) -> bool:
         return port in self.ready
-
-
-class QuietHTTPServer(ThreadingHTTPServer):
-    """The sample upstream: a client cut by a flap is no traceback."""
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass
 
 
 def sample(pid: int) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,14 @@ from nodeagent import pki
 
 TOKEN = "e2e-token-0123456789abcdef"
 
+
+
+class QuietHTTPServer(ThreadingHTTPServer):
+    """A sample upstream for fault tests and the soak: a client the test cuts on purpose
+    is no traceback on stderr."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
 
 @dataclass
 class Certs:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ import httpx
 import pytest
 
 from nodeagent import pki
-from tests.e2e.conftest import TOKEN
+from tests.e2e.conftest import TOKEN, QuietHTTPServer
 from tests.e2e.test_failures import lines, no_tracebacks
 from tests.netns import NftBalancer, Topology, in_netns, netns_available
 from tests.procs import NodeagentProcess, rss_kib
@@ -91,13 +91,6 @@ class _Sample(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         pass
-
-
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a client cut by the test's faults is no traceback
 
 
 def get(path: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -253,7 +246,7 @@ class Site:
         pki.issue_server_certificate(ca, [], [VIP_EDGE]).write(
             self.tmp / "server.crt", self.tmp / "server.key")
         with in_netns(topo.ns("edge")):
-            self.sample = _QuietServer(("127.0.0.1", 0), _Sample)
+            self.sample = QuietHTTPServer(("127.0.0.1", 0), _Sample)
         threading.Thread(target=self.sample.serve_forever, daemon=True).start()
         self.sample_port = self.sample.server_address[1]
 

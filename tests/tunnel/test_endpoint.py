@@ -216,6 +216,57 @@ async def test_handler_that_never_answers_gets_refused_internal() -> None:
         assert info.value.reason is p.StreamReason.INTERNAL
 
 
+async def test_open_cancelled_while_the_handler_dials_is_a_reset_not_a_crash(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The opener gives up while the acceptor's handler is still dialing its target: the
+    # handler's accept() raises StreamResetError (a BrokenResourceError: routine), the
+    # connection and its other streams carry on, and nothing is logged as a failure.
+    dialing = trio.Event()
+    dialed = trio.Event()
+    answered = trio.Event()
+    outcome: list[BaseException] = []
+    opened: list[int] = []
+
+    async def slow_dial(incoming: IncomingStream) -> None:
+        if incoming.target.port != 81:
+            await echo_handler(incoming)
+            return
+        opened.append(incoming.stream.stream_id)
+        dialing.set()
+        await dialed.wait()
+        try:
+            await incoming.accept()
+        except StreamResetError as exc:
+            outcome.append(exc)
+            raise
+        finally:
+            answered.set()
+
+    async with linked(acceptor_handler=slow_dial) as link:
+        with trio.move_on_after(5) as scope:
+            async with trio.open_nursery() as nursery:
+                async def give_up() -> None:
+                    await dialing.wait()
+                    opening.cancel()
+                opening = trio.CancelScope()
+                nursery.start_soon(give_up)
+                with opening:
+                    await link.dialer.open_stream(p.Target("svc", 81))
+        assert not scope.cancelled_caught
+        for _ in range(500):  # the RST crosses a real socket on the TCP wire
+            if not link.acceptor._core.has_stream(opened[0]):
+                break
+            await trio.sleep(0.01)
+        dialed.set()
+        with trio.fail_after(5):
+            await answered.wait()
+        assert isinstance(outcome[0], StreamResetError)
+        stream = await link.dialer.open_stream(T)
+        await stream.send_all(b"after")
+        assert await stream.receive_some() == b"after"
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
 async def test_connection_end_resets_every_stream() -> None:
     async with linked() as link:
         stream = await link.dialer.open_stream(T)

@@ -257,6 +257,28 @@ def test_unknown_reason_code_from_newer_peer_is_tolerated() -> None:
     assert ev == StreamRefused(sid, StreamReason.INTERNAL, "new")
 
 
+def test_open_reset_by_the_peer_before_the_answer_is_gone() -> None:
+    # The opener gives up (RST) before we answer, and both frames arrive in one read: the
+    # stream is gone, answering it is a StreamClosedError the caller can act on, and the
+    # connection carries on (found by the fuzz test, which answered such a stream).
+    pair = handshake()
+    sid = pair.dialer.open_stream(T)
+    pair.dialer.reset_stream(sid, StreamReason.CANCELLED, "gave up")
+    events = pair.acceptor.receive_data(pair.dialer.data_to_send())
+    assert [type(e) for e in events] == [StreamOpened, StreamReset]
+    assert not pair.acceptor.has_stream(sid)
+    with pytest.raises(StreamClosedError):
+        pair.acceptor.accept_stream(sid)
+    with pytest.raises(StreamClosedError):
+        pair.acceptor.refuse_stream(sid, StreamReason.REFUSED)
+    assert pair.acceptor.data_to_send() == b""
+    assert pair.acceptor.is_open
+    sid2, d, a = open_accepted(pair)
+    d.send_data(sid2, b"still fine")
+    (got,) = a.receive_data(d.data_to_send())
+    assert isinstance(got, DataReceived) and bytes(got.data) == b"still fine"
+
+
 def test_data_before_accept_is_refused_locally() -> None:
     pair = handshake()
     sid = pair.dialer.open_stream(T)

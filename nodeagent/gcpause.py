@@ -16,12 +16,21 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def gc_paused() -> Iterator[None]:
-    """Disable the cyclic GC for the block; re-enable it after only if it was enabled."""
+def gc_paused(*, freeze: bool = False) -> Iterator[None]:
+    """Disable the cyclic GC for the block; re-enable it after only if it was enabled.
+
+    `freeze`: what the block built lives long (the controller's configs until a change
+    replaces them), so freeze it before the GC is back on. Without it, the first
+    allocation after the block collects everything the block allocated in one young
+    collection (measured in the controller at a 5,000-node fan-out: ~13 % of its CPU),
+    and later ones walk the survivors again in each older generation. See gcfreeze.py for
+    how frozen cycles that become garbage are still collected."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if freeze:
+            gc.freeze()
         if enabled:
             gc.enable()

@@ -48,6 +48,7 @@ from nodeagent.ops.jsonhttp import (
 )
 from nodeagent.ops.logs import get_logger
 from tunnel.log import RateLimitedLog
+from tunnel.transports.tls import TLSStream
 
 log = get_logger("nodeagent.controller.stream")
 MAX_REQUEST_BYTES = 16 * 1024
@@ -125,9 +126,11 @@ class ConfigStreamServer:
         self.metrics = metrics or ControllerMetrics()
         self.heartbeat = heartbeat
         self.request_timeout = request_timeout
-        # key → the event its open watches wait on: a change wakes only the watches of
-        # the keys it changed (one node's Ingress edit wakes one task, not 5,000)
-        self._waiting: dict[str, trio.Event] = {}
+        # key → the event its open watches wait on, and since when: a change wakes only
+        # the watches of the keys it changed (one node's Ingress edit wakes one task, not
+        # 5,000), and `_heartbeats` wakes those that waited `heartbeat` seconds. In
+        # insertion order, which is the order they started waiting.
+        self._waiting: dict[str, tuple[trio.Event, float]] = {}
         self._refusals = RateLimitedLog(log)
         self.subscribers: Counter[str] = Counter()  # key → open watches
 
@@ -136,18 +139,40 @@ class ConfigStreamServer:
         wake the watches of those keys."""
         if keys is None:
             waiting, self._waiting = self._waiting, {}
-            for event in waiting.values():
+            for event, _ in waiting.values():
                 event.set()
             return
         for key in keys:
             if key in self._waiting:
-                self._waiting.pop(key).set()
+                self._waiting.pop(key)[0].set()
 
     def _wakeup(self, key: str) -> trio.Event:
-        event = self._waiting.get(key)
-        if event is None:
-            event = self._waiting[key] = trio.Event()
-        return event
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            waiting = self._waiting[key] = (trio.Event(), trio.current_time())
+        return waiting[0]
+
+    def wake_idle(self, now: float) -> int:
+        """Wake the watches that have waited `heartbeat` seconds (they send `{}`);
+        returns how many keys. Only the due ones are looked at: `_waiting` is in the
+        order they started waiting."""
+        due = []
+        for key, (_, since) in self._waiting.items():
+            if now - since < self.heartbeat:
+                break
+            due.append(key)
+        for key in due:
+            self._waiting.pop(key)[0].set()
+        return len(due)
+
+    async def _heartbeats(self) -> None:
+        # One task and no timer per watch: 5,000 watches each sleeping in a cancel scope
+        # of their own cost a deadline each, pruned from trio's heap in bulk, and a
+        # Cancelled exception per heartbeat.
+        tick = min(1.0, self.heartbeat / 4)
+        while True:
+            await trio.sleep(tick)
+            self.wake_idle(trio.current_time())
 
     async def run(self, host: str, port: int, *,
                   task_status: trio.TaskStatus[list[trio.SocketListener]]
@@ -157,11 +182,14 @@ class ConfigStreamServer:
         task_status.started(listeners)
         # Until there is a serving certificate, dialers wait in the listen backlog.
         await self._tls()
-        await trio.serve_listeners(self._connection, listeners)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats)
+            await trio.serve_listeners(self._connection, listeners)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        tls = trio.SSLStream(stream, await self._tls(), server_side=True,
-                             https_compatible=True)
+        # The tunnel's TLSStream, not trio.SSLStream: its send_nowait lets a watch write
+        # a config line without a scheduler round trip (jsonhttp._send_chunk).
+        tls = TLSStream(stream, await self._tls(), server_side=True)
         try:
             with trio.fail_after(self.request_timeout):
                 await tls.do_handshake()
@@ -213,6 +241,7 @@ class ConfigStreamServer:
         key = f"node/{name}" if kind == "nodes" else "servers"
         self.subscribers[key] += 1
         log.info("config watch opened", subscriber=name, kind=kind, after=after)
+        woken = False
         try:
             while True:
                 changed = self._wakeup(key)
@@ -222,11 +251,10 @@ class ConfigStreamServer:
                 if current is not None and current[0] > after:
                     after = current[0]
                     yield _config_line(current[0], current[1])
-                    continue
-                with trio.move_on_after(self.heartbeat):
-                    await changed.wait()
-                    continue
-                yield _line({})
+                elif woken:  # by _heartbeats, or by a change another watch already sent
+                    yield HEARTBEAT
+                await changed.wait()
+                woken = True
         finally:
             self.subscribers[key] -= 1
             if not self.subscribers[key]:
@@ -243,6 +271,4 @@ def _config_line(version: int, config: NodeConfig | RoutesConfig) -> bytes:
     return b'{"version":%d,"config":%s}\n' % (version, body)
 
 
-def _line(doc: dict[str, Any]) -> bytes:
-    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
-
+HEARTBEAT = b"{}\n"

@@ -33,6 +33,7 @@ import h11
 import trio
 
 from nodeagent.ops.logs import get_logger
+from tunnel.transports.tls import TLSStream
 
 log = get_logger("nodeagent.http")
 
@@ -172,8 +173,20 @@ async def _stream(conn: h11.Connection, stream: trio.abc.Stream, reply: Streamin
     # not whenever the garbage collector finds it.
     async with contextlib.aclosing(reply.chunks) as chunks:
         async for chunk in chunks:
-            await stream.send_all(conn.send(h11.Data(data=chunk)) or b"")
+            await _send_chunk(stream, conn.send(h11.Data(data=chunk)) or b"")
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+
+
+async def _send_chunk(stream: trio.abc.Stream, data: bytes) -> None:
+    """A `TLSStream` (the controller's config stream) writes a chunk the socket can take
+    in this task, with no lock and no scheduler round trip: at a fan-out to 5,000 watches,
+    trio.SSLStream's send path was a fifth of the controller's CPU. What the socket does
+    not take waits in the stream, and `send_all` sends it (and reports any error)."""
+    if isinstance(stream, TLSStream) and stream.can_send_nowait():
+        if stream.send_nowait(data):
+            return
+        data = b""
+    await stream.send_all(data)
 
 
 @dataclass(frozen=True)

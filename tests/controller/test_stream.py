@@ -128,6 +128,33 @@ async def test_server_watch_stays_alive_on_heartbeats(nursery: trio.Nursery) -> 
     assert [c.version for c in applied] == [1, 2]
 
 
+async def test_heartbeats_wake_only_the_watches_that_waited_long_enough(
+        autojump_clock: trio.abc.Clock) -> None:
+    # One task wakes the idle watches, in the order they started waiting, and only those
+    # that waited `heartbeat` seconds; a change in between restarts a key's wait.
+    server = ConfigStreamServer(ConfigVersions(), tls=_no_tls, heartbeat=15.0)
+    start_time = trio.current_time()
+    first = server._wakeup("node/a")
+    await trio.sleep(10)
+    second = server._wakeup("node/b")
+    third = server._wakeup("servers")
+    assert server.wake_idle(start_time + 14.9) == 0
+    assert server.wake_idle(start_time + 15) == 1
+    assert first.is_set() and not second.is_set() and not third.is_set()
+    server.notify(["servers"])  # a change: woken now, waits afresh from here
+    assert third.is_set()
+    await trio.sleep(10)
+    renewed = server._wakeup("servers")
+    assert server.wake_idle(start_time + 25) == 1  # node/b only
+    assert second.is_set() and not renewed.is_set()
+    assert server.wake_idle(start_time + 34.9) == 0
+    assert server.wake_idle(start_time + 35) == 1 and renewed.is_set()
+
+
+async def _no_tls() -> ssl.SSLContext:
+    raise AssertionError("no connection in this test")
+
+
 def forbidden_count(server: ConfigStreamServer) -> float:
     value = server.metrics.registry.get_sample_value(
         "nodeagent_controller_config_requests_total",

@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "cause a second (bursts of 2.5x); beyond: 429 (default 20)")
     controller.add_argument("--metrics-listen", metavar="HOST:PORT",
                             help="/healthz and /readyz for probes")
+    controller.add_argument("--heartbeat-seconds", type=float, default=60.0, metavar="S",
+                            help="a config watch with nothing new gets a heartbeat line this "
+                                 "often; watchers give up after 3 missed (the interval is "
+                                 "announced to them). Each costs a TLS write per watch: "
+                                 "~0.5 %% of a core at 5,000 nodes and 60 s. A dead peer's "
+                                 "TCP keepalive notices sooner (default 60)")
     controller.add_argument("--server-workers", type=int, default=1, metavar="N",
                             help="worker processes per server pod (set it to the servers' "
                                  "--workers): each agent holds a tunnel to ready server "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +34,8 @@ from tunnel.backoff import Backoff
 
 M = TypeVar("M", bound=BaseModel)
 MAX_LINE = 16 * 1024 * 1024  # a whole config (10,000 routes) in one line
+# The controller's heartbeat interval, in seconds, on a watch's response.
+HEARTBEAT_HEADER = b"x-nodeagent-heartbeat"
 
 
 @dataclass
@@ -61,9 +63,10 @@ async def watch_config(
     backoff: Backoff | None = None, idle_timeout: float = 45.0,
     log: StructuredLogger | None = None, running: dict[str, Any] | None = None,
 ) -> None:
-    """Run until cancelled. `idle_timeout`: no line (not even a heartbeat) for this long
-    means the watch is dead. `running`: the config already in force (a server's persisted
-    routes, JSON): not applied again if the controller sends the same.
+    """Run until cancelled. `idle_timeout`: no line (not even a heartbeat) for this long means
+    the watch is dead; once the controller announces its heartbeat interval
+    (`x-nodeagent-heartbeat`), three of them instead. `running`: the config already in force
+    (a server's persisted routes, JSON): not applied again if the controller sends the same.
 
     Static stability: while the controller is unreachable the running config stays in
     force, however long. Each (re)connect asks for the current config (after=-1) and
@@ -173,6 +176,7 @@ async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: fl
             if event.status_code != 200:
                 body = await _body(conn, stream)
                 raise WatchError(f"controller answered {event.status_code}: {body.strip()}")
+            idle_timeout = announced_idle_timeout(event.headers, idle_timeout)
             continue
         if isinstance(event, h11.Data):
             buffer += bytes(event.data)
@@ -190,6 +194,19 @@ async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: fl
             continue
         if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
             return
+
+
+def announced_idle_timeout(headers: Iterable[tuple[bytes, bytes]], default: float) -> float:
+    """Three heartbeat intervals, as the controller announces them; `default` when it
+    does not (an older one sends every 15 s) or says something out of bounds."""
+    for name, value in headers:
+        if name.lower() == HEARTBEAT_HEADER:
+            try:
+                heartbeat = float(value)
+            except ValueError:
+                return default
+            return 3 * heartbeat if 0 < heartbeat <= 600 else default
+    return default
 
 
 async def _body(conn: h11.Connection, stream: trio.abc.Stream) -> str:

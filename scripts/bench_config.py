@@ -29,7 +29,7 @@ Targets (issue 10): p99 <= 1 s, nothing for unconcerned nodes, recompute work
 proportional to the change, RSS <= 500 MiB, idle CPU ~0.
 
     .venv/bin/python scripts/bench_config.py --nodes 5000 --hosts 10000
-        [--events 5] [--client-procs 4] [--idle 20] [--source DIR]
+        [--events 5] [--client-procs 4] [--idle 130] [--source DIR]
 """
 
 from __future__ import annotations
@@ -375,8 +375,9 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--events", type=int, default=5)
     parser.add_argument("--client-procs", type=int, default=2)
-    parser.add_argument("--idle", type=float, default=20.0,
-                        help="seconds of quiet over which the controller's CPU is measured")
+    parser.add_argument("--idle", type=float, default=130.0,
+                        help="seconds of quiet over which the controller's CPU is measured "
+                             "(default 130: two rounds of its 60 s heartbeats)")
     parser.add_argument("--quiet", type=float, default=2.0,
                         help="seconds after a targeted change in which no other node may "
                              "receive anything")

@@ -41,6 +41,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
       "--connect-uds", "/run/x.sock", "--connect-uds-mode", "0666"],
      "flags: connect.uds_mode: uds_mode 0o666 lets every local user in"),
     (["controller", "--listen", "nowhere"], "--listen 'nowhere'"),
+    (["controller", "--heartbeat-seconds", "0.1"], "--heartbeat-seconds 0.1: give 1-600"),
+    (["controller", "--heartbeat-seconds", "often"], "invalid float value: 'often'"),
     (["frobnicate"], "invalid choice"),
     (["debug", "streams", "--watch", "soon"], "--watch: not a number of seconds: 'soon'"),
     (["debug", "streams", "--watch", "0"], "--watch takes 0.1 to 3600 seconds"),

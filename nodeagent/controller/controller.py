@@ -106,6 +106,7 @@ class ControllerSettings:
     # controllers come and go)
     freeze_gc: bool = False
     server_workers: int = 1  # the servers' --workers: agents hold pods x workers tunnels
+    heartbeat: float = 60.0  # seconds between a quiet config watch's heartbeat lines
 
 
 class LeaderWrites:
@@ -176,7 +177,8 @@ class Controller:
             review_burst=max(1, math.ceil(self.settings.token_review_rate * 2.5)),
             trust_bundle=lambda: self.bootstrap.trust_pem)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
-                                         signer=self.signer, metrics=self.metrics)
+                                         signer=self.signer, metrics=self.metrics,
+                                         heartbeat=self.settings.heartbeat)
         self.watchers = WatcherReports(self.kube, self.caches["watchers"], ns,
                                        self.settings.identity, self.stream.subscribers)
         self.status = StatusWriter(self.kube, self.caches, ns, self.settings.identity,

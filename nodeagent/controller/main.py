@@ -30,6 +30,9 @@ def run_controller(args: argparse.Namespace) -> int:
     if not 0 < args.token_reviews_per_second <= 10_000:
         raise ConfigError(f"--token-reviews-per-second {args.token_reviews_per_second:g}: "
                           f"give (0, 10000]")
+    heartbeat = getattr(args, "heartbeat_seconds", 60.0)
+    if not 1 <= heartbeat <= 600:
+        raise ConfigError(f"--heartbeat-seconds {heartbeat:g}: give 1-600")
     server_workers = getattr(args, "server_workers", 1)
     if not 1 <= server_workers <= 16:
         raise ConfigError(f"--server-workers {server_workers}: give 1-16 (the servers' "
@@ -42,7 +45,7 @@ def run_controller(args: argparse.Namespace) -> int:
         tls_names=tuple(getattr(args, "tls_name", None) or ()),
         certificate_validity=args.certificate_hours * 3600.0,
         token_review_rate=args.token_reviews_per_second, freeze_gc=True,
-        server_workers=server_workers)
+        server_workers=server_workers, heartbeat=heartbeat)
     try:
         trio.run(serve_controller, settings)
     except CredentialsError as exc:

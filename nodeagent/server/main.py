@@ -64,6 +64,7 @@ from nodeagent.tlscontext import TlsInputError
 from nodeagent.tlscontext import server_ssl_context as tls_server_context
 from tunnel.dial import parse_endpoint, serve
 from tunnel.listeners import open_tcp_listeners
+from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.server")
 
@@ -377,7 +378,9 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     server.config_watch = status
 
     async def open_stream() -> trio.abc.Stream:
-        return await trio.open_tcp_stream(host, port)
+        # connect_tcp: every address in turn, and TCP keepalive (a controller that
+        # vanished is noticed in ~35 s, long before three missed heartbeats).
+        return await connect_tcp(host, port, connect_timeout=10.0)
 
     def current_ca() -> bytes:
         # The --ca-file as it is now (a CA rotation changes it; a broken file: the last

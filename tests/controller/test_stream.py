@@ -14,7 +14,7 @@ import trio
 
 from nodeagent import pki
 from nodeagent.config import AllowRule, NodeConfig, RoutesConfig
-from nodeagent.configwatch import WatchStatus, watch_config
+from nodeagent.configwatch import WatchStatus, announced_idle_timeout, watch_config
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.servingtls import ServingTLS, service_names
 from nodeagent.controller.stream import ConfigStreamServer, Identity, peer_identity
@@ -153,6 +153,38 @@ async def test_heartbeats_wake_only_the_watches_that_waited_long_enough(
 
 async def _no_tls() -> ssl.SSLContext:
     raise AssertionError("no connection in this test")
+
+
+async def test_watcher_waits_three_announced_heartbeats_not_its_default(
+        nursery: trio.Nursery) -> None:
+    # The controller announces its interval (here 0.5 s); a watcher whose own default
+    # would give up after 0.2 s of quiet waits three intervals instead, and stays.
+    versions = ConfigVersions()
+    versions.update("servers", RoutesConfig())
+    server, port = await start(nursery, versions, heartbeat=0.5)
+    applied: list[RoutesConfig] = []
+    status = WatchStatus("https://controller")
+    watch = watcher(port, "/v1/config/servers/s1", RoutesConfig, applied, status,
+                    server_context("nodeagent-server-0"))
+    nursery.start_soon(functools.partial(watch, idle_timeout=0.2))
+    await wait_until(lambda: len(applied) == 1)
+    await trio.sleep(1.2)  # six of the watcher's defaults, two heartbeats
+    assert status.state == "watching" and status.last_error is None
+    assert server.subscribers["servers"] == 1
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ([(b"X-Nodeagent-Heartbeat", b"60")], 180.0),
+    ([(b"x-nodeagent-heartbeat", b"2.5")], 7.5),
+    ([], 45.0),  # an older controller: it sends every 15 s
+    ([(b"x-nodeagent-heartbeat", b"soon")], 45.0),
+    ([(b"x-nodeagent-heartbeat", b"0")], 45.0),
+    ([(b"x-nodeagent-heartbeat", b"nan")], 45.0),
+    ([(b"x-nodeagent-heartbeat", b"1e9")], 45.0),
+])
+def test_announced_heartbeat_bounds(headers: list[tuple[bytes, bytes]],
+                                    expected: float) -> None:
+    assert announced_idle_timeout(headers, 45.0) == expected
 
 
 def forbidden_count(server: ConfigStreamServer) -> float:

@@ -9,15 +9,27 @@ import pytest
 import trio
 
 from tunnel import protocol as p
-from tunnel.tcp import SO_MARK, DialFailed, connect_tcp
+from tunnel.tcp import (
+    KEEPALIVE_COUNT,
+    KEEPALIVE_IDLE,
+    KEEPALIVE_INTERVAL,
+    SO_MARK,
+    DialFailed,
+    connect_tcp,
+)
 
 
-async def test_connects_with_nodelay_and_mark() -> None:
+async def test_connects_with_nodelay_keepalive_and_mark() -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     mark = 0x4E41 if os.geteuid() == 0 else None
     stream = await connect_tcp("127.0.0.1", port, connect_timeout=5, mark=mark)
-    assert stream.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    sock = stream.socket
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == KEEPALIVE_INTERVAL
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_COUNT
     if mark is not None:
         assert stream.socket.getsockopt(socket.SOL_SOCKET, SO_MARK) == mark
     await stream.aclose()

@@ -19,7 +19,11 @@ an HTTP GET through the public balancer. Failures are counted by phase (steady, 
 flap): failures are expected only while a flap cuts the path.
 
 Printed at the end: per process, RSS and descriptors after warm-up vs at the end and their
-growth; requests by phase.
+growth; requests by phase. Growth is taken two ways: from the first sample after warm-up to
+the last (one sample each: a 64 KiB transfer's buffers in flight at either moment move it
+by ~1 %), and between the medians of the first and the last `--window` seconds after
+warm-up (what the process holds, not what it was doing at one instant). Every sample goes
+to `--out` (JSON) for the curve.
 
     sudo .venv/bin/python scripts/soak.py                        # 30 minutes, period 180 s
     sudo .venv/bin/python scripts/soak.py --minutes 4 --period 60 --warmup 30
@@ -29,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -222,6 +228,9 @@ def main() -> int:
                         help="growth is measured from the first sample after this")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--sample-every", type=float, default=10.0)
+    parser.add_argument("--window", type=float, default=180.0,
+                        help="seconds of samples whose median is compared (default 180)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "soak.json")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -343,16 +352,29 @@ def main() -> int:
         print(f"\nsoak {args.minutes:g} min, disruption every {args.period:g} s, "
               f"{args.workers} workers; warm-up {args.warmup:g} s")
         print(f"{'process':16} {'rss after warm-up':>18} {'rss end':>10} {'growth':>7} "
-              f"{'fds after warm-up':>18} {'fds end':>8}")
+              f"{'medians':>17} {'growth':>7} {'fds after warm-up':>18} {'fds end':>8}")
         for name, rows in samples.items():
             after = [r for r in rows if r[0] >= args.warmup] or rows
             if len(after) < 2:
                 continue
             first, last = after[0], after[-1]
             growth = (last[1] - first[1]) / first[1] * 100
+            early = statistics.median(
+                r[1] for r in after if r[0] < after[0][0] + args.window)
+            late = statistics.median(
+                r[1] for r in after if r[0] > after[-1][0] - args.window)
+            median_growth = (late - early) / early * 100
             print(f"{name:16} {first[1] / 1024:15.1f} MiB {last[1] / 1024:6.1f} MiB "
-                  f"{growth:+6.1f}% {first[2]:18} {last[2]:8}  ({len(after)} samples, "
-                  f"{after[-1][0] - after[0][0]:.0f} s)")
+                  f"{growth:+6.1f}% {early / 1024:6.1f} -> {late / 1024:4.1f} MiB "
+                  f"{median_growth:+6.1f}% {first[2]:18} {last[2]:8}  ({len(after)} "
+                  f"samples, {after[-1][0] - after[0][0]:.0f} s)")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "minutes": args.minutes, "period": args.period, "warmup": args.warmup,
+            "window": args.window, "samples": {
+                name: [{"t": round(t, 1), "rss_kib": rss, "fds": fds} for t, rss, fds in rows]
+                for name, rows in samples.items()}}, indent=1))
+        print(f"samples: {args.out}")
         print("\nrequests by phase:")
         for phase in ("warmup", "steady", "rollout", "flap"):
             ok, failed = load.counts[(phase, "ok")], load.counts[(phase, "failed")]

@@ -31,9 +31,11 @@ from nodeagent import tlscontext
 from nodeagent.config import ConfigError, parse_config
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from tunnel.backoff import Backoff
+from tunnel.transports.tls import TLSStream
 
 M = TypeVar("M", bound=BaseModel)
 MAX_LINE = 16 * 1024 * 1024  # a whole config (10,000 routes) in one line
+HANDSHAKE_TIMEOUT = 20.0  # seconds for the TLS handshake with the controller
 # The controller's heartbeat interval, in seconds, on a watch's response.
 HEARTBEAT_HEADER = b"x-nodeagent-heartbeat"
 
@@ -81,13 +83,21 @@ async def watch_config(
         try:
             stream: trio.abc.Stream = await open_stream()
             if tls is not None:
-                stream = trio.SSLStream(stream, tls(), server_hostname=host,
-                                        https_compatible=True)
+                # The tunnel's TLSStream: it hands over every record a read brought in
+                # one receive_some (trio.SSLStream, one 16 KiB record per call, was a
+                # quarter of a watcher's CPU in scripts/bench_config.py's fan-out).
+                stream = TLSStream(stream, tls(), server_hostname=host)
         except Exception as exc:  # any reason the controller is unreachable right now
             await _pause(status, backoff, log, f"cannot reach the controller: {exc}")
             continue
         try:
             async with stream:
+                if isinstance(stream, TLSStream):
+                    with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                        await stream.do_handshake()
+                    if not stream.ssl_object.version():
+                        raise WatchError(f"no TLS handshake with the controller within "
+                                         f"{HANDSHAKE_TIMEOUT:g}s")
                 conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)
                 after = -1  # the current config at once (see the docstring)
                 first = True

@@ -193,7 +193,9 @@ class ConfigStreamServer:
             await trio.serve_listeners(self._connection, listeners)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        set_keepalive(stream.socket)  # a client that vanished: its watch ends in ~35 s
+        # A client that vanished while its watch was quiet: the kernel ends it in ~35 s
+        # (with a heartbeat unacknowledged, TCP's retransmission timeout does, later).
+        set_keepalive(stream.socket)
         # The tunnel's TLSStream, not trio.SSLStream: its send_nowait lets a watch write
         # a config line without a scheduler round trip (jsonhttp._send_chunk).
         tls = TLSStream(stream, await self._tls(), server_side=True)

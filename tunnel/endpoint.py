@@ -165,9 +165,11 @@ class TunnelConnection:
 
     def open_streams(self) -> list[tuple[TunnelStream, bool]]:
         """The streams open now (a copy, for debug views), each with whether its OPEN still
-        waits for the peer's answer."""
+        waits for an answer: the peer's, or this side's handler, still dialing its target."""
         pending = self._pending_opens
-        return [(s, s.stream_id in pending) for s in self._streams.values()]
+        state = self._core.stream_state
+        return [(s, s.stream_id in pending or state(s.stream_id) is p.StreamState.OPEN_RECEIVED)
+                for s in self._streams.values()]
 
     # ------------------------------------------------------------------ handshake
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -60,6 +61,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         "bytes_received",
         "bytes_sent",
         "metadata",
+        "opened_at",
         "stream_id",
         "target",
     )
@@ -83,6 +85,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._recv_guard = _Guard("another task is already receiving on this stream")
         self.bytes_sent = 0
         self.bytes_received = 0
+        # When this side learnt of it (sent or received its OPEN), for the debug views.
+        self.opened_at = time.monotonic()
 
     def __repr__(self) -> str:
         return f"<TunnelStream {self.stream_id} {self.target}>"

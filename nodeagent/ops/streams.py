@@ -151,7 +151,7 @@ class TunnelStreams(Protocol):
 
     role: p.Role
 
-    def open_streams(self) -> list[tuple[Any, bool]]: ...
+    def open_streams(self) -> list[tuple[Any, bool]]: ...  # (TunnelStream, opening)
 
 
 def stream_rows(connection: TunnelStreams, notes: StreamNotes, *,
@@ -176,7 +176,10 @@ def stream_rows(connection: TunnelStreams, notes: StreamNotes, *,
             else opener_from_metadata(stream.metadata),
             "bytes_to_target": sent if opened_here else received,
             "bytes_from_target": received if opened_here else sent,
-            "age_seconds": round(now - note.opened, 1) if note is not None else None,
+            # Noted: from when the opener began (before its OPEN was sent); otherwise
+            # from when this side learnt of the stream, so an opening one has an age too.
+            "age_seconds": round(now - (note.opened if note is not None
+                                        else stream.opened_at), 1),
         })
     return rows
 

@@ -6,8 +6,9 @@ client request (llhttp for plain heads, h11 for everything else: all the protoco
 public listener needs, framing, smuggling, limits); responses, the front's own answers
 included, are written directly from what the upstream codec (`h1`) validated (h11's send
 path re-validates every header: about a third of the per-request CPU it cost here).
-Upstream streams come from a caller-supplied opener `open_upstream(backend, route)`, which
-raises `UpstreamUnavailable` when it cannot give one: nothing here knows about tunnels.
+Upstream streams come from a caller-supplied opener `open_upstream(backend, route,
+client)`, which raises `UpstreamUnavailable` when it cannot give one: nothing here knows
+about tunnels.
 
 Per request, in named steps:
 1. read the head (timeouts: `header_timeout` from accept or from the first byte of a
@@ -457,7 +458,8 @@ class HttpConnection:
             self.up = None
             await trio.aclose_forcefully(held.stream)
         up = self.up = await dial_upstream(
-            route, self.opener, self.balancer, self.limits, self.stats
+            route, self.opener, self.balancer, self.limits, self.stats,
+            self.client_addr.decode(),
         )
         return up, False
 

@@ -23,8 +23,10 @@ from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.http")
 
-Opener = Callable[[Backend, Route], Awaitable[trio.abc.HalfCloseableStream]]
-"""`open_upstream(backend, route)`: a stream to the backend, or `UpstreamUnavailable`."""
+Opener = Callable[[Backend, Route, str], Awaitable[trio.abc.HalfCloseableStream]]
+"""`open_upstream(backend, route, client)`: a stream to the backend for the client at
+address `client` (which the debug views show on both sides of the tunnel), or
+`UpstreamUnavailable`."""
 
 
 class UpstreamFailed(Exception):
@@ -73,7 +75,8 @@ class Upstream:
 
 
 async def dial_upstream(
-    route: Route, opener: Opener, balancer: Balancer, limits: Limits, stats: HttpStats
+    route: Route, opener: Opener, balancer: Balancer, limits: Limits, stats: HttpStats,
+    client: str = "",
 ) -> Upstream:
     """A new upstream to one of `route`'s backends; raises `UpstreamFailed` with the last
     failure when none could be reached."""
@@ -81,7 +84,7 @@ async def dial_upstream(
     for backend in balancer.candidates(route)[: limits.max_dial_attempts]:
         try:
             with trio.fail_after(limits.dial_timeout):
-                stream = await opener(backend, route)
+                stream = await opener(backend, route, client)
         except trio.TooSlowError:
             stats.timeouts += 1
             failure = UpstreamFailed(

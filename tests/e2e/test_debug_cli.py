@@ -5,6 +5,7 @@ died shows as disconnected, with why, on the server."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import Certs, Upstream
-from tests.e2e.test_standalone import listen_port, run_cli, start_pair
+from tests.e2e.test_standalone import http_port, listen_port, run_cli, start_pair
 from tests.procs import NodeagentProcess
 
 # The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
@@ -51,6 +52,30 @@ def debug_text(sock: Path, *args: str) -> str:
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     return result.stdout
+
+
+def test_an_http_clients_upstream_stream_names_the_client_on_both_sides(
+        pair: tuple[NodeagentProcess, NodeagentProcess], upstream: Upstream) -> None:
+    # A kept-alive HTTP connection holds its upstream stream between requests: the server
+    # says which route and client, and the agent, from the OPEN, which client.
+    server, agent = pair
+    target = f"tcp://127.0.0.1:{upstream.http_port}"
+    conn = http.client.HTTPConnection("127.0.0.1", http_port(server), timeout=5)
+    try:
+        conn.request("GET", "/", headers={"host": "app.test"})
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200
+        [row] = [r for r in debug_json(server.socket, "streams")["streams"]
+                 if r["target"] == target]
+        assert row["opened_by"].startswith("http route ")
+        assert row["opened_by"].endswith(" client 127.0.0.1")
+        [arow] = [r for r in debug_json(agent.socket, "streams")["streams"]
+                  if r["target"] == target]
+        assert arow["id"] == row["id"] and arow["opened_by"] == "client 127.0.0.1"
+        assert arow["age_seconds"] >= 0
+    finally:
+        conn.close()
 
 
 def test_a_live_stream_shows_on_both_sides_with_its_target_and_bytes(

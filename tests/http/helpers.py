@@ -26,7 +26,7 @@ from tunnel.protocol import StreamReason
 from tunnel.tcp import DialFailed, connect_tcp
 
 
-async def open_direct(backend: Backend, route: Route) -> trio.SocketStream:
+async def open_direct(backend: Backend, route: Route, client: str = "") -> trio.SocketStream:
     """An opener that dials every backend itself over TCP (the server's direct backends do
     the same through `Server.open_upstream`), failures mapped as the server maps them."""
     try:
@@ -151,9 +151,12 @@ class Opener:
     fail: Exception | None = None
     delay: float = 0.0
     backends: list[Backend] = field(default_factory=list)
+    clients: list[str] = field(default_factory=list)
 
-    async def __call__(self, backend: Backend, route: Route) -> trio.abc.HalfCloseableStream:
+    async def __call__(self, backend: Backend, route: Route,
+                       client: str = "") -> trio.abc.HalfCloseableStream:
         self.backends.append(backend)
+        self.clients.append(client)
         if self.delay:
             await trio.sleep(self.delay)
         if self.fail is not None:

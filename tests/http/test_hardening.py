@@ -265,7 +265,8 @@ class NodeBudget:
     peak: int = 0
     streams: list[_BudgetStream] = field(default_factory=list)
 
-    async def __call__(self, backend: Backend, route: Route) -> trio.abc.HalfCloseableStream:
+    async def __call__(self, backend: Backend, route: Route,
+                       client: str = "") -> trio.abc.HalfCloseableStream:
         if self.open >= self.size:
             self.refused += 1
             raise UpstreamUnavailable(503, f"node {backend.node} is overloaded")

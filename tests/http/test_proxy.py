@@ -105,6 +105,7 @@ async def test_keep_alive_reuses_one_upstream(nursery: trio.Nursery) -> None:
         stats = f.front.stats
         assert stats.connections_accepted == 1
         assert f.opener.opens == 1 and up.connections == 1
+        assert f.opener.clients == ["127.0.0.1"]  # who the upstream stream is for
         assert stats.upstream_opens == 1 and stats.upstream_reuses == 6
         assert {req["connection"] for req in up.requests} == {1}
 
@@ -711,7 +712,8 @@ async def test_any_half_closeable_stream_is_an_upstream(nursery: trio.Nursery) -
     up = Upstream("mem")
     opens = 0
 
-    async def opener(backend: Backend, route: Route) -> trio.abc.HalfCloseableStream:
+    async def opener(backend: Backend, route: Route,
+                     client: str = "") -> trio.abc.HalfCloseableStream:
         nonlocal opens
         opens += 1
         near, far = trio.testing.memory_stream_pair()

@@ -93,9 +93,9 @@ async def watch_config(
         try:
             async with stream:
                 if isinstance(stream, TLSStream):
-                    with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                    with trio.move_on_after(HANDSHAKE_TIMEOUT) as handshake:
                         await stream.do_handshake()
-                    if not stream.ssl_object.version():
+                    if handshake.cancelled_caught:
                         raise WatchError(f"no TLS handshake with the controller within "
                                          f"{HANDSHAKE_TIMEOUT:g}s")
                 conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)

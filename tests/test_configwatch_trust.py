@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 import trio
+import trio.testing
 
 from nodeagent import pki
 from nodeagent.config import NodeConfig
@@ -87,3 +88,31 @@ async def test_only_the_controller_can_answer_an_agents_config_watch(
     else:
         assert [c.version for c in applied] == [99]
     nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_never_answers_the_tls_handshake_is_given_up_on(
+        autojump_clock: trio.abc.Clock) -> None:
+    # Something accepts the bytes and never answers (a wedged relay): the watch says so
+    # and tries again, instead of waiting for ever.
+    ca = pki.create_ca("cluster CA")
+    node = pki.issue_client_certificate(ca, "edge-1")
+    context = pki.client_ssl_context(ca.certificate_pem, node.certificate_pem, node.key_pem)
+    silent: list[trio.testing.MemoryReceiveStream] = []
+
+    async def open_stream() -> trio.abc.Stream:
+        ours, theirs = trio.testing.memory_stream_pair()
+        silent.append(theirs)  # kept open, never read
+        return ours
+
+    status = WatchStatus("https://" + CONTROLLER)
+
+    async def apply(config: NodeConfig) -> None:
+        raise AssertionError("nothing to apply")
+
+    with trio.move_on_after(60):
+        await watch_config(open_stream=open_stream, host=CONTROLLER,
+                           path="/v1/config/nodes/edge-1", tls=lambda: context,
+                           model=NodeConfig, apply=apply, status=status,
+                           backoff=Backoff(initial=1, maximum=1))
+    assert status.last_error == "no TLS handshake with the controller within 20s"
+    assert len(silent) >= 2  # and it tried again

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
@@ -114,4 +115,34 @@ async def test_leader_writes_run_when_marked_and_retry_only_failures(
         assert calls[3:] == [LeaderWrite.PKI]
         await trio.sleep(60)
         assert len(calls) == 4  # nothing due: nothing runs
+        nursery.cancel_scope.cancel()
+
+
+async def test_urgent_leader_writes_go_first_and_the_rest_wait_their_delay(
+        autojump_clock: trio.abc.Clock) -> None:
+    # The PKI write does not wait behind the status writes, which wait `delay` so that a
+    # fan-out's config delivery has the CPU first.
+    calls: list[tuple[LeaderWrite, float]] = []
+
+    def write(which: LeaderWrite) -> Any:
+        async def run() -> bool:
+            calls.append((which, trio.current_time()))
+            return True
+        return run
+
+    writes = LeaderWrites({w: write(w) for w in LeaderWrite}, delay=1.0, retry=5.0,
+                          urgent=frozenset({LeaderWrite.PKI}), urgent_delay=0.05)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writes.run)
+        start = trio.current_time()
+        writes.mark(*LeaderWrite)
+        await trio.sleep(3)
+        assert [w for w, _ in calls] == [LeaderWrite.PKI, LeaderWrite.EVENTS,
+                                         LeaderWrite.INGRESS_STATUS, LeaderWrite.TUNNEL_STATUS]
+        assert calls[0][1] - start == pytest.approx(0.05)
+        assert all(t - start == pytest.approx(1.05) for _, t in calls[1:])
+        writes.mark(LeaderWrite.EVENTS)  # no urgent one due: the normal delay
+        await trio.sleep(3)
+        assert calls[4][0] is LeaderWrite.EVENTS
+        assert calls[4][1] - start == pytest.approx(4.0)
         nursery.cancel_scope.cancel()

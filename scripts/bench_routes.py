@@ -52,10 +52,15 @@ def objects(hosts: int) -> dict[str, list[dict[str, Any]]]:
         slices.append({"metadata": {"namespace": ns, "name": f"{name}-x",
                                     "labels": {"kubernetes.io/service-name": name}},
                        "ports": [{"port": 8080}],
-                       "endpoints": [{"addresses": [f"10.{i // 65536 % 256}.{i // 256 % 256}."
-                                                    f"{i % 256}"], "nodeName": f"n{i % 500}",
+                       # on node k = i % 500, inside its podCIDR 10.(k/256).(k%256).0/24
+                       "endpoints": [{"addresses": [f"10.{i % 500 // 256}.{i % 500 % 256}."
+                                                    f"{i // 500 % 250 + 1}"],
+                                      "nodeName": f"n{i % 500}",
                                       "conditions": {"ready": True}}]})
-    return {"ingresses": ingresses, "services": services, "slices": slices}
+    nodes = [{"metadata": {"name": f"n{k}"},
+              "spec": {"podCIDRs": [f"10.{k // 256}.{k % 256}.0/24"]}}
+             for k in range(500)]
+    return {"ingresses": ingresses, "services": services, "slices": slices, "nodes": nodes}
 
 
 def main() -> int:
@@ -74,13 +79,13 @@ def main() -> int:
         t0 = time.perf_counter()
         translation = translate_ingresses(
             ingresses=objs["ingresses"], ingress_classes=classes, services=objs["services"],
-            endpoint_slices=objs["slices"], secrets=[])
+            endpoint_slices=objs["slices"], secrets=[], nodes=objs["nodes"])
         translate_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         built, refused = build_ingress_table(translation.routes)
         build_s.append(time.perf_counter() - t0)
         kept.append(built)
-        assert not refused and not translation.problems
+        assert not refused and not translation.problems, (refused, translation.problems[:3])
     kept.clear()
     for _ in range(args.repeat):
         # What a server pays on a route update: build the new table, free the old one.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
 
 import trio
 
@@ -51,12 +50,10 @@ def collect_everything() -> int:
     return found
 
 
-async def freeze_survivors_forever(
-        *, check_every: float = CHECK_EVERY, full_every: float = FULL_EVERY,
-        on_full: Callable[[int, float], None] | None = None) -> None:
+async def freeze_survivors_forever(*, check_every: float = CHECK_EVERY,
+                                   full_every: float = FULL_EVERY) -> None:
     """Until cancelled: freeze after each automatic full collection, and collect
-    everything every `full_every` seconds. `on_full(found, seconds)` is told about each
-    periodic collection (for a metric); it is also logged."""
+    everything every `full_every` seconds (logged, with what it found and took)."""
     gc.freeze()
     seen = full_collections()
     next_full = trio.current_time() + full_every
@@ -68,8 +65,6 @@ async def freeze_survivors_forever(
             seconds = time.perf_counter() - started
             log.info("collected every generation", unreachable=found,
                      seconds=round(seconds, 3), frozen=gc.get_freeze_count())
-            if on_full is not None:
-                on_full(found, seconds)
             next_full = trio.current_time() + full_every
             seen = full_collections()
         elif (now := full_collections()) != seen:

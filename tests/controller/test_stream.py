@@ -109,16 +109,26 @@ async def test_node_watch_gets_current_then_each_new_version(nursery: trio.Nurse
     assert status.as_dict()["config_version"] == 1 and status.state == "watching"
 
 
-async def test_server_watch_stays_alive_on_heartbeats(nursery: trio.Nursery) -> None:
-    versions = ConfigVersions()
-    versions.update("servers", RoutesConfig(egress=(AllowRule(host="10.1.0.1"),)))
-    server, port = await start(nursery, versions, heartbeat=0.1)
+async def servers_watch(nursery: trio.Nursery, versions: ConfigVersions, *,
+                        heartbeat: float, idle_timeout: float
+                        ) -> tuple[ConfigStreamServer, list[RoutesConfig], WatchStatus]:
+    """A server replica's routes watch against a stream with `heartbeat`, running in
+    `nursery` with the watcher's own `idle_timeout`, once its first config is applied."""
+    server, port = await start(nursery, versions, heartbeat=heartbeat)
     applied: list[RoutesConfig] = []
     status = WatchStatus("https://controller")
     watch = watcher(port, "/v1/config/servers/s1", RoutesConfig, applied, status,
                     server_context("nodeagent-server-0"))
-    nursery.start_soon(functools.partial(watch, idle_timeout=0.3))
+    nursery.start_soon(functools.partial(watch, idle_timeout=idle_timeout))
     await wait_until(lambda: len(applied) == 1)
+    return server, applied, status
+
+
+async def test_server_watch_stays_alive_on_heartbeats(nursery: trio.Nursery) -> None:
+    versions = ConfigVersions()
+    versions.update("servers", RoutesConfig(egress=(AllowRule(host="10.1.0.1"),)))
+    server, applied, status = await servers_watch(nursery, versions, heartbeat=0.1,
+                                                  idle_timeout=0.3)
     # Quiet for longer than the client's idle timeout: heartbeats keep the watch alive.
     await trio.sleep(1.0)
     assert status.state == "watching" and server.subscribers["servers"] == 1
@@ -161,13 +171,8 @@ async def test_watcher_waits_three_announced_heartbeats_not_its_default(
     # would give up after 0.2 s of quiet waits three intervals instead, and stays.
     versions = ConfigVersions()
     versions.update("servers", RoutesConfig())
-    server, port = await start(nursery, versions, heartbeat=0.5)
-    applied: list[RoutesConfig] = []
-    status = WatchStatus("https://controller")
-    watch = watcher(port, "/v1/config/servers/s1", RoutesConfig, applied, status,
-                    server_context("nodeagent-server-0"))
-    nursery.start_soon(functools.partial(watch, idle_timeout=0.2))
-    await wait_until(lambda: len(applied) == 1)
+    server, _, status = await servers_watch(nursery, versions, heartbeat=0.5,
+                                            idle_timeout=0.2)
     await trio.sleep(1.2)  # six of the watcher's defaults, two heartbeats
     assert status.state == "watching" and status.last_error is None
     assert server.subscribers["servers"] == 1

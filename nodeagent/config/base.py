@@ -6,6 +6,7 @@ config dumps show."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from pathlib import Path
@@ -95,6 +96,10 @@ def _parse_port(text: str) -> int:
     return int(text)
 
 
+# A node's config names the same few hosts in many rules, and every config line is parsed
+# whole: 7 % of a simulated agent's CPU per config went to this address parse
+# (scripts/bench_config.py, profiled). Failures raise, so they are not cached.
+@functools.lru_cache(maxsize=4096)
 def _check_host(host: str) -> str:
     try:
         ipaddress.ip_address(host)

@@ -9,12 +9,15 @@ are bounded in time, and TLS/WebSocket failures are DialErrors with a reason.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
 import random
 import socket
+import ssl
 import struct
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -663,3 +666,66 @@ async def test_tls_stream_passes_trios_stream_conformance(certs: Certs) -> None:
     with trio.fail_after(60):
         await trio.testing.check_two_way_stream(partial(_tls_pair, certs, _tcp_pair),
                                                 partial(_tls_pair, certs, _lockstep_pair))
+
+
+async def test_a_broken_tls_stream_is_freed_without_the_cyclic_gc(certs: Certs) -> None:
+    """A TLSStream whose peer vanished, once closed and dropped, is freed by reference
+    counting alone. It remembers the failure (later calls raise it as their cause), but
+    not its traceback, whose frames hold the stream: that cycle kept each broken
+    connection's TLS buffers until a full GC collection, rare in a quiet agent."""
+    client, server = await _tls_pair(certs, _tcp_pair)
+    await server.send_all(b"x" * 100_000)
+    await trio.aclose_forcefully(server.transport_stream)  # no close_notify: a broken peer
+    gc.disable()
+    try:
+        with pytest.raises(trio.BrokenResourceError):
+            while await client.receive_some():
+                pass
+        with pytest.raises(trio.BrokenResourceError) as later:
+            await client.send_all(b"y")
+        assert isinstance(later.value.__cause__, ssl.SSLError)  # what broke it, still
+        assert later.value.__cause__.__traceback__ is None
+        del later
+        await client.aclose()
+        freed = weakref.ref(client)
+        del client
+        assert freed() is None
+    finally:
+        gc.enable()
+        await server.aclose()
+
+
+async def test_what_a_tls_stream_keeps_of_a_failure_has_no_traceback() -> None:
+    from tunnel.transports.tls import _detached, describe_error
+
+    def raised(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as caught:
+            return caught
+
+    reset = raised(ConnectionResetError(104, "Connection reset by peer"))
+    broken = raised(trio.BrokenResourceError("socket connection broken"))
+    broken.__cause__ = reset
+    kept = _detached(broken)
+    assert type(kept) is trio.BrokenResourceError and kept.__traceback__ is None
+    assert type(kept.__cause__) is ConnectionResetError and kept.__cause__.errno == 104
+    assert kept.__cause__.__traceback__ is None
+    assert describe_error(kept) == "connection reset by peer"
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.sleep(1)
+        except trio.Cancelled as exc:
+            original, cancelled = exc, _detached(exc)  # a send cut short breaks it too
+            raise
+    assert scope.cancelled_caught
+    assert cancelled is not original and type(cancelled) is trio.Cancelled
+    assert original.__traceback__ is not None and cancelled.__traceback__ is None
+
+    class Unbuildable(Exception):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__(a + b)  # args cannot rebuild it
+
+    odd = _detached(raised(Unbuildable(1, 2)))
+    assert isinstance(odd, trio.BrokenResourceError) and "Unbuildable" in str(odd)

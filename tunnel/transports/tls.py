@@ -10,6 +10,7 @@ in bulk. It passes trio's own stream conformance check, `trio.testing.check_two_
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 import os
 import ssl
@@ -49,6 +50,21 @@ def is_tls_error(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__
     return False
+
+
+def _detached(exc: BaseException, depth: int = 0) -> BaseException:
+    """A copy of `exc` with no traceback (its causes copied the same way), to keep."""
+    try:
+        copied = copy.copy(exc)
+    except Exception:  # a type whose args cannot rebuild it
+        copied = None
+    if not isinstance(copied, BaseException) or copied is exc:
+        copied = trio.BrokenResourceError(f"{type(exc).__name__}: {describe_error(exc)}")
+    copied.__traceback__ = None
+    cause = exc.__cause__
+    copied.__cause__ = _detached(cause, depth + 1) if cause is not None and depth < 3 else None
+    copied.__context__ = None
+    return copied
 
 
 TLS_RECORD_SIZE = 16 * 1024  # largest TLS record payload
@@ -113,8 +129,17 @@ class TLSStream(trio.abc.Stream):
         if self._failed is not None:
             raise trio.BrokenResourceError("TLS stream is broken") from self._failed
 
+    def _remember_failure(self, exc: BaseException) -> None:
+        # A copy without traceback: the traceback's frames hold this stream (`self`), so
+        # keeping `exc` itself made a reference cycle, and every broken connection's TLS
+        # buffers (its BIOs, ~0.5 MB under bulk) waited for a full GC collection, which
+        # a quiet agent makes a few times an hour: the soak's agent grew by that much per
+        # path flap until one came.
+        if self._failed is None:
+            self._failed = _detached(exc)
+
     def _fail(self, exc: BaseException) -> trio.BrokenResourceError:
-        self._failed = self._failed or exc
+        self._remember_failure(exc)
         err = trio.BrokenResourceError(describe_error(exc))
         err.__cause__ = exc
         return err
@@ -125,7 +150,7 @@ class TLSStream(trio.abc.Stream):
             try:
                 await self.transport_stream.send_all(data)
             except BaseException as exc:
-                self._failed = self._failed or exc
+                self._remember_failure(exc)
                 raise
         while self._outgoing.pending:
             data = self._outgoing.read()
@@ -133,7 +158,7 @@ class TLSStream(trio.abc.Stream):
                 await self.transport_stream.send_all(data)
             except BaseException as exc:
                 # A partial record on the wire: nothing more can be sent.
-                self._failed = self._failed or exc
+                self._remember_failure(exc)
                 raise
 
     async def _flush_if_idle(self) -> None:

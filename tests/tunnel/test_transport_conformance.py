@@ -43,6 +43,7 @@ from tunnel.transports import (
     TransportError,
     socket_of,
 )
+from tunnel.transports.tls import _detached, describe_error
 
 
 @dataclass(frozen=True)
@@ -696,8 +697,6 @@ async def test_a_broken_tls_stream_is_freed_without_the_cyclic_gc(certs: Certs) 
 
 
 async def test_what_a_tls_stream_keeps_of_a_failure_has_no_traceback() -> None:
-    from tunnel.transports.tls import _detached, describe_error
-
     def raised(exc: BaseException) -> BaseException:
         try:
             raise exc

@@ -53,17 +53,17 @@ def is_tls_error(exc: BaseException | None) -> bool:
 
 
 def _detached(exc: BaseException, depth: int = 0) -> BaseException:
-    """A copy of `exc` with no traceback (its causes copied the same way), to keep."""
+    """A copy of `exc` with no traceback (its causes copied the same way), to keep. A
+    copy is a new object built from the args and `__dict__`: it has no traceback and no
+    context of its own; only the cause is carried over, itself detached."""
     try:
         copied = copy.copy(exc)
     except Exception:  # a type whose args cannot rebuild it
         copied = None
     if not isinstance(copied, BaseException) or copied is exc:
         copied = trio.BrokenResourceError(f"{type(exc).__name__}: {describe_error(exc)}")
-    copied.__traceback__ = None
     cause = exc.__cause__
     copied.__cause__ = _detached(cause, depth + 1) if cause is not None and depth < 3 else None
-    copied.__context__ = None
     return copied
 
 

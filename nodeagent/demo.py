@@ -28,7 +28,7 @@ import httpx
 import trio
 import yaml
 
-from nodeagent import pki
+from nodeagent.trust import pki
 
 NODE = "demo-node"
 HOST = "hello.demo.local"

@@ -58,7 +58,7 @@ from benchlib.tools import (  # noqa: E402
     write_sshd_config,
 )
 
-from tests.netns import Topology, in_netns, netns_available  # noqa: E402
+from nodeagent.testing.netns import Topology, in_netns, netns_available  # noqa: E402
 
 CLIENT, PUBLIC, CLOUD, EDGE = "10.77.1.1", "10.77.1.2", "10.77.2.1", "10.77.2.2"
 TOKEN = "bench-token-0123456789abcdef"
@@ -159,7 +159,7 @@ class Bench:
             self.setup_ssh()
 
     def setup_certs(self) -> None:
-        from nodeagent import pki
+        from nodeagent.trust import pki
         ca = pki.create_ca("nodeagent-bench-ca")
         ca.write(self.tmp / "ca.crt", self.tmp / "ca.key")
         pki.issue_server_certificate(ca, ["localhost"], [CLOUD]).write(

@@ -52,11 +52,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nodeagent.controller.bootstrap import CA_SECRET, secret_value  # noqa: E402
-from nodeagent.crd import CLUSTER_TUNNELS  # noqa: E402
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS  # noqa: E402
 from nodeagent.kube import INGRESSES, KubeClient  # noqa: E402
-from tests.fakekube.fixtures import credentials_for, start_fake_kube  # noqa: E402
-from tests.fakekube.server import FakeKube  # noqa: E402
-from tests.fakekube.store import ApiError  # noqa: E402
+from nodeagent.testing.fakekube.fixtures import credentials_for, start_fake_kube  # noqa: E402
+from nodeagent.testing.fakekube.server import FakeKube  # noqa: E402
+from nodeagent.testing.fakekube.store import ApiError  # noqa: E402
 
 NAMESPACE = "nodeagent"
 APPS = "apps"

@@ -39,9 +39,9 @@ import trustme
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent import pki  # noqa: E402
-from tests.e2e.conftest import free_port  # noqa: E402
-from tests.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.standalone import free_port  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 
 TOKEN = "bench-token-0123456789abcdef"
 

@@ -44,11 +44,11 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent import pki  # noqa: E402
 from nodeagent.controller.bootstrap import CA_SECRET, secret_value  # noqa: E402
-from tests.fakekube.fixtures import start_fake_kube  # noqa: E402
-from tests.fakekube.server import FakeKube  # noqa: E402
-from tests.fakekube.store import ApiError  # noqa: E402
+from nodeagent.testing.fakekube.fixtures import start_fake_kube  # noqa: E402
+from nodeagent.testing.fakekube.server import FakeKube  # noqa: E402
+from nodeagent.testing.fakekube.store import ApiError  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 
 TOKEN = "bench-idle-token-0123456789"
 NAMESPACE = "nodeagent"

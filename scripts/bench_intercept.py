@@ -53,7 +53,7 @@ from benchlib.tools import (  # noqa: E402
     write_sshd_config,
 )
 
-from tests.netns import Topology, netns_available  # noqa: E402
+from nodeagent.testing.netns import Topology, netns_available  # noqa: E402
 
 POD, NODE_POD, NODE_UP, CLOUD_DOWN, CLOUD_UP, REMOTE = (
     "10.88.1.2", "10.88.1.1", "10.88.2.1", "10.88.2.2", "10.88.3.1", "10.88.3.2")
@@ -130,7 +130,7 @@ class Bench:
     # ------------------------------------------------------------------ the three paths
 
     def start_nodeagent(self) -> list[subprocess.Popen[bytes]]:
-        from nodeagent import pki
+        from nodeagent.trust import pki
         ca = pki.create_ca("bench-intercept-ca")
         ca.write(self.tmp / "ca.crt", self.tmp / "ca.key")
         pki.issue_server_certificate(ca, [], [CLOUD_DOWN]).write(

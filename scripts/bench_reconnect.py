@@ -29,10 +29,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent import pki  # noqa: E402
-from tests.e2e.conftest import Certs, Upstream  # noqa: E402
-from tests.e2e.test_standalone import agent_config, server_config  # noqa: E402
-from tests.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.standalone import Certs, Upstream, agent_config, server_config  # noqa: E402  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 
 POLICIES: dict[str, dict[str, Any]] = {
     "now": {},  # the defaults

@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 import trio  # noqa: E402
 
 import tunnel.client  # noqa: E402
-from nodeagent import pki  # noqa: E402
-from tests.e2e.conftest import free_port  # noqa: E402
-from tests.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.standalone import free_port  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 from tunnel import protocol as p  # noqa: E402
 from tunnel.client import TunnelClient  # noqa: E402
 from tunnel.dial import parse_endpoint  # noqa: E402

@@ -40,7 +40,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent import pki  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 from tunnel.dial import dial, serve  # noqa: E402
 from tunnel.transports import (  # noqa: E402
     MAX_MESSAGE_SIZE,

@@ -1,6 +1,6 @@
 """`scripts/demo --cluster`: the Kubernetes path on this machine, driven with kubectl.
 
-The Kubernetes API server here is a LOCAL STAND-IN (tests/fakekube, a test fixture that
+The Kubernetes API server here is a LOCAL STAND-IN (nodeagent/testing/fakekube, a test fixture that
 speaks the API's list/watch protocol), not a real cluster: nothing schedules or runs pods.
 The demo plays the kubelet's part: it installs the manifests with `kubectl apply -k
 manifests/`, creates the pods the workloads would have, gives each a token bound to its pod,
@@ -37,9 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from cryptography import x509  # noqa: E402
 
-from nodeagent import pki  # noqa: E402
-from tests.fakekube.kubectl import KUBECTL  # noqa: E402
-from tests.fakekube.localcluster import (  # noqa: E402
+from nodeagent.testing.fakekube.kubectl import KUBECTL  # noqa: E402
+from nodeagent.testing.fakekube.localcluster import (  # noqa: E402
     MANIFESTS,
     NAMESPACE,
     FakeApiServer,
@@ -49,7 +48,8 @@ from tests.fakekube.localcluster import (  # noqa: E402
     ready,
     wait_for,
 )
-from tests.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 
 NODE = "demo-node"
 HOST = "hello.demo.local"

@@ -52,17 +52,18 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from nodeagent import pki  # noqa: E402
-from tests.e2e.conftest import (  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
+from nodeagent.testing.standalone import (  # noqa: E402  # noqa: E402
     Certs,
     QuietHTTPServer,
     Upstream,
     _echo_server,
     _Handler,
+    agent_config,
     free_port,
+    server_config,
 )
-from tests.e2e.test_standalone import agent_config, server_config  # noqa: E402
-from tests.procs import NodeagentProcess  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 
 
 class Balancer:

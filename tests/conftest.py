@@ -22,8 +22,8 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
+from nodeagent.testing.netns import Topology, netns_available
 from tests import needs as needs_table
-from tests.netns import Topology, netns_available
 
 _SKIPS = pytest.StashKey[Counter[str]]()
 _FAILED = pytest.StashKey[bool]()

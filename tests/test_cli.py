@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nodeagent import cli, pki
+from nodeagent import cli
+from nodeagent.trust import pki
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

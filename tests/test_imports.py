@@ -42,7 +42,7 @@ def test_websocket_names_still_load_on_use() -> None:
 
 # What each start path must not load: cryptography (~9 MiB) is for certificates an agent
 # in standalone mode never makes (ssl loads its CA, certificate and key files itself:
-# nodeagent/tlscontext.py); yaml only for config files.
+# nodeagent/trust/tlscontext.py); yaml only for config files.
 _AGENT_STANDALONE_NEVER = {"cryptography", "_cffi_backend", "httpx", "websockets", "wsproto"}
 
 
@@ -61,7 +61,7 @@ def test_the_agent_cli_does_not_import_cryptography() -> None:
 def test_a_running_standalone_agent_has_not_loaded_cryptography(tmp_path: Path) -> None:
     """A real agent from a file, with a CA, a client certificate and key, dialing a
     server that is not there: its start path, as it runs, without cryptography."""
-    from nodeagent import pki  # the test makes the files; the agent must not need it
+    from nodeagent.trust import pki  # the test makes the files; the agent must not need it
 
     ca = pki.create_ca("imports-test")
     ca.write(tmp_path / "ca.crt", tmp_path / "ca.key")

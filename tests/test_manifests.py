@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from nodeagent.config import ConfigError
+from nodeagent.controller.clustertunnel import parse_cluster_tunnel
 from nodeagent.controller.crds import crd_manifests
-from nodeagent.crd import parse_cluster_tunnel
-from tests.fakekube import schema as structural
+from nodeagent.testing.fakekube import schema as structural
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"

@@ -28,7 +28,7 @@ from nodeagent.config import (
     InterceptConfig,
     NodeConfig,
 )
-from nodeagent.configwatch import WatchStatus
+from nodeagent.configstream.client import WatchStatus
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, counter, gauge
 from nodeagent.ops.streams import (
@@ -50,7 +50,7 @@ from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
 
 if TYPE_CHECKING:  # controller mode only: it imports cryptography
-    from nodeagent.identity import IdentityKeeper
+    from nodeagent.trust.enrollment import IdentityKeeper
 
 log = get_logger("nodeagent.agent")
 

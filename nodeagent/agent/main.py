@@ -32,19 +32,19 @@ from nodeagent.config import (
     parse_config,
     redacted,
 )
-from nodeagent.configwatch import (
+from nodeagent.configstream.client import (
     WatchStatus,
     controller_address,
     read_ca_file,
     token_reader,
     watch_config,
 )
-from nodeagent.filewatch import FileReloader
-from nodeagent.malloctune import trim_forever
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
-from nodeagent.tlscontext import TlsInputError, client_ssl_context
+from nodeagent.runtime.malloctune import trim_forever
+from nodeagent.trust.filewatch import FileReloader
+from nodeagent.trust.tlscontext import TlsInputError, client_ssl_context
 from tunnel import protocol as p
 
 log = get_logger("nodeagent.agent")
@@ -219,8 +219,8 @@ class _Trust:
 def run_agent_cluster(args: argparse.Namespace) -> int:
     # Controller mode only: the node certificate (a key, a CSR: cryptography). An agent
     # started from a file never imports these (tests/test_imports.py).
-    from nodeagent.agent.identity import node_certificate_requester
-    from nodeagent.identity import IdentityKeeper, IssuedIdentity
+    from nodeagent.agent.nodecert import node_certificate_requester
+    from nodeagent.trust.enrollment import IdentityKeeper, IssuedIdentity
 
     config = agent_config_from_flags(args)
     assert config.controller is not None and config.identity_token_file is not None

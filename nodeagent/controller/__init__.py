@@ -13,5 +13,5 @@ node and per server, serves it as a watch stream, keeps CRDs and Ingress status 
                    duration, watch restarts)
     bootstrap.py   the PKI (CA, its ConfigMap, servers' tunnel certificate)
     status.py      Ingress/ClusterTunnel status, Events, the replicas' watcher reports
-    crds.py        the CRDs, generated from nodeagent.crd, and their installation
+    crds.py        the CRDs, generated from clustertunnel.py, and their installation
 """

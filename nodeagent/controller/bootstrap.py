@@ -21,7 +21,6 @@ import trio
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from nodeagent import pki
 from nodeagent.kube import (
     CONFIGMAPS,
     SECRETS,
@@ -31,6 +30,7 @@ from nodeagent.kube import (
     NotFound,
 )
 from nodeagent.ops.logs import get_logger
+from nodeagent.trust import pki
 
 log = get_logger("nodeagent.controller")
 CA_SECRET = "nodeagent-ca"  # the CA's certificate and key

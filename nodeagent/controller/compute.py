@@ -61,8 +61,8 @@ from nodeagent.config import (
     PortRange,
     RoutesConfig,
 )
+from nodeagent.controller.clustertunnel import ClusterTunnelSpec, parse_cluster_tunnel
 from nodeagent.controller.ingress import SERVICE_NAME_LABEL, IngressTranslation, Problem
-from nodeagent.crd import ClusterTunnelSpec, parse_cluster_tunnel
 
 Obj = dict[str, Any]
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

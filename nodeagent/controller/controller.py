@@ -28,7 +28,9 @@ import trio
 
 from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.configserver import ConfigStreamServer
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
 from nodeagent.controller.inputs import (
@@ -48,10 +50,6 @@ from nodeagent.controller.status import (
     WatcherReports,
     public_addresses,
 )
-from nodeagent.controller.stream import ConfigStreamServer
-from nodeagent.crd import CLUSTER_TUNNELS
-from nodeagent.gcfreeze import freeze_survivors_forever
-from nodeagent.gcpause import gc_paused
 from nodeagent.kube import (
     CONFIGMAPS,
     ENDPOINTSLICES,
@@ -70,6 +68,8 @@ from nodeagent.kube import (
 )
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
+from nodeagent.runtime.gcfreeze import freeze_survivors_forever
+from nodeagent.runtime.gcpause import gc_paused
 
 log = get_logger("nodeagent.controller")
 

@@ -1,5 +1,5 @@
 """nodeagent's CustomResourceDefinitions: generated from the pydantic models in
-nodeagent/crd.py, and installed or upgraded by the controller at start.
+nodeagent/controller/clustertunnel.py, and installed or upgraded by the controller at start.
 
 Generation turns pydantic's JSON Schema into a *structural* OpenAPI v3 schema as the API
 server requires (every node typed, no $ref, nullable instead of `anyOf: [X, null]`,
@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nodeagent.crd import (
+from nodeagent.controller.clustertunnel import (
     CLUSTER_TUNNELS,
     CRD_VERSION_ANNOTATION,
     ClusterTunnelSpec,

@@ -44,8 +44,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from nodeagent.config import Backend, HostPort, IngressRoutes, IngressRule, IngressTls
-from nodeagent.gcpause import gc_paused
-from nodeagent.routerules import PATH_TYPES, check_rule_host, check_rule_path
+from nodeagent.config.httprules import PATH_TYPES, check_rule_host, check_rule_path
+from nodeagent.runtime.gcpause import gc_paused
 
 CONTROLLER_NAME = "nodeagent.io/ingress-controller"
 LEGACY_ANNOTATION = "kubernetes.io/ingress.class"

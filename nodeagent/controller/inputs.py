@@ -23,7 +23,7 @@ from nodeagent.controller.bootstrap import (
     SERVER_TLS_SECRET,
     TUNNEL_SERVICE,
 )
-from nodeagent.crd import CLUSTER_TUNNELS
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.kube import (
     ENDPOINTSLICES,
     INGRESSCLASSES,

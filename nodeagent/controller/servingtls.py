@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from nodeagent import pki
 from nodeagent.ops.logs import get_logger
+from nodeagent.trust import pki
 
 log = get_logger("nodeagent.controller")
 SERVING_VALIDITY = dt.timedelta(days=30)

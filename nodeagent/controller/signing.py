@@ -45,13 +45,13 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from nodeagent import pki
 from nodeagent.config import DNS_NAME
+from nodeagent.controller.configserver import refusal
 from nodeagent.controller.metrics import ControllerMetrics
-from nodeagent.controller.stream import refusal
 from nodeagent.kube import PODS, KubeClient, KubeError, NotFound
 from nodeagent.ops.jsonhttp import Reply, Request
 from nodeagent.ops.logs import get_logger
+from nodeagent.trust import pki
 from tunnel.log import RateLimitedLog
 
 log = get_logger("nodeagent.controller.signing")

@@ -20,9 +20,9 @@ from typing import Any
 import trio
 
 from nodeagent.controller.bootstrap import SERVER_SERVICE
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS, FINALIZER
 from nodeagent.controller.compute import Tunnel
 from nodeagent.controller.ingress import Problem
-from nodeagent.crd import CLUSTER_TUNNELS, FINALIZER
 from nodeagent.kube import (
     CONFIGMAPS,
     INGRESSES,

@@ -40,8 +40,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from nodeagent.gcpause import gc_paused
-from nodeagent.routerules import check_rule_host, check_rule_path
+from nodeagent.config.httprules import check_rule_host, check_rule_path
+from nodeagent.runtime.gcpause import gc_paused
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ from nodeagent.server.connect import (
     decide,
     parse_target,
 )
-from nodeagent.tlscontext import TlsInputError, server_ssl_context
+from nodeagent.trust.tlscontext import TlsInputError, server_ssl_context
 from tunnel import protocol as p
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog, StructuredLogger
@@ -193,7 +193,7 @@ class ConnectFront:
                 await close_stream(raw, abort=True)
                 return
             der = tls_stream.getpeercert(binary_form=True)
-            from nodeagent import pki  # client certificates: loaded with the first one
+            from nodeagent.trust import pki  # client certificates: loaded with the first one
 
             if der is not None and (pki.node_name_from_certificate(der) is not None or
                                     pki.server_name_from_certificate(der) is not None):

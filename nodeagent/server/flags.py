@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from nodeagent.config import ConfigError, ServerConfig, parse_config
-from nodeagent.configwatch import controller_address
+from nodeagent.configstream.client import controller_address
 
 
 def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:

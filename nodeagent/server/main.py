@@ -36,22 +36,21 @@ from nodeagent.config import (
     parse_config,
     redacted,
 )
-from nodeagent.configwatch import (
+from nodeagent.configstream.client import (
     WatchStatus,
     controller_address,
     read_ca_file,
     token_reader,
     watch_config,
 )
-from nodeagent.filewatch import FileReloader
 from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
-from nodeagent.malloctune import trim_forever
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.logs import get_logger
+from nodeagent.runtime.malloctune import trim_forever
 from nodeagent.server.flags import server_config_from_flags
 from nodeagent.server.readiness import DEFAULT_READY_GRACE, ReadinessGate
 from nodeagent.server.server import Server
@@ -60,8 +59,9 @@ from nodeagent.server.workers import (
     check_worker_config,
     serve_worker,
 )
-from nodeagent.tlscontext import TlsInputError
-from nodeagent.tlscontext import server_ssl_context as tls_server_context
+from nodeagent.trust.filewatch import FileReloader
+from nodeagent.trust.tlscontext import TlsInputError
+from nodeagent.trust.tlscontext import server_ssl_context as tls_server_context
 from tunnel.dial import parse_endpoint, serve
 from tunnel.listeners import open_tcp_listeners
 from tunnel.tcp import connect_tcp
@@ -355,8 +355,8 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
 def run_server_cluster(args: argparse.Namespace) -> int:
     # Controller mode only: this server's own certificate (a key, a CSR: cryptography).
     # A server started from a file never imports these.
-    from nodeagent import pki
-    from nodeagent.identity import IdentityKeeper, IssuedIdentity, request_certificate
+    from nodeagent.trust import pki
+    from nodeagent.trust.enrollment import IdentityKeeper, IssuedIdentity, request_certificate
 
     config = server_config_from_flags(args)
     workers = int(getattr(args, "workers", 1) or 1)

@@ -35,9 +35,7 @@ from nodeagent.config import (
     TcpMapping,
     valid_node_name,
 )
-from nodeagent.configwatch import WatchStatus
-from nodeagent.filewatch import FileReloader
-from nodeagent.gcpause import gc_paused
+from nodeagent.configstream.client import WatchStatus
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
 from nodeagent.http.stats import HttpStats
@@ -51,9 +49,11 @@ from nodeagent.ops.streams import (
     stream_rows,
     tracked_opener,
 )
+from nodeagent.runtime.gcpause import gc_paused
 from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.dnat import POLICY_REASONS, DnatPath
 from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
+from nodeagent.trust.filewatch import FileReloader
 from tunnel import protocol as p
 from tunnel.endpoint import (
     AuthenticationFailed,
@@ -69,7 +69,7 @@ from tunnel.tcp import DialFailed, connect_tcp
 from tunnel.transports import PeerInfo
 
 if TYPE_CHECKING:  # controller mode only: it imports cryptography
-    from nodeagent.identity import IdentityKeeper
+    from nodeagent.trust.enrollment import IdentityKeeper
 
 log = get_logger("nodeagent.server")
 
@@ -310,7 +310,7 @@ class Server:
         if peer.certificate_der is not None:
             # Only agents with certificates need cryptography to read them (~9 MiB):
             # a server of token-authenticated agents never loads it.
-            from nodeagent.pki import node_name_from_certificate
+            from nodeagent.trust.pki import node_name_from_certificate
 
             cert_node = node_name_from_certificate(peer.certificate_der)
             if cert_node is not None:

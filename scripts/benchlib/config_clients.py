@@ -26,10 +26,10 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent import pki  # noqa: E402
 from nodeagent.config import NodeConfig  # noqa: E402
-from nodeagent.configwatch import WatchStatus, watch_config  # noqa: E402
+from nodeagent.configstream.client import WatchStatus, watch_config  # noqa: E402
 from nodeagent.ops.logs import configure  # noqa: E402
+from nodeagent.trust import pki  # noqa: E402
 from tunnel.backoff import Backoff  # noqa: E402
 
 

@@ -43,7 +43,7 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
     sa: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
     sb: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(b))
     if tls:  # the tunnel's own TLS layer, as in production (tls://)
-        from nodeagent import pki
+        from nodeagent.trust import pki
         ca = pki.create_ca("micro")
         cert = pki.issue_server_certificate(ca, ["localhost"], [])
         ta = TLSStream(sa, pki.client_ssl_context(ca.certificate_pem),

@@ -1,5 +1,5 @@
 """Helpers for tests that need a node's or a server's identity from a running controller
-(or from a test CA), built on the production client (nodeagent/identity.py).
+(or from a test CA), built on the production client (nodeagent/trust/enrollment.py).
 
     pem = await request_certificate(controller_url, ca_pem, token, "node", key)
     token = add_agent_token(fake, "edge-1")               # a bound projected token
@@ -19,10 +19,10 @@ from urllib.parse import urlsplit
 
 import trio
 
-from nodeagent import pki
-from nodeagent.identity import IssuedIdentity
-from nodeagent.identity import request_certificate as request_identity
-from tests.fakekube.server import FakeKube
+from nodeagent.testing.fakekube.server import FakeKube
+from nodeagent.trust import pki
+from nodeagent.trust.enrollment import IssuedIdentity
+from nodeagent.trust.enrollment import request_certificate as request_identity
 
 NS = "nodeagent"
 AGENT_ACCOUNT = "nodeagent-agent"

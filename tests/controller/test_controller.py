@@ -15,7 +15,6 @@ from typing import Any
 
 import trio
 
-from nodeagent import pki
 from nodeagent.controller.bootstrap import (
     CA_CONFIGMAP,
     SERVER_SERVICE,
@@ -39,9 +38,10 @@ from nodeagent.kube import (
     Resource,
 )
 from nodeagent.kube.events import rfc3339
+from nodeagent.testing.fakekube.server import FakeKube
+from nodeagent.trust import pki
 from tests.controller.identity import add_agent_token, obtain_identity
 from tests.controller.test_stream import get
-from tests.fakekube.server import FakeKube
 
 NS = "default"
 

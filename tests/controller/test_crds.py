@@ -8,8 +8,12 @@ import copy
 import pytest
 
 from nodeagent.controller import crds
+from nodeagent.controller.clustertunnel import (
+    CLUSTER_TUNNELS,
+    CRD_VERSION_ANNOTATION,
+    parse_cluster_tunnel,
+)
 from nodeagent.controller.crds import CRD_REVISION, crd_manifests, ensure_crds
-from nodeagent.crd import CLUSTER_TUNNELS, CRD_VERSION_ANNOTATION, parse_cluster_tunnel
 from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, KubeClient, KubeError
 
 NAME = "clustertunnels.nodeagent.io"

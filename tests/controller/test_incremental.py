@@ -13,9 +13,9 @@ import trio.testing
 
 from nodeagent.config import AllowRule, NodeConfig
 from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.configserver import ConfigStreamServer
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
 from nodeagent.controller.metrics import ControllerMetrics
-from nodeagent.controller.stream import ConfigStreamServer
 from tests.controller.test_compute import node, tunnel
 from tests.controller.test_ingress import OURS, endpoint, ingress, path, rule, service, slice_
 

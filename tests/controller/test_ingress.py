@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from nodeagent import pki
 from nodeagent.config import Backend, HostPort
 from nodeagent.controller.ingress import IngressTranslation, translate_ingresses
+from nodeagent.trust import pki
 
 NS = "shop"
 OURS = {"metadata": {"name": "nodeagent"},

@@ -17,15 +17,18 @@ import pytest
 import trio
 from cryptography import x509
 
-from nodeagent import pki
 from nodeagent.config import AllowRule, NodeConfig, RoutesConfig
 from nodeagent.controller.compute import ConfigVersions
+from nodeagent.controller.configserver import ConfigStreamServer
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.servingtls import ServingTLS, service_names
 from nodeagent.controller.signing import CertificateSigner, SigningPolicy
-from nodeagent.controller.stream import ConfigStreamServer
-from nodeagent.identity import CertificateRefused, IssuedIdentity
 from nodeagent.kube import KubeClient
+from nodeagent.testing.fakekube.fixtures import credentials_for, start_fake_kube
+from nodeagent.testing.fakekube.server import FakeKube
+from nodeagent.testing.fakekube.store import DEFAULT_NAMESPACES
+from nodeagent.trust import pki
+from nodeagent.trust.enrollment import CertificateRefused, IssuedIdentity
 from tests.controller.identity import (
     NS,
     add_agent_token,
@@ -35,9 +38,6 @@ from tests.controller.identity import (
     request_certificate,
 )
 from tests.controller.test_stream import get
-from tests.fakekube.fixtures import credentials_for, start_fake_kube
-from tests.fakekube.server import FakeKube
-from tests.fakekube.store import DEFAULT_NAMESPACES
 
 
 @dataclass

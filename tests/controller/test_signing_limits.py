@@ -14,17 +14,17 @@ import h11
 import pytest
 import trio
 
-from nodeagent import pki
 from nodeagent.controller.bootstrap import issued_by, trust_bundle
 from nodeagent.controller.compute import ConfigVersions
+from nodeagent.controller.configserver import ConfigStreamServer
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.servingtls import ServingTLS, service_names
 from nodeagent.controller.signing import CertificateSigner, SigningPolicy, TokenBucket
-from nodeagent.controller.stream import ConfigStreamServer
 from nodeagent.kube import KubeClient
+from nodeagent.testing.fakekube.fixtures import credentials_for, start_fake_kube
+from nodeagent.testing.fakekube.store import DEFAULT_NAMESPACES
+from nodeagent.trust import pki
 from tests.controller.identity import NS, add_agent_token
-from tests.fakekube.fixtures import credentials_for, start_fake_kube
-from tests.fakekube.store import DEFAULT_NAMESPACES
 
 
 async def post(port: int, ca_pem: bytes, body: bytes, token: str

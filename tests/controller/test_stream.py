@@ -12,12 +12,12 @@ import h11
 import pytest
 import trio
 
-from nodeagent import pki
 from nodeagent.config import AllowRule, NodeConfig, RoutesConfig
-from nodeagent.configwatch import WatchStatus, announced_idle_timeout, watch_config
+from nodeagent.configstream.client import WatchStatus, announced_idle_timeout, watch_config
 from nodeagent.controller.compute import ConfigVersions
+from nodeagent.controller.configserver import ConfigStreamServer, Identity, peer_identity
 from nodeagent.controller.servingtls import ServingTLS, service_names
-from nodeagent.controller.stream import ConfigStreamServer, Identity, peer_identity
+from nodeagent.trust import pki
 from tunnel.backoff import Backoff
 
 NS = "nodeagent"

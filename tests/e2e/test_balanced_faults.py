@@ -35,11 +35,11 @@ from typing import Any
 import httpx
 import pytest
 
-from nodeagent import pki
-from tests.e2e.conftest import TOKEN, QuietHTTPServer
+from nodeagent.testing.netns import NftBalancer, Topology, in_netns, netns_available
+from nodeagent.testing.procs import NodeagentProcess, rss_kib
+from nodeagent.testing.standalone import TOKEN, QuietHTTPServer
+from nodeagent.trust import pki
 from tests.e2e.test_failures import lines, no_tracebacks
-from tests.netns import NftBalancer, Topology, in_netns, netns_available
-from tests.procs import NodeagentProcess, rss_kib
 
 pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
 

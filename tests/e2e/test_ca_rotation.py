@@ -28,11 +28,12 @@ import httpx
 import pytest
 import trio
 
-from nodeagent import pki
 from nodeagent.controller.bootstrap import secret_value
 from nodeagent.kube.resources import SECRETS
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import Certs
+from nodeagent.trust import pki
 from tests.controller.identity import obtain_identity
-from tests.e2e.conftest import Certs
 from tests.e2e.test_kubernetes import (  # noqa: F401 (fixtures)
     AGENT_TOKEN,
     NS,
@@ -47,7 +48,6 @@ from tests.e2e.test_kubernetes import (  # noqa: F401 (fixtures)
     wait_for,
 )
 from tests.e2e.test_reload import presented_serial
-from tests.procs import NodeagentProcess
 
 pytestmark = pytest.mark.needs("root")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakekube.kubectl import needs_kubectl
+from nodeagent.testing.fakekube.kubectl import needs_kubectl
 
 pytestmark = [pytest.mark.needs("root"), needs_kubectl,
               pytest.mark.skipif(not os.access("/usr/bin/curl", os.X_OK), reason="no curl")]

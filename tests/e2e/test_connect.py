@@ -24,8 +24,8 @@ import pytest
 import trio
 import trustme
 
-from tests.e2e.conftest import TOKEN, Certs, Upstream, free_port
-from tests.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import TOKEN, Certs, Upstream, free_port
 
 # The agent marks its sockets (SO_MARK), which needs CAP_NET_ADMIN.
 pytestmark = pytest.mark.needs("root")

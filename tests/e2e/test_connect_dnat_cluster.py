@@ -25,13 +25,13 @@ from typing import Any
 import httpx
 import pytest
 
-from nodeagent import pki
-from nodeagent.crd import CLUSTER_TUNNELS
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.kube.resources import CONFIGMAPS, NODES, PODS
+from nodeagent.testing.netns import Topology, in_netns, netns_available
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.trust import pki
 from tests.e2e.test_connect_dnat import dial
 from tests.e2e.test_kubernetes import ADMIN, Api, wait_for
-from tests.netns import Topology, in_netns, netns_available
-from tests.procs import NodeagentProcess
 
 pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
         assert kubelet.stdout is not None and kubelet.stdout.readline().strip() == b"ready"
         kubeconfig = tmp_path / "kubeconfig"
         fake = topo.popen("cloud", [
-            sys.executable, "-m", "tests.fakekube", "--port", "0", "--token", ADMIN,
+            sys.executable, "-m", "nodeagent.testing.fakekube", "--port", "0", "--token", ADMIN,
             "--kubeconfig", str(kubeconfig), "--bookmark-interval", "0.5",
             "--namespace", "nodeagent"], cwd=str(ROOT), stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL)

@@ -18,9 +18,15 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Certs, Upstream
-from tests.e2e.test_standalone import http_port, listen_port, run_cli, start_pair
-from tests.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import (
+    Certs,
+    Upstream,
+    http_port,
+    listen_port,
+    run_cli,
+    start_pair,
+)
 
 # The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
 pytestmark = pytest.mark.needs("root")

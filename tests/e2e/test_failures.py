@@ -19,11 +19,19 @@ from typing import Any
 import httpx
 import pytest
 
-from nodeagent import pki
-from tests.e2e.conftest import TOKEN, Certs, Upstream, free_port
-from tests.e2e.test_standalone import agent_config, echo_through, listen_port, server_config
-from tests.netns import Topology, netns_available
-from tests.procs import NodeagentProcess
+from nodeagent.testing.netns import Topology, netns_available
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import (
+    TOKEN,
+    Certs,
+    Upstream,
+    agent_config,
+    echo_through,
+    free_port,
+    listen_port,
+    server_config,
+)
+from nodeagent.trust import pki
 from tunnel import protocol as p
 
 pytestmark = pytest.mark.needs("root")  # the agent marks its socket (SO_MARK)

@@ -8,10 +8,17 @@ from pathlib import Path
 import pytest
 import trio
 
-from nodeagent import pki
-from tests.e2e.conftest import TOKEN, Certs, Upstream
-from tests.e2e.test_standalone import agent_config, echo_through, listen_port, server_config
-from tests.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import (
+    TOKEN,
+    Certs,
+    Upstream,
+    agent_config,
+    echo_through,
+    listen_port,
+    server_config,
+)
+from nodeagent.trust import pki
 from tunnel import protocol as p
 from tunnel.dial import dial
 from tunnel.endpoint import EndpointSettings, HandshakeError, TunnelConnection

@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 
-from nodeagent import pki
-from tests.e2e.conftest import Certs, Upstream, free_port
-from tests.e2e.test_standalone import agent_config, server_config
-from tests.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import Certs, Upstream, agent_config, free_port, server_config
+from nodeagent.trust import pki
 
 # The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
 pytestmark = pytest.mark.needs("root")

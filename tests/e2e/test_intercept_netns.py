@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from nodeagent import pki
-from tests.netns import Topology, in_netns, netns_available
-from tests.procs import NodeagentProcess
+from nodeagent.testing.netns import Topology, in_netns, netns_available
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.trust import pki
 
 pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
 TOKEN = "netns-token-0123456789abcdef"

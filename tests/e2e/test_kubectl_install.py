@@ -1,5 +1,5 @@
 """The install and the user's steps with the real `kubectl` only, against the fake API server
-as a process (`python -m tests.fakekube --tls --rbac`).
+as a process (`python -m nodeagent.testing.fakekube --tls --rbac`).
 
 `kubectl apply -k manifests/` (validation on) installs everything; a controller, a server and
 an agent then run as processes with the flags the applied Deployments and DaemonSet give
@@ -28,9 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Certs, Upstream, free_port
-from tests.fakekube.kubectl import needs_kubectl
-from tests.fakekube.localcluster import (
+from nodeagent.testing.fakekube.kubectl import needs_kubectl
+from nodeagent.testing.fakekube.localcluster import (
     MANIFESTS,
     FakeApiServer,
     Kubectl,
@@ -39,7 +38,8 @@ from tests.fakekube.localcluster import (
     ready,
     wait_for,
 )
-from tests.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import Certs, Upstream, free_port
 
 # The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
 pytestmark = [pytest.mark.needs("root"), needs_kubectl]
@@ -52,7 +52,7 @@ LB_ADDRESS = "203.0.113.7"
 
 @pytest.fixture
 def fake(tmp_path: Path) -> Iterator[FakeApiServer]:
-    """`python -m tests.fakekube --tls --rbac`, an admin kubeconfig for it."""
+    """`python -m nodeagent.testing.fakekube --tls --rbac`, an admin kubeconfig for it."""
     server = FakeApiServer(tmp_path / "kubeconfig", ADMIN)
     try:
         yield server

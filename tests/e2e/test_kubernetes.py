@@ -26,9 +26,8 @@ import httpx
 import pytest
 import trio
 
-from nodeagent import pki
 from nodeagent.controller.bootstrap import certificate_names, secret_value
-from nodeagent.crd import CLUSTER_TUNNELS
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.kube.resources import (
     CONFIGMAPS,
     ENDPOINTSLICES,
@@ -42,9 +41,10 @@ from nodeagent.kube.resources import (
     SERVICES,
     Resource,
 )
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import Certs, Upstream, free_port
+from nodeagent.trust import pki
 from tests.controller.identity import obtain_identity
-from tests.e2e.conftest import Certs, Upstream, free_port
-from tests.procs import NodeagentProcess
 
 # The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
 pytestmark = pytest.mark.needs("root")
@@ -149,7 +149,7 @@ def controllers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict
     marker = request.node.get_closest_marker("controller_args")
     extra_args: tuple[str, ...] = tuple(marker.args) if marker else ()
     fake = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakekube", "--port", "0", "--token", ADMIN,
+        [sys.executable, "-m", "nodeagent.testing.fakekube", "--port", "0", "--token", ADMIN,
          "--kubeconfig", str(kubeconfig), "--bookmark-interval", "0.5",
          "--namespace", "nodeagent", "--namespace", NS],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

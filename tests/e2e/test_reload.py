@@ -14,10 +14,17 @@ from typing import Any
 
 import pytest
 
-from nodeagent import pki
-from tests.e2e.conftest import TOKEN, Certs, Upstream
-from tests.e2e.test_standalone import agent_config, echo_through, listen_port, server_config
-from tests.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import (
+    TOKEN,
+    Certs,
+    Upstream,
+    agent_config,
+    echo_through,
+    listen_port,
+    server_config,
+)
+from nodeagent.trust import pki
 
 pytestmark = pytest.mark.needs("root")  # the agent marks its tunnel socket (SO_MARK)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,86 +13,22 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import TOKEN, Certs, Upstream, free_port
-from tests.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import (
+    TOKEN,
+    Certs,
+    Upstream,
+    agent_config,
+    echo_through,
+    http_port,
+    listen_port,
+    run_cli,
+    server_config,
+    start_pair,
+)
 
 # The agent marks its tunnel socket (SO_MARK), which needs CAP_NET_ADMIN.
 pytestmark = pytest.mark.needs("root")
-
-
-def server_config(tmp: Path, certs: Certs, upstream: Upstream, *, scheme: str = "tls",
-                  tunnel_port: int | None = None, mtls: bool = False) -> dict[str, Any]:
-    tunnel_port = tunnel_port or free_port()
-    path = "/tunnel" if scheme == "wss" else ""
-    cfg: dict[str, Any] = {
-        "server_id": "cloud-test",
-        "tunnel": f"{scheme}://127.0.0.1:{tunnel_port}{path}",
-        "tls": {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key)},
-        "tokens": [{"node": "edge-1", "token": TOKEN}],
-        "tcp": [{"name": "echo", "listen": f"127.0.0.1:{free_port()}", "node": "edge-1",
-                 "target": f"127.0.0.1:{upstream.echo_port}"},
-                {"name": "forbidden", "listen": f"127.0.0.1:{free_port()}", "node": "edge-1",
-                 "target": "127.0.0.1:1"}],
-        "http": [{"name": "public", "listen": f"127.0.0.1:{free_port()}", "routes": [
-            {"host": "app.test", "node": "edge-1",
-             "target": f"127.0.0.1:{upstream.http_port}"},
-            {"host": "ghost.test", "node": "edge-404",
-             "target": f"127.0.0.1:{upstream.http_port}"},
-            {"host": "closed.test", "node": "edge-1", "target": "127.0.0.1:9"},
-        ]}],
-        "debug_socket": str(tmp / "server.sock"),
-        "keepalive": {"interval": 1, "timeout": 2},
-    }
-    if mtls:
-        cfg["tls"]["client_ca_file"] = str(certs.ca)
-    return cfg
-
-
-def agent_config(tmp: Path, certs: Certs, upstream: Upstream, server_url: str,
-                 **extra: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "node": "edge-1", "server": server_url, "token": TOKEN,
-        "tls": {"ca_file": str(certs.ca)},
-        "allow": [f"127.0.0.1:{upstream.echo_port}", f"127.0.0.1:{upstream.http_port}",
-                  "127.0.0.1:9"],
-        "debug_socket": str(tmp / "agent.sock"),
-        "keepalive": {"interval": 1, "timeout": 2},
-        "reconnect": {"initial": 0.1, "maximum": 1.0},
-    }
-    cfg.update(extra)
-    return cfg
-
-
-def start_pair(tmp: Path, certs: Certs, upstream: Upstream, scheme: str = "tls",
-               **agent_extra: Any) -> tuple[NodeagentProcess, NodeagentProcess]:
-    scfg = server_config(tmp, certs, upstream, scheme=scheme)
-    server = NodeagentProcess("server", scfg, tmp, "server").start()
-    server.wait_ready()
-    agent = NodeagentProcess("agent", agent_config(tmp, certs, upstream, scfg["tunnel"],
-                                                   **agent_extra), tmp, "agent").start()
-    agent.wait_ready()
-    server.wait_for(lambda s: any(a["node"] == "edge-1" for a in s["agents"]),
-                    what="edge-1 connected")
-    return server, agent
-
-
-def listen_port(server: NodeagentProcess, index: int) -> int:
-    port: int = server.config["tcp"][index]["listen"].rsplit(":", 1)[1]
-    return int(port)
-
-
-def http_port(server: NodeagentProcess) -> int:
-    return int(server.config["http"][0]["listen"].rsplit(":", 1)[1])
-
-
-def echo_through(port: int, payload: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
-        got = b""
-        while chunk := sock.recv(65536):
-            got += chunk
-        return got
 
 
 @pytest.fixture
@@ -258,11 +192,6 @@ def test_second_agent_with_the_same_name_replaces_the_first(stack, tmp_path: Pat
         assert echo_through(listen_port(server, 0), b"x") == b"x"
     finally:
         second.kill()
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True,
-                          text=True, timeout=30)
 
 
 def test_invalid_config_exits_2_with_one_clear_message(tmp_path: Path) -> None:

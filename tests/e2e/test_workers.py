@@ -25,16 +25,18 @@ import httpx
 import pytest
 
 from nodeagent.server.workers import worker_socket
-from tests.e2e.conftest import Certs, Upstream, free_port
-from tests.e2e.test_failures import no_tracebacks
-from tests.e2e.test_standalone import (
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import (
+    Certs,
+    Upstream,
     agent_config,
     echo_through,
+    free_port,
     http_port,
     listen_port,
     server_config,
 )
-from tests.procs import NodeagentProcess
+from tests.e2e.test_failures import no_tracebacks
 
 pytestmark = pytest.mark.needs("root")  # the agent marks its socket (SO_MARK)
 

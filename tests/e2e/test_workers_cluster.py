@@ -18,14 +18,14 @@ import pytest
 
 from nodeagent.kube.resources import ENDPOINTSLICES
 from nodeagent.server.workers import worker_socket
-from tests.e2e.conftest import Certs, Upstream, free_port
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import Certs, Upstream, free_port
 from tests.e2e.test_kubernetes import (
     controllers,  # noqa: F401 (a fixture)
     seed_identities,
     serve_shop_on_edge,
     wait_for,
 )
-from tests.procs import NodeagentProcess
 
 pytestmark = pytest.mark.needs("root")  # the agent marks its tunnel socket (SO_MARK)
 

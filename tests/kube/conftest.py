@@ -1,3 +1,3 @@
-from tests.fakekube.fixtures import fake_kube, fake_kube_tls, kube
+from nodeagent.testing.fakekube.fixtures import fake_kube, fake_kube_tls, kube
 
 __all__ = ["fake_kube", "fake_kube_tls", "kube"]

@@ -27,7 +27,7 @@ from nodeagent.kube import (
     Unauthorized,
     custom_resource,
 )
-from tests.fakekube import FakeKube
+from nodeagent.testing.fakekube import FakeKube
 from tests.kube.helpers import configmap, names, node, secret
 
 

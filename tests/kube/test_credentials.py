@@ -20,8 +20,8 @@ from nodeagent.kube import (
     load_kubeconfig,
 )
 from nodeagent.kube import credentials as credentials_module
-from tests.fakekube import FakeKube
-from tests.fakekube.fixtures import ADMIN_TOKEN
+from nodeagent.testing.fakekube import FakeKube
+from nodeagent.testing.fakekube.fixtures import ADMIN_TOKEN
 
 
 async def can_list(credentials: object) -> None:
@@ -48,7 +48,7 @@ async def test_kubeconfig_client_certificate(fake_kube_tls: FakeKube, tmp_path: 
 
 async def test_kubeconfig_with_untrusted_ca_fails_closed(fake_kube_tls: FakeKube,
                                                          tmp_path: Path) -> None:
-    from tests.fakekube import CertificateAuthority, write_kubeconfig
+    from nodeagent.testing.fakekube import CertificateAuthority, write_kubeconfig
 
     other_ca = CertificateAuthority("someone-else")
     path = write_kubeconfig(tmp_path / "kc", fake_kube_tls.url, token=ADMIN_TOKEN,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from nodeagent.kube import EVENTS, INGRESSES, NODES, EventRecorder, KubeClient
-from tests.fakekube import FakeKube
+from nodeagent.testing.fakekube import FakeKube
 from tests.kube.helpers import node
 
 

@@ -21,7 +21,7 @@ from nodeagent.kube import (
     KubeClient,
     SharedInformers,
 )
-from tests.fakekube import FakeKube
+from nodeagent.testing.fakekube import FakeKube
 from tests.kube.helpers import configmap, eventually, names, node
 
 

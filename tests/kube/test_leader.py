@@ -10,8 +10,8 @@ from pathlib import Path
 import trio
 
 from nodeagent.kube import KubeClient, LeaderElector
-from tests.fakekube import FakeKube
-from tests.fakekube.fixtures import credentials_for
+from nodeagent.testing.fakekube import FakeKube
+from nodeagent.testing.fakekube.fixtures import credentials_for
 from tests.kube.helpers import eventually
 
 TIMING = {"lease_duration": 1.0, "renew_deadline": 0.6, "retry_period": 0.15}

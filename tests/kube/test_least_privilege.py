@@ -23,8 +23,8 @@ from nodeagent.controller.controller import (
 )
 from nodeagent.controller.crds import crd_manifests
 from nodeagent.kube.client import selector_string
-from tests.fakekube import FakeKube
-from tests.fakekube.fixtures import ADMIN_TOKEN
+from nodeagent.testing.fakekube import FakeKube
+from nodeagent.testing.fakekube.fixtures import ADMIN_TOKEN
 
 MANIFEST_RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac.yaml"
 CONTROLLER = "system:serviceaccount:nodeagent:nodeagent-controller"

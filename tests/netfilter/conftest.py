@@ -5,8 +5,8 @@ from collections.abc import Iterator
 import pytest
 
 from netfilter.nftables import NftablesBackend
+from nodeagent.testing.netns import netns_available
 from tests.netfilter.lab import Lab
-from tests.netns import netns_available
 
 
 @pytest.fixture(scope="module")

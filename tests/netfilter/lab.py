@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pyroute2.netns import popns, pushns
 
 from netfilter import sockets
-from tests.netns import Topology
+from nodeagent.testing.netns import Topology
 
 PROXY_TCP4 = 15001
 PROXY_TCP6 = 15002

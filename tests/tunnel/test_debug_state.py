@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import trio
 
-from tests.e2e.conftest import free_port
+from nodeagent.testing.standalone import free_port
 from tests.tunnel.test_reconnect import client, node_from_hello, tunnel_server
 from tunnel import protocol as p
 from tunnel.endpoint import EndpointSettings

@@ -16,7 +16,7 @@ import trio_websocket
 import websockets.trio.client
 import websockets.trio.server
 
-from nodeagent import pki
+from nodeagent.trust import pki
 from tunnel.dial import dial, parse_endpoint, serve
 from tunnel.transports import DialError, Endpoint, Transport
 

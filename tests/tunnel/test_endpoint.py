@@ -15,7 +15,7 @@ from functools import partial
 import pytest
 import trio
 
-from nodeagent import pki
+from nodeagent.trust import pki
 from tests.tunnel.memtransport import memory_transport_pair
 from tunnel import protocol as p
 from tunnel.dial import dial, serve

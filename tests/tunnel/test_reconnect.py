@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from tests.e2e.conftest import free_port
+from nodeagent.testing.standalone import free_port
 from tests.tunnel.memtransport import memory_transport_pair
 from tests.tunnel.test_endpoint import echo_handler
 from tunnel import protocol as p

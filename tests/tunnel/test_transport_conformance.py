@@ -1,6 +1,6 @@
 """One suite every transport passes: tcp, tls, and ws/wss on both WebSocket cores.
 
-Real sockets on 127.0.0.1 (and ::1), real TLS with certificates from nodeagent.pki, the
+Real sockets on 127.0.0.1 (and ::1), real TLS with certificates from nodeagent.trust.pki, the
 real dial() and serve(). What the tunnel endpoints rely on: bytes arrive complete and in
 order, a clean close reads as b"", a broken connection is a TransportError (never a
 hang), a closed transport refuses to send, aclose() wakes a blocked receive, handshakes
@@ -30,7 +30,7 @@ import trio.testing
 import websockets.frames
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from nodeagent import pki
+from nodeagent.trust import pki
 from tunnel.dial import SO_MARK, dial, serve
 from tunnel.transports import (
     CLOSE_TIMEOUT,

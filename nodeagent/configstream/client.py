@@ -1,0 +1,276 @@
+"""The client of the controller's config watch stream (nodeagent/controller/configserver.py).
+
+`watch_config` keeps one watch open: it sends the GET over a byte stream that `open_stream`
+provides (an agent opens a tunnel stream to the controller; a server a TCP connection),
+reads ndjson lines with h11, validates each config with the one config model and hands it
+to `apply`. It reconnects with jittered backoff and resumes from the last version it
+applied. A config that fails to apply is logged once and not retried until a newer
+version arrives; the process keeps running its previous config.
+
+With `tls` (a callable giving the client context at each connect, so a renewed certificate
+is used from the next one on) the watch runs TLS over that stream itself, verifying the
+controller for `host` and presenting the client certificate the controller authorizes by:
+end to end even through an agent's tunnel. Without it the watch is plain HTTP (tests).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import h11
+import trio
+from pydantic import BaseModel
+
+from nodeagent.config import ConfigError, parse_config
+from nodeagent.ops.logs import StructuredLogger, get_logger
+from nodeagent.trust import tlscontext
+from tunnel.backoff import Backoff
+from tunnel.transports.tls import TLSStream
+
+M = TypeVar("M", bound=BaseModel)
+MAX_LINE = 16 * 1024 * 1024  # a whole config (10,000 routes) in one line
+HANDSHAKE_TIMEOUT = 20.0  # seconds for the TLS handshake with the controller
+# The controller's heartbeat interval, in seconds, on a watch's response.
+HEARTBEAT_HEADER = b"x-nodeagent-heartbeat"
+
+
+@dataclass
+class WatchStatus:
+    url: str
+    state: str = "starting"  # starting | connecting | watching | backoff
+    applied_version: int = -1
+    received_version: int = -1
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"controller": self.url, "state": self.state,
+                "config_version": self.applied_version,
+                "received_version": self.received_version, "last_error": self.last_error}
+
+
+class WatchError(Exception):
+    """The watch failed (HTTP status, bad line, connection): reconnect after a backoff."""
+
+
+async def watch_config(
+    *, open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str, path: str,
+    model: type[M], apply: Callable[[M], Awaitable[None]], status: WatchStatus,
+    token: Callable[[], str] | None = None, tls: Callable[[], ssl.SSLContext] | None = None,
+    backoff: Backoff | None = None, idle_timeout: float = 45.0,
+    log: StructuredLogger | None = None, running: dict[str, Any] | None = None,
+) -> None:
+    """Run until cancelled. `idle_timeout`: no line (not even a heartbeat) for this long means
+    the watch is dead; once the controller announces its heartbeat interval
+    (`x-nodeagent-heartbeat`), three of them instead. `running`: the config already in force
+    (a server's persisted routes, JSON): not applied again if the controller sends the same.
+
+    Static stability: while the controller is unreachable the running config stays in
+    force, however long. Each (re)connect asks for the current config (after=-1) and
+    applies it if its content differs from the running one, whatever its version: a
+    restarted controller numbers its versions from 1 again, and a change made while it
+    was away must still arrive."""
+    log = log or get_logger("nodeagent.configstream.client")
+    backoff = backoff or Backoff(initial=0.2, maximum=10.0)
+    failed_version = -1
+    while True:
+        status.state = "connecting"
+        try:
+            stream: trio.abc.Stream = await open_stream()
+            if tls is not None:
+                # The tunnel's TLSStream: it hands over every record a read brought in
+                # one receive_some (trio.SSLStream, one 16 KiB record per call, was a
+                # quarter of a watcher's CPU in scripts/bench_config.py's fan-out).
+                stream = TLSStream(stream, tls(), server_hostname=host)
+        except Exception as exc:  # any reason the controller is unreachable right now
+            await _pause(status, backoff, log, f"cannot reach the controller: {exc}")
+            continue
+        try:
+            async with stream:
+                if isinstance(stream, TLSStream):
+                    with trio.move_on_after(HANDSHAKE_TIMEOUT) as handshake:
+                        await stream.do_handshake()
+                    if handshake.cancelled_caught:
+                        raise WatchError(f"no TLS handshake with the controller within "
+                                         f"{HANDSHAKE_TIMEOUT:g}s")
+                conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)
+                after = -1  # the current config at once (see the docstring)
+                first = True
+                headers = [("host", host), ("accept", "application/x-ndjson")]
+                if token is not None:
+                    headers.append(("authorization", f"Bearer {token()}"))
+                request = h11.Request(method="GET", target=f"{path}?after={after}",
+                                      headers=headers)
+                await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
+                async for doc in _lines(conn, stream, idle_timeout):
+                    status.state = "watching"
+                    backoff.reset()
+                    if not doc:
+                        continue  # heartbeat
+                    version = doc.get("version")
+                    if not isinstance(version, int):
+                        raise WatchError(f"line without a version: {str(doc)[:200]}")
+                    status.received_version = version
+                    fresh, first = first, False
+                    if fresh and doc.get("config") == running:
+                        status.applied_version = version  # the same content renumbered
+                        continue
+                    if not fresh and (version <= status.applied_version
+                                      or version == failed_version):
+                        continue
+                    try:
+                        config = parse_config(model, doc.get("config"), f"controller {path}")
+                        config = config.model_copy(update={"version": version})
+                        await apply(config)
+                        running = doc.get("config")
+                    except Exception as exc:
+                        failed_version = version
+                        status.last_error = str(exc)
+                        log.error("config from the controller not applied; keeping the "
+                                  "running config", version=version, error=str(exc),
+                                  kind=type(exc).__name__)
+                        continue
+                    status.applied_version = version
+                    status.last_error = None
+                    log.info("config applied", version=version)
+        except (WatchError, ConfigError, h11.ProtocolError, trio.BrokenResourceError,
+                trio.ClosedResourceError, OSError, ssl.SSLError) as exc:
+            await _pause(status, backoff, log, _describe(exc))
+            continue
+        await _pause(status, backoff, log, "the controller ended the watch")
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the log and the debug socket. trio wraps TLS failures (a controller
+    certificate that does not verify: a server in the middle) in a BrokenResourceError
+    with no message of its own: say what is underneath."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 3:
+        text = str(seen).strip()
+        if text and text not in parts:
+            parts.append(text if not isinstance(seen, ssl.SSLError)
+                         else f"TLS: {text}")
+        seen = seen.__cause__ or seen.__context__
+    return ": ".join(parts) or type(exc).__name__
+
+
+async def _pause(status: WatchStatus, backoff: Backoff, log: StructuredLogger,
+                 reason: str) -> None:
+    status.state = "backoff"
+    status.last_error = reason
+    delay = backoff.next_delay()
+    log.warning("config watch interrupted; retrying", reason=reason, delay=f"{delay:.2f}s")
+    await trio.sleep(delay)
+
+
+async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: float
+                 ) -> AsyncIterator[dict[str, Any]]:
+    """Parsed JSON objects from the response body, one per line."""
+    buffer = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            with trio.move_on_after(idle_timeout) as scope:
+                data = await stream.receive_some(65536)
+            if scope.cancelled_caught:
+                raise WatchError(f"nothing from the controller for {idle_timeout:g}s")
+            conn.receive_data(bytes(data))
+            continue
+        if isinstance(event, h11.Response):
+            if event.status_code != 200:
+                body = await _body(conn, stream)
+                raise WatchError(f"controller answered {event.status_code}: {body.strip()}")
+            idle_timeout = announced_idle_timeout(event.headers, idle_timeout)
+            continue
+        if isinstance(event, h11.Data):
+            buffer += bytes(event.data)
+            if len(buffer) > MAX_LINE:
+                raise WatchError("a config line exceeds the size limit")
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                try:
+                    doc = json.loads(line)
+                except ValueError:
+                    raise WatchError(f"not JSON: {line[:200]!r}") from None
+                if not isinstance(doc, dict):
+                    raise WatchError(f"not a JSON object: {line[:200]!r}")
+                yield doc
+            continue
+        if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            return
+
+
+def announced_idle_timeout(headers: Iterable[tuple[bytes, bytes]], default: float) -> float:
+    """Three heartbeat intervals, as the controller announces them; `default` when it
+    does not (an older one sends every 15 s) or says something out of bounds."""
+    for name, value in headers:
+        if name.lower() == HEARTBEAT_HEADER:
+            try:
+                heartbeat = float(value)
+            except ValueError:
+                return default
+            return 3 * heartbeat if 0 < heartbeat <= 600 else default
+    return default
+
+
+async def _body(conn: h11.Connection, stream: trio.abc.Stream) -> str:
+    out = b""
+    with trio.move_on_after(5):
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(bytes(await stream.receive_some(65536)))
+                continue
+            if isinstance(event, h11.Data):
+                out += bytes(event.data)
+                continue
+            break
+    return out.decode(errors="replace")[:300]
+
+
+def controller_address(url: str) -> tuple[str, int]:
+    """(host, port) of `https://host:port` (the controller's TLS stream) or, in tests,
+    `http://host:port`."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--controller {url!r}: use http://host:port or https://host:port")
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _token_reader(path: Path) -> Callable[[], str]:
+    """Reads the token file at each (re)connect: a rotated Secret takes effect."""
+    def read() -> str:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file {path}: {exc.strerror}") from None
+    read()  # fail at start, not at the first watch
+    return read
+
+
+def token_reader(path: Path) -> Callable[[], str]:
+    """Reads the token file at each (re)connect: a rotated Secret takes effect."""
+    def read() -> str:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file {path}: {exc.strerror}") from None
+    read()  # fail at start, not at the first watch
+    return read
+
+
+def read_ca_file(path: Path) -> bytes:
+    """The cluster CA bundle given as --ca-file, checked to hold certificates; a
+    ConfigError naming the flag otherwise."""
+    try:
+        ca_pem = path.read_bytes()
+        tlscontext.ca_text(ca_pem)  # ssl alone: no cryptography on an agent's path
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"flags: --ca-file: {path}: {exc}") from None
+    return ca_pem

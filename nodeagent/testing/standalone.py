@@ -1,0 +1,190 @@
+"""A standalone server and agent as real processes, and what they talk to: test
+certificates, a sample upstream (HTTP and TCP echo on loopback), the config files of the
+pair, and small clients. The e2e tests, the soak and the benchmarks build on these."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.trust import pki
+
+TOKEN = "e2e-token-0123456789abcdef"
+
+
+
+class QuietHTTPServer(ThreadingHTTPServer):
+    """A sample upstream for fault tests and the soak: a client the test cuts on purpose
+    is no traceback on stderr."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
+
+@dataclass
+class Certs:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    agent_cert: Path
+    agent_key: Path
+
+
+def make_certs(d: Path) -> Certs:
+    """A CA, a server certificate for localhost and a node certificate for edge-1, as PEM
+    files in `d`."""
+    ca = pki.create_ca("nodeagent-test-ca")
+    ca.write(d / "ca.crt", d / "ca.key")
+    server = pki.issue_server_certificate(ca, ["localhost"], ["127.0.0.1", "::1"])
+    server.write(d / "server.crt", d / "server.key")
+    agent = pki.issue_client_certificate(ca, "edge-1")
+    agent.write(d / "edge-1.crt", d / "edge-1.key")
+    return Certs(d / "ca.crt", d / "server.crt", d / "server.key", d / "edge-1.crt",
+                 d / "edge-1.key")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = (f"hello from upstream path={self.path} host={self.headers.get('Host')} "
+                f"xff={self.headers.get('X-Forwarded-For')}").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@dataclass
+class Upstream:
+    http_port: int
+    echo_port: int
+
+
+def _echo_server(sock: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+
+        def serve(c: socket.socket) -> None:
+            with c:
+                while data := c.recv(65536):
+                    c.sendall(data)
+
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+@contextlib.contextmanager
+def run_upstream() -> Iterator[Upstream]:
+    """A plain HTTP service and a TCP echo service on 127.0.0.1 (threads: they stand for
+    ordinary programs on the node, not for nodeagent code)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    echo = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
+    try:
+        yield Upstream(httpd.server_address[1], echo.getsockname()[1])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        echo.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_config(tmp: Path, certs: Certs, upstream: Upstream, *, scheme: str = "tls",
+                  tunnel_port: int | None = None, mtls: bool = False) -> dict[str, Any]:
+    tunnel_port = tunnel_port or free_port()
+    path = "/tunnel" if scheme == "wss" else ""
+    cfg: dict[str, Any] = {
+        "server_id": "cloud-test",
+        "tunnel": f"{scheme}://127.0.0.1:{tunnel_port}{path}",
+        "tls": {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key)},
+        "tokens": [{"node": "edge-1", "token": TOKEN}],
+        "tcp": [{"name": "echo", "listen": f"127.0.0.1:{free_port()}", "node": "edge-1",
+                 "target": f"127.0.0.1:{upstream.echo_port}"},
+                {"name": "forbidden", "listen": f"127.0.0.1:{free_port()}", "node": "edge-1",
+                 "target": "127.0.0.1:1"}],
+        "http": [{"name": "public", "listen": f"127.0.0.1:{free_port()}", "routes": [
+            {"host": "app.test", "node": "edge-1",
+             "target": f"127.0.0.1:{upstream.http_port}"},
+            {"host": "ghost.test", "node": "edge-404",
+             "target": f"127.0.0.1:{upstream.http_port}"},
+            {"host": "closed.test", "node": "edge-1", "target": "127.0.0.1:9"},
+        ]}],
+        "debug_socket": str(tmp / "server.sock"),
+        "keepalive": {"interval": 1, "timeout": 2},
+    }
+    if mtls:
+        cfg["tls"]["client_ca_file"] = str(certs.ca)
+    return cfg
+
+
+def agent_config(tmp: Path, certs: Certs, upstream: Upstream, server_url: str,
+                 **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "node": "edge-1", "server": server_url, "token": TOKEN,
+        "tls": {"ca_file": str(certs.ca)},
+        "allow": [f"127.0.0.1:{upstream.echo_port}", f"127.0.0.1:{upstream.http_port}",
+                  "127.0.0.1:9"],
+        "debug_socket": str(tmp / "agent.sock"),
+        "keepalive": {"interval": 1, "timeout": 2},
+        "reconnect": {"initial": 0.1, "maximum": 1.0},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def start_pair(tmp: Path, certs: Certs, upstream: Upstream, scheme: str = "tls",
+               **agent_extra: Any) -> tuple[NodeagentProcess, NodeagentProcess]:
+    scfg = server_config(tmp, certs, upstream, scheme=scheme)
+    server = NodeagentProcess("server", scfg, tmp, "server").start()
+    server.wait_ready()
+    agent = NodeagentProcess("agent", agent_config(tmp, certs, upstream, scfg["tunnel"],
+                                                   **agent_extra), tmp, "agent").start()
+    agent.wait_ready()
+    server.wait_for(lambda s: any(a["node"] == "edge-1" for a in s["agents"]),
+                    what="edge-1 connected")
+    return server, agent
+
+
+def listen_port(server: NodeagentProcess, index: int) -> int:
+    port: int = server.config["tcp"][index]["listen"].rsplit(":", 1)[1]
+    return int(port)
+
+
+def http_port(server: NodeagentProcess) -> int:
+    return int(server.config["http"][0]["listen"].rsplit(":", 1)[1])
+
+
+def echo_through(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        return got
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True,
+                          text=True, timeout=30)

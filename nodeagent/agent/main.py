@@ -39,6 +39,7 @@ from nodeagent.configstream.client import (
     token_reader,
     watch_config,
 )
+from nodeagent.configstream.protocol import node_config_path
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
@@ -282,7 +283,7 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
             nursery.start_soon(ca_reloader.run)
             nursery.start_soon(lambda: watch_config(
                 open_stream=open_stream, host=host,
-                path=f"/v1/config/nodes/{config.node}", tls=watch_context,
+                path=node_config_path(config.node), tls=watch_context,
                 model=NodeConfig, apply=apply, status=status, log=log.bind(node=config.node)))
             await serve_agent(agent)  # returns on SIGTERM/SIGINT
             nursery.cancel_scope.cancel()

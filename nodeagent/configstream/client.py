@@ -15,7 +15,6 @@ end to end even through an agent's tunnel. Without it the watch is plain HTTP (t
 
 from __future__ import annotations
 
-import json
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -28,16 +27,14 @@ import trio
 from pydantic import BaseModel
 
 from nodeagent.config import ConfigError, parse_config
+from nodeagent.configstream.protocol import HEARTBEAT_HEADER, MAX_LINE, LineError, parse_line
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from nodeagent.trust import tlscontext
 from tunnel.backoff import Backoff
 from tunnel.transports.tls import TLSStream
 
 M = TypeVar("M", bound=BaseModel)
-MAX_LINE = 16 * 1024 * 1024  # a whole config (10,000 routes) in one line
 HANDSHAKE_TIMEOUT = 20.0  # seconds for the TLS handshake with the controller
-# The controller's heartbeat interval, in seconds, on a watch's response.
-HEARTBEAT_HEADER = b"x-nodeagent-heartbeat"
 
 
 @dataclass
@@ -195,12 +192,9 @@ async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: fl
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 try:
-                    doc = json.loads(line)
-                except ValueError:
-                    raise WatchError(f"not JSON: {line[:200]!r}") from None
-                if not isinstance(doc, dict):
-                    raise WatchError(f"not a JSON object: {line[:200]!r}")
-                yield doc
+                    yield parse_line(line)
+                except LineError as exc:
+                    raise WatchError(str(exc)) from None
             continue
         if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
             return
@@ -241,17 +235,6 @@ def controller_address(url: str) -> tuple[str, int]:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"--controller {url!r}: use http://host:port or https://host:port")
     return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def _token_reader(path: Path) -> Callable[[], str]:
-    """Reads the token file at each (re)connect: a rotated Secret takes effect."""
-    def read() -> str:
-        try:
-            return path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"--token-file {path}: {exc.strerror}") from None
-    read()  # fail at start, not at the first watch
-    return read
 
 
 def token_reader(path: Path) -> Callable[[], str]:

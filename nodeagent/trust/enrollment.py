@@ -33,6 +33,8 @@ from tunnel.endpoint import HandshakeError
 from tunnel.errors import StreamFailed
 from tunnel.transports import TransportError
 
+# The controller's signing endpoint (controller/signing.py serves it).
+CERTIFICATES_PATH = "/v1/certificates"
 MAX_RESPONSE = 64 * 1024
 KINDS = ("node", "server")
 
@@ -128,7 +130,7 @@ async def _post(open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str
                             https_compatible=True)
     async with stream:
         conn = h11.Connection(h11.CLIENT)
-        request = h11.Request(method="POST", target="/v1/certificates", headers=[
+        request = h11.Request(method="POST", target=CERTIFICATES_PATH, headers=[
             ("host", host), ("authorization", f"Bearer {token}"),
             ("content-type", "application/json"), ("content-length", str(len(body))),
             ("connection", "close")])

@@ -152,6 +152,23 @@ async def _post(open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str
 
 
 Requester = Callable[[pki.PrivateKey], Awaitable[IssuedIdentity]]
+# What a controller, a server relaying the request, or the path between can make an
+# attempt fail with: each is retried with backoff, never the end of the process.
+RETRIED: tuple[type[Exception], ...] = (
+    CertificateRefused, OSError, ssl.SSLError, ValueError, trio.BrokenResourceError,
+    trio.ClosedResourceError, trio.TooSlowError, StreamFailed, HandshakeError,
+    TransportError, h11.ProtocolError)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside any nesting of exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CertificateRefused) else f"{type(exc).__name__}: {exc}"
 
 
 class IdentityKeeper:
@@ -177,16 +194,20 @@ class IdentityKeeper:
         self.last_error: str | None = None
 
     async def obtain(self) -> IssuedIdentity:
+        """Every failure a peer can cause is retried, however it arrives: a requester
+        that holds a connection open in a nursery (the agent's bootstrap connection)
+        hands its error over wrapped in an exception group."""
         while True:
             try:
                 return self._took(await self._attempt())
-            except CertificateRefused as exc:
+            except Exception as exc:
+                failures = _leaves(exc)
+                if not all(isinstance(f, RETRIED) for f in failures):
+                    raise
+                refused = [f for f in failures if isinstance(f, CertificateRefused)]
                 # 401/403 will not heal by retrying fast (wrong account, pod gone): slow.
-                self._failed(str(exc), slow=exc.status in (401, 403))
-            except (OSError, ssl.SSLError, ValueError, trio.BrokenResourceError,
-                    trio.TooSlowError, StreamFailed, HandshakeError, TransportError,
-                    h11.ProtocolError) as exc:  # an answer cut short: retry
-                self._failed(f"{type(exc).__name__}: {exc}", slow=False)
+                self._failed("; ".join(_describe(f) for f in failures),
+                             slow=any(f.status in (401, 403) for f in refused))
             await trio.sleep(self._backoff.next_delay())
 
     async def renew_forever(self) -> None:

@@ -35,6 +35,7 @@ from tunnel.transports.tls import TLSStream
 
 M = TypeVar("M", bound=BaseModel)
 HANDSHAKE_TIMEOUT = 20.0  # seconds for the TLS handshake with the controller
+UNREACHABLE_MAXIMUM = 1.0  # seconds between attempts while the controller is unreachable
 
 
 @dataclass
@@ -74,6 +75,13 @@ async def watch_config(
     was away must still arrive."""
     log = log or get_logger("nodeagent.configstream.client")
     backoff = backoff or Backoff(initial=0.2, maximum=10.0)
+    # A controller we cannot reach (connection refused, no route, the tunnel's stream to
+    # it refused) spent nothing on us: retry within a second, so a watch is back within
+    # ~1 s of the controller's return however long it was away (tunnel/backoff.py says
+    # the same of the tunnel's own dials). A controller that answered and failed us
+    # (TLS, HTTP status, a bad line) backs off to `backoff`'s maximum.
+    unreachable = Backoff(initial=min(backoff.initial, UNREACHABLE_MAXIMUM),
+                          maximum=UNREACHABLE_MAXIMUM)
     failed_version = -1
     while True:
         status.state = "connecting"
@@ -85,7 +93,7 @@ async def watch_config(
                 # quarter of a watcher's CPU in scripts/bench_config.py's fan-out).
                 stream = TLSStream(stream, tls(), server_hostname=host)
         except Exception as exc:  # any reason the controller is unreachable right now
-            await _pause(status, backoff, log, f"cannot reach the controller: {exc}")
+            await _pause(status, unreachable, log, f"cannot reach the controller: {exc}")
             continue
         try:
             async with stream:
@@ -107,6 +115,7 @@ async def watch_config(
                 async for doc in _lines(conn, stream, idle_timeout):
                     status.state = "watching"
                     backoff.reset()
+                    unreachable.reset()
                     if not doc:
                         continue  # heartbeat
                     version = doc.get("version")

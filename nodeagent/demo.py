@@ -4,7 +4,9 @@ The server and the agent run as real `nodeagent` processes (the same commands a 
 runs), started from config files the demo writes into a temporary directory; the sample
 HTTP service runs inside the demo process. The demo then sends real requests through the
 tunnel, prints what happened with the measured latency, and keeps the stack running until
-Ctrl-C (or --seconds). It exits 1 if traffic did not flow.
+Ctrl-C or SIGTERM (or --seconds). It exits 1 if traffic did not flow; on a signal it stops
+the server and the agent, removes its directory (which holds the demo CA's key) and
+exits 0.
 """
 
 from __future__ import annotations
@@ -116,11 +118,7 @@ async def _tcp_request(port: int, payload: bytes) -> tuple[bytes, float]:
 
 def run_demo(*, seconds: float | None, transport: str) -> int:
     with tempfile.TemporaryDirectory(prefix="nodeagent-demo-") as tmpdir:
-        try:
-            return trio.run(_run, Path(tmpdir), seconds, transport)
-        except KeyboardInterrupt:
-            _say("stopped.")
-            return 0
+        return trio.run(_run, Path(tmpdir), seconds, transport)
 
 
 async def _run(tmp: Path, seconds: float | None, transport: str) -> int:
@@ -130,15 +128,28 @@ async def _run(tmp: Path, seconds: float | None, transport: str) -> int:
     server_cert = pki.issue_server_certificate(ca, ["localhost"], ["127.0.0.1"])
     server_cert.write(tmp / "server.crt", tmp / "server.key")
 
-    async with trio.open_nursery() as nursery:
-        # The sample service, standing for a service on the node.
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, _sample_service, 0, host="127.0.0.1"))
-        service_port = listeners[0].socket.getsockname()[1]
-        ok = await _with_stack(tmp, token, service_port, seconds, transport)
-        nursery.cancel_scope.cancel()
+    outcome: list[bool] = []
+    # SIGINT and SIGTERM cancel the stack: its processes get SIGTERM and are waited for
+    # (_process), and run_demo removes the directory. The watcher lives in the nursery,
+    # inside the receiver's block, so it never outlives it.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_signal, signals, nursery.cancel_scope)
+            # The sample service, standing for a service on the node.
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, _sample_service, 0, host="127.0.0.1"))
+            service_port = listeners[0].socket.getsockname()[1]
+            outcome.append(await _with_stack(tmp, token, service_port, seconds, transport))
+            nursery.cancel_scope.cancel()
+    ok = all(outcome)  # no outcome: a signal stopped the demo, which is how it ends
     _say("stopped." if ok else "FAILED: traffic did not flow through the tunnel.")
     return 0 if ok else 1
+
+
+async def _cancel_on_signal(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:
+    async for _ in signals:
+        scope.cancel()
+        return
 
 
 async def _with_stack(tmp: Path, token: str, service_port: int, seconds: float | None,

@@ -106,11 +106,14 @@ async def serve_agent(agent: Agent, config_path: Path | None = None, *,
                     continue
                 log.info("shutting down", signal=signal.Signals(signum).name,
                          drain_seconds=agent.config.drain_seconds)
-                # A second signal during the drain ends it at once.
-                with trio.move_on_after(agent.config.drain_seconds) as drain_scope:
-                    nursery.start_soon(_cancel_on_next_signal, signals, drain_scope)
-                    await agent.drain()
-                drain_scope.cancel()
+                # A second signal during the drain ends it at once. Its watcher runs in a
+                # nursery of the drain's own, so it has ended before the receiver's block
+                # closes (an idle agent's drain returns at once).
+                with trio.move_on_after(agent.config.drain_seconds):
+                    async with trio.open_nursery() as drain:
+                        drain.start_soon(_cancel_on_next_signal, signals, drain.cancel_scope)
+                        await agent.drain()
+                        drain.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
                 break
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 
 import trio
@@ -11,6 +12,9 @@ import trio
 from nodeagent.config import ConfigError, ListenAddress
 from nodeagent.controller.controller import ControllerSettings, serve_controller
 from nodeagent.kube import CredentialsError
+from nodeagent.ops.logs import get_logger
+
+log = get_logger("nodeagent.controller")
 
 
 def run_controller(args: argparse.Namespace) -> int:
@@ -47,7 +51,21 @@ def run_controller(args: argparse.Namespace) -> int:
         token_review_rate=args.token_reviews_per_second, freeze_gc=True,
         server_workers=server_workers, heartbeat=heartbeat)
     try:
-        trio.run(serve_controller, settings)
+        trio.run(_serve_until_signalled, settings)
     except CredentialsError as exc:
         raise ConfigError(f"Kubernetes credentials: {exc}") from None
     return 0
+
+
+async def _serve_until_signalled(settings: ControllerSettings) -> None:
+    """SIGTERM or SIGINT stops the controller: cancelling it releases the leader Lease on
+    the way out (kube/leader.py), so a standby takes over at once rather than after the
+    lease runs out. The controller holds no state to drain: its watchers reconnect to
+    another replica."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_controller, settings)
+            async for signum in signals:
+                log.info("shutting down", signal=signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break

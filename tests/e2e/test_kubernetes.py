@@ -606,3 +606,17 @@ def test_certificates_renew_while_requests_run_without_a_failure(
     assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
     # The tunnel that carried them stayed up through the renewal.
     assert agent.status()["tunnel"]["connects"] == 1
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_every_role_in_controller_mode_exits_0_on_a_signal_without_a_traceback(
+        cluster: dict[str, Any], signum: int) -> None:
+    """A rollout stops each process with SIGTERM (a terminal with SIGINT): the agent
+    (idle, its config watch open), then the server, then the standby controller and the
+    leader all exit 0 and log no traceback."""
+    for proc in reversed(cluster["procs"]):
+        assert proc.proc is not None
+        proc.signal(signum)
+        rc = proc.proc.wait(timeout=30)
+        assert rc == 0, f"{proc.name} exited {rc}:\n{proc.logs()}"
+        assert "Traceback" not in proc.logs(), proc.logs()

@@ -324,10 +324,19 @@ def test_unusable_tls_inputs_say_which_and_why(tmp_path: Path, ca: pki.Certifica
 
 def test_a_certificate_file_may_hold_its_key(tmp_path: Path, ca: pki.CertificateAuthority,
                                              server: pki.IssuedCertificate) -> None:
-    both = tmp_path / "both.pem"
-    both.write_bytes(server.certificate_pem + server.key_pem)
-    ctx = pki.client_ssl_context(ca.certificate_pem, both)
-    assert isinstance(ctx, ssl.SSLContext)
+    """One file with the certificate and its key, on either side: the chain is loaded
+    and presented (a context that skipped it would fail the handshake or present
+    nothing)."""
+    client = pki.issue_client_certificate(ca, "edge-1")
+    server_both, client_both = tmp_path / "server.pem", tmp_path / "client.pem"
+    server_both.write_bytes(server.certificate_pem + server.key_pem)
+    client_both.write_bytes(client.certificate_pem + client.key_pem)
+    server_ctx = pki.server_ssl_context(server_both, None, client_ca=ca.certificate_pem,
+                                        require_client_cert=True)
+    client_ctx = pki.client_ssl_context(ca.certificate_pem, client_both)
+    c, s = handshake(server_ctx, client_ctx)
+    assert c.getpeercert(binary_form=True) == server.certificate.public_bytes(Encoding.DER)
+    assert s.getpeercert(binary_form=True) == client.certificate.public_bytes(Encoding.DER)
 
 
 def test_contexts_never_ignore_a_missing_close_notify(ca: pki.CertificateAuthority,

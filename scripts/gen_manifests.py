@@ -29,7 +29,8 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.gen_manifests",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only check, write nothing")
     args = parser.parse_args()
     text = render()

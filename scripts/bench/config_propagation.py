@@ -370,7 +370,8 @@ async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: fl
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.config_propagation",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=500)
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--events", type=int, default=5)

@@ -111,7 +111,8 @@ def run_stream(sock: Any, payload: bytes, total: int) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.connect_front",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connections", type=int, default=500)
     parser.add_argument("--mib", type=int, default=256)

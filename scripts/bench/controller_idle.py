@@ -232,7 +232,8 @@ def _free_port() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.controller_idle",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--ingresses", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--source", type=Path, default=ROOT,

@@ -160,7 +160,8 @@ def bench_routes() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.http_front",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, default=16)
     args = parser.parse_args()

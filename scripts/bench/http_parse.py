@@ -58,7 +58,8 @@ def reader(fast: bool) -> Callable[[bytes, int], None]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench.http_parse",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=50_000)
     args = ap.parse_args()
     ways = {

@@ -246,7 +246,8 @@ def table(results: dict[str, dict[str, float]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.intercept",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 s per measurement, not 5")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["direct", "nodeagent", "sshuttle"], help="leave a path out")

@@ -175,7 +175,8 @@ def _bench_in_netns(repeat: int) -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.netfilter_rules",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--out", default="bench-results/netfilter.json")
     args = parser.parse_args()

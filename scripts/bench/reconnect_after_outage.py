@@ -77,7 +77,8 @@ def summary(values: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.reconnect_after_outage",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--outages", type=float, nargs="+", default=[5.0, 20.0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-compare", action="store_true",

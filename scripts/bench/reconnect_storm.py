@@ -93,7 +93,8 @@ async def storm(url: str, ctx: ssl.SSLContext, n: int, limit: float,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.reconnect_storm",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("-n", type=int, default=1000, help="agents (default 1000)")
     parser.add_argument("--rate", type=float, default=None,
                         help="server tunnel.handshake_rate (default: the server's default)")

@@ -62,7 +62,8 @@ def objects(hosts: int) -> dict[str, list[dict[str, Any]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.route_table",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "routes.json")

@@ -219,7 +219,8 @@ class Load:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.soak",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--period", type=float, default=180.0,
                         help="seconds between disruptions (rollout and flap alternate)")

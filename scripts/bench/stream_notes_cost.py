@@ -82,7 +82,8 @@ async def run(opens: int, rounds: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.stream_notes_cost",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--opens", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()

@@ -846,7 +846,7 @@ def targets(res: dict[str, Any]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.tunnel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short durations (smoke run)")
     parser.add_argument("--only", action="append", choices=TESTS, metavar="NAME",

@@ -121,7 +121,8 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.tunnel_cpu",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--rr", type=int, default=20000)
     parser.add_argument("--opens", type=int, default=3000)

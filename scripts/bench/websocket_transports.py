@@ -290,7 +290,8 @@ def measure(case: Case, total: int, message_size: int, files: dict[str, str]) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.websocket_transports",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512, help="data per case (MiB)")
     parser.add_argument("--message-kib", type=int, default=64, help="message size (KiB)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; best is kept")

@@ -63,7 +63,8 @@ async def run(port: int, ca: pki.CertificateAuthority, first: int, count: int) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.lib.config_clients",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ca-cert", type=Path, required=True)
     parser.add_argument("--ca-key", type=Path, required=True)

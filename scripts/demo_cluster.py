@@ -10,7 +10,11 @@ backend stands for a pod on the one node, `demo-node`.
 
 It then prints a KUBECONFIG and the steps to try: `kubectl apply` an Ingress and curl it
 through the server, the agent and the tunnel. It runs until Ctrl-C (or --seconds).
-Needs root (the agent marks its tunnel socket, CAP_NET_ADMIN) and kubectl.
+Needs root (the agent marks its tunnel socket, CAP_NET_ADMIN) and kubectl:
+
+    sudo scripts/demo --cluster [--seconds N]
+
+which runs, from the repository root, `.venv/bin/python -m scripts.demo_cluster`.
 """
 
 from __future__ import annotations
@@ -31,14 +35,10 @@ from types import FrameType
 from typing import Any
 
 import yaml
+from cryptography import x509
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cryptography import x509  # noqa: E402
-
-from nodeagent.testing.fakekube.kubectl import KUBECTL  # noqa: E402
-from nodeagent.testing.fakekube.localcluster import (  # noqa: E402
+from nodeagent.testing.fakekube.kubectl import KUBECTL
+from nodeagent.testing.fakekube.localcluster import (
     MANIFESTS,
     NAMESPACE,
     FakeApiServer,
@@ -48,8 +48,8 @@ from nodeagent.testing.fakekube.localcluster import (  # noqa: E402
     ready,
     wait_for,
 )
-from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
-from nodeagent.trust import pki  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.trust import pki
 
 NODE = "demo-node"
 HOST = "hello.demo.local"

@@ -77,8 +77,8 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def test_shipped_crd_is_what_the_model_generates() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_manifests.py"),
-                             "--check"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "scripts.gen_manifests", "--check"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     shipped = [d for d in yaml.safe_load_all((MANIFESTS / "crds.yaml").read_text()) if d]
     assert shipped == crd_manifests()

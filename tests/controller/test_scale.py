@@ -1,34 +1,21 @@
-"""scripts/bench_config.py on a small cluster, for its functional facts only (the
-figures are the script's business): the controller and the simulated agents as real
+"""scripts.bench.config_propagation on a small cluster, for its functional facts only (the
+figures are the benchmark's business): the controller and the simulated agents as real
 processes, an Ingress edit that concerns one node reaches that node and no other node
 receives anything, and a ClusterTunnel edit reaches every node."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-
-
-def bench_config() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_config",
-                                                  ROOT / "scripts" / "bench_config.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_config", module)
-    spec.loader.exec_module(module)
-    return module
+from scripts.bench import config_propagation
 
 
 async def test_a_targeted_change_reaches_its_node_only_and_a_fanout_every_node(
         tmp_path: Path) -> None:
     nodes, events = 100, 2
-    result = await bench_config().bench(nodes=nodes, hosts=2 * nodes, events=events,
-                                        client_procs=1, idle=0.5, quiet=0.5, settle=0.0,
-                                        say=lambda *_: None, directory=tmp_path)
+    result = await config_propagation.bench(nodes=nodes, hosts=2 * nodes, events=events,
+                                              client_procs=1, idle=0.5, quiet=0.5,
+                                              settle=0.0, say=lambda *_: None, directory=tmp_path)
     # (a) each edit reached its node (bench waits for it, or fails) and no other node
     assert result["targeted_unconcerned_applies"] == 0
     assert result["targeted_recomputes"] >= events

@@ -231,7 +231,7 @@ def test_lookup_agrees_with_reference(
 
 def test_lookup_is_right_at_scale() -> None:
     """10,000 hosts / 20,000 paths: every lookup finds its own route. (How fast is for
-    scripts/bench_routes.py, which prints ratios; a timing here would fail on a busy
+    scripts.bench.route_table, which prints ratios; a timing here would fail on a busy
     machine without saying anything about the code.)"""
     specs = []
     for i in range(10_000):

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """CONNECT front: stream setup time and throughput, against the same stream through a TCP
 mapping and against a direct connection, in the same run.
 
@@ -13,9 +12,11 @@ paths to it:
 
 Setup: sequential connections, each sending one byte and waiting for `ok` (p50/p99 ms and
 connections/s). Throughput: one stream uploading --mib MiB. Needs root (the agent marks its
-sockets). Not a test: timings move with the machine; read the ratios.
+sockets). Not a test: timings move with the machine; read the ratios. Prints a table (setup
+p50/p99, connections/s, Gbit/s per path) and writes bench-results/connect-DATE-TIME.json.
+From the repository root:
 
-    sudo .venv/bin/python scripts/bench_connect.py [--connections 500] [--mib 256]
+    sudo .venv/bin/python -m scripts.bench.connect_front [--connections 500] [--mib 256]
 """
 
 from __future__ import annotations
@@ -36,12 +37,10 @@ from typing import Any
 
 import trustme
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
-from nodeagent.testing.standalone import free_port  # noqa: E402
-from nodeagent.trust import pki  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import free_port
+from nodeagent.trust import pki
+from scripts import ROOT
 
 TOKEN = "bench-token-0123456789abcdef"
 
@@ -112,7 +111,8 @@ def run_stream(sock: Any, payload: bytes, total: int) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.connect_front",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connections", type=int, default=500)
     parser.add_argument("--mib", type=int, default=256)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The intercepted path against direct routing and against sshuttle, in one run.
 
 Four network namespaces joined by veth pairs, as in tests/e2e/test_intercept_netns.py::
@@ -20,8 +19,10 @@ Measured from `pod`: single-stream throughput (iperf3), new connections/s (16 cl
 latency on one connection (64 bytes). Prints a table with ratios against direct and
 against sshuttle, and writes bench-results/intercept.json.
 
-    sudo .venv/bin/python scripts/bench_intercept.py            # ~1.5 minutes
-    sudo .venv/bin/python scripts/bench_intercept.py --quick    # ~40 s
+From the repository root:
+
+    sudo .venv/bin/python -m scripts.bench.intercept            # ~1.5 minutes
+    sudo .venv/bin/python -m scripts.bench.intercept --quick    # ~40 s
 
 Needs root and: iproute2 nftables iptables iperf3 wrk nginx-light openssh-server
 openssh-client sshuttle gcc.
@@ -41,19 +42,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import yaml
 
-import yaml  # noqa: E402
-from benchlib.tools import (  # noqa: E402
+from nodeagent.testing.netns import Topology, netns_available
+from scripts import ROOT
+from scripts.bench.lib.tools import (
     build_benchtool,
     parse_wrk,
     write_nginx_conf,
     write_sshd_config,
 )
-
-from nodeagent.testing.netns import Topology, netns_available  # noqa: E402
 
 POD, NODE_POD, NODE_UP, CLOUD_DOWN, CLOUD_UP, REMOTE = (
     "10.88.1.2", "10.88.1.1", "10.88.2.1", "10.88.2.2", "10.88.3.1", "10.88.3.2")
@@ -248,7 +246,8 @@ def table(results: dict[str, dict[str, float]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.intercept",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 s per measurement, not 5")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["direct", "nodeagent", "sshuttle"], help="leave a path out")

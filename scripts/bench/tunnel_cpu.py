@@ -3,20 +3,27 @@
 Two TunnelConnections (dialer and acceptor) in one trio process over a loopback TCP
 connection (plain StreamTransport; with --tls over the tunnel's TLSStream), streams handled by an
 echo/sink handler. Measures process CPU time, which a busy shared machine disturbs far
-less than wall-clock throughput. Used to A/B tunnel changes:
+less than wall-clock throughput. Run from the repository root:
 
-    PYTHONPATH=/path/to/tree python scripts/benchlib/micro.py [--mib 512]
+    .venv/bin/python -m scripts.bench.tunnel_cpu [--mib 512] [--tls] [--no-fast-path]
+
+Prints one JSON object: CPU seconds per GB of bulk, CPU µs per request/response (on one
+stream and on `--parallel` streams) and per open+echo+close. To A/B tunnel changes, run
+another checkout's `tunnel` under this benchmark (-P keeps the current directory off the
+front of sys.path, so PYTHONPATH decides):
+
+    PYTHONPATH=/path/to/other/tree:. .venv/bin/python -P -m scripts.bench.tunnel_cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
 import time
 
 import trio
 
+from scripts.bench.lib.loopback import allow_any_peer, tcp_pair
 from tunnel import protocol as p
 from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
 from tunnel.transports import PeerInfo, StreamTransport, TLSStream
@@ -33,13 +40,9 @@ async def sink_or_echo(incoming: IncomingStream) -> None:
     await stream.send_eof()
 
 
-async def allow(hello: p.Hello, peer: PeerInfo) -> p.Hello:
-    return p.Hello(identity={"server": "micro"})
-
-
 async def main(mib: int, rr_count: int, opens: int, parallel: int,
                tls: bool, fast_path: bool = False) -> dict[str, float]:
-    a, b = _tcp_pair()
+    a, b = tcp_pair()
     sa: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
     sb: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(b))
     if tls:  # the tunnel's own TLS layer, as in production (tls://)
@@ -62,7 +65,7 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
                            sink_or_echo)
     out: dict[str, float] = {}
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(acc.accept_handshake, allow)
+        nursery.start_soon(acc.accept_handshake, allow_any_peer)
         await d.dial_handshake(p.Hello(identity={"node": "micro"}))
         await nursery.start(d.run)
         await nursery.start(acc.run)
@@ -117,19 +120,9 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
     return out
 
 
-def _tcp_pair() -> tuple[socket.socket, socket.socket]:
-    lst = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lst.getsockname())
-    b, _ = lst.accept()
-    lst.close()
-    for s in (a, b):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.setblocking(False)
-    return a, b
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.tunnel_cpu",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--rr", type=int, default=20000)
     parser.add_argument("--opens", type=int, default=3000)

@@ -6,7 +6,10 @@ Three ways to read the same keep-alive requests (head + end of message, as the f
 - `reader-h11`: `RequestReader(fast=False)`, one per connection, every request through h11;
 - `reader`: `RequestReader()`, one per connection, llhttp's fast path.
 
-    .venv/bin/python scripts/benchlib/parse.py [--n 50000]
+Prints CPU µs per request for each way and each head (wrk's, a browser's). From the
+repository root:
+
+    .venv/bin/python -m scripts.bench.http_parse [--n 50000]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import h11
 from nodeagent.http.request import EndOfRequest, RequestHead, RequestReader
 
 HEADS = {
-    # What wrk sends in bench.py's HTTP test.
+    # What wrk sends in scripts.bench.tunnel's HTTP test.
     "wrk": b"GET /1k.bin HTTP/1.1\r\nHost: 10.77.1.2:8080\r\n\r\n",
     # A browser-like GET: 9 fields, ~500 bytes.
     "browser": (
@@ -55,7 +58,8 @@ def reader(fast: bool) -> Callable[[bytes, int], None]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench.http_parse",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=50_000)
     args = ap.parse_args()
     ways = {

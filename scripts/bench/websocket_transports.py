@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """WebSocket implementations for the tunnel transport, measured against raw TLS.
 
 Sends N MiB in fixed-size messages over loopback, client → server ("upload": what agents
@@ -14,8 +13,10 @@ mostly do) and server → client ("download"), each with the receiver in its own
 Prints MB/s and the ratio to raw TLS (and to the reference with the same security: wss
 vs tls-stream, ws vs tcp-stream) and writes JSON to bench-results/websocket.json.
 
-    .venv/bin/python scripts/bench_websocket.py            # 512 MiB per case
-    .venv/bin/python scripts/bench_websocket.py --mib 64   # quick look
+From the repository root:
+
+    .venv/bin/python -m scripts.bench.websocket_transports             # 512 MiB per case
+    .venv/bin/python -m scripts.bench.websocket_transports --mib 64    # quick look
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ from typing import Any
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from nodeagent.trust import pki  # noqa: E402
-from tunnel.dial import dial, serve  # noqa: E402
-from tunnel.transports import (  # noqa: E402
+from nodeagent.trust import pki
+from scripts import ROOT
+from tunnel.dial import dial, serve
+from tunnel.transports import (
     MAX_MESSAGE_SIZE,
     WEBSOCKET_RECEIVE_SIZE,
     Endpoint,
@@ -269,10 +268,11 @@ class Measured:
 
 def measure(case: Case, total: int, message_size: int, files: dict[str, str]) -> Measured:
     server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", case.impl, "--direction", case.direction,
+        [sys.executable, "-m", "scripts.bench.websocket_transports", "--serve", case.impl,
+         "--direction", case.direction,
          "--bytes", str(total), "--message-kib", str(message_size // 1024),
          "--cert", files["cert"], "--key", files["key"]] + (["--tls"] if case.tls else []),
-        stdout=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
@@ -290,7 +290,8 @@ def measure(case: Case, total: int, message_size: int, files: dict[str, str]) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.websocket_transports",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512, help="data per case (MiB)")
     parser.add_argument("--message-kib", type=int, default=64, help="message size (KiB)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; best is kept")

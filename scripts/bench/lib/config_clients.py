@@ -1,4 +1,4 @@
-"""Simulated agents for scripts/bench_config.py: `--count` config watches (nodes
+"""Simulated agents for scripts.bench.config_propagation: `--count` config watches (nodes
 `n{first}` … `n{first+count-1}`) against a controller's config stream, over TLS, each
 presenting its own node certificate issued here from the controller's CA (`--ca-cert`,
 `--ca-key`: the bench measures config delivery, not signing).
@@ -8,7 +8,7 @@ applied config is one line on stdout, `A <node index> <version> <CLOCK_MONOTONIC
 clock is system-wide, so the bench compares it with the time it made the change), then
 flushed; `C <count>` once every watch has applied a first config.
 
-    python scripts/benchlib/config_clients.py --port P --ca-cert F --ca-key F \\
+    .venv/bin/python -m scripts.bench.lib.config_clients --port P --ca-cert F --ca-key F \\
         --first 0 --count 2500
 """
 
@@ -23,14 +23,11 @@ from pathlib import Path
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT))
-
-from nodeagent.config import NodeConfig  # noqa: E402
-from nodeagent.configstream.client import WatchStatus, watch_config  # noqa: E402
-from nodeagent.ops.logs import configure  # noqa: E402
-from nodeagent.trust import pki  # noqa: E402
-from tunnel.backoff import Backoff  # noqa: E402
+from nodeagent.config import NodeConfig
+from nodeagent.configstream.client import WatchStatus, watch_config
+from nodeagent.ops.logs import configure
+from nodeagent.trust import pki
+from tunnel.backoff import Backoff
 
 
 async def run(port: int, ca: pki.CertificateAuthority, first: int, count: int) -> None:
@@ -66,7 +63,8 @@ async def run(port: int, ca: pki.CertificateAuthority, first: int, count: int) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.lib.config_clients",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ca-cert", type=Path, required=True)
     parser.add_argument("--ca-key", type=Path, required=True)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """nodeagent benchmark: a direct connection, nodeagent and `ssh -R` in one run.
 
 Builds three network namespaces joined by veth pairs::
@@ -11,13 +10,15 @@ baseline). The nodeagent server runs in cloud (public ports on 10.77.1.2, the tu
 echo server, a reader that never reads) listen in edge. OpenSSH's `ssh -R` from edge to
 an sshd bound to 10.77.2.1 is the peer to beat. Everything runs as real processes (the
 nodeagent CLI), so each gets its own core; wrk, iperf3 and a small C tool
-(scripts/benchlib/benchtool.c) generate load.
+(scripts/bench/lib/benchtool.c) generate load.
 
-    sudo .venv/bin/python scripts/bench.py            # full run, ~4 minutes
-    sudo .venv/bin/python scripts/bench.py --quick    # smoke run, ~1 minute
-    sudo .venv/bin/python scripts/bench.py --only bulk --only http
-    sudo .venv/bin/python scripts/bench.py --only bulk --profile   # py-spy summaries
-    sudo .venv/bin/python scripts/bench.py --only http --workers 2  # server on 2 processes
+From the repository root:
+
+    sudo .venv/bin/python -m scripts.bench.tunnel                    # full run, ~4 minutes
+    sudo .venv/bin/python -m scripts.bench.tunnel --quick            # smoke run, ~1 minute
+    sudo .venv/bin/python -m scripts.bench.tunnel --only bulk --only http
+    sudo .venv/bin/python -m scripts.bench.tunnel --only bulk --profile   # py-spy summaries
+    sudo .venv/bin/python -m scripts.bench.tunnel --only http --workers 2  # server: 2 processes
 
 Needs root and: iproute2 wrk iperf3 nginx-light openssh-server openssh-client gcc.
 Prints a table and writes bench-results/bench.json. Namespaces and processes are removed
@@ -44,12 +45,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import yaml
 
-import yaml  # noqa: E402
-from benchlib.tools import (  # noqa: E402
+from nodeagent.testing.netns import Topology, in_netns, netns_available
+from scripts import ROOT
+from scripts.bench.lib.tools import (
     build_benchtool,
     missing_commands,
     parse_wrk,
@@ -57,8 +57,6 @@ from benchlib.tools import (  # noqa: E402
     write_nginx_conf,
     write_sshd_config,
 )
-
-from nodeagent.testing.netns import Topology, in_netns, netns_available  # noqa: E402
 
 CLIENT, PUBLIC, CLOUD, EDGE = "10.77.1.1", "10.77.1.2", "10.77.2.1", "10.77.2.2"
 TOKEN = "bench-token-0123456789abcdef"
@@ -848,7 +846,7 @@ def targets(res: dict[str, Any]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.tunnel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short durations (smoke run)")
     parser.add_argument("--only", action="append", choices=TESTS, metavar="NAME",

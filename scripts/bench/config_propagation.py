@@ -1,14 +1,14 @@
-#!/usr/bin/env python3
 """Config propagation at scale: from a Kubernetes API write to each node it concerns
 applying the config it causes, with `--nodes` simulated agents watching the controller's
 config stream and `--hosts` Ingress hosts (each its own Ingress, Service and EndpointSlice,
 its backend on node `h % nodes`).
 
 Three kinds of process, so the controller's CPU and RSS are measured alone:
-- this one: the fake API server from tests/ (objects written straight into its store;
-  the changes measured go through its HTTP API like any client's) and the measuring;
+- this one: the fake API server (nodeagent.testing.fakekube; objects written straight
+  into its store; the changes measured go through its HTTP API like any client's) and the
+  measuring;
 - the controller, a real `nodeagent controller` process (one replica: the leader);
-- `--client-procs` processes of simulated agents (scripts/benchlib/config_clients.py),
+- `--client-procs` processes of simulated agents (scripts.bench.lib.config_clients),
   each running its share of the watches over real TLS with its own node certificate,
   issued from the CA the leader bootstraps, and printing every config it applies.
 All of them share the machine's cores (2 here): a pessimistic setting.
@@ -26,9 +26,10 @@ per change (recompute and sending, from /proc: what a busy machine inflates leas
 RSS (current and peak) and its idle CPU over `--idle` seconds with nothing changing.
 
 Targets (issue 10): p99 <= 1 s, nothing for unconcerned nodes, recompute work
-proportional to the change, RSS <= 500 MiB, idle CPU ~0.
+proportional to the change, RSS <= 500 MiB, idle CPU ~0. Prints the figures and the
+targets, and writes bench-results/config.json. From the repository root:
 
-    .venv/bin/python scripts/bench_config.py --nodes 5000 --hosts 10000
+    .venv/bin/python -m scripts.bench.config_propagation --nodes 5000 --hosts 10000
         [--events 5] [--client-procs 4] [--idle 130] [--source DIR]
 """
 
@@ -48,19 +49,17 @@ from typing import Any
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from nodeagent.controller.bootstrap import CA_SECRET, secret_value  # noqa: E402
-from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS  # noqa: E402
-from nodeagent.kube import INGRESSES, KubeClient  # noqa: E402
-from nodeagent.testing.fakekube.fixtures import credentials_for, start_fake_kube  # noqa: E402
-from nodeagent.testing.fakekube.server import FakeKube  # noqa: E402
-from nodeagent.testing.fakekube.store import ApiError  # noqa: E402
+from nodeagent.controller.bootstrap import CA_SECRET, secret_value
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
+from nodeagent.kube import INGRESSES, KubeClient
+from nodeagent.testing.fakekube.fixtures import credentials_for, start_fake_kube
+from nodeagent.testing.fakekube.server import FakeKube
+from nodeagent.testing.fakekube.store import ApiError
+from scripts import ROOT
 
 NAMESPACE = "nodeagent"
 APPS = "apps"
-CLIENTS = ROOT / "scripts" / "benchlib" / "config_clients.py"
+CLIENTS = "scripts.bench.lib.config_clients"  # run as a module from ROOT
 
 
 def populate(fake: FakeKube, nodes: int, hosts: int) -> None:
@@ -269,10 +268,11 @@ async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: fl
             share = -(-nodes // client_procs)
             for first in range(0, nodes, share):
                 proc = await trio.lowlevel.open_process(
-                    [sys.executable, str(CLIENTS), "--port", str(port), "--ca-cert",
+                    [sys.executable, "-m", CLIENTS, "--port", str(port), "--ca-cert",
                      str(tmp / "ca.crt"), "--ca-key", str(key_path), "--first", str(first),
                      "--count", str(min(share, nodes - first))],
-                    stdout=subprocess.PIPE, stderr=(tmp / f"clients-{first}.log").open("wb"))
+                    cwd=ROOT, stdout=subprocess.PIPE,
+                    stderr=(tmp / f"clients-{first}.log").open("wb"))
                 clients.append(proc)
                 assert proc.stdout is not None
                 nursery.start_soon(read_lines, proc.stdout, applies)
@@ -370,7 +370,8 @@ async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: fl
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.config_propagation",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=500)
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--events", type=int, default=5)

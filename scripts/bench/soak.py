@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Soak (not CI): two server replicas, one agent, mixed load, a server rollout and a path
 flap every few minutes; RSS and open descriptors of every process sampled throughout.
 
@@ -25,8 +24,10 @@ by ~1 %), and between the medians of the first and the last `--window` seconds a
 warm-up (what the process holds, not what it was doing at one instant). Every sample goes
 to `--out` (JSON) for the curve.
 
-    sudo .venv/bin/python scripts/soak.py                        # 30 minutes, period 180 s
-    sudo .venv/bin/python scripts/soak.py --minutes 4 --period 60 --warmup 30
+From the repository root:
+
+    sudo .venv/bin/python -m scripts.bench.soak                  # 30 minutes, period 180 s
+    sudo .venv/bin/python -m scripts.bench.soak --minutes 4 --period 60 --warmup 30
 """
 
 from __future__ import annotations
@@ -47,13 +48,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import httpx
 
-import httpx  # noqa: E402
-
-from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
-from nodeagent.testing.standalone import (  # noqa: E402  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import (
     Certs,
     QuietHTTPServer,
     Upstream,
@@ -63,7 +61,8 @@ from nodeagent.testing.standalone import (  # noqa: E402  # noqa: E402
     free_port,
     server_config,
 )
-from nodeagent.trust import pki  # noqa: E402
+from nodeagent.trust import pki
+from scripts import ROOT
 
 
 class Balancer:
@@ -220,7 +219,8 @@ class Load:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.soak",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--period", type=float, default=180.0,
                         help="seconds between disruptions (rollout and flap alternate)")

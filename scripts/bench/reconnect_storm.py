@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """N agents hitting one restarted server at once: does admission control keep it up?
 
 Starts a real `nodeagent server` process (TLS, a token for node "*"), then N in-process
@@ -8,9 +7,11 @@ back. Prints the time until all are connected, the handshakes/s admitted, the re
 peak RSS. Run it twice to see what admission buys: with the default rate, and with
 `--rate 100000` (admission off in effect).
 
-    .venv/bin/python scripts/bench_reconnect_storm.py                 # 1,000 agents
-    .venv/bin/python scripts/bench_reconnect_storm.py -n 5000
-    .venv/bin/python scripts/bench_reconnect_storm.py -n 1000 --rate 100000
+From the repository root:
+
+    .venv/bin/python -m scripts.bench.reconnect_storm                  # 1,000 agents
+    .venv/bin/python -m scripts.bench.reconnect_storm -n 5000
+    .venv/bin/python -m scripts.bench.reconnect_storm -n 1000 --rate 100000
 
 The load generator is one Python process: on a small machine it competes with the server
 for CPU, so the figures are a floor for the server. It keeps at most `--in-flight` dials
@@ -33,19 +34,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import trio
 
-import trio  # noqa: E402
-
-import tunnel.client  # noqa: E402
-from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
-from nodeagent.testing.standalone import free_port  # noqa: E402
-from nodeagent.trust import pki  # noqa: E402
-from tunnel import protocol as p  # noqa: E402
-from tunnel.client import TunnelClient  # noqa: E402
-from tunnel.dial import parse_endpoint  # noqa: E402
-from tunnel.endpoint import EndpointSettings  # noqa: E402
+import tunnel.client
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import free_port
+from nodeagent.trust import pki
+from tunnel import protocol as p
+from tunnel.client import TunnelClient
+from tunnel.dial import parse_endpoint
+from tunnel.endpoint import EndpointSettings
 
 TOKEN = "storm-token-0123456789abcdef"
 
@@ -95,7 +93,8 @@ async def storm(url: str, ctx: ssl.SSLContext, n: int, limit: float,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.reconnect_storm",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("-n", type=int, default=1000, help="agents (default 1000)")
     parser.add_argument("--rate", type=float, default=None,
                         help="server tunnel.handshake_rate (default: the server's default)")

@@ -1,34 +1,29 @@
-#!/usr/bin/env python3
 """What the debug views cost per stream: open, 1-byte echo, close, bare vs noted.
 
 `nodeagent debug streams` reads the tunnel's own stream table and byte counters when asked;
 the only work added on the data path is per stream, when it opens: the opening side's
 `tracked_opener` (a weak-keyed note of when and for what, and the stream-setup histogram)
 and the accepting side's note in its handler. This runs two TunnelConnections in one
-process over loopback TCP (scripts/benchlib/micro.py's set-up) and measures process CPU
-per open+echo+close, alternating bare and noted rounds so machine noise hits both:
+process over loopback TCP (as scripts.bench.tunnel_cpu does) and measures process CPU per
+open+echo+close, alternating bare and noted rounds so machine noise hits both; prints the
+median CPU per stream bare and noted, the difference and the ratio. From the repository
+root:
 
-    .venv/bin/python scripts/bench_stream_notes.py [--opens 3000] [--rounds 5]
+    .venv/bin/python -m scripts.bench.stream_notes_cost [--opens 3000] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "benchlib"))
-
-from micro import _tcp_pair, allow
 from prometheus_client import CollectorRegistry, Histogram
 
 from nodeagent.ops.streams import StreamNotes, opener_from_metadata, tracked_opener
+from scripts.bench.lib.loopback import allow_any_peer, tcp_pair
 from tunnel import protocol as p
 from tunnel.endpoint import (
     EndpointSettings,
@@ -52,7 +47,7 @@ async def echo(incoming: IncomingStream) -> None:
 
 
 async def run(opens: int, rounds: int) -> dict[str, Any]:
-    a, b = _tcp_pair()
+    a, b = tcp_pair()
     settings = EndpointSettings(ping_interval=0, open_rate=1e9)
     d = TunnelConnection(StreamTransport(trio.SocketStream(trio.socket.from_stdlib_socket(a)),
                                          PeerInfo("a")), p.Role.DIALER, settings, None)
@@ -63,7 +58,7 @@ async def run(opens: int, rounds: int) -> dict[str, Any]:
     noted = tracked_opener(d.open_stream, StreamNotes(), setup.labels("to-node").observe)
     results: dict[str, list[float]] = {"bare": [], "noted": []}
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(acc.accept_handshake, allow)
+        nursery.start_soon(acc.accept_handshake, allow_any_peer)
         await d.dial_handshake(p.Hello(identity={"node": "bench"}))
         await nursery.start(d.run)
         await nursery.start(acc.run)
@@ -87,7 +82,8 @@ async def run(opens: int, rounds: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.stream_notes_cost",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--opens", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The Ingress route table at scale: 10,000 hosts and 20,000 paths.
 
 Measures, in one process: translating the Ingress objects (translate_ingresses), the full
@@ -6,9 +5,10 @@ rebuild of the server's table from them (build_ingress_table), a swap (the rebui
 freeing the table it replaces, as a route update costs the server), lookups (median and p99 over
 a mix of exact, wildcard, prefix, default and missing hosts), and the memory the table
 holds (tracemalloc of the build, and the RSS growth). Targets (issue 4): rebuild ≤ 100 ms,
-lookup ≤ 20 µs median, ≤ 200 MB.
+lookup ≤ 20 µs median, ≤ 200 MB. Prints each figure and the targets, and writes
+bench-results/routes.json. From the repository root:
 
-    .venv/bin/python scripts/bench_routes.py [--hosts 10000] [--repeat 5]
+    .venv/bin/python -m scripts.bench.route_table [--hosts 10000] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from nodeagent.controller.ingress import translate_ingresses  # noqa: E402
-from nodeagent.server.server import build_ingress_table  # noqa: E402
+from nodeagent.controller.ingress import translate_ingresses
+from nodeagent.server.server import build_ingress_table
+from scripts import ROOT
 
 
 def objects(hosts: int) -> dict[str, list[dict[str, Any]]]:
@@ -64,7 +62,8 @@ def objects(hosts: int) -> dict[str, list[dict[str, Any]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.route_table",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "routes.json")

@@ -1,10 +1,10 @@
-#!/usr/bin/env python3
 """Idle CPU of the controller: with 10,000 Ingresses (and their Services and
 EndpointSlices) and nothing changing, how much CPU does a controller process use?
 
-The fake API server from tests/ runs in this process with the objects written straight
-into its store; the controller runs as a real `nodeagent controller` process against it
-(one replica, so it is the leader and also writes its own watchers ConfigMap every 5 s).
+The fake API server (nodeagent.testing.fakekube) runs in this process with the objects
+written straight into its store; the controller runs as a real `nodeagent controller`
+process against it (one replica, so it is the leader and also writes its own watchers
+ConfigMap every 5 s).
 Once the servers' config carrying every Ingress rule has arrived on the config stream, the
 controller's utime+stime (from /proc/PID/stat) is sampled over `--seconds` of quiet.
 
@@ -15,9 +15,11 @@ own watcher report and watch bookmarks) with recomputes driven by config inputs 
 
 The config stream is read over TLS with a server identity (nodeagent://server/bench)
 issued straight from the CA Secret the leader creates at start; the controller gets
-`--tls-name 127.0.0.1` so its serving certificate names the address dialled.
+`--tls-name 127.0.0.1` so its serving certificate names the address dialled. Prints the
+controller's CPU over the quiet period with what it measured along the way, and writes
+bench-results/controller_idle.json. From the repository root:
 
-    .venv/bin/python scripts/bench_controller_idle.py [--ingresses 10000] [--seconds 30]
+    .venv/bin/python -m scripts.bench.controller_idle [--ingresses 10000] [--seconds 30]
         [--source DIR]    # run the controller from another checkout (e.g. a `git archive`
                           # of main) to compare before/after with the same fake API server
         [--legacy-token]  # for a --source tree from before the TLS config stream (before
@@ -41,14 +43,12 @@ from typing import Any
 import h11
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from nodeagent.controller.bootstrap import CA_SECRET, secret_value  # noqa: E402
-from nodeagent.testing.fakekube.fixtures import start_fake_kube  # noqa: E402
-from nodeagent.testing.fakekube.server import FakeKube  # noqa: E402
-from nodeagent.testing.fakekube.store import ApiError  # noqa: E402
-from nodeagent.trust import pki  # noqa: E402
+from nodeagent.controller.bootstrap import CA_SECRET, secret_value
+from nodeagent.testing.fakekube.fixtures import start_fake_kube
+from nodeagent.testing.fakekube.server import FakeKube
+from nodeagent.testing.fakekube.store import ApiError
+from nodeagent.trust import pki
+from scripts import ROOT
 
 TOKEN = "bench-idle-token-0123456789"
 NAMESPACE = "nodeagent"
@@ -232,7 +232,8 @@ def _free_port() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.controller_idle",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--ingresses", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--source", type=Path, default=ROOT,

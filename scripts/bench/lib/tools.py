@@ -1,4 +1,5 @@
-"""Building and parsing the load tools scripts/bench.py drives."""
+"""Building and parsing the load tools scripts.bench.tunnel and scripts.bench.intercept
+drive."""
 
 from __future__ import annotations
 

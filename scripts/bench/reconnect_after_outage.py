@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """How long a node needs to be back once its server is reachable again, by outage length.
 
 Runs a real `nodeagent server` and `nodeagent agent` (TLS, the agent's default reconnect
@@ -8,9 +7,11 @@ registering ("agent connected"). Repeats, and prints median / p95 / max per outa
 the same figures with the previous policy (one backoff growing to 15 s for every failure:
 `reconnect.unreachable_maximum: 15`) and their ratio.
 
-    sudo .venv/bin/python scripts/bench_reconnect.py                      # 5 and 20 s, 5 runs
-    sudo .venv/bin/python scripts/bench_reconnect.py --outages 1 5 20 --runs 10
-    sudo .venv/bin/python scripts/bench_reconnect.py --no-compare          # new policy only
+From the repository root:
+
+    sudo .venv/bin/python -m scripts.bench.reconnect_after_outage        # 5 and 20 s, 5 runs
+    sudo .venv/bin/python -m scripts.bench.reconnect_after_outage --outages 1 5 20 --runs 10
+    sudo .venv/bin/python -m scripts.bench.reconnect_after_outage --no-compare  # new policy
 
 Root: the agent sets SO_MARK on its tunnel socket.
 """
@@ -26,12 +27,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from nodeagent.testing.procs import NodeagentProcess  # noqa: E402
-from nodeagent.testing.standalone import Certs, Upstream, agent_config, server_config  # noqa: E402  # noqa: E402
-from nodeagent.trust import pki  # noqa: E402
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import Certs, Upstream, agent_config, server_config
+from nodeagent.trust import pki
 
 POLICIES: dict[str, dict[str, Any]] = {
     "now": {},  # the defaults
@@ -79,7 +77,8 @@ def summary(values: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.reconnect_after_outage",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--outages", type=float, nargs="+", default=[5.0, 20.0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-compare", action="store_true",

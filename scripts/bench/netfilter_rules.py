@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark the netfilter backends on a list of 10,000 destination CIDRs.
 
 Runs in a throwaway network namespace (root needed), with this process switched into it
@@ -11,9 +10,10 @@ Measures, for the nftables backend:
     and an equal model built afresh (includes validation and rendering);
   - rule counts for 10 vs 10,000 destinations, read back from the kernel.
 And for comparison the iptables-legacy backend (rule counts; apply times with and without
-ipset). Prints a table and writes bench-results/netfilter.json.
+ipset). Prints a table and writes bench-results/netfilter.json. As root, from the
+repository root:
 
-    sudo .venv/bin/python scripts/bench_netfilter.py [--repeat N]
+    sudo .venv/bin/python -m scripts.bench.netfilter_rules [--repeat N]
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from netfilter.iptables import IptablesBackend, ipset_available, plan_iptables
 from netfilter.model import (
@@ -177,12 +175,14 @@ def _bench_in_netns(repeat: int) -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.netfilter_rules",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--out", default="bench-results/netfilter.json")
     args = parser.parse_args()
     if os.geteuid() != 0:
-        print("bench_netfilter: needs root (network namespaces, nft)", file=sys.stderr)
+        print("scripts.bench.netfilter_rules: needs root (network namespaces, nft)",
+              file=sys.stderr)
         return 2
     results = bench(args.repeat)
     results["targets"] = {"full_apply_ms": TARGET_APPLY_MS, "reapply_ms": TARGET_REAPPLY_MS}

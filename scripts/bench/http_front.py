@@ -1,6 +1,8 @@
 """Benchmark of the HTTP front alone: wrk → front → upstream, over loopback TCP.
 
-    .venv/bin/python -m tests.http.bench_proxy [--seconds 5] [--connections 16]
+From the repository root (needs wrk):
+
+    .venv/bin/python -m scripts.bench.http_front [--seconds 5] [--connections 16]
 
 Runs a minimal upstream (a trio server answering every request with a fixed 1 KiB
 response) in one process, the front in another, and wrk (keep-alive, 1 KiB GETs) against
@@ -24,6 +26,18 @@ import sys
 import time
 
 import trio
+
+from nodeagent.http import (
+    Backend,
+    HttpFront,
+    PathType,
+    Route,
+    RouteSpec,
+    RouteTable,
+    UpstreamUnavailable,
+)
+from tunnel.protocol import StreamReason
+from tunnel.tcp import DialFailed, connect_tcp
 
 BODY = b"x" * 1024
 RESPONSE = (
@@ -51,10 +65,17 @@ def _run_upstream(port: int) -> None:
     trio.run(functools.partial(trio.serve_tcp, _upstream_conn, port, host="127.0.0.1"))
 
 
-def _run_front(port: int, upstream_port: int) -> None:
-    from nodeagent.http import Backend, HttpFront, Route, RouteSpec, RouteTable
-    from tests.http.helpers import open_direct
+async def open_direct(backend: Backend, route: Route, client: str = "") -> trio.SocketStream:
+    """The front's upstream opener: dial the backend over TCP, failures mapped as the
+    server maps them (the tests' opener does the same; a script does not import tests)."""
+    try:
+        return await connect_tcp(backend.host, backend.port, connect_timeout=10.0)
+    except DialFailed as exc:
+        status = 504 if exc.reason is StreamReason.TIMEOUT else 502
+        raise UpstreamUnavailable(status, f"cannot connect to {backend}: {exc.message}") from None
 
+
+def _run_front(port: int, upstream_port: int) -> None:
     route = Route("bench", (Backend(None, "127.0.0.1", upstream_port),))
     table = RouteTable.build([RouteSpec(None, "/", route)])
     front = HttpFront(table=lambda: table, open_upstream=open_direct)
@@ -109,8 +130,6 @@ def _wrk(port: int, seconds: int, connections: int) -> tuple[float, str]:
 
 
 def bench_routes() -> None:
-    from nodeagent.http import Backend, PathType, Route, RouteSpec, RouteTable
-
     rng = random.Random(1)
     hosts = [f"svc{i}.tenant{i % 97}.example.com" for i in range(10_000)]
     specs = []
@@ -141,7 +160,8 @@ def bench_routes() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.http_front",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, default=16)
     args = parser.parse_args()

@@ -1,1 +1,0 @@
-"""Helpers for scripts/bench.py: the C load tool, parsers, profile summaries."""

@@ -51,7 +51,9 @@ def make_certs(d: Path) -> Certs:
                  d / "edge-1.key")
 
 
-class _Handler(BaseHTTPRequestHandler):
+class UpstreamHandler(BaseHTTPRequestHandler):
+    """The sample HTTP service: answers every GET with what it saw (path, Host, XFF)."""
+
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
@@ -72,7 +74,9 @@ class Upstream:
     echo_port: int
 
 
-def _echo_server(sock: socket.socket) -> None:
+def serve_echo(sock: socket.socket) -> None:
+    """Accept on `sock` and echo each connection back, a thread per connection, until
+    `sock` is closed."""
     while True:
         try:
             conn, _ = sock.accept()
@@ -91,10 +95,10 @@ def _echo_server(sock: socket.socket) -> None:
 def run_upstream() -> Iterator[Upstream]:
     """A plain HTTP service and a TCP echo service on 127.0.0.1 (threads: they stand for
     ordinary programs on the node, not for nodeagent code)."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), UpstreamHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     echo = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
+    threading.Thread(target=serve_echo, args=(echo,), daemon=True).start()
     try:
         yield Upstream(httpd.server_address[1], echo.getsockname()[1])
     finally:

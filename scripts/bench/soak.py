@@ -55,10 +55,10 @@ from nodeagent.testing.standalone import (
     Certs,
     QuietHTTPServer,
     Upstream,
-    _echo_server,
-    _Handler,
+    UpstreamHandler,
     agent_config,
     free_port,
+    serve_echo,
     server_config,
 )
 from nodeagent.trust import pki
@@ -243,8 +243,8 @@ def main() -> int:
         certs = Certs(tmp / "ca.crt", tmp / "server.crt", tmp / "server.key",
                       tmp / "server.crt", tmp / "server.key")
         echo = socket.create_server(("127.0.0.1", 0))
-        threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
-        http = QuietHTTPServer(("127.0.0.1", 0), _Handler)
+        threading.Thread(target=serve_echo, args=(echo,), daemon=True).start()
+        http = QuietHTTPServer(("127.0.0.1", 0), UpstreamHandler)
         threading.Thread(target=http.serve_forever, daemon=True).start()
         upstream = Upstream(http.server_address[1], echo.getsockname()[1])
 

@@ -142,14 +142,29 @@ def wait_both(agent: NodeagentProcess, a: NodeagentProcess, b: NodeagentProcess)
 
 def test_a_replica_without_the_nodes_tunnel_answers_502_at_once_saying_so(
         tmp_path: Path, replicas: Any) -> None:
-    _, b, _, _ = replicas
-    started = time.monotonic()
-    r = httpx.get(f"http://127.0.0.1:{http_port(b)}/", headers={"host": "app.test"},
-                  timeout=5)
-    elapsed = time.monotonic() - started
-    assert r.status_code == 502, r.text
-    assert "node edge-1 is not connected to server replica-b" in r.text
-    assert elapsed < 1.0, elapsed
+    """The node's only tunnel is to replica-a: replica-b does not forward to its peer
+    (replicas never carry each other's traffic), it says at once that the node is not
+    connected to it."""
+    a, b, _, acfg = replicas
+    acfg["server"] = f"tls://127.0.0.1:{tunnel_port(a.config)}"
+    acfg["server_replicas"] = 1
+    agent = start_agent(tmp_path, acfg)
+    try:
+        a.wait_for(lambda s: holds(a), what="edge-1 on replica-a")
+        through_a = httpx.get(f"http://127.0.0.1:{http_port(a)}/",
+                              headers={"host": "app.test"}, timeout=5)
+        assert through_a.status_code == 200, through_a.text
+        started = time.monotonic()
+        r = httpx.get(f"http://127.0.0.1:{http_port(b)}/", headers={"host": "app.test"},
+                      timeout=5)
+        elapsed = time.monotonic() - started
+        assert r.status_code == 502, r.text
+        assert "node edge-1 is not connected to server replica-b" in r.text
+        assert elapsed < 1.0, elapsed
+        assert not holds(b)
+    finally:
+        agent.kill()
+    no_tracebacks(agent, a, b)
 
 
 def test_the_agent_holds_a_tunnel_to_each_replica_and_survives_one_killed(

@@ -184,11 +184,9 @@ class _SocketSink:
             self._stream.consumed(sent)
         if sent < len(data):
             self._pending = collections.deque((data[sent:],))
-            nursery = self._stream._conn._nursery
-            if nursery is None:  # the connection is ending: the stream is reset next
+            if not self._stream.connection.start_task(self._drain):
+                # The connection is ending: the stream is reset next.
                 self._finish(trio.ClosedResourceError("tunnel connection ended"))
-                return
-            nursery.start_soon(self._drain)
 
     def on_eof(self) -> None:
         self._eof = True

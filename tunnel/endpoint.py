@@ -7,8 +7,10 @@ connection's nursery (streams the peer opened, handed to the stream handler) or 
 caller's (streams we opened). When the connection ends every stream is reset, so nothing
 waits on a dead connection.
 
-The errors live in errors.py and the streams in stream.py; their names are importable
-from here too, as every caller always has.
+The streams live in stream.py and reach their connection only through the public
+methods of `StreamCarrier` (declared there, implemented here); the connection delivers
+to them through their public `*_received` methods. The errors live in errors.py. Both
+modules' names are importable from here too, as every caller always has.
 
 Backpressure is explicit everywhere: a stream's sender waits for flow-control credit and
 for the outgoing buffer to drain; the reader stops reading while the outgoing buffer holds
@@ -47,8 +49,8 @@ from tunnel.transports import PeerInfo, Transport, TransportError
 OUTGOING_HIGH_WATER = 1024 * 1024
 # The writer writes at most this much synchronously (send_nowait); more goes through the
 # transport's send, which encrypts and writes it piece by piece: one big synchronous
-# write encrypted all of it at once and copied what the socket did not take (bulk CPU per
-# GB up 10-20 % in bench.py).
+# write encrypted all of it at once and copied what the socket did not take (more bulk
+# CPU per GB, as scripts/bench.py shows).
 _NOWAIT_MAX = 64 * 1024
 # The reader stops reading only beyond what stream data alone can queue (the peer's
 # connection window, capped here): a reader that stopped for stream data while its
@@ -421,12 +423,10 @@ class TunnelConnection:
         path's: same writer, same queue, same windows. Only up to `_NOWAIT_MAX` bytes:
         the request/response case, not bulk.
 
-        An earlier version let the stream task that queued output send it itself when
-        the writer was idle and trio's private run queue was empty. Measured against
-        this one (scripts/benchlib/micro.py --tls, CPU per unit, same machine, back to
-        back): one stream's round trip 8 % cheaper, but 16 concurrent streams' 45 %
-        dearer (their writes fell to a few frames each, and stayed there), and it read
-        trio's internals; removed."""
+        Why not let the stream task that queued output send it itself while the writer
+        idles: one stream's round trip gets a little cheaper, but many concurrent
+        streams' get much dearer (their writes fall to a few frames each), and it has to
+        read trio's private run queue (scripts/benchlib/micro.py --tls measures both)."""
         core = self._core
         while True:
             data = core.data_to_send()

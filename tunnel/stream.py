@@ -33,7 +33,7 @@ class StreamCarrier(Protocol):
 
     The stream-level protocol actions queue frames; `send_queued()` gets them moving. On
     the hot path a send costs one `send_some()` and one `send_queued()` per window's worth
-    of data: no task switch and no allocation beyond the connection's own."""
+    of data: no task switch, and no allocation but the memoryview slices of the data."""
 
     @property
     def end_reason(self) -> TunnelClosedError | None:
@@ -195,8 +195,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             self._window_ready = None
 
     def mark_closed(self) -> None:
-        """The connection finished this stream on its own (an abandoned OPEN): it is
-        closed, and aclose() has nothing left to tell the peer."""
+        """The stream was finished without an RST of its own (an abandoned OPEN, a
+        refusal): it is closed, and aclose() has nothing left to tell the peer."""
         self._closed = True
 
     # ---- a direct sink (see DirectSink)
@@ -405,19 +405,19 @@ class IncomingStream:
         try:
             self.connection.refuse_stream(self.stream.stream_id, reason, message)
         except p.ConnectionClosedError:
-            self.stream._closed = True
+            self.stream.mark_closed()
             await trio.lowlevel.checkpoint()
             return  # nobody to tell
         self.connection.forget(self.stream)
-        self.stream._closed = True
+        self.stream.mark_closed()
         await self.connection.send_queued()
 
     def _answer(self) -> None:
         if self.answered:
             raise p.LocalProtocolError("stream already answered")
         self.answered = True
-        if self.stream._reset is not None:
-            raise self.stream._reset
+        if self.stream.reset_reason is not None:
+            raise self.stream.reset_reason
 
 
 StreamHandler = Callable[[IncomingStream], Awaitable[None]]

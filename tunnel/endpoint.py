@@ -7,8 +7,10 @@ connection's nursery (streams the peer opened, handed to the stream handler) or 
 caller's (streams we opened). When the connection ends every stream is reset, so nothing
 waits on a dead connection.
 
-The errors live in errors.py and the streams in stream.py; their names are importable
-from here too, as every caller always has.
+The streams live in stream.py and reach their connection only through the public
+methods of `StreamCarrier` (declared there, implemented here); the connection delivers
+to them through their public `*_received` methods. The errors live in errors.py. Both
+modules' names are importable from here too, as every caller always has.
 
 Backpressure is explicit everywhere: a stream's sender waits for flow-control credit and
 for the outgoing buffer to drain; the reader stops reading while the outgoing buffer holds
@@ -47,8 +49,8 @@ from tunnel.transports import PeerInfo, Transport, TransportError
 OUTGOING_HIGH_WATER = 1024 * 1024
 # The writer writes at most this much synchronously (send_nowait); more goes through the
 # transport's send, which encrypts and writes it piece by piece: one big synchronous
-# write encrypted all of it at once and copied what the socket did not take (bulk CPU per
-# GB up 10-20 % in bench.py).
+# write encrypted all of it at once and copied what the socket did not take (more bulk
+# CPU per GB, as scripts/bench.py shows).
 _NOWAIT_MAX = 64 * 1024
 # The reader stops reading only beyond what stream data alone can queue (the peer's
 # connection window, capped here): a reader that stopped for stream data while its
@@ -326,23 +328,23 @@ class TunnelConnection:
         if isinstance(event, p.DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
-                stream._on_data(event.data)
+                stream.data_received(event.data)
             else:
                 self._core.acknowledge_received_data(event.stream_id, len(event.data))
         elif isinstance(event, p.WindowUpdated):
             if event.stream_id == 0:
                 waiters, self._window_waiters = self._window_waiters, set()
                 for stream in waiters:
-                    stream._on_window()
+                    stream.window_opened()
             else:
                 stream = self._streams.get(event.stream_id)
                 if stream is not None:
                     self._window_waiters.discard(stream)
-                    stream._on_window()
+                    stream.window_opened()
         elif isinstance(event, p.StreamEnded):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
-                stream._on_eof()
+                stream.eof_received()
         elif isinstance(event, p.StreamOpened):
             self._on_stream_opened(event)
         elif isinstance(event, p.StreamAccepted | p.StreamRefused):
@@ -352,7 +354,7 @@ class TunnelConnection:
         elif isinstance(event, p.StreamReset):
             stream = self._streams.pop(event.stream_id, None)
             if stream is not None:
-                stream._on_reset(event.reason, event.message)
+                stream.reset_received(event.reason, event.message)
                 self._streams_changed.set()
         elif isinstance(event, p.PingAcked):
             sent = self._pings.pop(event.payload, None)
@@ -421,12 +423,10 @@ class TunnelConnection:
         path's: same writer, same queue, same windows. Only up to `_NOWAIT_MAX` bytes:
         the request/response case, not bulk.
 
-        An earlier version let the stream task that queued output send it itself when
-        the writer was idle and trio's private run queue was empty. Measured against
-        this one (scripts/benchlib/micro.py --tls, CPU per unit, same machine, back to
-        back): one stream's round trip 8 % cheaper, but 16 concurrent streams' 45 %
-        dearer (their writes fell to a few frames each, and stayed there), and it read
-        trio's internals; removed."""
+        Why not let the stream task that queued output send it itself while the writer
+        idles: one stream's round trip gets a little cheaper, but many concurrent
+        streams' get much dearer (their writes fall to a few frames each), and it has to
+        read trio's private run queue (scripts/benchlib/micro.py --tls measures both)."""
         core = self._core
         while True:
             data = core.data_to_send()
@@ -479,16 +479,6 @@ class TunnelConnection:
                 self._space = trio.Event()
             await self._space.wait()
 
-    async def _after_output(self) -> None:
-        """After a local action queued output: wake the writer, and wait if we are
-        producing faster than the transport takes it."""
-        if self.end_reason is not None:
-            raise self.end_reason
-        self._wake_writer()
-        await self._wait_for_space()
-        if self.end_reason is not None:
-            raise self.end_reason
-
     async def _keepalive(self) -> None:
         while True:
             payload = struct.pack("!Q", next(self._ping_counter))
@@ -523,7 +513,7 @@ class TunnelConnection:
         reason = self.end_reason or TunnelClosedError("connection closed")
         message = f"tunnel connection ended: {reason}"
         for stream in list(self._streams.values()):
-            stream._on_reset(p.StreamReason.CANCELLED, message)
+            stream.reset_received(p.StreamReason.CANCELLED, message)
         self._streams.clear()
         for pending in list(self._pending_opens.values()):
             pending.fail(reason)
@@ -549,7 +539,7 @@ class TunnelConnection:
         self._pending_opens[stream_id] = pending
         self._streams[stream_id] = stream
         try:
-            await self._after_output()
+            await self.send_queued()
             with trio.move_on_after(self.settings.open_timeout) as scope:
                 result = await pending.wait()
             if scope.cancelled_caught:
@@ -561,7 +551,7 @@ class TunnelConnection:
         except BaseException:
             self._pending_opens.pop(stream_id, None)
             if self._streams.pop(stream_id, None) is not None and self.end_reason is None:
-                stream._closed = True
+                stream.mark_closed()
                 self._core.reset_stream(stream_id, p.StreamReason.CANCELLED, "open abandoned")
                 self._wake_writer()
             raise
@@ -586,18 +576,65 @@ class TunnelConnection:
             self._streams_changed = trio.Event()
             await self._streams_changed.wait()
 
-    def _ack(self, stream_id: int, size: int) -> None:
+    # ------------------------------------------------------------------ for its streams
+    # The connection's side of tunnel.stream.StreamCarrier: what its streams (and splice's
+    # direct sink) call. Not for users: a stream's own methods are the API.
+
+    def send_some(self, stream_id: int, data: memoryview) -> int:
+        window = self._core.send_window(stream_id)
+        if window <= 0:
+            return 0
+        chunk = data[:window]
+        self._core.send_data(stream_id, chunk)
+        return len(chunk)
+
+    def wait_for_window(self, stream: TunnelStream) -> bool:
+        if not self._core.has_stream(stream.stream_id):
+            return False
+        self._window_waiters.add(stream)
+        return True
+
+    def end_stream(self, stream_id: int) -> None:
+        self._core.end_stream(stream_id)
+
+    def accept_stream(self, stream_id: int) -> None:
+        self._core.accept_stream(stream_id)
+
+    def refuse_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
+        self._core.refuse_stream(stream_id, reason, message)
+
+    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
+        self._core.reset_stream(stream_id, reason, message)
+        self._wake_writer()
+
+    def acknowledge(self, stream_id: int, size: int) -> None:
         if self._core.is_closed:
             return
         self._core.acknowledge_received_data(stream_id, size)
         if self._core.outgoing_size:
             self._wake_writer()
 
-    def _forget(self, stream: TunnelStream) -> None:
+    def forget(self, stream: TunnelStream) -> None:
         if self._streams.get(stream.stream_id) is stream:
             del self._streams[stream.stream_id]
             self._streams_changed.set()
         self._window_waiters.discard(stream)
+
+    async def send_queued(self) -> None:
+        """After a local action queued output: wake the writer, and wait if we are
+        producing faster than the transport takes it."""
+        if self.end_reason is not None:
+            raise self.end_reason
+        self._wake_writer()
+        await self._wait_for_space()
+        if self.end_reason is not None:
+            raise self.end_reason
+
+    def start_task(self, async_fn: Callable[[], Awaitable[None]]) -> bool:
+        if self._nursery is None:
+            return False
+        self._nursery.start_soon(async_fn)
+        return True
 
 
 class _PendingOpen:

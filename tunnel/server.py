@@ -199,7 +199,7 @@ class TunnelServer:
     # ---------------------------------------------------------------- serving
 
     async def handle_transport(self, transport: Transport) -> None:
-        """Serve one accepted transport until it ends (give this to tunnel.dial.serve)."""
+        """Serve one accepted transport until it ends (give this to tunnel.accept.serve)."""
         log = self.log.bind(peer=transport.peer.address)
         identity: str | Bootstrap | None = None
         reserved = False  # a bootstrap slot taken by vet(), released below

@@ -4,9 +4,10 @@ A tunnel stream joined to a TCP socket (every relay: the agent's targets, the se
 mappings, intercepted connections) takes a shorter way tunnel → socket: the connection's
 reader writes each frame straight into the socket, without waking a task, and only what
 the socket cannot take at once waits for a drain task started for that moment. That
-direction then costs no task switch per frame and no task per idle connection (measured:
-see the README's performance section); socket → tunnel stays a task, as reading a socket
-has to wait somewhere.
+direction then costs no task switch per frame and no task per idle connection
+(scripts/bench.py measures it); socket → tunnel stays a task, as reading a socket has to
+wait somewhere. The drain task starts through the stream's connection
+(`StreamCarrier.start_task`).
 """
 
 from __future__ import annotations
@@ -184,11 +185,9 @@ class _SocketSink:
             self._stream.consumed(sent)
         if sent < len(data):
             self._pending = collections.deque((data[sent:],))
-            nursery = self._stream._conn._nursery
-            if nursery is None:  # the connection is ending: the stream is reset next
+            if not self._stream.connection.start_task(self._drain):
+                # The connection is ending: the stream is reset next.
                 self._finish(trio.ClosedResourceError("tunnel connection ended"))
-                return
-            nursery.start_soon(self._drain)
 
     def on_eof(self) -> None:
         self._eof = True

@@ -1,8 +1,13 @@
 """A tunnel stream as trio code sees it: `TunnelStream`, a trio HalfCloseableStream over one
-stream of a `TunnelConnection` (flow-controlled sends, a coalescing receive buffer,
+stream of a tunnel connection (flow-controlled sends, a coalescing receive buffer,
 half-close with FIN, abort with RST), and `IncomingStream`, a stream the peer opened that
-the handler accepts or refuses. The connection (endpoint.py) drives them; they hold no
-tasks of their own.
+the handler accepts or refuses. They hold no tasks of their own.
+
+The seam between a stream and its connection is public both ways, and this module owns
+it: `StreamCarrier` is what a stream needs of the connection that carries it
+(`TunnelConnection` in endpoint.py implements it), and the connection's reader delivers
+to a stream through its `*_received` / `window_opened` methods. So this module does not
+import endpoint.py, and neither side touches the other's private members.
 """
 
 from __future__ import annotations
@@ -11,19 +16,75 @@ import collections
 import operator
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import trio
 import trio.lowlevel
 
 from tunnel import protocol as p
-from tunnel.errors import StreamResetError
-
-if TYPE_CHECKING:  # the connection creates its streams; they call back into it
-    from tunnel.endpoint import TunnelConnection
+from tunnel.errors import StreamResetError, TunnelClosedError
 
 # receive_some() without max_bytes joins buffered frames up to this size.
 RECEIVE_COALESCE = 256 * 1024
+
+
+class StreamCarrier(Protocol):
+    """What a stream needs of the connection that carries it (`TunnelConnection`).
+
+    The stream-level protocol actions queue frames; `send_queued()` gets them moving. On
+    the hot path a send costs one `send_some()` and one `send_queued()` per window's worth
+    of data: no task switch, and no allocation but the memoryview slices of the data."""
+
+    @property
+    def end_reason(self) -> TunnelClosedError | None:
+        """Why the connection ended; None while it runs."""
+        ...
+
+    def send_some(self, stream_id: int, data: memoryview) -> int:
+        """Queue as much of `data` as the stream's and the connection's send windows
+        allow now; returns how many bytes (0: wait for credit, see wait_for_window)."""
+        ...
+
+    def wait_for_window(self, stream: TunnelStream) -> bool:
+        """Call `stream.window_opened()` once send credit arrives (or the stream ends).
+        False, and no call, if the stream is gone: no credit will ever come."""
+        ...
+
+    def end_stream(self, stream_id: int) -> None:
+        """Queue FIN. Raises tunnel.protocol.LocalProtocolError if the stream cannot."""
+        ...
+
+    def accept_stream(self, stream_id: int) -> None:
+        """Queue ACCEPT for a stream the peer opened. Raises
+        tunnel.protocol.ConnectionClosedError once the connection has ended."""
+        ...
+
+    def refuse_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
+        """Queue REFUSE for a stream the peer opened; same errors as accept_stream()."""
+        ...
+
+    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
+        """Queue RST (a no-op for a stream already gone) and wake the writer."""
+        ...
+
+    def acknowledge(self, stream_id: int, size: int) -> None:
+        """The stream consumed `size` received bytes: return their credit to the peer."""
+        ...
+
+    def forget(self, stream: TunnelStream) -> None:
+        """The stream is closed locally: deliver nothing more to it."""
+        ...
+
+    async def send_queued(self) -> None:
+        """Wake the writer for what was queued, and wait while the outgoing buffer is
+        above its high-water mark. Raises `end_reason` once the connection has ended."""
+        ...
+
+    def start_task(self, async_fn: Callable[[], Awaitable[None]]) -> bool:
+        """Run `async_fn` in the connection's nursery, for work a direct sink cannot do
+        synchronously; it must not raise. False, and nothing started, if the
+        connection is ending."""
+        ...
 
 
 class DirectSink(Protocol):
@@ -66,7 +127,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         "target",
     )
 
-    def __init__(self, conn: TunnelConnection, stream_id: int, target: p.Target,
+    def __init__(self, conn: StreamCarrier, stream_id: int, target: p.Target,
                  metadata: dict[str, str]) -> None:
         self._conn = conn
         self.stream_id = stream_id
@@ -91,12 +152,17 @@ class TunnelStream(trio.abc.HalfCloseableStream):
     def __repr__(self) -> str:
         return f"<TunnelStream {self.stream_id} {self.target}>"
 
-    # ---- called by the connection's reader
+    @property
+    def connection(self) -> StreamCarrier:
+        """The connection that carries this stream."""
+        return self._conn
 
-    def _on_data(self, data: bytes) -> None:
+    # ---- called by the connection (its reader, and its end), never by users
+
+    def data_received(self, data: bytes) -> None:
         if self._closed:
             # Already closed locally: consume at once so connection credit returns.
-            self._conn._ack(self.stream_id, len(data))
+            self._conn.acknowledge(self.stream_id, len(data))
             return
         if self._sink is not None:
             self._sink.on_data(data)
@@ -107,19 +173,31 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._buffered += len(data)
         self._wake_receiver()
 
-    def _on_eof(self) -> None:
+    def eof_received(self) -> None:
         self._eof = True
         if self._sink is not None:
             self._sink.on_eof()
         self._wake_receiver()
 
-    def _on_reset(self, reason: p.StreamReason, message: str) -> None:
+    def reset_received(self, reason: p.StreamReason, message: str) -> None:
+        """The peer reset the stream, or the connection ended under it."""
         if self._reset is None:
             self._reset = StreamResetError(reason, message)
         if self._sink is not None:
             self._sink.on_reset(self._reset)
         self._wake_receiver()
-        self._on_window()
+        self.window_opened()
+
+    def window_opened(self) -> None:
+        """Send credit arrived (see StreamCarrier.wait_for_window): wake the sender."""
+        if self._window_ready is not None:
+            self._window_ready.set()
+            self._window_ready = None
+
+    def mark_closed(self) -> None:
+        """The stream was finished without an RST of its own (an abandoned OPEN, a
+        refusal): it is closed, and aclose() has nothing left to tell the peer."""
+        self._closed = True
 
     # ---- a direct sink (see DirectSink)
 
@@ -144,12 +222,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         """A sink passed `size` bytes on (or dropped them, the stream being dead): count
         them and return their credit, which the connection needs back either way."""
         self.bytes_received += size
-        self._conn._ack(self.stream_id, size)
-
-    def _on_window(self) -> None:
-        if self._window_ready is not None:
-            self._window_ready.set()
-            self._window_ready = None
+        self._conn.acknowledge(self.stream_id, size)
 
     def _wake_receiver(self) -> None:
         if self._data_ready is not None:
@@ -169,20 +242,18 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             while view:
                 if self._reset is not None:
                     raise self._reset
-                window = conn._core.send_window(self.stream_id)
-                if window <= 0:
-                    if not conn._core.has_stream(self.stream_id):
+                sent = conn.send_some(self.stream_id, view)
+                if not sent:
+                    ready = trio.Event()
+                    if not conn.wait_for_window(self):
                         raise self._reset or StreamResetError(
                             p.StreamReason.CANCELLED, "stream closed")
-                    ready = self._window_ready = trio.Event()
-                    conn._window_waiters.add(self)
+                    self._window_ready = ready
                     await ready.wait()
                     continue
-                chunk = view[:window]
-                conn._core.send_data(self.stream_id, chunk)
-                view = view[window:]
-                self.bytes_sent += len(chunk)
-                await conn._after_output()
+                view = view[sent:]
+                self.bytes_sent += sent
+                await conn.send_queued()
             await trio.lowlevel.checkpoint()
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -202,10 +273,10 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                 raise self._reset
             self._fin_sent = True
             try:
-                self._conn._core.end_stream(self.stream_id)
+                self._conn.end_stream(self.stream_id)
             except p.LocalProtocolError as exc:
                 raise StreamResetError(p.StreamReason.CANCELLED, str(exc)) from None
-            await self._conn._after_output()
+            await self._conn.send_queued()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if max_bytes is not None:
@@ -230,7 +301,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                         self._buffer = None
                     self._buffered -= len(data)
                     self.bytes_received += len(data)
-                    self._conn._ack(self.stream_id, len(data))
+                    self._conn.acknowledge(self.stream_id, len(data))
                     await trio.lowlevel.checkpoint()
                     return data
                 if self._eof:
@@ -266,16 +337,15 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             return
         self._closed = True
         if self._buffered:
-            self._conn._ack(self.stream_id, self._buffered)
+            self._conn.acknowledge(self.stream_id, self._buffered)
             self._buffer = None
             self._buffered = 0
-        self._conn._forget(self)
+        self._conn.forget(self)
         if self._reset is None:
-            self._conn._core.reset_stream(self.stream_id, reason, message)
+            self._conn.reset_stream(self.stream_id, reason, message)
             self._reset = StreamResetError(reason, message)
-            self._conn._wake_writer()
         self._wake_receiver()
-        self._on_window()
+        self.window_opened()
         await trio.lowlevel.checkpoint()
 
     @property
@@ -304,7 +374,7 @@ class _Guard:
 class IncomingStream:
     """A stream the peer asked for; the handler accepts or refuses it."""
 
-    def __init__(self, conn: TunnelConnection, stream: TunnelStream) -> None:
+    def __init__(self, conn: StreamCarrier, stream: TunnelStream) -> None:
         self.connection = conn
         self.stream = stream
         self.answered = False
@@ -319,32 +389,35 @@ class IncomingStream:
 
     async def accept(self) -> TunnelStream:
         self._answer()
-        if self.connection._core.is_closed:
+        try:
+            self.connection.accept_stream(self.stream.stream_id)
+        except p.ConnectionClosedError:
             # The connection ended while the handler dialed, before its nursery cancelled
             # the handler: a routine end (BrokenResourceError), not a crash.
             raise StreamResetError(p.StreamReason.CANCELLED,
-                                   f"tunnel connection ended: {self.connection.end_reason}")
-        self.connection._core.accept_stream(self.stream.stream_id)
-        await self.connection._after_output()
+                                   f"tunnel connection ended: {self.connection.end_reason}",
+                                   ) from None
+        await self.connection.send_queued()
         return self.stream
 
     async def refuse(self, reason: p.StreamReason, message: str = "") -> None:
         self._answer()
-        if self.connection._core.is_closed:
-            self.stream._closed = True
+        try:
+            self.connection.refuse_stream(self.stream.stream_id, reason, message)
+        except p.ConnectionClosedError:
+            self.stream.mark_closed()
             await trio.lowlevel.checkpoint()
             return  # nobody to tell
-        self.connection._core.refuse_stream(self.stream.stream_id, reason, message)
-        self.connection._forget(self.stream)
-        self.stream._closed = True
-        await self.connection._after_output()
+        self.connection.forget(self.stream)
+        self.stream.mark_closed()
+        await self.connection.send_queued()
 
     def _answer(self) -> None:
         if self.answered:
             raise p.LocalProtocolError("stream already answered")
         self.answered = True
-        if self.stream._reset is not None:
-            raise self.stream._reset
+        if self.stream.reset_reason is not None:
+            raise self.stream.reset_reason
 
 
 StreamHandler = Callable[[IncomingStream], Awaitable[None]]

@@ -42,12 +42,12 @@ from nodeagent.ops.streams import (
 from tunnel import protocol as p
 from tunnel.backoff import ReconnectPolicy
 from tunnel.client import TunnelClient
-from tunnel.dial import parse_endpoint
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
+from tunnel.urls import parse_endpoint
 
 if TYPE_CHECKING:  # controller mode only: it imports cryptography
     from nodeagent.trust.enrollment import IdentityKeeper

@@ -62,9 +62,10 @@ from nodeagent.server.workers import (
 from nodeagent.trust.filewatch import FileReloader
 from nodeagent.trust.tlscontext import TlsInputError
 from nodeagent.trust.tlscontext import server_ssl_context as tls_server_context
-from tunnel.dial import parse_endpoint, serve
+from tunnel.accept import serve
 from tunnel.listeners import open_tcp_listeners
 from tunnel.tcp import connect_tcp
+from tunnel.urls import parse_endpoint
 
 log = get_logger("nodeagent.server")
 

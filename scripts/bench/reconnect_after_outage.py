@@ -59,7 +59,7 @@ def one_run(tmp: Path, certs: Certs, outage: float, reconnect: dict[str, Any]) -
         server.kill()
         time.sleep(outage)
         back.start()
-        listening = stamp(first_line(back, "tunnel.dial listening"))
+        listening = stamp(first_line(back, "tunnel.accept listening"))
         connected = stamp(first_line(back, "agent connected"))
         return connected - listening
     finally:

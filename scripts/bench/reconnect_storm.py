@@ -42,8 +42,8 @@ from nodeagent.testing.standalone import free_port
 from nodeagent.trust import pki
 from tunnel import protocol as p
 from tunnel.client import TunnelClient
-from tunnel.dial import parse_endpoint
 from tunnel.endpoint import EndpointSettings
+from tunnel.urls import parse_endpoint
 
 TOKEN = "storm-token-0123456789abcdef"
 

@@ -40,7 +40,8 @@ import trio
 
 from nodeagent.trust import pki
 from scripts import ROOT
-from tunnel.dial import dial, serve
+from tunnel.accept import serve
+from tunnel.dial import dial
 from tunnel.transports import (
     MAX_MESSAGE_SIZE,
     WEBSOCKET_RECEIVE_SIZE,

@@ -71,7 +71,7 @@ async def test_a_stream_moves_to_the_next_tunnel_at_once_when_one_ends_or_drains
         dead.nursery.start_soon(kill_when_pending)
         with trio.fail_after(2):
             stream = await tc.open_stream(T)
-        assert stream._conn is alive.dialer
+        assert stream.connection is alive.dialer
         await stream.send_all(b"x")
         await stream.send_eof()
         assert await stream.receive_some() == b"x"
@@ -83,4 +83,4 @@ async def test_a_stream_moves_to_the_next_tunnel_at_once_when_one_ends_or_drains
         tc.tunnels.insert(0, Tunnel(draining.dialer, tc.endpoint, "c", 0.0))
         assert [t.server_id for t in tc.live()] == ["b"]
         second = await tc.open_stream(T)
-        assert second._conn is alive.dialer
+        assert second.connection is alive.dialer

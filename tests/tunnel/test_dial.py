@@ -1,5 +1,6 @@
-"""tunnel.dial: endpoint URLs, dial errors and their reasons, the listener's resilience,
-and interoperability with other WebSocket implementations."""
+"""tunnel.urls, tunnel.dial and tunnel.accept: endpoint URLs, dial errors and their
+reasons, the listener's resilience, and interoperability with other WebSocket
+implementations."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import websockets.trio.client
 import websockets.trio.server
 
 from nodeagent.trust import pki
-from tunnel.dial import dial, parse_endpoint, serve
+from tunnel.accept import serve
+from tunnel.dial import dial
 from tunnel.transports import DialError, Endpoint, Transport
+from tunnel.urls import parse_endpoint
 
 # ------------------------------------------------------------------------ parse_endpoint
 

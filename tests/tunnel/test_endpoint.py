@@ -18,7 +18,8 @@ import trio
 from nodeagent.trust import pki
 from tests.tunnel.memtransport import memory_transport_pair
 from tunnel import protocol as p
-from tunnel.dial import dial, serve
+from tunnel.accept import serve
+from tunnel.dial import dial
 from tunnel.endpoint import (
     AuthenticationFailed,
     EndpointSettings,

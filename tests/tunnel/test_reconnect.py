@@ -16,9 +16,9 @@ from nodeagent.testing.standalone import free_port
 from tests.tunnel.memtransport import memory_transport_pair
 from tests.tunnel.test_endpoint import echo_handler
 from tunnel import protocol as p
+from tunnel.accept import serve
 from tunnel.backoff import Failure, ReconnectPolicy
 from tunnel.client import TunnelClient
-from tunnel.dial import serve
 from tunnel.endpoint import EndpointSettings, TunnelConnection
 from tunnel.server import HandshakeAdmission, TunnelServer
 from tunnel.transports import Endpoint, PeerInfo

@@ -31,7 +31,8 @@ import websockets.frames
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from nodeagent.trust import pki
-from tunnel.dial import SO_MARK, dial, serve
+from tunnel.accept import serve
+from tunnel.dial import SO_MARK, dial
 from tunnel.transports import (
     CLOSE_TIMEOUT,
     MAX_MESSAGE_SIZE,
@@ -149,7 +150,7 @@ async def transport_pair(kind: Kind, certs: Certs, *, host: str = "127.0.0.1",
 
 
 class LogWatch(logging.Handler):
-    """Collects "tunnel.dial" records with one message; `event` is set on the first."""
+    """Collects "tunnel.accept" records with one message; `event` is set on the first."""
 
     def __init__(self, message: str) -> None:
         super().__init__(logging.DEBUG)
@@ -173,7 +174,7 @@ class LogWatch(logging.Handler):
 
 @contextmanager
 def watch_log(message: str) -> Iterator[LogWatch]:
-    logger = logging.getLogger("tunnel.dial")
+    logger = logging.getLogger("tunnel.accept")
     watch = LogWatch(message)
     level = logger.level
     logger.addHandler(watch)

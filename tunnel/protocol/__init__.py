@@ -13,11 +13,13 @@ The package is split by concern; this module re-exports the public API, so calle
 - wire.py: the frame format, the values frames carry, and each payload's codec
 - events.py: the events `receive_data()` returns
 - state.py: the stream life cycle as one declarative transition table
-- receiving.py: a connection's state and what the peer's bytes do to it
-- connection.py: `Connection`, which adds what our side does
+- reassembly.py: completing a frame split across reads, without copying the stream
+- flow.py: the connection's receive credit and the budget that bounds unread data
+- connection.py: `Connection`, the state machine: what our side does, what the peer's
+  bytes do
 """
 
-from tunnel.protocol.connection import Connection
+from tunnel.protocol.connection import Connection, ConnectionStats
 from tunnel.protocol.errors import (
     ConnectionClosedError,
     ConnectionDraining,
@@ -45,7 +47,6 @@ from tunnel.protocol.events import (
     StreamReset,
     WindowUpdated,
 )
-from tunnel.protocol.receiving import ConnectionStats
 from tunnel.protocol.state import (
     STREAM_TRANSITIONS,
     ConnectionState,

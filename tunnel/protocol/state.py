@@ -5,8 +5,8 @@ or received for it (`StreamEvent`), and `STREAM_TRANSITIONS`, which says for eve
 which events are allowed and the state each one leads to. An event missing from a
 state's row is not allowed there; the connection turns that into the right failure:
 
-- a frame received (RECV_*): the peer broke the protocol, the connection ends with a
-  PROTOCOL_ERROR GOAWAY;
+- a frame received (RECV_*): the peer broke the protocol (`unexpected_frame()` words the
+  error), the connection ends with a PROTOCOL_ERROR GOAWAY;
 - an action of ours (SEND_OPEN/ACCEPT/REFUSE/DATA/FIN): `StreamClosedError` when the
   stream is CLOSED or IDLE, `LocalProtocolError` otherwise;
 - SEND_RST and SEND_WINDOW: nothing is sent (resetting a finished stream is a no-op;
@@ -26,6 +26,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from typing import Any
+
+from tunnel.protocol.errors import RemoteProtocolError
 
 
 class ConnectionState(enum.Enum):
@@ -200,3 +202,28 @@ class StreamTable(dict[int, StreamRecord]):
     def clear(self) -> None:
         super().clear()
         self.local = 0
+
+
+_FRAME_NAMES = {
+    StreamEvent.RECV_OPEN: "OPEN",
+    StreamEvent.RECV_ACCEPT: "ACCEPT/REFUSE",
+    StreamEvent.RECV_REFUSE: "ACCEPT/REFUSE",
+    StreamEvent.RECV_DATA: "DATA",
+    StreamEvent.RECV_FIN: "DATA",
+    StreamEvent.RECV_WINDOW: "WINDOW",
+    StreamEvent.RECV_RST: "RST",
+}
+
+
+def unexpected_frame(event: StreamEvent, state: StreamState, stream_id: int) -> RemoteProtocolError:
+    """The protocol error for a received frame the stream table does not allow."""
+    frame = _FRAME_NAMES[event]
+    if state is StreamState.IDLE:
+        return RemoteProtocolError(f"{frame} for stream {stream_id}, which was never opened")
+    if event is StreamEvent.RECV_OPEN:
+        return RemoteProtocolError(f"OPEN reuses stream id {stream_id} (ids must increase)")
+    if frame == "DATA":
+        if state is StreamState.HALF_CLOSED_REMOTE:
+            return RemoteProtocolError(f"DATA on stream {stream_id} after FIN")
+        return RemoteProtocolError(f"DATA on stream {stream_id} before it was accepted")
+    return RemoteProtocolError(f"{frame} for stream {stream_id} not awaiting one")

@@ -10,7 +10,7 @@ its implementations, a TLS (or plain TCP) byte stream and WebSocket binary messa
   (Both WebSocket modules load on first use of their names: an agent or server on tls://
   never imports the WebSocket libraries.)
 
-Dialing and listening (endpoint URL → transport) is tunnel.dial.
+Dialing and accepting (endpoint URL → transport) are tunnel.dial and tunnel.accept.
 """
 
 from typing import TYPE_CHECKING, Any

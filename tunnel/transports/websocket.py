@@ -8,8 +8,8 @@ The transport drives a sans-IO WebSocket core from inside `send()`/`receive()`:
 for a background reader task for as long as the connection lives, and `dial()` hands out a
 transport without one; driving the core in the caller's task keeps every task owned and
 lets one code path own buffer sizes, message limits and error mapping. Which core is used
-by default was decided by measurement (scripts/bench_websocket.py; the numbers are at
-tunnel.dial.DEFAULT_WEBSOCKET_IMPL).
+by default was decided by measurement (scripts/bench_websocket.py; see
+tunnel.urls.DEFAULT_WEBSOCKET_IMPL).
 """
 
 from __future__ import annotations

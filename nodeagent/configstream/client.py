@@ -89,8 +89,9 @@ async def watch_config(
             stream: trio.abc.Stream = await open_stream()
             if tls is not None:
                 # The tunnel's TLSStream: it hands over every record a read brought in
-                # one receive_some (trio.SSLStream, one 16 KiB record per call, was a
-                # quarter of a watcher's CPU in scripts/bench_config.py's fan-out).
+                # one receive_some (trio.SSLStream hands over one 16 KiB record per
+                # call, which made a fan-out's large configs CPU-bound in the watchers:
+                # python -m scripts.bench.config_propagation measures it).
                 stream = TLSStream(stream, tls(), server_hostname=host)
         except Exception as exc:  # any reason the controller is unreachable right now
             await _pause(status, unreachable, log, f"cannot reach the controller: {exc}")

@@ -59,7 +59,8 @@ def parse_config_path(path: str) -> tuple[Literal["nodes", "servers"], str] | No
 def config_line(version: int, config: NodeConfig | RoutesConfig) -> bytes:
     """`{"version": V, "config": {...}}`: the config serialised by pydantic's own JSON
     encoder (no intermediate dicts: at a fan-out to thousands of nodes, model_dump +
-    json.dumps was most of the sending CPU; scripts/bench_config.py measures it)."""
+    json.dumps was most of the sending CPU; `python -m scripts.bench.config_propagation`
+    measures it)."""
     body = config.model_dump_json(exclude={"version"}).encode()
     return b'{"version":%d,"config":%s}\n' % (version, body)
 

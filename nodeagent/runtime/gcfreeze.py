@@ -1,21 +1,20 @@
 """`freeze_survivors_forever()`: keep the cyclic GC from walking a large, long-lived heap
 again and again, while still freeing the cycles in it that become garbage.
 
-Measured in the controller at 5,000 nodes and 10,000 Ingresses (`scripts/bench_config.py`,
-with `gc.callbacks` timing each collection): the 5,000 config watches' connections (TLS,
-HTTP state, tasks: ~40 KiB each) live in the oldest generation, and every full collection
-walked them: 12 full collections in a one-minute bench took 2.7 s, the later ones ~0.6 s
-each, most of them during a fan-out, where they were a third of the controller's CPU and
-most of what put its p99 over 1 s. The objects in there are not garbage; the collector
-only proves it again each time.
+Why: a controller serving thousands of config watches holds their connections (TLS,
+HTTP state, tasks) in the oldest generation, and every full collection walks them
+again, only to prove once more that they are not garbage; during a fan-out those walks
+were a large share of its CPU and of its latency to the last node
+(`python -m scripts.bench.config_propagation`, with `gc.callbacks` timing each
+collection, measures it; docs/performance.md has today's figures).
 
 So: whatever survives a full collection is frozen (`gc.freeze()`: moved out of the
 collector's generations, an O(1) list splice), and the next full collection walks only
 what was made since. Frozen objects are still freed by reference counting; only a cycle
 that becomes garbage after it was frozen stays, until the periodic `full_every`
 collection (unfreeze, collect everything, freeze again), which bounds that memory by the
-churn of `full_every` seconds. That one walk costs what a full collection cost before
-(~0.6-1 s at the scale above), once every 10 minutes instead of every few changes.
+churn of `full_every` seconds. That one walk costs what a full collection cost before,
+once every 10 minutes instead of every few changes.
 
 Only for the long-running processes (the `nodeagent controller` command); never in tests,
 where the process is pytest's and freezing would keep every test's garbage cycles.

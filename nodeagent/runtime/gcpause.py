@@ -3,9 +3,9 @@
 Route tables, Ingress translations and the server's Ingress table each allocate tens of
 thousands of small objects at once. Every 700 allocations the cyclic GC would walk the
 young generation, and the growing heap gets promoted and walked again and again, though
-none of it is cyclic garbage: measured, that cost more than the build itself (see
-scripts/bench_routes.py). Pausing it for the build, and restoring the caller's setting,
-is the whole trick.
+none of it is cyclic garbage: that costs more than the build itself
+(`python -m scripts.bench.route_table` measures it). Pausing it for the build, and
+restoring the caller's setting, is the whole trick.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ def gc_paused(*, freeze: bool = False) -> Iterator[None]:
     `freeze`: what the block built lives long (the controller's configs until a change
     replaces them), so freeze it before the GC is back on. Without it, the first
     allocation after the block collects everything the block allocated in one young
-    collection (measured in the controller at a 5,000-node fan-out: ~13 % of its CPU),
-    and later ones walk the survivors again in each older generation. See gcfreeze.py for
+    collection (a visible share of the controller's CPU in a fan-out to thousands of
+    nodes: `python -m scripts.bench.config_propagation`), and later ones walk the survivors again in each older generation. See gcfreeze.py for
     how frozen cycles that become garbage are still collected."""
     enabled = gc.isenabled()
     gc.disable()

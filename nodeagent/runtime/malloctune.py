@@ -1,28 +1,18 @@
 """`trim_forever()`: hand the C heap's free pages back to the kernel every minute.
 
-Measured in the 30-minute soak (`scripts/soak.py`: mixed TCP echo and HTTP load, a server
-rollout and a path flap every 3 minutes): an agent's RSS grew 9.8 % after warm-up (62.1 →
-68.3 MiB) while tracemalloc showed its live Python objects flat (a few hundred KB of data
-in flight). That was read as glibc malloc's doing: tunnel reads and frames are buffers of
-64-256 KiB; glibc raises its mmap threshold each time such a buffer is freed, so later
-ones come from the heap, where a long-lived small allocation between them pins the pages
-after they are freed. `malloc_trim(0)` gives every free page in the heap back (madvise),
-wherever it lies: 70 MB of such holes came back in ~5 ms here (tests/runtime/test_malloctune.py
-makes them and checks they come back). With the trim the soak's agent grew +6.2 %.
+Why: a long-running agent's RSS grows while its live Python objects stay flat. Tunnel
+reads and frames are buffers of 64-256 KiB; glibc raises its mmap threshold each time
+such a buffer is freed, so later ones come from the heap, where a long-lived small
+allocation between them pins the pages after they are freed. `malloc_trim(0)` gives
+every free page in the heap back (madvise), wherever it lies, in milliseconds
+(tests/runtime/test_malloctune.py makes such holes and checks they come back).
 
-Most of what was left was not glibc's, found later with heaptrack and mallinfo2(): every
-TLS connection a rollout or a flap broke stayed alive, OpenSSL buffers and all (which
-tracemalloc does not see), in a reference cycle until a full GC collection (see
-`TLSStream._remember_failure` in tunnel/transports/tls.py). With that fixed, over a
-60-minute soak the agent's malloc'd bytes in use stayed at 8.9-9.4 MiB while the heap's
-address range still grew from 14.6 to 21.5 MiB: holes, whose free pages this trim hands
-back (RSS stayed at 48-50 MiB).
-
-Why not the other fix, a fixed mmap threshold (MALLOC_MMAP_THRESHOLD_=131072): it held the
-soak's growth to 4.2 %, but every 256 KiB read then maps and faults in fresh pages, which
-doubled the tunnel's bulk CPU (`bench.py --only bulk`: 2.3-2.7 → 4.5-5.3 s per GB, half
-the throughput). A trim a minute costs a few milliseconds and only the pages reused after
-it fault in again.
+Why not a fixed mmap threshold (MALLOC_MMAP_THRESHOLD_) instead: every large read then
+maps and faults in fresh pages, which costs the tunnel's bulk path about half its
+throughput; a trim a minute costs a few milliseconds, and only the pages reused after it
+fault in again. The long soak measures the growth (`python -m scripts.bench.soak`), the
+tunnel benchmark the bulk cost (`python -m scripts.bench.tunnel --only bulk`);
+docs/performance.md has today's figures.
 
 Not glibc (musl, macOS): nothing is done.
 """

@@ -23,7 +23,8 @@ def gc_paused(*, freeze: bool = False) -> Iterator[None]:
     replaces them), so freeze it before the GC is back on. Without it, the first
     allocation after the block collects everything the block allocated in one young
     collection (a visible share of the controller's CPU in a fan-out to thousands of
-    nodes: `python -m scripts.bench.config_propagation`), and later ones walk the survivors again in each older generation. See gcfreeze.py for
+    nodes: `python -m scripts.bench.config_propagation`), and later ones walk the
+    survivors again in each older generation. See gcfreeze.py for
     how frozen cycles that become garbage are still collected."""
     enabled = gc.isenabled()
     gc.disable()

@@ -32,7 +32,9 @@ import h11
 import trio
 
 from nodeagent.testing.fakekube import openapi
+from nodeagent.testing.fakekube.errors import ApiError, bad_request, not_found
 from nodeagent.testing.fakekube.kubeconfig import write_kubeconfig
+from nodeagent.testing.fakekube.objects import Obj
 from nodeagent.testing.fakekube.pki import CertificateAuthority, CertPair
 from nodeagent.testing.fakekube.rbac import (
     AUTHENTICATED,
@@ -49,18 +51,11 @@ from nodeagent.testing.fakekube.rbac import (
     service_account_groups,
 )
 from nodeagent.testing.fakekube.registry import RBAC, ResourceType
-from nodeagent.testing.fakekube.store import (
-    API_AUDIENCE,
-    DEFAULT_NAMESPACES,
-    ApiError,
-    Obj,
-    Store,
-    bad_request,
-    not_found,
-)
+from nodeagent.testing.fakekube.store import DEFAULT_NAMESPACES, Store
 from nodeagent.testing.fakekube.table import to_table, wants_table
 
 MAX_BODY = 3 * 1024 * 1024  # the real API server's request size limit
+API_AUDIENCE = "https://kubernetes.default.svc"
 SERVER_VERSION = {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fakekube",
                   "platform": "linux/amd64", "goVersion": "go1.22"}
 

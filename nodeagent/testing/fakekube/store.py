@@ -1,11 +1,10 @@
 """The fake API server's storage: an etcd-like revisioned store with the API's verbs.
 
-One global revision counts every write (like etcd's). Each write gives the object that
-revision as its resourceVersion and publishes an event to the watch cache
-(`watchcache.py`), which hands it to watchers synchronously at commit. Old versions are
-kept (MVCC) so paginated lists are consistent snapshots; `compact()` forgets history and
-old versions, after which watches from older versions and continue tokens from older
-snapshots get 410 Expired.
+One global revision counts every write (like etcd's): `mvcc.py` keeps every object's
+versions so paginated lists are consistent snapshots, and each write publishes an event to
+the watch cache (`watchcache.py`), which hands it to watchers synchronously at commit.
+`compact()` forgets history and old versions, after which watches from older versions and
+continue tokens from older snapshots get 410 Expired.
 
 This module owns the verbs (get, list, watch, create, update, patch, server-side apply,
 delete) and what follows from a write as the real control plane does it: generation,
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import bisect
 import copy
 import json
 import random
@@ -29,12 +27,7 @@ from typing import Any
 
 import yaml
 
-from nodeagent.testing.fakekube.admission import (
-    ClusterIPs,
-    admit,
-    admit_custom,
-    validate_metadata,
-)
+from nodeagent.testing.fakekube.admission import ClusterIPs, admit, admit_custom, validate_metadata
 from nodeagent.testing.fakekube.errors import (
     ApiError,
     already_exists,
@@ -45,14 +38,8 @@ from nodeagent.testing.fakekube.errors import (
     no_such_resource,
     not_found,
 )
-from nodeagent.testing.fakekube.objects import (
-    Obj,
-    ObjKey,
-    TypeKey,
-    external,
-    now_rfc3339,
-    obj_key,
-)
+from nodeagent.testing.fakekube.mvcc import VersionedObjects
+from nodeagent.testing.fakekube.objects import Obj, ObjKey, TypeKey, external, now_rfc3339, obj_key
 from nodeagent.testing.fakekube.patch import (
     PatchError,
     apply_patch,
@@ -87,16 +74,12 @@ class Store:
     def __init__(self, *, namespaces: Iterable[str] = DEFAULT_NAMESPACES,
                  history_limit: int | None = None, watch_queue_limit: int = 10_000,
                  start_revision: int = 100, rng: random.Random | None = None) -> None:
-        self.revision = start_revision
-        self.compacted = 0
+        self._objects = VersionedObjects(start_revision)
         self.history_limit = history_limit
         self.watch_queue_limit = watch_queue_limit
         self._rng = rng or random.Random()
         self.types: dict[TypeKey, ResourceType] = {}
-        self._live: dict[TypeKey, dict[ObjKey, Obj]] = {}
-        self._mvcc: dict[TypeKey, dict[ObjKey, list[tuple[int, Obj | None]]]] = {}
         self._watch_cache = WatchCache()
-        self._uids: dict[str, tuple[TypeKey, ObjKey]] = {}
         self._apply_owners: dict[tuple[TypeKey, ObjKey], dict[str, set[tuple[str, ...]]]] = {}
         self._cluster_ips = ClusterIPs()
         for rt in builtin_types():
@@ -105,18 +88,25 @@ class Store:
             self.create(self.types[("", "namespaces")], "v1", None,
                         {"metadata": {"name": ns}})
 
+    @property
+    def revision(self) -> int:
+        return self._objects.revision
+
+    @property
+    def compacted(self) -> int:
+        return self._objects.compacted
+
     # -- types ------------------------------------------------------------------------------
 
     def register(self, rt: ResourceType) -> None:
         self.types[rt.key] = rt
-        self._live.setdefault(rt.key, {})
-        self._mvcc.setdefault(rt.key, {})
+        self._objects.register(rt.key)
         self._watch_cache.register(rt.key)
 
     def unregister(self, key: TypeKey) -> None:
         self._watch_cache.unregister(key)
-        for table in (self.types, self._live, self._mvcc):
-            table.pop(key, None)
+        self._objects.unregister(key)
+        self.types.pop(key, None)
 
     def resolve(self, group: str, version: str, plural: str) -> ResourceType:
         rt = self.types.get((group, plural))
@@ -134,22 +124,10 @@ class Store:
     # -- the revisioned log -----------------------------------------------------------------
 
     def _commit(self, rt: ResourceType, type_: str, obj: Obj, previous: Obj | None) -> Obj:
-        self.revision += 1
-        obj["metadata"]["resourceVersion"] = str(self.revision)
-        key = obj_key(obj)
-        uid = obj["metadata"].get("uid")
+        revision = self._objects.commit(rt.key, type_, obj)
         if type_ == "DELETED":
-            self._live[rt.key].pop(key, None)
-            self._uids.pop(uid, None)
-            self._apply_owners.pop((rt.key, key), None)
-            self._mvcc[rt.key].setdefault(key, []).append((self.revision, None))
-        else:
-            self._live[rt.key][key] = obj
-            if uid:
-                self._uids[uid] = (rt.key, key)
-            self._mvcc[rt.key].setdefault(key, []).append((self.revision, obj))
-        event = HistoryEvent(self.revision, type_, obj, previous)
-        self._watch_cache.publish(rt.key, event)
+            self._apply_owners.pop((rt.key, obj_key(obj)), None)
+        self._watch_cache.publish(rt.key, HistoryEvent(revision, type_, obj, previous))
         if self.history_limit is not None:
             oldest = self.revision - self.history_limit
             if oldest > self.compacted:
@@ -161,42 +139,20 @@ class Store:
         rev = self.revision if revision is None else min(revision, self.revision)
         if rev <= self.compacted:
             return self.compacted
-        self.compacted = rev
+        self._objects.compact(rev)
         self._watch_cache.compact(rev)
-        for table in self._mvcc.values():
-            for key in list(table):
-                versions = table[key]
-                i = bisect.bisect_right(versions, rev, key=lambda v: v[0])
-                kept = versions[max(i - 1, 0):]
-                if kept and kept[0][0] <= rev and kept[0][1] is None:
-                    kept = kept[1:]
-                if kept:
-                    table[key] = kept
-                else:
-                    del table[key]
         return rev
-
-    def _snapshot(self, rt: ResourceType, revision: int) -> dict[ObjKey, Obj]:
-        if revision >= self.revision:
-            return self._live[rt.key]
-        out: dict[tuple[str, str], Obj] = {}
-        for key, versions in self._mvcc[rt.key].items():
-            i = bisect.bisect_right(versions, revision, key=lambda v: v[0])
-            obj = versions[i - 1][1] if i else None
-            if obj is not None:
-                out[key] = obj
-        return out
 
     # -- reads ------------------------------------------------------------------------------
 
     def live(self, rt: ResourceType, namespace: str | None, name: str) -> Obj:
-        obj = self._live[rt.key].get((namespace or "" if rt.namespaced else "", name))
+        obj = self._objects.live[rt.key].get((namespace or "" if rt.namespaced else "", name))
         if obj is None:
             raise not_found(rt, name)
         return obj
 
     def objects(self, rt: ResourceType) -> list[Obj]:
-        return [copy.deepcopy(o) for _, o in sorted(self._live[rt.key].items())]
+        return [copy.deepcopy(o) for _, o in sorted(self._objects.live[rt.key].items())]
 
     def get(self, rt: ResourceType, version: str, namespace: str | None, name: str) -> Obj:
         return external(rt, self.live(rt, namespace, name), version)
@@ -236,7 +192,7 @@ class Store:
                     if wanted < self.compacted:
                         raise expired(f"too old resource version: {wanted} ({self.compacted})")
                     snap = wanted
-        objects = self._snapshot(rt, snap)
+        objects = self._objects.snapshot(rt.key, snap)
         selected = [(k, o) for k, o in sorted(objects.items())
                     if (not namespace or k[0] == namespace) and (start is None or k > start)
                     and labels_match(labels, o) and fields_match(fields, o)]
@@ -259,7 +215,7 @@ class Store:
         if resource_version in (None, "", "0"):
             # "Start at most recent": synthetic ADDED events for the current state first.
             backlog = [HistoryEvent(self.revision, "ADDED", obj, None)
-                       for _, obj in sorted(self._live[rt.key].items())]
+                       for _, obj in sorted(self._objects.live[rt.key].items())]
         else:
             since = _parse_rv(resource_version)
             if since < self.compacted:
@@ -301,7 +257,7 @@ class Store:
             meta["namespace"] = namespace or meta.get("namespace")
             if not meta["namespace"]:
                 raise bad_request("the namespace of the object is missing")
-            if ("", meta["namespace"]) not in self._live[("", "namespaces")]:
+            if ("", meta["namespace"]) not in self._objects.live[("", "namespaces")]:
                 raise not_found(self.types[("", "namespaces")], meta["namespace"])
         else:
             meta.pop("namespace", None)
@@ -315,7 +271,7 @@ class Store:
         causes = validate_metadata(rt, obj)
         if causes:
             raise invalid(rt, meta["name"], causes)
-        if obj_key(obj) in self._live[rt.key]:
+        if obj_key(obj) in self._objects.live[rt.key]:
             raise already_exists(rt, meta["name"])
         for f in ("resourceVersion", "deletionTimestamp", "deletionGracePeriodSeconds",
                   "selfLink", "managedFields"):
@@ -495,7 +451,7 @@ class Store:
         merged["metadata"].pop("resourceVersion", None)
         result = self._replace(rt, version, old, self._check_body(rt, version, merged),
                                subresource)
-        if key[1] in self._live.get(rt.key, {}):
+        if key[1] in self._objects.live.get(rt.key, {}):
             self._apply_owners.setdefault(key, {})[field_manager] = owned
         return result
 
@@ -535,7 +491,7 @@ class Store:
             key = (spec.get("group", ""), (spec.get("names") or {}).get("plural", ""))
             custom = self.types.get(key)
             if custom is not None and custom.custom:
-                for o in list(self._live[key].values()):
+                for o in list(self._objects.live[key].values()):
                     self._commit(custom, "DELETED", copy.deepcopy(o), o)
                 self.unregister(key)
         self._collect_garbage(obj["metadata"].get("uid"), orphan=orphan)
@@ -545,7 +501,7 @@ class Store:
         propagation), or released from the reference (orphan)."""
         if not owner_uid:
             return
-        for tkey, table in list(self._live.items()):
+        for tkey, table in list(self._objects.live.items()):
             rt = self.types.get(tkey)
             if rt is None:
                 continue
@@ -554,7 +510,7 @@ class Store:
                 if not any(r.get("uid") == owner_uid for r in refs):
                     continue
                 remaining = [r for r in refs if r.get("uid") != owner_uid]
-                if orphan or any(r.get("uid") in self._uids for r in remaining):
+                if orphan or any(self._objects.has_uid(r.get("uid")) for r in remaining):
                     released = copy.deepcopy(obj)
                     released["metadata"]["ownerReferences"] = remaining
                     if not remaining:
@@ -565,7 +521,7 @@ class Store:
                     self.delete(rt, rt.versions[0], ns or None, name)
 
     def _delete_namespace_contents(self, namespace: str) -> None:
-        for tkey, table in list(self._live.items()):
+        for tkey, table in list(self._objects.live.items()):
             rt = self.types.get(tkey)
             if rt is None or not rt.namespaced:
                 continue
@@ -599,7 +555,7 @@ class Store:
         if status.get("acceptedNames") == names and status.get("storedVersions") == stored:
             return
         crd_type = self.types[("apiextensions.k8s.io", "customresourcedefinitions")]
-        current = self._live[crd_type.key][obj_key(crd)]
+        current = self._objects.live[crd_type.key][obj_key(crd)]
         updated = copy.deepcopy(current)
         updated["status"] = wanted
         self._commit(crd_type, "MODIFIED", updated, current)

@@ -52,9 +52,9 @@ import trio
 from nodeagent.controller.bootstrap import CA_SECRET, secret_value
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.kube import INGRESSES, KubeClient
+from nodeagent.testing.fakekube.errors import ApiError
 from nodeagent.testing.fakekube.fixtures import credentials_for, start_fake_kube
 from nodeagent.testing.fakekube.server import FakeKube
-from nodeagent.testing.fakekube.store import ApiError
 from scripts import ROOT
 
 NAMESPACE = "nodeagent"

@@ -44,9 +44,9 @@ import h11
 import trio
 
 from nodeagent.controller.bootstrap import CA_SECRET, secret_value
+from nodeagent.testing.fakekube.errors import ApiError
 from nodeagent.testing.fakekube.fixtures import start_fake_kube
 from nodeagent.testing.fakekube.server import FakeKube
-from nodeagent.testing.fakekube.store import ApiError
 from nodeagent.trust import pki
 from scripts import ROOT
 

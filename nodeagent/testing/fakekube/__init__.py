@@ -27,10 +27,17 @@ Known differences from kube-apiserver, in one place (each module says more):
   authentication webhooks.
 """
 
+from nodeagent.testing.fakekube.errors import ApiError
 from nodeagent.testing.fakekube.kubeconfig import write_kubeconfig
 from nodeagent.testing.fakekube.pki import CertificateAuthority, CertPair
-from nodeagent.testing.fakekube.server import FakeKube, RecordedRequest, TokenInfo, request_matcher
-from nodeagent.testing.fakekube.store import API_AUDIENCE, ApiError, Store
+from nodeagent.testing.fakekube.server import (
+    API_AUDIENCE,
+    FakeKube,
+    RecordedRequest,
+    TokenInfo,
+    request_matcher,
+)
+from nodeagent.testing.fakekube.store import Store
 
 __all__ = [
     "API_AUDIENCE",

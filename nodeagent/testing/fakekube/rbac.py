@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodeagent.testing.fakekube.errors import ApiError
 from nodeagent.testing.fakekube.registry import RBAC
 from nodeagent.testing.fakekube.selectors import SelectorError, parse_field_selector
-from nodeagent.testing.fakekube.store import ApiError
 
 Obj = dict[str, Any]
 

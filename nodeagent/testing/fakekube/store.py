@@ -1,37 +1,45 @@
-"""The fake API server's storage: an etcd-like revisioned store with the API's semantics.
+"""The fake API server's storage: an etcd-like revisioned store with the API's verbs.
 
-One global revision counts every write (like etcd's). Each write gives the object that
-revision as its resourceVersion and appends an event to its type's history; watchers get
-events synchronously at commit, so a watcher's queue always holds everything up to the
-store's revision. Old versions are kept (MVCC) so paginated lists are consistent
-snapshots; `compact()` forgets history and old versions, after which watches from older
-versions and continue tokens from older snapshots get 410 Expired.
+One global revision counts every write (like etcd's): `mvcc.py` keeps every object's
+versions so paginated lists are consistent snapshots, and each write publishes an event to
+the watch cache (`watchcache.py`), which hands it to watchers synchronously at commit.
+`compact()` forgets history and old versions, after which watches from older versions and
+continue tokens from older snapshots get 410 Expired.
 
-No I/O here apart from trio memory channels: `server.py` turns HTTP into calls on this.
+This module owns the verbs (get, list, watch, create, update, patch, server-side apply,
+delete) and what follows from a write as the real control plane does it: generation,
+finalizers, namespace deletion, garbage collection of dependents, CRDs becoming served
+resources. Per-kind defaulting and validation is `admission.py`; the errors are
+`errors.py`. No I/O here apart from trio memory channels: `server.py` turns HTTP into calls
+on this.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import bisect
 import copy
-import ipaddress
 import json
-import math
 import random
-import re
 import uuid
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-import trio
 import yaml
 
-from nodeagent.testing.fakekube import schema as schemas
+from nodeagent.testing.fakekube.admission import ClusterIPs, admit, admit_custom, validate_metadata
+from nodeagent.testing.fakekube.errors import (
+    ApiError,
+    already_exists,
+    bad_request,
+    conflict,
+    expired,
+    invalid,
+    no_such_resource,
+    not_found,
+)
+from nodeagent.testing.fakekube.mvcc import VersionedObjects
+from nodeagent.testing.fakekube.objects import Obj, ObjKey, TypeKey, external, now_rfc3339, obj_key
 from nodeagent.testing.fakekube.patch import (
     PatchError,
     apply_patch,
@@ -39,8 +47,7 @@ from nodeagent.testing.fakekube.patch import (
     leaf_paths,
     merge_patch,
 )
-from nodeagent.testing.fakekube.rbacvalidation import admit as admit_rbac
-from nodeagent.testing.fakekube.registry import RBAC, ResourceType, builtin_types, type_from_crd
+from nodeagent.testing.fakekube.registry import ResourceType, builtin_types, type_from_crd
 from nodeagent.testing.fakekube.selectors import (
     FieldRequirement,
     Requirement,
@@ -50,189 +57,61 @@ from nodeagent.testing.fakekube.selectors import (
     parse_field_selector,
     parse_label_selector,
 )
+from nodeagent.testing.fakekube.watchcache import HistoryEvent, WatchCache, Watcher
 
-Obj = dict[str, Any]
-# (field, reason, message) of each invalid field, as kube-apiserver reports them.
-Causes = list[tuple[str, str, str]]
-ObjKey = tuple[str, str]  # (namespace or "", name)
-TypeKey = tuple[str, str]  # (group, plural)
-
-_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _GENERATE_CHARS = "bcdfghjklmnpqrstvwxz2456789"
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
-API_AUDIENCE = "https://kubernetes.default.svc"
-
-
-class ApiError(Exception):
-    """An error the API returns as a `Status` object."""
-
-    def __init__(self, code: int, reason: str, message: str, *,
-                 details: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-        self.details = details
-
-    def status(self) -> Obj:
-        doc: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                    "message": self.message, "reason": self.reason, "code": self.code}
-        if self.details:
-            doc["details"] = self.details
-        return doc
-
-
-def _details(rt: ResourceType, name: str) -> dict[str, Any]:
-    d: dict[str, Any] = {"name": name, "kind": rt.plural}
-    if rt.group:
-        d["group"] = rt.group
-    return d
-
-
-def not_found(rt: ResourceType, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{rt.qualified} "{name}" not found',
-                    details=_details(rt, name))
-
-
-def conflict(rt: ResourceType, name: str, why: str | None = None) -> ApiError:
-    why = why or ("the object has been modified; please apply your changes to the latest "
-                  "version and try again")
-    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {rt.qualified} '
-                                     f'"{name}": {why}', details=_details(rt, name))
-
-
-def bad_request(message: str) -> ApiError:
-    return ApiError(400, "BadRequest", message)
-
-
-def expired(message: str) -> ApiError:
-    return ApiError(410, "Expired", message)
-
-
-def invalid(rt: ResourceType, name: str, causes: Causes) -> ApiError:
-    parts = [f"{field}: {detail}" for field, _, detail in causes]
-    joined = parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-    kind = f"{rt.kind}.{rt.group}" if rt.group else rt.kind
-    details = {**_details(rt, name), "kind": rt.kind,
-               "causes": [{"reason": r, "message": d, "field": f} for f, r, d in causes]}
-    return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {joined}', details=details)
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def obj_key(obj: Obj) -> ObjKey:
-    meta = obj.get("metadata") or {}
-    return (meta.get("namespace") or "", meta.get("name") or "")
 
 
 def _strip_for_generation(obj: Obj) -> Obj:
     return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
 
 
-@dataclass
-class HistoryEvent:
-    revision: int
-    type: str  # ADDED, MODIFIED, DELETED
-    object: Obj  # new state; for DELETED the last state, with the deletion's revision
-    previous: Obj | None
-
-
-class Watcher:
-    """One watch's filter and queue. The HTTP layer drains `receive`."""
-
-    def __init__(self, store: Store, rt: ResourceType, version: str, namespace: str | None,
-                 labels: list[Requirement], fields: list[FieldRequirement], limit: int) -> None:
-        self.store, self.rt, self.version = store, rt, version
-        self.namespace, self.labels, self.fields = namespace, labels, fields
-        self.limit = limit
-        self.send, self.receive = trio.open_memory_channel[tuple[str, Obj]](math.inf)
-        self.overflowed = False
-
-    def _matches(self, obj: Obj | None) -> bool:
-        if obj is None:
-            return False
-        if self.namespace and obj_key(obj)[0] != self.namespace:
-            return False
-        return labels_match(self.labels, obj) and fields_match(self.fields, obj)
-
-    @property
-    def pending(self) -> int:
-        return self.send.statistics().current_buffer_used
-
-    def offer(self, event: HistoryEvent) -> None:
-        new_ok = self._matches(event.object)
-        if event.type == "ADDED":
-            out = ("ADDED", event.object) if new_ok else None
-        elif event.type == "DELETED":
-            out = ("DELETED", event.object) if new_ok else None
-        else:
-            old_ok = self._matches(event.previous)
-            if new_ok:
-                out = ("MODIFIED" if old_ok else "ADDED", event.object)
-            elif old_ok and event.previous is not None:
-                # Left the selection: DELETED with the old content at the new revision.
-                gone = copy.deepcopy(event.previous)
-                gone["metadata"]["resourceVersion"] = str(event.revision)
-                out = ("DELETED", gone)
-            else:
-                out = None
-        if out is None or self.overflowed:
-            return
-        if self.pending >= self.limit:
-            self.overflowed = True  # the real server drops watchers that fall behind
-            self.close()
-            return
-        self.send.send_nowait((out[0], self.store.external(self.rt, out[1], self.version)))
-
-    def close(self) -> None:
-        self.send.close()
-        self.store._watchers.get(self.rt.key, set()).discard(self)
-
 
 class Store:
+    """Every type's objects at every revision, and the API's verbs on them."""
+
     def __init__(self, *, namespaces: Iterable[str] = DEFAULT_NAMESPACES,
                  history_limit: int | None = None, watch_queue_limit: int = 10_000,
                  start_revision: int = 100, rng: random.Random | None = None) -> None:
-        self.revision = start_revision
-        self.compacted = 0
+        self._objects = VersionedObjects(start_revision)
         self.history_limit = history_limit
         self.watch_queue_limit = watch_queue_limit
         self._rng = rng or random.Random()
         self.types: dict[TypeKey, ResourceType] = {}
-        self._live: dict[TypeKey, dict[ObjKey, Obj]] = {}
-        self._mvcc: dict[TypeKey, dict[ObjKey, list[tuple[int, Obj | None]]]] = {}
-        self._history: dict[TypeKey, deque[HistoryEvent]] = {}
-        self._watchers: dict[TypeKey, set[Watcher]] = {}
-        self._uids: dict[str, tuple[TypeKey, ObjKey]] = {}
+        self._watch_cache = WatchCache()
         self._apply_owners: dict[tuple[TypeKey, ObjKey], dict[str, set[tuple[str, ...]]]] = {}
-        self._next_ip = 10
+        self._cluster_ips = ClusterIPs()
         for rt in builtin_types():
             self.register(rt)
         for ns in namespaces:
             self.create(self.types[("", "namespaces")], "v1", None,
                         {"metadata": {"name": ns}})
 
+    @property
+    def revision(self) -> int:
+        return self._objects.revision
+
+    @property
+    def compacted(self) -> int:
+        return self._objects.compacted
+
     # -- types ------------------------------------------------------------------------------
 
     def register(self, rt: ResourceType) -> None:
         self.types[rt.key] = rt
-        self._live.setdefault(rt.key, {})
-        self._mvcc.setdefault(rt.key, {})
-        self._history.setdefault(rt.key, deque())
-        self._watchers.setdefault(rt.key, set())
+        self._objects.register(rt.key)
+        self._watch_cache.register(rt.key)
 
     def unregister(self, key: TypeKey) -> None:
-        for w in list(self._watchers.get(key, ())):
-            w.close()
-        for table in (self.types, self._live, self._mvcc, self._history, self._watchers):
-            table.pop(key, None)
+        self._watch_cache.unregister(key)
+        self._objects.unregister(key)
+        self.types.pop(key, None)
 
     def resolve(self, group: str, version: str, plural: str) -> ResourceType:
         rt = self.types.get((group, plural))
         if rt is None or version not in rt.versions:
-            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            raise no_such_resource()
         return rt
 
     def type_for(self, api_version: str, kind: str) -> tuple[ResourceType, str]:
@@ -242,38 +121,13 @@ class Store:
                 return rt, version
         raise KeyError(f"no resource for {api_version} {kind}")
 
-    def external(self, rt: ResourceType, obj: Obj, version: str, *, typed: bool = True) -> Obj:
-        """A copy as served at `version` (conversion "None": only apiVersion changes)."""
-        out = copy.deepcopy(obj)
-        if typed:
-            out["apiVersion"] = rt.api_version(version)
-            out["kind"] = rt.kind
-        else:
-            out.pop("apiVersion", None)
-            out.pop("kind", None)
-        return out
-
     # -- the revisioned log -----------------------------------------------------------------
 
     def _commit(self, rt: ResourceType, type_: str, obj: Obj, previous: Obj | None) -> Obj:
-        self.revision += 1
-        obj["metadata"]["resourceVersion"] = str(self.revision)
-        key = obj_key(obj)
-        uid = obj["metadata"].get("uid")
+        revision = self._objects.commit(rt.key, type_, obj)
         if type_ == "DELETED":
-            self._live[rt.key].pop(key, None)
-            self._uids.pop(uid, None)
-            self._apply_owners.pop((rt.key, key), None)
-            self._mvcc[rt.key].setdefault(key, []).append((self.revision, None))
-        else:
-            self._live[rt.key][key] = obj
-            if uid:
-                self._uids[uid] = (rt.key, key)
-            self._mvcc[rt.key].setdefault(key, []).append((self.revision, obj))
-        event = HistoryEvent(self.revision, type_, obj, previous)
-        self._history[rt.key].append(event)
-        for watcher in list(self._watchers[rt.key]):
-            watcher.offer(event)
+            self._apply_owners.pop((rt.key, obj_key(obj)), None)
+        self._watch_cache.publish(rt.key, HistoryEvent(revision, type_, obj, previous))
         if self.history_limit is not None:
             oldest = self.revision - self.history_limit
             if oldest > self.compacted:
@@ -285,47 +139,23 @@ class Store:
         rev = self.revision if revision is None else min(revision, self.revision)
         if rev <= self.compacted:
             return self.compacted
-        self.compacted = rev
-        for history in self._history.values():
-            while history and history[0].revision <= rev:
-                history.popleft()
-        for table in self._mvcc.values():
-            for key in list(table):
-                versions = table[key]
-                i = bisect.bisect_right(versions, rev, key=lambda v: v[0])
-                kept = versions[max(i - 1, 0):]
-                if kept and kept[0][0] <= rev and kept[0][1] is None:
-                    kept = kept[1:]
-                if kept:
-                    table[key] = kept
-                else:
-                    del table[key]
+        self._objects.compact(rev)
+        self._watch_cache.compact(rev)
         return rev
-
-    def _snapshot(self, rt: ResourceType, revision: int) -> dict[ObjKey, Obj]:
-        if revision >= self.revision:
-            return self._live[rt.key]
-        out: dict[tuple[str, str], Obj] = {}
-        for key, versions in self._mvcc[rt.key].items():
-            i = bisect.bisect_right(versions, revision, key=lambda v: v[0])
-            obj = versions[i - 1][1] if i else None
-            if obj is not None:
-                out[key] = obj
-        return out
 
     # -- reads ------------------------------------------------------------------------------
 
     def live(self, rt: ResourceType, namespace: str | None, name: str) -> Obj:
-        obj = self._live[rt.key].get((namespace or "" if rt.namespaced else "", name))
+        obj = self._objects.live[rt.key].get((namespace or "" if rt.namespaced else "", name))
         if obj is None:
             raise not_found(rt, name)
         return obj
 
     def objects(self, rt: ResourceType) -> list[Obj]:
-        return [copy.deepcopy(o) for _, o in sorted(self._live[rt.key].items())]
+        return [copy.deepcopy(o) for _, o in sorted(self._objects.live[rt.key].items())]
 
     def get(self, rt: ResourceType, version: str, namespace: str | None, name: str) -> Obj:
-        return self.external(rt, self.live(rt, namespace, name), version)
+        return external(rt, self.live(rt, namespace, name), version)
 
     def _selectors(self, rt: ResourceType, label: str | None, field: str | None
                    ) -> tuple[list[Requirement], list[FieldRequirement]]:
@@ -362,7 +192,7 @@ class Store:
                     if wanted < self.compacted:
                         raise expired(f"too old resource version: {wanted} ({self.compacted})")
                     snap = wanted
-        objects = self._snapshot(rt, snap)
+        objects = self._objects.snapshot(rt.key, snap)
         selected = [(k, o) for k, o in sorted(objects.items())
                     if (not namespace or k[0] == namespace) and (start is None or k > start)
                     and labels_match(labels, o) and fields_match(fields, o)]
@@ -375,27 +205,25 @@ class Store:
             meta["continue"] = _encode_continue(snap, last)
         return {"kind": f"{rt.kind}List", "apiVersion": rt.api_version(version),
                 "metadata": meta,
-                "items": [self.external(rt, o, version, typed=rt.custom) for _, o in selected]}
+                "items": [external(rt, o, version, typed=rt.custom) for _, o in selected]}
 
     def watch(self, rt: ResourceType, version: str, namespace: str | None, *,
               label: str | None = None, field: str | None = None,
               resource_version: str | None = None) -> Watcher:
         labels, fields = self._selectors(rt, label, field)
-        watcher = Watcher(self, rt, version, namespace, labels, fields,
-                          self.watch_queue_limit)
+        backlog: list[HistoryEvent]
         if resource_version in (None, "", "0"):
             # "Start at most recent": synthetic ADDED events for the current state first.
-            for _, obj in sorted(self._live[rt.key].items()):
-                watcher.offer(HistoryEvent(self.revision, "ADDED", obj, None))
+            backlog = [HistoryEvent(self.revision, "ADDED", obj, None)
+                       for _, obj in sorted(self._objects.live[rt.key].items())]
         else:
             since = _parse_rv(resource_version)
             if since < self.compacted:
                 raise expired(f"too old resource version: {since} ({self.compacted})")
-            for event in self._history[rt.key]:
-                if event.revision > since:
-                    watcher.offer(event)
-        self._watchers[rt.key].add(watcher)
-        return watcher
+            backlog = self._watch_cache.since(rt.key, since)
+        return self._watch_cache.watch(
+            rt.key, lambda obj: external(rt, obj, version), namespace, labels, fields,
+            self.watch_queue_limit, backlog)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -414,51 +242,6 @@ class Store:
             raise bad_request("metadata must be an object")
         return obj
 
-    def _validate_meta(self, rt: ResourceType, obj: Obj) -> Causes:
-        meta = obj["metadata"]
-        name = meta.get("name", "")
-        causes = []
-        pattern, limit, what = _SUBDOMAIN, 253, "a lowercase RFC 1123 subdomain"
-        if rt.key in (("", "namespaces"),):
-            pattern, limit, what = _LABEL, 63, "a lowercase RFC 1123 label"
-        elif rt.key == ("", "services"):
-            pattern, limit, what = _DNS1035, 63, "a DNS-1035 label"
-        if rt.group == RBAC:  # any path segment name ("system:discovery")
-            if name in ("", ".", "..") or "/" in name or "%" in name:
-                causes.append(("metadata.name", "FieldValueInvalid",
-                               f'Invalid value: "{name}": may not contain \'/\' or \'%\''))
-        elif not pattern.match(name) or len(name) > limit:
-            causes.append(("metadata.name", "FieldValueInvalid",
-                           f'Invalid value: "{name}": {what} must consist of lower case '
-                           "alphanumeric characters or '-'"))
-        for k, v in (meta.get("labels") or {}).items():
-            try:
-                parse_label_selector(f"{k}={v}" if v else f"{k}")
-            except SelectorError as exc:
-                causes.append(("metadata.labels", "FieldValueInvalid",
-                               f'Invalid value: "{k}={v}": {exc}'))
-            if not isinstance(v, str):
-                causes.append((f"metadata.labels.{k}", "FieldValueTypeInvalid",
-                               "label values must be strings"))
-        for k, v in (meta.get("annotations") or {}).items():
-            if not isinstance(v, str):
-                causes.append((f"metadata.annotations.{k}", "FieldValueTypeInvalid",
-                               "annotation values must be strings"))
-        return causes
-
-    def _custom_schema(self, rt: ResourceType, obj: Obj) -> Obj:
-        """Prune, default and validate a custom object against its version's schema."""
-        version = obj["apiVersion"].rpartition("/")[2]
-        schema = rt.schemas.get(version) or rt.schemas.get(rt.versions[0])
-        if not schema:
-            return obj
-        pruned = schemas.prune(obj, schema, root=True)
-        defaulted = schemas.default(pruned, schema)
-        causes = schemas.validate(defaulted, schema, root=True)
-        if causes:
-            raise invalid(rt, obj["metadata"].get("name", ""), causes)
-        return dict(defaulted)
-
     def create(self, rt: ResourceType, version: str, namespace: str | None, body: Any, *,
                keep_status: bool = False, field_manager: str | None = None,
                dry_run: bool = False) -> Obj:
@@ -474,7 +257,7 @@ class Store:
             meta["namespace"] = namespace or meta.get("namespace")
             if not meta["namespace"]:
                 raise bad_request("the namespace of the object is missing")
-            if ("", meta["namespace"]) not in self._live[("", "namespaces")]:
+            if ("", meta["namespace"]) not in self._objects.live[("", "namespaces")]:
                 raise not_found(self.types[("", "namespaces")], meta["namespace"])
         else:
             meta.pop("namespace", None)
@@ -485,12 +268,11 @@ class Store:
             else:
                 raise invalid(rt, "", [("metadata.name", "FieldValueRequired",
                                         "Required value: name or generateName is required")])
-        causes = self._validate_meta(rt, obj)
+        causes = validate_metadata(rt, obj)
         if causes:
             raise invalid(rt, meta["name"], causes)
-        if obj_key(obj) in self._live[rt.key]:
-            raise ApiError(409, "AlreadyExists", f'{rt.qualified} "{meta["name"]}" already '
-                                                 "exists", details=_details(rt, meta["name"]))
+        if obj_key(obj) in self._objects.live[rt.key]:
+            raise already_exists(rt, meta["name"])
         for f in ("resourceVersion", "deletionTimestamp", "deletionGracePeriodSeconds",
                   "selfLink", "managedFields"):
             meta.pop(f, None)
@@ -499,11 +281,11 @@ class Store:
         meta["generation"] = 1
         if rt.status and not (rt.status_on_create or keep_status):
             obj.pop("status", None)
-        self._admit(rt, obj, None)
+        admit(rt, obj, None, self._cluster_ips)
         if rt.custom:
-            obj = self._custom_schema(rt, obj)
+            obj = admit_custom(rt, obj)
         if dry_run:
-            return self.external(rt, obj, version)
+            return external(rt, obj, version)
         self._commit(rt, "ADDED", obj, None)
         if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
             self._crd_changed(obj)
@@ -539,15 +321,14 @@ class Store:
         name = old["metadata"]["name"]
         if subresource == "status":
             if not rt.status:
-                raise ApiError(404, "NotFound", "the server could not find the requested "
-                                                "resource")
+                raise no_such_resource()
             result = copy.deepcopy(old)
             if "status" in new:
                 result["status"] = copy.deepcopy(new["status"])
             else:
                 result.pop("status", None)
         elif subresource:
-            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            raise no_such_resource()
         else:
             result = new
             meta = result["metadata"]
@@ -571,12 +352,12 @@ class Store:
                         "metadata.finalizers", "FieldValueForbidden",
                         f"Forbidden: no new finalizers can be added if the object is being "
                         f"deleted, found new finalizers {json.dumps(sorted(added))}")])
-            causes = self._validate_meta(rt, result)
+            causes = validate_metadata(rt, result)
             if causes:
                 raise invalid(rt, name, causes)
-            self._admit(rt, result, old)
+            admit(rt, result, old, self._cluster_ips)
             if rt.custom:
-                result = self._custom_schema(rt, result)
+                result = admit_custom(rt, result)
             if _strip_for_generation(result) != _strip_for_generation(old):
                 result["metadata"]["generation"] = int(old["metadata"].get("generation", 1)) + 1
         result["apiVersion"] = old["apiVersion"]
@@ -584,16 +365,16 @@ class Store:
         if not result["metadata"].get("finalizers"):
             result["metadata"].pop("finalizers", None)
         if result == old:
-            return self.external(rt, old, version)  # no-op writes do not bump the revision
+            return external(rt, old, version)  # no-op writes do not bump the revision
         if result["metadata"].get("deletionTimestamp") and not result["metadata"].get(
                 "finalizers"):
             self._commit(rt, "DELETED", result, old)
             self._after_delete(rt, result)
-            return self.external(rt, result, version)
+            return external(rt, result, version)
         self._commit(rt, "MODIFIED", result, old)
         if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
             self._crd_changed(result)
-        return self.external(rt, result, version)
+        return external(rt, result, version)
 
     def patch(self, rt: ResourceType, version: str, namespace: str | None, name: str,
               content_type: str, body: bytes, *, subresource: str | None = None,
@@ -606,7 +387,7 @@ class Store:
         except ValueError as exc:
             raise bad_request(f"error decoding patch: {exc}") from exc
         old = self.live(rt, namespace, name)
-        current = self.external(rt, old, version)
+        current = external(rt, old, version)
         try:
             if content_type in ("application/merge-patch+json",
                                 "application/strategic-merge-patch+json"):
@@ -665,12 +446,12 @@ class Store:
         for manager, paths in owners.items():
             if manager != field_manager:
                 others |= paths
-        merged, owned = apply_patch(self.external(rt, old, version), applied,
+        merged, owned = apply_patch(external(rt, old, version), applied,
                                     owners.get(field_manager, set()), others)
         merged["metadata"].pop("resourceVersion", None)
         result = self._replace(rt, version, old, self._check_body(rt, version, merged),
                                subresource)
-        if key[1] in self._live.get(rt.key, {}):
+        if key[1] in self._objects.live.get(rt.key, {}):
             self._apply_owners.setdefault(key, {})[field_manager] = owned
         return result
 
@@ -693,16 +474,16 @@ class Store:
             self._delete_namespace_contents(name)
         if old["metadata"].get("finalizers"):
             if old["metadata"].get("deletionTimestamp"):
-                return 202, self.external(rt, old, version)
+                return 202, external(rt, old, version)
             marked = copy.deepcopy(old)
             marked["metadata"]["deletionTimestamp"] = now_rfc3339()
             marked["metadata"]["deletionGracePeriodSeconds"] = 0
             self._commit(rt, "MODIFIED", marked, old)
-            return 202, self.external(rt, marked, version)
+            return 202, external(rt, marked, version)
         gone = copy.deepcopy(old)
         self._commit(rt, "DELETED", gone, old)
         self._after_delete(rt, gone, orphan=options.get("propagationPolicy") == "Orphan")
-        return 200, self.external(rt, gone, version)
+        return 200, external(rt, gone, version)
 
     def _after_delete(self, rt: ResourceType, obj: Obj, *, orphan: bool = False) -> None:
         if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
@@ -710,7 +491,7 @@ class Store:
             key = (spec.get("group", ""), (spec.get("names") or {}).get("plural", ""))
             custom = self.types.get(key)
             if custom is not None and custom.custom:
-                for o in list(self._live[key].values()):
+                for o in list(self._objects.live[key].values()):
                     self._commit(custom, "DELETED", copy.deepcopy(o), o)
                 self.unregister(key)
         self._collect_garbage(obj["metadata"].get("uid"), orphan=orphan)
@@ -720,7 +501,7 @@ class Store:
         propagation), or released from the reference (orphan)."""
         if not owner_uid:
             return
-        for tkey, table in list(self._live.items()):
+        for tkey, table in list(self._objects.live.items()):
             rt = self.types.get(tkey)
             if rt is None:
                 continue
@@ -729,7 +510,7 @@ class Store:
                 if not any(r.get("uid") == owner_uid for r in refs):
                     continue
                 remaining = [r for r in refs if r.get("uid") != owner_uid]
-                if orphan or any(r.get("uid") in self._uids for r in remaining):
+                if orphan or any(self._objects.has_uid(r.get("uid")) for r in remaining):
                     released = copy.deepcopy(obj)
                     released["metadata"]["ownerReferences"] = remaining
                     if not remaining:
@@ -740,67 +521,13 @@ class Store:
                     self.delete(rt, rt.versions[0], ns or None, name)
 
     def _delete_namespace_contents(self, namespace: str) -> None:
-        for tkey, table in list(self._live.items()):
+        for tkey, table in list(self._objects.live.items()):
             rt = self.types.get(tkey)
             if rt is None or not rt.namespaced:
                 continue
             for key in [k for k in table if k[0] == namespace]:
                 if key in table:
                     self.delete(rt, rt.versions[0], namespace, key[1])
-
-    # -- per-type behaviour -----------------------------------------------------------------
-
-    def _admit(self, rt: ResourceType, obj: Obj, old: Obj | None) -> None:
-        """Defaulting and validation the real API server applies to these types."""
-        name = obj["metadata"].get("name", "")
-        causes: Causes = []
-        if rt.key == ("", "secrets"):
-            _admit_secret(rt, obj, old, causes)
-        elif rt.key == ("", "services"):
-            self._admit_service(obj, old, causes)
-        elif rt.key == ("", "namespaces") and old is None:
-            obj.setdefault("spec", {}).setdefault("finalizers", ["kubernetes"])
-            obj["status"] = {"phase": "Active"}
-        elif rt.key == ("", "pods") and old is None:
-            obj.setdefault("status", {}).setdefault("phase", "Pending")
-        elif rt.key == ("discovery.k8s.io", "endpointslices"):
-            if obj.get("addressType") not in ("IPv4", "IPv6", "FQDN"):
-                causes.append(("addressType", "FieldValueRequired" if "addressType" not in obj
-                               else "FieldValueNotSupported",
-                               'Unsupported value: supported values: "FQDN", "IPv4", "IPv6"'))
-            if old is not None and old.get("addressType") != obj.get("addressType"):
-                causes.append(("addressType", "FieldValueInvalid", "field is immutable"))
-        elif rt.key == ("networking.k8s.io", "ingresses"):
-            _admit_ingress(obj, causes)
-        elif rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
-            _admit_crd(obj, old, causes)
-        elif rt.group == RBAC:
-            admit_rbac(rt, obj, old, causes)
-        elif rt.key == ("policy", "poddisruptionbudgets"):
-            _admit_pdb(obj, old, causes)
-        if causes:
-            raise invalid(rt, name, causes)
-
-    def _admit_service(self, obj: Obj, old: Obj | None,
-                       causes: Causes) -> None:
-        spec = obj.setdefault("spec", {})
-        spec.setdefault("type", "ClusterIP")
-        for port in spec.get("ports") or []:
-            port.setdefault("protocol", "TCP")
-            port.setdefault("targetPort", port.get("port"))
-        if spec["type"] == "ExternalName":
-            return
-        if old is not None:
-            old_ip = (old.get("spec") or {}).get("clusterIP")
-            spec.setdefault("clusterIP", old_ip)
-            if spec["clusterIP"] != old_ip:
-                causes.append(("spec.clusterIP", "FieldValueInvalid",
-                               f'Invalid value: "{spec["clusterIP"]}": field is immutable'))
-        elif not spec.get("clusterIP"):
-            spec["clusterIP"] = str(ipaddress.ip_address("10.96.0.0") + self._next_ip)
-            self._next_ip += 1
-        if spec.get("clusterIP"):
-            spec["clusterIPs"] = [spec["clusterIP"]]
 
     def _crd_changed(self, crd: Obj) -> None:
         """Serve the CRD's resource and mark it Established, as the apiextensions
@@ -828,7 +555,7 @@ class Store:
         if status.get("acceptedNames") == names and status.get("storedVersions") == stored:
             return
         crd_type = self.types[("apiextensions.k8s.io", "customresourcedefinitions")]
-        current = self._live[crd_type.key][obj_key(crd)]
+        current = self._objects.live[crd_type.key][obj_key(crd)]
         updated = copy.deepcopy(current)
         updated["status"] = wanted
         self._commit(crd_type, "MODIFIED", updated, current)
@@ -836,154 +563,6 @@ class Store:
 
 def _paths(doc: Obj) -> set[tuple[str, ...]]:
     return {p for p in leaf_paths(doc) if p}
-
-
-def _admit_secret(rt: ResourceType, obj: Obj, old: Obj | None,
-                  causes: Causes) -> None:
-    string_data = obj.pop("stringData", None) or {}
-    data = dict(obj.get("data") or {})
-    for key, value in string_data.items():
-        data[key] = base64.b64encode(str(value).encode()).decode()
-    for key, value in data.items():
-        try:
-            base64.b64decode(value, validate=True)
-        except (binascii.Error, TypeError, ValueError) as exc:
-            raise bad_request(f'Secret in version "v1" cannot be handled as a Secret: illegal '
-                              f"base64 data at key {key!r}: {exc}") from exc
-        if not re.fullmatch(r"[-._a-zA-Z0-9]+", key):
-            causes.append((f"data[{key}]", "FieldValueInvalid",
-                           f'Invalid value: "{key}": a valid config key must consist of '
-                           "alphanumeric characters, '-', '_' or '.'"))
-    if data:
-        obj["data"] = data
-    else:
-        obj.pop("data", None)
-    obj.setdefault("type", "Opaque")
-    if obj["type"] == "kubernetes.io/tls":
-        for required in ("tls.crt", "tls.key"):
-            if required not in data:
-                causes.append((f"data[{required}]", "FieldValueRequired", "Required value"))
-    if old is not None:
-        if obj["type"] != old.get("type"):
-            causes.append(("type", "FieldValueInvalid",
-                           f'Invalid value: "{obj["type"]}": field is immutable'))
-        if old.get("immutable") and (obj.get("data") != old.get("data")
-                                     or not obj.get("immutable")):
-            causes.append(("data", "FieldValueForbidden",
-                           "Forbidden: field is immutable when `immutable` is set"))
-
-
-def _admit_ingress(obj: Obj, causes: Causes) -> None:
-    spec = obj.get("spec") or {}
-
-    def check_backend(backend: Any, field: str) -> None:
-        if not isinstance(backend, dict):
-            causes.append((field, "FieldValueRequired", "Required value"))
-            return
-        service, resource = backend.get("service"), backend.get("resource")
-        if bool(service) == bool(resource):
-            causes.append((field, "FieldValueInvalid",
-                           "Invalid value: cannot set both resource and service backends"
-                           if service else "Required value: one backend must be specified"))
-        if service:
-            if not service.get("name"):
-                causes.append((f"{field}.service.name", "FieldValueRequired", "Required value"))
-            port = service.get("port") or {}
-            if bool(port.get("name")) == bool(port.get("number")):
-                causes.append((f"{field}.service.port", "FieldValueInvalid",
-                               "Invalid value: exactly one of port name or number must be set"))
-
-    if spec.get("defaultBackend") is not None:
-        check_backend(spec["defaultBackend"], "spec.defaultBackend")
-    for i, rule in enumerate(spec.get("rules") or []):
-        host = rule.get("host")
-        if host is not None and (host.startswith("*") and not host.startswith("*.")):
-            causes.append((f"spec.rules[{i}].host", "FieldValueInvalid",
-                           f'Invalid value: "{host}": a wildcard DNS-1123 subdomain must start '
-                           "with '*.'"))
-        http = rule.get("http")
-        if http is None:
-            continue
-        paths = http.get("paths")
-        if not paths:
-            causes.append((f"spec.rules[{i}].http.paths", "FieldValueRequired",
-                           "Required value"))
-        for j, path in enumerate(paths or []):
-            field = f"spec.rules[{i}].http.paths[{j}]"
-            kind = path.get("pathType")
-            if kind not in ("Exact", "Prefix", "ImplementationSpecific"):
-                causes.append((f"{field}.pathType", "FieldValueRequired" if kind is None
-                               else "FieldValueNotSupported",
-                               'Unsupported value: supported values: "Exact", '
-                               '"ImplementationSpecific", "Prefix"'))
-            value = path.get("path", "")
-            if kind in ("Exact", "Prefix") and not str(value).startswith("/"):
-                causes.append((f"{field}.path", "FieldValueInvalid",
-                               f'Invalid value: "{value}": must be an absolute path'))
-            if kind in ("Exact", "Prefix") and re.search(r"//|/\./|/\.\./|%2f|%2F", str(value)):
-                causes.append((f"{field}.path", "FieldValueInvalid",
-                               f'Invalid value: "{value}": must not contain invalid '
-                               "sequences"))
-            check_backend(path.get("backend"), f"{field}.backend")
-    for i, tls in enumerate(spec.get("tls") or []):
-        if not isinstance(tls, dict):
-            causes.append((f"spec.tls[{i}]", "FieldValueTypeInvalid", "must be an object"))
-
-
-def _admit_pdb(obj: Obj, old: Obj | None, causes: Causes) -> None:
-    spec = obj.get("spec") or {}
-    if "minAvailable" in spec and "maxUnavailable" in spec:
-        causes.append(("spec", "FieldValueInvalid", "Invalid value: minAvailable and "
-                                                    "maxUnavailable cannot be both set"))
-    for key in ("minAvailable", "maxUnavailable"):
-        value = spec.get(key)
-        if isinstance(value, str) and not re.fullmatch(r"\d+%", value):
-            causes.append((f"spec.{key}", "FieldValueInvalid",
-                           f'Invalid value: "{value}": a valid percent string must be a '
-                           "numeric string followed by an ending '%'"))
-        elif isinstance(value, int) and value < 0:
-            causes.append((f"spec.{key}", "FieldValueInvalid",
-                           f"Invalid value: {value}: must be greater than or equal to 0"))
-    if old is None:
-        # The disruption controller fills this in; a new PDB starts with the empty status.
-        obj["status"] = {"disruptionsAllowed": 0, "currentHealthy": 0, "desiredHealthy": 0,
-                         "expectedPods": 0}
-
-
-def _admit_crd(crd: Obj, old: Obj | None, causes: Causes) -> None:
-    spec = crd.get("spec") or {}
-    names = spec.get("names") or {}
-    group, plural = spec.get("group"), names.get("plural")
-    for field, value in (("spec.group", group), ("spec.names.plural", plural),
-                         ("spec.names.kind", names.get("kind"))):
-        if not value:
-            causes.append((field, "FieldValueRequired", "Required value"))
-    if group and plural and crd["metadata"].get("name") != f"{plural}.{group}":
-        causes.append(("metadata.name", "FieldValueInvalid",
-                       f'Invalid value: "{crd["metadata"].get("name")}": must be '
-                       "spec.names.plural+\".\"+spec.group"))
-    if spec.get("scope") not in ("Namespaced", "Cluster"):
-        causes.append(("spec.scope", "FieldValueNotSupported",
-                       'Unsupported value: supported values: "Cluster", "Namespaced"'))
-    versions = spec.get("versions") or []
-    if not versions:
-        causes.append(("spec.versions", "FieldValueInvalid", "Invalid value: must have "
-                                                             "exactly one version marked as "
-                                                             "storage version"))
-    elif sum(1 for v in versions if v.get("storage")) != 1:
-        causes.append(("spec.versions", "FieldValueInvalid",
-                       "Invalid value: must have exactly one version marked as storage "
-                       "version"))
-    for i, v in enumerate(versions):
-        if not (v.get("schema") or {}).get("openAPIV3Schema"):
-            causes.append((f"spec.versions[{i}].schema.openAPIV3Schema", "FieldValueRequired",
-                           "Required value: schemas are required"))
-    if old is not None:
-        old_spec = old.get("spec") or {}
-        if old_spec.get("scope") != spec.get("scope"):
-            causes.append(("spec.scope", "FieldValueInvalid", "field is immutable"))
-        if old_spec.get("group") != group:
-            causes.append(("spec.group", "FieldValueInvalid", "field is immutable"))
 
 
 def _parse_rv(value: str | None) -> int:
@@ -1011,4 +590,4 @@ def _decode_continue(token: str) -> tuple[int, ObjKey]:
         raise bad_request("continue key is not valid: invalid continue token") from None
 
 
-__all__ = ["API_AUDIENCE", "ApiError", "HistoryEvent", "Store", "Watcher"]
+__all__ = ["DEFAULT_NAMESPACES", "HistoryEvent", "Store", "Watcher"]

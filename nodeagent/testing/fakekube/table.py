@@ -20,8 +20,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from nodeagent.testing.fakekube.errors import ApiError, bad_request
 from nodeagent.testing.fakekube.registry import ResourceType
-from nodeagent.testing.fakekube.store import ApiError, bad_request
 
 Obj = dict[str, Any]
 Cell = Callable[[Obj], Any]

@@ -1,0 +1,145 @@
+"""The server's address checks against a real `nodeagent server` process, attacked as a
+compromised node would: a tunnel client holding a node's token opens streams to the
+IPv6 forms of addresses it must not reach (another node's pod). Each refusal is
+FORBIDDEN, counted by reason and logged."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import TOKEN, Certs, Upstream, server_config
+from nodeagent.trust import pki
+from tunnel import protocol as p
+from tunnel.dial import dial
+from tunnel.endpoint import (
+    EndpointSettings,
+    StreamRefusedError,
+    TunnelConnection,
+)
+
+pytestmark = pytest.mark.needs("root")
+
+
+def metric(server: NodeagentProcess, name: str, **labels: str) -> float:
+    transport = httpx.HTTPTransport(uds=str(server.socket))
+    with httpx.Client(transport=transport, timeout=5) as client:
+        text = client.get("http://debug/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}}"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def local_ipv4() -> str | None:
+    """A global IPv4 address of this host (not loopback: the floor protects that)."""
+    out = subprocess.run(["ip", "-j", "-4", "addr", "show", "scope", "global"],
+                         capture_output=True, text=True, check=False).stdout
+    for link in json.loads(out or "[]"):
+        for info in link.get("addr_info", []):
+            if info.get("local"):
+                return str(info["local"])
+    return None
+
+
+@pytest.fixture
+def echo_anywhere() -> Iterator[int]:
+    """A TCP echo service on every IPv4 address: what another node's pod stands for."""
+    server = socket.create_server(("0.0.0.0", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(5)
+                try:
+                    while data := conn.recv(65536):
+                        conn.sendall(data)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def start_server(tmp_path: Path, certs: Certs, upstream: Upstream,
+                 **extra: Any) -> NodeagentProcess:
+    scfg = server_config(tmp_path, certs, upstream)
+    scfg["tokens"] = [{"node": "*", "token": TOKEN}]  # the attacker may name any node
+    scfg["dial_timeout"] = 2
+    scfg.update(extra)
+    server = NodeagentProcess("server", scfg, tmp_path, "server").start()
+    server.wait_ready()
+    return server
+
+
+async def open_as(server: NodeagentProcess, ca: Path, node: str,
+                  targets: list[tuple[str, int]]) -> list[str]:
+    """Register as `node` and open a stream to each target: "forbidden: <message>" for a
+    refusal, "echoed" when the target answered, else the refusal's reason."""
+    transport = await dial(server.config["tunnel"], ssl_context=pki.client_ssl_context(ca),
+                           connect_timeout=5)
+    conn = TunnelConnection(transport, p.Role.DIALER, EndpointSettings(ping_interval=0), None)
+    results = []
+    try:
+        await conn.dial_handshake(p.Hello(identity={"node": node, "token": TOKEN}))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(conn.run)
+            for host, port in targets:
+                try:
+                    with trio.fail_after(10):
+                        stream = await conn.open_stream(p.Target(host, port),
+                                                        {"origin": "10.1.0.9:4000"})
+                        await stream.send_all(b"ping")
+                        data = await stream.receive_some()
+                        await stream.aclose()
+                    results.append("echoed" if data == b"ping" else f"answered {data!r}")
+                except StreamRefusedError as exc:
+                    results.append(f"{exc.reason.name.lower()}: {exc.message}")
+            nursery.cancel_scope.cancel()
+    finally:
+        await transport.aclose()
+    return results
+
+
+def test_another_nodes_pod_in_ipv4_mapped_form_needs_a_relay_policy(
+        tmp_path: Path, certs: Certs, upstream: Upstream, echo_anywhere: int) -> None:
+    """With an IPv6 egress rule, `::ffff:<edge-2's pod>` is edge-2's pod all the same: it
+    goes the relay way, and with no relay policy it is refused, never dialed directly."""
+    pod = local_ipv4()
+    if pod is None:
+        pytest.skip("no global IPv4 address on this host to stand for a pod")
+    server = start_server(tmp_path, certs, upstream, egress=["::/0:*"],
+                          node_cidrs={"edge-2": [f"{pod}/32"]})
+    try:
+        results = trio.run(open_as, server, certs.ca, "edge-1", [
+            (f"::ffff:{pod}", echo_anywhere), (pod, echo_anywhere)])
+        for result in results:
+            assert result.startswith("forbidden:"), results
+            assert "belongs to node edge-2; no relay policy" in result, results
+        assert metric(server, "nodeagent_server_refusals_total",
+                      reason="relay_not_allowed") == 2
+        assert server.logs().count("agent stream refused: relay not allowed") == 1
+    finally:
+        server.kill()
+    assert "Traceback" not in server.logs()

@@ -9,8 +9,8 @@ egress rules names it by a CIDR that lies inside every protected range holding t
 address (the exact CIDR containment rule): `169.254.169.254/32` or `169.254.0.0/16`
 unlock the metadata address, `0.0.0.0/0` or `10.0.0.0/8` never do. The floor and the
 owner of an address (`node_for_address`, which decides relays) both judge every address a
-target stands for (`addresses.addresses_meant`: the IPv4 address inside
-`::ffff:a.b.c.d`), so `::ffff:10.244.1.5` belongs to the node that owns 10.244.1.5."""
+target stands for (`addresses.addresses_meant`: the IPv4 address inside `::ffff:a.b.c.d`,
+NAT64, 6to4, Teredo), so `64:ff9b::a9fe:a9fe` is the metadata address too."""
 
 from __future__ import annotations
 

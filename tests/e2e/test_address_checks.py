@@ -1,7 +1,7 @@
 """The server's address checks against a real `nodeagent server` process, attacked as a
 compromised node would: a tunnel client holding a node's token opens streams to the
-IPv6 forms of addresses it must not reach (another node's pod). Each refusal is
-FORBIDDEN, counted by reason and logged."""
+IPv6 forms of addresses it must not reach (another node's pod, the protected floor).
+Each refusal is FORBIDDEN, counted by reason and logged."""
 
 from __future__ import annotations
 
@@ -140,6 +140,38 @@ def test_another_nodes_pod_in_ipv4_mapped_form_needs_a_relay_policy(
         assert metric(server, "nodeagent_server_refusals_total",
                       reason="relay_not_allowed") == 2
         assert server.logs().count("agent stream refused: relay not allowed") == 1
+    finally:
+        server.kill()
+    assert "Traceback" not in server.logs()
+
+
+FLOOR_FORMS = [
+    "64:ff9b::127.0.0.1",            # NAT64, well-known prefix
+    "64:ff9b::169.254.169.254",
+    "64:ff9b:1::a9fe:a9fe",          # NAT64, local-use prefix (/96 split)
+    "2002:7f00:1::1",                # 6to4 of 127.0.0.1
+    "2001:0:a9fe:a9fe::1",           # Teredo, the metadata address as its server
+    "2001:0:102:304::5601:5601",     # Teredo, the metadata address as its client
+    "::127.0.0.1",                   # IPv4-compatible
+    "::ffff:127.0.0.1",              # IPv4-mapped (caught before too)
+]
+
+
+def test_the_floor_refuses_ipv6_addresses_that_embed_a_protected_ipv4(
+        tmp_path: Path, certs: Certs, upstream: Upstream) -> None:
+    """A wide IPv6 egress rule never reaches loopback or the metadata address through an
+    IPv6 form that embeds it: each is refused as protected before any dial."""
+    server = start_server(tmp_path, certs, upstream, egress=["::/0:*"])
+    try:
+        results = trio.run(open_as, server, certs.ca, "edge-1",
+                           [(host, upstream.echo_port) for host in FLOOR_FORMS])
+        for host, result in zip(FLOOR_FORMS, results, strict=True):
+            assert result.startswith("forbidden:") and "is protected" in result, (host, result)
+        assert metric(server, "nodeagent_server_refusals_total",
+                      reason="egress_protected") == len(FLOOR_FORMS)
+        # One log line a minute per (reason, node), however many refusals.
+        assert server.logs().count("agent stream refused: protected destination") == 1, \
+            server.logs()
     finally:
         server.kill()
     assert "Traceback" not in server.logs()

@@ -68,7 +68,7 @@ class TokenEntry(Model):
     @field_validator("node")
     @classmethod
     def _node(cls, v: str) -> str:
-        if v != "*" and not DNS_NAME.match(v):
+        if v != "*" and not DNS_NAME.fullmatch(v):
             raise ValueError(f"{v!r} is not a valid node name (lower-case DNS name)")
         return v
 
@@ -112,7 +112,7 @@ class HttpRoute(Model):
         if v is None:
             return None
         name = v.lower()
-        if not DNS_NAME.match(name.removeprefix("*.")):
+        if not DNS_NAME.fullmatch(name.removeprefix("*.")):
             raise ValueError(f"{v!r} is not a host name (wildcards: *.example.com)")
         return name
 

@@ -1,7 +1,8 @@
 """The server's address checks against a real `nodeagent server` process, attacked as a
 compromised node would: a tunnel client holding a node's token opens streams to the
-IPv6 forms of addresses it must not reach (another node's pod, the protected floor).
-Each refusal is FORBIDDEN, counted by reason and logged."""
+IPv6 forms of addresses it must not reach (another node's pod, the protected floor), and
+registers under a name with a trailing newline. Each refusal is FORBIDDEN (a name:
+refused at the handshake), counted by reason and logged."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tunnel import protocol as p
 from tunnel.dial import dial
 from tunnel.endpoint import (
     EndpointSettings,
+    HandshakeError,
     StreamRefusedError,
     TunnelConnection,
 )
@@ -172,6 +174,20 @@ def test_the_floor_refuses_ipv6_addresses_that_embed_a_protected_ipv4(
         # One log line a minute per (reason, node), however many refusals.
         assert server.logs().count("agent stream refused: protected destination") == 1, \
             server.logs()
+    finally:
+        server.kill()
+    assert "Traceback" not in server.logs()
+
+
+def test_a_node_name_with_a_trailing_newline_is_refused_at_the_handshake(
+        tmp_path: Path, certs: Certs, upstream: Upstream) -> None:
+    server = start_server(tmp_path, certs, upstream)
+    try:
+        for name in ("edge-1\n", "edge-1.example\n"):
+            with pytest.raises(HandshakeError, match="invalid node name"):
+                trio.run(open_as, server, certs.ca, name, [])
+        assert server.status()["agents"] == []
+        assert trio.run(open_as, server, certs.ca, "edge-1", []) == []  # a valid name: in
     finally:
         server.kill()
     assert "Traceback" not in server.logs()

@@ -101,7 +101,9 @@ class _BodyTooLarge(Exception):
 
 
 class _BadBody(Exception):
-    pass
+    def __init__(self, detail: str, reason: RefusalReason) -> None:
+        super().__init__(detail)
+        self.reason: RefusalReason = reason
 
 
 class _SlowBody(Exception):
@@ -311,7 +313,7 @@ class HttpConnection:
             self.head_request = False
             status = exc.status
             await self._reject(
-                "head_too_large" if status == 431 else "malformed",
+                "head_too_large" if status == 431 else exc.reason,
                 status,
                 f"malformed request: {clip(str(exc))}",
             )
@@ -391,7 +393,7 @@ class HttpConnection:
             first_body = self.reader.next()
         except BadRequest as exc:
             return await self._reject(
-                "malformed", 400, f"malformed request body: {clip(str(exc))}", req
+                exc.reason, 400, f"malformed request body: {clip(str(exc))}", req
             )
         replayable = type(first_body) is EndOfRequest and method in _IDEMPOTENT
         status = 0
@@ -437,7 +439,7 @@ class HttpConnection:
             if isinstance(exc, _SlowBody):
                 return await self._reject("slow_body", 408, str(exc), req)
             detail = f"malformed request body: {clip(str(exc))}"
-            return await self._reject("malformed", 400, detail, req)
+            return await self._reject(exc.reason, 400, detail, req)
         if self.access_log:
             log.info(
                 "request routed",
@@ -549,7 +551,7 @@ class HttpConnection:
                     raise _ClientGone()
                 event = reader.next()
         except BadRequest as exc:
-            state[0] = _BadBody(str(exc))
+            state[0] = _BadBody(str(exc), exc.reason)
         except (_SlowBody, _BodyTooLarge, _ClientGone, UpstreamFailed) as exc:
             state[0] = exc
         nursery.cancel_scope.cancel()

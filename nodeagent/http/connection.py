@@ -110,10 +110,6 @@ class _SlowBody(Exception):
     pass
 
 
-_DISPATCH_REASONS: dict[int, RefusalReason] = {400: "bad_path", 413: "body_too_large"}
-"""The `dispatch` refusals that are counted and logged as refusals (`_reject`)."""
-
-
 _REASONS = {
     400: "Bad Request",
     404: "Not Found",
@@ -361,9 +357,8 @@ class HttpConnection:
     async def _refuse(self, refusal: Refusal, req: RequestHead) -> bool:
         if refusal.location is not None:
             return await self._redirect(refusal.location)
-        reason = _DISPATCH_REASONS.get(refusal.status)
-        if reason is not None:
-            keep = await self._reject(reason, refusal.status, refusal.reason, req)
+        if refusal.code is not None:
+            keep = await self._reject(refusal.code, refusal.status, refusal.reason, req)
         else:
             keep = await self._error(refusal.status, refusal.reason, req)
         return keep and not refusal.close

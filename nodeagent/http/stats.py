@@ -22,6 +22,7 @@ RefusalReason = Literal[
     "malformed",
     "bad_path",
     "bad_chunk_size",
+    "bad_host",
     "body_too_large",
     "slow_body",
 ]
@@ -67,6 +68,8 @@ class HttpStats:
     """400 (or h11's other hints): a head or body h11 refused."""
     refused_bad_path: int = 0
     """400: a path that cannot be normalised safely (`paths`)."""
+    refused_bad_host: int = 0
+    """400: a Host or absolute-form authority whose port is not 0-65535, or with userinfo."""
     refused_bad_chunk_size: int = 0
     """400: a chunk-size line of a request body outside RFC 9112's grammar (`chunked`)."""
     refused_body_too_large: int = 0

@@ -67,3 +67,23 @@ def test_chunk_sizes_of_2_to_the_64_and_more_are_refused(pair: NodeagentProcess)
     out = exchange(port, b"GET /ok HTTP/1.1\r\nHost: app.test\r\nConnection: close\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n5;a=b\r\nhello\r\n0\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 200 ") and b"path=/ok" in out, out
+
+
+def test_a_host_port_that_is_not_one_is_refused(pair: NodeagentProcess) -> None:
+    """`app.test:abc` routes as app.test here; a backend or a proxy in front may read it
+    otherwise. Refused, not forwarded as sent; an empty port is the default one."""
+    server = pair
+    port = http_port(server)
+    for head in (b"GET / HTTP/1.1\r\nHost: app.test:abc\r\n\r\n",
+                 b"GET / HTTP/1.1\r\nHost: app.test:65536\r\n\r\n",
+                 b"GET http://app.test:1x/ HTTP/1.1\r\nHost: app.test\r\n\r\n"):
+        out = exchange(port, head)
+        assert out.startswith(b"HTTP/1.1 400 "), out
+        assert b"bad Host: the port is not" in out and b"connection: close" in out.lower()
+    assert front_counter(server, "refused_bad_host") == 3
+    assert server.logs().count("reason=bad_host") + server.logs().count(
+        '"reason": "bad_host"') == 1
+    out = exchange(port, b"GET / HTTP/1.1\r\nHost: app.test:\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200 ") and b"host=app.test xff" in out, out
+    out = exchange(port, b"GET / HTTP/1.1\r\nHost: app.test:8080\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200 ") and b"host=app.test:8080 xff" in out, out

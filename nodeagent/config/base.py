@@ -29,17 +29,19 @@ from tunnel.backoff import (
     DEFAULT_UNREACHABLE_MAXIMUM,
 )
 
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Anchored with \Z, not $: `$` also matches before a final newline, so `re.match` would
+# take "edge-1\n". Use `fullmatch`; the \Z keeps a caller's `match` safe too.
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 
 
 DNS_NAME = re.compile(
-    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 
 
 def valid_node_name(name: str) -> bool:
     """A Kubernetes node name: a DNS-1123 subdomain (lower case, at most 253 characters).
     Node names become dict keys, metric labels and log fields: nothing else gets in."""
-    return bool(DNS_NAME.match(name))
+    return DNS_NAME.fullmatch(name) is not None
 
 
 DEFAULT_AGENT_SOCKET = "/run/nodeagent/agent.sock"
@@ -106,7 +108,7 @@ def _check_host(host: str) -> str:
         return host
     except ValueError:
         pass
-    if not DNS_NAME.match(host.lower()):
+    if not DNS_NAME.fullmatch(host.lower()):
         raise ValueError(f"{host!r} is neither an IP address nor a DNS name")
     return host.lower()
 

@@ -17,7 +17,7 @@ PATH_TYPES: tuple[PathType, ...] = ("Exact", "Prefix", "ImplementationSpecific")
 
 _LABEL = r"[a-z0-9]([-a-z0-9_]{0,61}[a-z0-9])?"
 _BAD_PATH = re.compile(r"[ ?#\r\n\t]")
-_HOST_RE = re.compile(rf"^(\*\.)?{_LABEL}(\.{_LABEL})*$|^\[[0-9a-f:.]+\]$")
+_HOST_RE = re.compile(rf"(\*\.)?{_LABEL}(\.{_LABEL})*|\[[0-9a-f:.]+\]")  # fullmatch only
 
 
 def check_rule_host(host: str) -> str:
@@ -26,7 +26,7 @@ def check_rule_host(host: str) -> str:
     name = host.lower()
     if name.endswith("."):
         name = name[:-1]
-    if not _HOST_RE.match(name) or len(name) > 253:
+    if not _HOST_RE.fullmatch(name) or len(name) > 253:
         raise ValueError(f"host {host!r}: not a DNS name or a wildcard '*.' followed by one")
     return name
 

@@ -232,7 +232,7 @@ class AgentConfig(NodeConfig):
     @field_validator("node")
     @classmethod
     def _node(cls, v: str) -> str:
-        if not DNS_NAME.match(v):
+        if not DNS_NAME.fullmatch(v):
             raise ValueError(f"{v!r} is not a valid node name (lower-case DNS name)")
         return v
 

@@ -7,7 +7,10 @@ range (`ALWAYS_PROTECTED`: loopback, link-local, "this host"; plus the config's
 `protected`: the kube-apiserver's addresses and the Service CIDR) unless one of the node's
 egress rules names it by a CIDR that lies inside every protected range holding the
 address (the exact CIDR containment rule): `169.254.169.254/32` or `169.254.0.0/16`
-unlock the metadata address, `0.0.0.0/0` or `10.0.0.0/8` never do."""
+unlock the metadata address, `0.0.0.0/0` or `10.0.0.0/8` never do. The floor and the
+owner of an address (`node_for_address`, which decides relays) both judge every address a
+target stands for (`addresses.addresses_meant`: the IPv4 address inside `::ffff:a.b.c.d`,
+NAT64, 6to4, Teredo), so `64:ff9b::a9fe:a9fe` is the metadata address too."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from nodeagent.config.addresses import IPAddress, addresses_meant
 from nodeagent.config.base import (
     DEFAULT_SERVER_SOCKET,
     DNS_NAME,
@@ -64,7 +68,7 @@ class TokenEntry(Model):
     @field_validator("node")
     @classmethod
     def _node(cls, v: str) -> str:
-        if v != "*" and not DNS_NAME.match(v):
+        if v != "*" and not DNS_NAME.fullmatch(v):
             raise ValueError(f"{v!r} is not a valid node name (lower-case DNS name)")
         return v
 
@@ -108,7 +112,7 @@ class HttpRoute(Model):
         if v is None:
             return None
         name = v.lower()
-        if not DNS_NAME.match(name.removeprefix("*.")):
+        if not DNS_NAME.fullmatch(name.removeprefix("*.")):
             raise ValueError(f"{v!r} is not a host name (wildcards: *.example.com)")
         return name
 
@@ -220,13 +224,12 @@ class RoutesConfig(Model):
         return self._connect_addresses.get(host)
 
     def node_for_address(self, host: str) -> str | None:
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return None
-        for node, cidrs in self.node_cidrs.items():
-            if any(address.version == c.version and address in c for c in cidrs):
-                return node
+        """The node whose `node_cidrs` hold `host` or an IPv4 address it embeds
+        (`addresses_meant`: `::ffff:10.1.2.3` is 10.1.2.3, as the floor sees it)."""
+        for address in addresses_meant(host):
+            for node, cidrs in self.node_cidrs.items():
+                if any(address.version == c.version and address in c for c in cidrs):
+                    return node
         return None
 
     _egress_by_node: dict[str, tuple[AllowRule, ...]] = PrivateAttr(default_factory=dict)
@@ -281,28 +284,28 @@ class RoutesConfig(Model):
 
     def address_protected(self, node: str, address: str, port: int,
                           protocol: str = "tcp") -> bool:
-        """Whether `address` (an IP; a name never is) lies in a protected range that no
-        CIDR rule of `node`'s unlocks: a rule unlocks it only if it allows the address and
-        port and its CIDR lies inside *every* protected range holding the address."""
-        ranges = self.protected_ranges(address)
-        if not ranges:
-            return False
-        for rule in self.egress_rules(node):
-            if rule.cidr is not None and rule.allows(address, port, protocol) and all(
-                    rule.cidr.version == r.version and rule.cidr.subnet_of(r)  # type: ignore[arg-type]
-                    for r in ranges):
-                return False
-        return True
+        """Whether `address` (an IP; a name never is) or an IPv4 address it embeds
+        (`addresses_meant`) lies in a protected range that no CIDR rule of `node`'s unlocks.
+        Each is judged on its own: a rule unlocks it only if it allows that address and
+        port and its CIDR lies inside *every* protected range holding that address."""
+        rules = self.egress_rules(node)
+        for meant in addresses_meant(address):
+            ranges = self._ranges_holding(meant)
+            if ranges and not any(
+                    rule.cidr is not None and rule.allows(str(meant), port, protocol) and all(
+                        rule.cidr.version == r.version and rule.cidr.subnet_of(r)  # type: ignore[arg-type]
+                        for r in ranges)
+                    for rule in rules):
+                return True
+        return False
 
     def protected_ranges(self, host: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-        """The protected ranges that hold `host` (an IPv4-mapped IPv6 address counts as
-        its IPv4 address); none for a name."""
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return []
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        """The protected ranges that hold `host` or an IPv4 address it embeds
+        (`addresses_meant`); none for a name."""
+        return [net for meant in addresses_meant(host) for net in self._ranges_holding(meant)]
+
+    def _ranges_holding(self, address: IPAddress) -> list[ipaddress.IPv4Network |
+                                                           ipaddress.IPv6Network]:
         return [net for net in (*ALWAYS_PROTECTED, *self.protected)
                 if net.version == address.version and address in net]
 

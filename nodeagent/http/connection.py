@@ -101,15 +101,13 @@ class _BodyTooLarge(Exception):
 
 
 class _BadBody(Exception):
-    pass
+    def __init__(self, detail: str, reason: RefusalReason) -> None:
+        super().__init__(detail)
+        self.reason: RefusalReason = reason
 
 
 class _SlowBody(Exception):
     pass
-
-
-_DISPATCH_REASONS: dict[int, RefusalReason] = {400: "bad_path", 413: "body_too_large"}
-"""The `dispatch` refusals that are counted and logged as refusals (`_reject`)."""
 
 
 _REASONS = {
@@ -311,7 +309,7 @@ class HttpConnection:
             self.head_request = False
             status = exc.status
             await self._reject(
-                "head_too_large" if status == 431 else "malformed",
+                "head_too_large" if status == 431 else exc.reason,
                 status,
                 f"malformed request: {clip(str(exc))}",
             )
@@ -359,9 +357,8 @@ class HttpConnection:
     async def _refuse(self, refusal: Refusal, req: RequestHead) -> bool:
         if refusal.location is not None:
             return await self._redirect(refusal.location)
-        reason = _DISPATCH_REASONS.get(refusal.status)
-        if reason is not None:
-            keep = await self._reject(reason, refusal.status, refusal.reason, req)
+        if refusal.code is not None:
+            keep = await self._reject(refusal.code, refusal.status, refusal.reason, req)
         else:
             keep = await self._error(refusal.status, refusal.reason, req)
         return keep and not refusal.close
@@ -391,7 +388,7 @@ class HttpConnection:
             first_body = self.reader.next()
         except BadRequest as exc:
             return await self._reject(
-                "malformed", 400, f"malformed request body: {clip(str(exc))}", req
+                exc.reason, 400, f"malformed request body: {clip(str(exc))}", req
             )
         replayable = type(first_body) is EndOfRequest and method in _IDEMPOTENT
         status = 0
@@ -437,7 +434,7 @@ class HttpConnection:
             if isinstance(exc, _SlowBody):
                 return await self._reject("slow_body", 408, str(exc), req)
             detail = f"malformed request body: {clip(str(exc))}"
-            return await self._reject("malformed", 400, detail, req)
+            return await self._reject(exc.reason, 400, detail, req)
         if self.access_log:
             log.info(
                 "request routed",
@@ -549,7 +546,7 @@ class HttpConnection:
                     raise _ClientGone()
                 event = reader.next()
         except BadRequest as exc:
-            state[0] = _BadBody(str(exc))
+            state[0] = _BadBody(str(exc), exc.reason)
         except (_SlowBody, _BodyTooLarge, _ClientGone, UpstreamFailed) as exc:
             state[0] = exc
         nursery.cancel_scope.cancel()

@@ -3,7 +3,8 @@
 `route_request` is pure (the route table and the request as `headers.read_request` read
 it, in; a `Route` or a `Refusal`, out), so every way a request is turned away without
 reaching an upstream is tested without a socket: CONNECT (405, then close), a target that
-cannot be normalised (400, then close; see `paths`), no route (404),
+cannot be normalised (400, then close; see `paths`), a Host whose port is not one (400,
+then close; see `headers`), no route (404),
 a plain-HTTP request to a route that redirects to HTTPS (308), a route without ready
 backends (503), a declared body over the limit (413).
 """
@@ -13,18 +14,27 @@ from __future__ import annotations
 from nodeagent.http.headers import ClientRequest
 from nodeagent.http.paths import clip
 from nodeagent.http.routes import Route, RouteTable, normalize_host
+from nodeagent.http.stats import RefusalReason
 
 
 class Refusal:
     """The answer to a request that goes to no upstream (see `route_request`)."""
 
-    __slots__ = ("close", "location", "reason", "status")
+    __slots__ = ("close", "code", "location", "reason", "status")
 
     def __init__(
-        self, status: int, reason: str, *, location: str | None = None, close: bool = False
+        self,
+        status: int,
+        reason: str,
+        *,
+        location: str | None = None,
+        close: bool = False,
+        code: RefusalReason | None = None,
     ) -> None:
         self.status = status
         self.reason = reason
+        self.code = code
+        """Set: a refusal that protects the front, counted and logged by this reason."""
         self.location = location
         """For a 308: where the client should go instead."""
         self.close = close
@@ -46,7 +56,10 @@ def route_request(
     if method == b"CONNECT":
         return Refusal(405, "CONNECT is not served on this listener", close=True)
     if req.bad_target is not None:
-        return Refusal(400, f"cannot route this path: {req.bad_target}", close=True)
+        return Refusal(400, f"cannot route this path: {req.bad_target}", close=True,
+                       code="bad_path")
+    if req.bad_host is not None:
+        return Refusal(400, f"bad Host: {req.bad_host}", close=True, code="bad_host")
     host = req.host.decode("latin-1")
     path = req.target.decode("latin-1")
     match = table.lookup(host, path)
@@ -60,7 +73,7 @@ def route_request(
     if not route.backends:
         return Refusal(503, f"route {route.name} has no ready backends")
     if max_body is not None and req.content_length > max_body:
-        return Refusal(413, f"request body over {max_body} bytes")
+        return Refusal(413, f"request body over {max_body} bytes", code="body_too_large")
     return route
 
 

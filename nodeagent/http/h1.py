@@ -46,10 +46,12 @@ class Sentinel:
 NEED_DATA: Final = Sentinel("NEED_DATA")
 END: Final = Sentinel("END")
 
-_TOKEN = re.compile(rb"^[-!#$%&'*+.^_`|~0-9A-Za-z]+$")
-_STATUS_LINE = re.compile(rb"^HTTP/1\.([01]) ([0-9]{3})(?: (.*))?$")
+# Whole-line patterns, used with fullmatch: `$` would also match before a final LF, and a
+# header name "x\n" passed on to the client splits its response.
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: (.*))?")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_CHUNK_SIZE = re.compile(rb"^([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?$")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?")
 
 # Body framing modes.
 _HEAD, _NONE, _LENGTH, _CHUNK_SIZE_LINE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE = range(
@@ -292,7 +294,7 @@ class ResponseParser:
                     raise UpstreamProtocolError("missing CRLF after chunk data")
                 self._mode = _CHUNK_SIZE_LINE
             elif mode == _CHUNK_SIZE_LINE:
-                m = _CHUNK_SIZE.match(line)
+                m = _CHUNK_SIZE.fullmatch(line)
                 if m is None:
                     raise UpstreamProtocolError(f"bad chunk size line {line[:40]!r}")
                 size = int(m.group(1), 16)
@@ -309,7 +311,7 @@ class ResponseParser:
                 if colon <= 0 or len(self.trailers) > 100:
                     raise UpstreamProtocolError(f"bad trailer line {line[:80]!r}")
                 name = line[:colon].lower()
-                if not _TOKEN.match(name):
+                if not _TOKEN.fullmatch(name):
                     raise UpstreamProtocolError(f"bad trailer name {name[:80]!r}")
                 self.trailers.append((name, line[colon + 1 :].strip(b" \t")))
         if self._eof:
@@ -321,7 +323,7 @@ def _parse_head_lines(head: bytes) -> tuple[bytes, int, bytes, list[tuple[bytes,
     """A response head read line by line in Python: (minor version, status, reason,
     headers). The reference for `_llhttp_head`, and what reads every head it declines."""
     lines = head.split(b"\r\n")
-    m = _STATUS_LINE.match(lines[0])
+    m = _STATUS_LINE.fullmatch(lines[0])
     if m is None:
         raise UpstreamProtocolError(f"bad status line {lines[0][:80]!r}")
     minor, code, reason = m.groups()
@@ -334,7 +336,7 @@ def _parse_head_lines(head: bytes) -> tuple[bytes, int, bytes, list[tuple[bytes,
         if colon <= 0:
             raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
         name = line[:colon].lower()
-        if not _TOKEN.match(name):
+        if not _TOKEN.fullmatch(name):
             raise UpstreamProtocolError(f"bad header name {name[:80]!r}")
         value = line[colon + 1 :].strip(b" \t")
         if _BAD_VALUE.search(value):

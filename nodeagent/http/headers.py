@@ -23,7 +23,12 @@ upstream codec (`h1`) parsed.
   does) and its connection closes after the response (RFC 9112 §6.1): whoever sent it may
   be smuggling a request past another hop that read the Content-Length.
 - Exactly one Host goes upstream: the client's, else the absolute-form authority, else the
-  backend's host name.
+  backend's host name. Its port, if any, is 1-5 digits in 0-65535, and it has no userinfo
+  (RFC 9110 §4.2.4), or the request is refused (`bad_host`, answered 400 by `dispatch`):
+  `shop.test:abc` read as `shop.test` here and as something else by the backend, or by a
+  proxy in front, is a request routed on one reading and served on another. An empty port
+  (`shop.test:`) is valid (RFC 3986 §3.2.3) and means the default one: it is normalised to
+  `shop.test` (§6.2.3), the form routed and forwarded, as paths are.
 - Response framing to the client: the upstream's Content-Length is kept; an unknown length
   goes chunked to HTTP/1.1 clients and until close to HTTP/1.0 ones.
 
@@ -135,6 +140,7 @@ class ClientRequest(HopByHop):
     """
 
     __slots__ = (
+        "bad_host",
         "bad_target",
         "content_length",
         "forwarded_for",
@@ -150,6 +156,8 @@ class ClientRequest(HopByHop):
     """Why the target could not be normalised (it is then as sent), or None."""
     host: bytes
     """The Host, or the absolute-form authority; b"" when there is none."""
+    bad_host: str | None
+    """Why `host` is refused (a port that is not one, userinfo), or None."""
     headers: Headers
     """End-to-end fields to forward: no hop-by-hop, X-Forwarded-* or Host when empty."""
     content_length: int
@@ -193,6 +201,13 @@ def read_request(
     elif has_claims or (has_host and not host):
         # An empty Host goes too: the backend's name replaces it (one Host, never two).
         kept = [(n, v) for n, v in kept if n not in client_claims and (host or n != b"host")]
+    bad_host = None
+    if b":" in host or b"@" in host:
+        checked, bad_host = check_authority(host)
+        if checked is not host:  # an empty port dropped: the form routed and forwarded
+            kept = [(n, checked if n == b"host" else v) for n, v in kept]
+            host = checked
+    req.bad_host = bad_host
     connection = req.connection
     if req.upgrade is not None and b"upgrade" not in connection:
         req.upgrade = None
@@ -212,6 +227,30 @@ def read_request(
     )
     req.forwarded_for = forwarded_for
     return req
+
+
+def check_authority(host: bytes) -> tuple[bytes, str | None]:
+    """A Host or absolute-form authority as routed and forwarded, and why it is refused
+    (None: it is not). `host:` becomes `host`; the answers name no client bytes."""
+    if b"@" in host:
+        return host, "userinfo (user@) in the authority"
+    if host[:1] == b"[":
+        end = host.find(b"]")
+        if end < 0:
+            return host, "an IPv6 literal without its ']'"
+        name, rest = host[: end + 1], host[end + 1 :]
+        if not rest:
+            return host, None
+        if rest[:1] != b":":
+            return host, "bytes after the IPv6 literal that are not a port"
+        port = rest[1:]
+    else:
+        name, _, port = host.partition(b":")
+    if not port:
+        return name, None
+    if len(port) <= 5 and port.isdigit() and int(port) <= 65535:
+        return host, None
+    return host, "the port is not 1-5 digits in 0-65535"
 
 
 def request_head_size(method: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]]) -> int:
@@ -312,6 +351,7 @@ __all__ = [
     "ClientRequest",
     "Headers",
     "HopByHop",
+    "check_authority",
     "fields",
     "frame_response",
     "read_request",

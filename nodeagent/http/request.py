@@ -21,7 +21,8 @@ path declines (Transfer-Encoding at all, an Upgrade or CONNECT, a Host count oth
 one, a version other than 1.0 or 1.1, runs of spaces in the request line or blank lines
 before it, a head not complete within the size limit or cut by the client's close) is
 read by an `h11.Connection` from its first byte, so the answer to a strange request is
-h11's, its smuggling defences included. `tests/http/test_request.py` feeds both the same
+h11's, its smuggling defences included, with one more: a chunked body's size lines are held
+to RFC 9112 (`chunked`) before h11 reads them. `tests/http/test_request.py` feeds both the same
 bytes (hypothesis) and asserts the same heads, bodies and refusals.
 """
 
@@ -32,18 +33,22 @@ from typing import Final
 import h11
 import httptools
 
+from nodeagent.http.chunked import ChunkedBodyCheck
 from nodeagent.http.h1 import NEED_DATA, Sentinel
+from nodeagent.http.stats import RefusalReason
 
 CLOSED: Final = Sentinel("CLOSED")
 PAUSED: Final = Sentinel("PAUSED")
 
 
 class BadRequest(Exception):
-    """The client's request is not one the front may serve; `status` says what to answer."""
+    """The client's request is not one the front may serve; `status` says what to answer,
+    `reason` how the refusal is counted (`stats.RefusalReason`)."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, reason: RefusalReason = "malformed") -> None:
         super().__init__(detail)
         self.status = status
+        self.reason: RefusalReason = reason
 
 
 class RequestHead:
@@ -92,6 +97,7 @@ class RequestReader:
 
     __slots__ = (
         "_buf",
+        "_chunks",
         "_content_length",
         "_eof",
         "_h11",
@@ -118,6 +124,8 @@ class RequestReader:
         self._remaining = 0
         self._llhttp: httptools.HttpRequestParser | None = None
         self._h11: h11.Connection | None = None
+        # A chunked body's size lines, checked before h11 reads them (see `chunked`).
+        self._chunks: ChunkedBodyCheck | None = None
         # Filled by llhttp's callbacks while it reads one head.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -131,6 +139,9 @@ class RequestReader:
         """Bytes from the client; b"" means it closed its side."""
         conn = self._h11
         if conn is not None:
+            chunks = self._chunks
+            if chunks is not None and data and not chunks.done:
+                chunks.feed(bytes(data))
             conn.receive_data(bytes(data))
             return
         if not data:
@@ -163,6 +174,7 @@ class RequestReader:
         if conn is not None:
             rest, eof = conn.trailing_data
             self._h11 = None
+            self._chunks = None
             self._llhttp = None  # it stopped somewhere in that request: a fresh one
             self._buf = bytes(rest)
             self._eof = eof
@@ -279,6 +291,7 @@ class RequestReader:
 
     def _hand_to_h11(self) -> Event:
         conn = self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head)
+        self._chunks = None
         if self._buf:
             conn.receive_data(self._buf)
         if self._eof:
@@ -290,6 +303,9 @@ class RequestReader:
     def _from_h11(self) -> Event:
         conn = self._h11
         assert conn is not None
+        chunks = self._chunks
+        if chunks is not None and chunks.problem is not None:
+            raise BadRequest(400, chunks.problem, "bad_chunk_size")
         try:
             event = conn.next_event()
         except h11.RemoteProtocolError as exc:
@@ -299,12 +315,12 @@ class RequestReader:
             return bytes(event.data)  # type: ignore[union-attr]
         if t is h11.Request:
             assert isinstance(event, h11.Request)
-            return RequestHead(
-                event.method,
-                event.target,
-                [(name, value) for _, name, value in event.headers._full_items],
-                event.http_version,
-            )
+            headers = [(name, value) for _, name, value in event.headers._full_items]
+            if any(name == b"transfer-encoding" for name, _ in headers):
+                # h11 took it, so it is chunked: what it holds beyond the head is the body.
+                chunks = self._chunks = ChunkedBodyCheck()
+                chunks.feed(conn.trailing_data[0])
+            return RequestHead(event.method, event.target, headers, event.http_version)
         if t is h11.EndOfMessage:
             assert isinstance(event, h11.EndOfMessage)
             return EndOfRequest(list(event.headers))

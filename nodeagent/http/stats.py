@@ -21,6 +21,8 @@ RefusalReason = Literal[
     "too_many_fields",
     "malformed",
     "bad_path",
+    "bad_chunk_size",
+    "bad_host",
     "body_too_large",
     "slow_body",
 ]
@@ -66,6 +68,10 @@ class HttpStats:
     """400 (or h11's other hints): a head or body h11 refused."""
     refused_bad_path: int = 0
     """400: a path that cannot be normalised safely (`paths`)."""
+    refused_bad_host: int = 0
+    """400: a Host or absolute-form authority whose port is not 0-65535, or with userinfo."""
+    refused_bad_chunk_size: int = 0
+    """400: a chunk-size line of a request body outside RFC 9112's grammar (`chunked`)."""
     refused_body_too_large: int = 0
     """413: a body over `max_body_bytes`."""
     refused_slow_body: int = 0

@@ -111,3 +111,48 @@ def test_a_long_path_is_clipped_in_the_answer() -> None:
     got = route_request(API_ONLY, b"GET", req, https=False, max_body=None)
     assert isinstance(got, Refusal) and got.status == 404
     assert len(got.reason) < 150
+
+
+@pytest.mark.parametrize(
+    "target,host",
+    [
+        (b"/", b"shop.example:abc"),
+        (b"/", b"shop.example:80x"),
+        (b"/", b"shop.example:65536"),
+        (b"/", b"shop.example:000080"),  # six digits
+        (b"/", b"shop.example:-1"),
+        (b"/", b"shop.example: 80"),
+        (b"/", b"shop.example:80:80"),
+        (b"/", b"shop.example:\xd9\xa8\xd9\xa0"),  # Arabic-Indic digits: not ASCII
+        (b"/", b"[::1]x"),
+        (b"/", b"[::1]:ab"),
+        (b"/", b"[::1"),
+        (b"/", b"::1"),  # an IPv6 literal without brackets
+        (b"/", b"user@shop.example"),
+        (b"http://shop.example:abc/x", b"shop.example"),
+        (b"http://user:pw@shop.example/x", b"shop.example"),
+    ],
+)
+def test_a_host_port_that_is_not_one_is_refused_and_closes(target: bytes, host: bytes) -> None:
+    got = decide(b"GET", target, [(b"host", host)])
+    assert isinstance(got, Refusal), (target, host)
+    assert (got.status, got.close, got.code) == (400, True, "bad_host")
+    assert got.reason.startswith("bad Host: ")
+    assert b"shop" not in got.reason.encode()  # no client bytes in the answer or the log
+
+
+@pytest.mark.parametrize(
+    "host", [b"shop.example:0", b"shop.example:65535", b"shop.example:08080", b"[::1]:80"]
+)
+def test_ports_in_range_pass(host: bytes) -> None:
+    req = read_request(b"1.1", b"/", [(b"host", host)])
+    assert req.bad_host is None and req.host == host
+
+
+def test_an_empty_port_is_the_default_one_and_is_normalised_away() -> None:
+    for host, seen in ((b"shop.example:", b"shop.example"), (b"[::1]:", b"[::1]")):
+        req = read_request(b"1.1", b"/", [(b"host", host), (b"x-a", b"1")])
+        assert req.bad_host is None and req.host == seen
+        assert req.headers == [(b"host", seen), (b"x-a", b"1")]  # what goes upstream
+    assert decide(b"GET", b"/cart", [(b"host", b"shop.example:")]) is SHOP
+    assert decide(b"GET", b"http://shop.example:/x", [(b"host", b"o")]) is SHOP

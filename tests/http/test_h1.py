@@ -224,6 +224,12 @@ def test_garbage_is_an_error_or_need_data(data: bytes, prefix: bytes) -> None:
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", "missing"),
         (b"HTTP/1.1 200 OK\r\nx: " + b"a" * 70_000, "over"),
+        # A final LF that a `$`-anchored pattern would let through: a header name "x-a\n"
+        # forwarded to the client splits its response.
+        (b"HTTP/1.1 200 OK\r\nx-a\n: b\r\ncontent-length: 0\r\n\r\n", "bad header name"),
+        (b"HTTP/1.1 200 OK\n\r\ncontent-length: 0\r\n\r\n", "bad status line"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\n\r\nx\r\n0\r\n\r\n",
+         "bad chunk size"),
     ],
 )
 def test_defined_errors(raw: bytes, message: str) -> None:

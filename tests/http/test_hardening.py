@@ -109,6 +109,56 @@ async def test_content_length_and_transfer_encoding_close_after_the_response(
         assert f.front.stats.ambiguous_framing == 1
 
 
+async def test_chunk_sizes_outside_rfc_9112_get_400_close_and_are_counted(
+    nursery: trio.Nursery, fresh_refusal_log: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port))]) as f:
+        # 2^64 + 5 read modulo 2^64 by a proxy in front is 5: "hello", then a request.
+        for size in (b"10000000000000005", b"5 ", b"5;a b"):
+            with trio.fail_after(3):  # answered and closed, not kept alive
+                out = await raw_exchange(
+                    f.port,
+                    b"POST /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"%b\r\nhello\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n" % size,
+                )
+            assert out.count(b"HTTP/1.1 ") == 1 and status_of(out) == 400, out
+            assert b"connection: close" in out.lower() and b"bad chunk size line" in out
+        assert up.requests == []
+        assert f.front.stats.refused_bad_chunk_size == 3
+        assert f.front.stats.refused_malformed == 0
+    lines = [r for r in caplog.records if r.getMessage() == "http refused"]
+    assert len(lines) == 1  # rate-limited by reason
+
+
+async def test_a_host_port_that_is_not_one_gets_400_close_and_is_counted(
+    nursery: trio.Nursery, fresh_refusal_log: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    async with running_front([RouteSpec("shop.test", "/", route_to(port))]) as f:
+        for head in (
+            b"GET / HTTP/1.1\r\nHost: shop.test:abc\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: shop.test:99999\r\n\r\n",
+            b"GET http://shop.test:8o/ HTTP/1.1\r\nHost: shop.test\r\n\r\n",
+        ):
+            with trio.fail_after(3):  # answered and closed, not kept alive
+                out = await raw_exchange(f.port, head)
+            assert status_of(out) == 400, head
+            assert b"connection: close" in out.lower() and b"bad Host: the port" in out
+        # An empty port is the default one: routed and forwarded without it.
+        out = await raw_exchange(f.port, b"GET / HTTP/1.1\r\nHost: shop.test:\r\n\r\n", 1)
+        assert status_of(out) == 200
+        assert ["host", "shop.test"] in up.requests[0]["headers"]
+        assert len(up.requests) == 1
+        assert f.front.stats.refused_bad_host == 3
+    lines = [r for r in caplog.records if r.getMessage() == "http refused"]
+    assert len(lines) == 1  # rate-limited by reason
+
+
 # -- 4. head limits -----------------------------------------------------------------------
 
 

@@ -27,9 +27,9 @@ KUBE_PROXY_MARK_BITS = 0x4000 | 0x8000
 # Rule names become parts of nft set names and iptables comments: a letter first (nft
 # identifiers cannot start with a digit), then letters, digits and '-', short enough that
 # "<name>-exclude6" stays readable.
-_RULE_NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
+_RULE_NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}\Z")
 # Linux IFNAMSIZ is 16 including the NUL; '/' and whitespace are never valid in a name.
-_IFNAME = re.compile(r"^[^/\s]{1,15}$")
+_IFNAME = re.compile(r"^[^/\s]{1,15}\Z")
 
 
 class NetfilterError(Exception):

@@ -57,13 +57,16 @@ def rule(
         (lambda: rule(source_interfaces=["a/b"]), "'a/b' is not an interface name"),
         (lambda: rule(name="Web"), "name must be a lowercase letter"),
         (lambda: rule(name="9web"), "name must be a lowercase letter"),
+        # A trailing newline would reach the rendered ruleset.
+        (lambda: rule(name="web\n"), "name must be a lowercase letter"),
+        (lambda: rule(source_interfaces=["eth0\n"]), "is not an interface name"),
     ],
 )
 def test_invalid_rules_name_the_rule(make: object, message: str) -> None:
     with pytest.raises(InvalidRule) as info:
         validate_model(model_of(make()))  # type: ignore[operator]
     assert message in str(info.value)
-    assert info.value.rule_name in ("web", "Web", "9web")
+    assert info.value.rule_name in ("web", "Web", "9web", "web\n")
     assert isinstance(info.value, NetfilterError)
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
-_KEY_RE = re.compile(rf"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?{_NAME}$")
-_VALUE_RE = re.compile(rf"^({_NAME})?$")
+_KEY_RE = re.compile(rf"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?{_NAME}\Z")
+_VALUE_RE = re.compile(rf"^({_NAME})?\Z")
 
 
 class SelectorError(ValueError):
@@ -87,8 +87,8 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-_SET_RE = re.compile(r"^(?P<key>\S+)\s+(?P<op>in|notin)\s*\((?P<values>[^()]*)\)$")
-_CMP_RE = re.compile(r"^(?P<key>[^=!<>\s]+)\s*(?P<op>==|=|!=|>|<)\s*(?P<value>[^=!<>\s]*)$")
+_SET_RE = re.compile(r"^(?P<key>\S+)\s+(?P<op>in|notin)\s*\((?P<values>[^()]*)\)\Z")
+_CMP_RE = re.compile(r"^(?P<key>[^=!<>\s]+)\s*(?P<op>==|=|!=|>|<)\s*(?P<value>[^=!<>\s]*)\Z")
 
 
 def parse_label_selector(text: str | None) -> list[Requirement]:
@@ -144,7 +144,7 @@ def parse_field_selector(text: str | None, supported: Callable[[str], bool]
     reqs = []
     for raw in re.split(r"(?<!\\),", text):
         part = raw.strip()
-        m = re.match(r"^(?P<path>[^=!]+?)\s*(?P<op>==|=|!=)\s*(?P<value>.*)$", part)
+        m = re.match(r"^(?P<path>[^=!]+?)\s*(?P<op>==|=|!=)\s*(?P<value>.*)\Z", part)
         if not m:
             raise SelectorError(f"invalid selector: {part!r}; can't understand {part!r}")
         path = m["path"].strip()

@@ -41,7 +41,7 @@ from nodeagent.kube.events import rfc3339
 from nodeagent.testing.fakekube.server import FakeKube
 from nodeagent.trust import pki
 from tests.controller.identity import add_agent_token, obtain_identity
-from tests.controller.test_stream import get
+from tests.controller.test_configserver import get
 
 NS = "default"
 

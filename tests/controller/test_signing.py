@@ -37,7 +37,7 @@ from tests.controller.identity import (
     obtain_identity,
     request_certificate,
 )
-from tests.controller.test_stream import get
+from tests.controller.test_configserver import get
 
 
 @dataclass

@@ -56,6 +56,7 @@ from nodeagent.kube import (
     INGRESSCLASSES,
     INGRESSES,
     NODES,
+    PODS,
     SECRETS,
     SERVICES,
     CacheEvent,
@@ -70,6 +71,7 @@ from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
 from nodeagent.runtime.gcfreeze import freeze_survivors_forever
 from nodeagent.runtime.gcpause import gc_paused
+from tunnel.log import RateLimitedLog
 
 log = get_logger("nodeagent.controller")
 
@@ -171,8 +173,10 @@ class Controller:
 
     def __post_init__(self) -> None:
         ns = self.settings.namespace
+        # Pods: what an EndpointSlice's targetRef is checked against (ingress.py).
         self.caches = {r.plural: self.informers.cache(r) for r in (
-            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, CLUSTER_TUNNELS)}
+            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, CLUSTER_TUNNELS,
+            PODS)}
         self.caches["secrets"] = self.informers.cache(
             SECRETS, field_selector=SECRET_FIELD_SELECTOR)
         self.caches["watchers"] = self.informers.cache(
@@ -208,6 +212,7 @@ class Controller:
         self.is_leader = False
         self._secret_refs: frozenset[tuple[str, str]] = frozenset()
         self._reported: set[tuple[str, str, str, str]] = set()
+        self._refusals = RateLimitedLog(log)
         for plural, cache in self.caches.items():
             cache.add_handler(self._on_change(plural))
 
@@ -250,12 +255,19 @@ class Controller:
         self._secret_refs = secret_references(ingresses)
         services, endpoint_slices = c["services"].list(), c["endpointslices"].list()
         nodes = c["nodes"].list()
+        tunnel_objects = c["clustertunnels"].list()
+        tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
             services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
-            nodes=nodes, memo=self.translation_memo)
-        tunnel_objects = c["clustertunnels"].list()
-        tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
+            nodes=nodes, pods=c["pods"].list(),
+            direct_namespaces=frozenset(n for t in tunnels
+                                        for n in t.spec.direct_backend_namespaces),
+            memo=self.translation_memo)
+        self.metrics.refused(translation.refused_backends)
+        for reason, count in sorted(translation.refused_backends.items()):
+            self._refusals.warning(f"backend:{reason}", "Ingress backends refused",
+                                   reason=reason, count=count)
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
                       services=services, endpoint_slices=endpoint_slices,
                       namespace=self.settings.namespace, memo=self.compute_memo,

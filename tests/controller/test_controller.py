@@ -30,6 +30,7 @@ from nodeagent.kube import (
     INGRESSCLASSES,
     INGRESSES,
     NODES,
+    PODS,
     SECRETS,
     SERVICES,
     Cache,
@@ -41,6 +42,7 @@ from nodeagent.kube.events import rfc3339
 from nodeagent.testing.fakekube.server import FakeKube
 from nodeagent.trust import pki
 from tests.controller.identity import add_agent_token, obtain_identity
+from tests.controller.pods import pod, target_ref
 from tests.controller.test_configserver import get
 
 NS = "default"
@@ -90,7 +92,11 @@ async def create_app(kube: KubeClient) -> dict[str, Any]:
                      "labels": {"kubernetes.io/service-name": "web"}},
         "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
         "endpoints": [{"addresses": ["10.1.0.5"], "nodeName": "edge-1",
+                       "targetRef": target_ref(NS, "web-0"),
                        "conditions": {"ready": True}}]})
+    web = pod(NS, "web-0", "edge-1", "10.1.0.5")
+    created = await kube.create(PODS, web)  # the API server drops a new Pod's status
+    await kube.update_status(PODS, dict(created, status=web["status"]))
     return await kube.create(INGRESSES, ingress("/"))
 
 
@@ -303,3 +309,16 @@ async def test_metrics_count_recomputes_and_watch_restarts_by_resource(
     await create_app(kube)
     await wait_for(lambda: rule_paths(controller) == ["/"], "the Ingress in the config")
     assert sample("nodeagent_controller_recompute_seconds_count") > recomputes
+
+    # The endpoint's Pod gets another address: the endpoint is refused, counted by reason.
+    def backends() -> int:
+        servers = controller.versions.get("servers")
+        return 0 if servers is None else len(servers[1].ingress.rules[0].backends)
+
+    assert backends() == 1
+    assert sample("nodeagent_controller_refused_backends", reason="not_pod_address") == 0
+    current = await kube.get(PODS, "web-0", namespace=NS)
+    await kube.update_status(PODS, dict(current, status={"podIP": "10.1.0.6",
+                                                         "podIPs": [{"ip": "10.1.0.6"}]}))
+    await wait_for(lambda: backends() == 0, "the endpoint refused")
+    assert sample("nodeagent_controller_refused_backends", reason="not_pod_address") == 1

@@ -52,7 +52,6 @@ from nodeagent.configstream.protocol import (
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.ops.jsonhttp import (
-    Handler,
     Reply,
     Request,
     StreamingReply,
@@ -114,6 +113,11 @@ def may_read(identity: Identity | None, kind: str, name: str) -> bool:
     return kind == "servers" and identity.kind == "server"
 
 
+# POST /v1/certificates: the request and the identity its connection's client
+# certificate proves (None: anonymous).
+Signer = Callable[[Request, Identity | None], Awaitable[Reply]]
+
+
 def refusal(status: int, reason: str, message: str) -> Reply:
     """One JSON line saying why, and the connection closes: a refused client reconnects
     with backoff, no reason to keep its connection."""
@@ -128,7 +132,7 @@ class ConfigStreamServer:
 
     def __init__(self, versions: ConfigVersions, *,
                  tls: Callable[[], Awaitable[ssl.SSLContext]],
-                 signer: Handler | None = None,
+                 signer: Signer | None = None,
                  authorize: Callable[[Identity | None, str, str], bool] = may_read,
                  metrics: ControllerMetrics | None = None,
                  heartbeat: float = 60.0, request_timeout: float = 10.0) -> None:
@@ -224,7 +228,7 @@ class ConfigStreamServer:
     async def answer(self, identity: Identity | None, request: Request
                      ) -> Reply | StreamingReply:
         if request.path == CERTIFICATES_PATH and self._signer is not None:
-            return await self._signer(request)
+            return await self._signer(request, identity)
         watched = parse_config_path(request.path)
         if watched is None:
             return self._refuse(404, "not_found", "use /v1/config/nodes/NAME, "

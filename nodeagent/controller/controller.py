@@ -30,7 +30,7 @@ from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
-from nodeagent.controller.configserver import ConfigStreamServer
+from nodeagent.controller.configserver import ConfigStreamServer, Identity
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
 from nodeagent.controller.inputs import (
@@ -193,7 +193,7 @@ class Controller:
             validity=dt.timedelta(seconds=self.settings.certificate_validity)), self.metrics,
             denied_nodes=self._denied_nodes, review_rate=self.settings.token_review_rate,
             review_burst=max(1, math.ceil(self.settings.token_review_rate * 2.5)),
-            trust_bundle=lambda: self.bootstrap.trust_pem)
+            trust_bundle=lambda: self.bootstrap.trust_pem, still_exists=self._still_exists)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
                                          signer=self.signer, metrics=self.metrics,
                                          heartbeat=self.settings.heartbeat)
@@ -300,6 +300,13 @@ class Controller:
             problems=tuple(problems), served=translation.served, tunnels=tuple(tunnels),
             tunnel_objects=tuple(tunnel_objects), nodes=tuple(nodes),
             config_version=servers[0] if servers else 0)
+
+    def _still_exists(self, identity: Identity) -> bool:
+        """A certificate's node (its Node) or server (its pod, in our namespace) is still
+        in the caches: renewing by certificate needs that instead of a TokenReview."""
+        if identity.kind == "node":
+            return self.caches["nodes"].get(identity.name) is not None
+        return self.caches["pods"].get(identity.name, self.settings.namespace) is not None
 
     def _denied_nodes(self) -> frozenset[str]:
         tunnels, _ = parse_tunnels(self.caches["clustertunnels"].list())

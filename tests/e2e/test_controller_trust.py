@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
+import ssl
+import uuid
+from collections import Counter
 from typing import Any
 
+import h11
 import trio
 
 from nodeagent.config import NodeConfig, RoutesConfig
@@ -24,6 +28,7 @@ from nodeagent.kube.resources import (
     PODS,
     SERVICES,
 )
+from nodeagent.trust import pki
 from tests.controller.identity import obtain_identity
 from tests.e2e.test_kubernetes import (  # noqa: F401 (fixtures)
     NS,
@@ -155,3 +160,103 @@ def test_a_namespace_user_cannot_aim_the_server_without_the_admins_opt_in(
                                             ("edge-1", "192.168.7.10")}
     assert reader.edge().allows("192.168.7.10", 22)
 
+
+async def post_csr(port: int, context: ssl.SSLContext, body: bytes, token: str
+                   ) -> tuple[int, dict[str, str]]:
+    """POST /v1/certificates over TLS (with the context's client certificate, if any):
+    the status and the headers."""
+    stream = trio.SSLStream(await trio.open_tcp_stream("127.0.0.1", port), context,
+                            server_hostname="127.0.0.1", https_compatible=True)
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        await stream.send_all(conn.send(h11.Request(
+            method="POST", target="/v1/certificates", headers=[
+                ("host", "127.0.0.1"), ("authorization", f"Bearer {token}"),
+                ("content-type", "application/json"), ("content-length", str(len(body))),
+                ("connection", "close")])) + (conn.send(h11.Data(data=body)) or b"")
+            + (conn.send(h11.EndOfMessage()) or b""))
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(bytes(await stream.receive_some(65536)))
+            elif isinstance(event, h11.Response):
+                return event.status_code, {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.ConnectionClosed):
+                return 0, {}
+
+
+def csr_body(kind: str) -> bytes:
+    return json.dumps({"kind": kind, "csr": pki.key_signing_request(
+        pki.generate_key(), kind).decode()}).encode()
+
+
+def test_an_anonymous_flood_takes_no_renewal_and_a_new_agent_still_enrolls(
+        controllers: dict[str, Any]) -> None:  # noqa: F811 (the fixture)
+    """~As many certificate requests with forged tokens as one client can send (each a
+    fresh token, so each would cost a TokenReview) hold the anonymous budget at zero;
+    meanwhile a node renewing with its still-valid certificate is signed at the first
+    try (no TokenReview, no slot), and a new agent with a real token, retrying as told
+    (429, Retry-After), gets its certificate within 10 s."""
+    api = controllers["api"]
+    port = controllers["ports"]["c1"]
+    api.create(NODES, {"metadata": {"name": "edge-1"}})
+    api.create(NODES, {"metadata": {"name": "edge-2"}})
+    reader = Reader(api, port)  # edge-1's certificate, obtained before the flood
+    ca_pem = api.get(CONFIGMAPS, "nodeagent-ca", "nodeagent")["data"]["ca.crt"]
+    uid = pod(api, "nodeagent-agent-x2", "edge-2", "nodeagent-agent")
+    add_token(api, "e2e-trust-agent2-token-0123456789", namespace="nodeagent",
+              service_account="nodeagent-agent", pod_name="nodeagent-agent-x2", pod_uid=uid,
+              node_name="edge-2", node_uid="n2", audiences=["nodeagent"])
+    anonymous = pki.client_ssl_context(ca_pem.encode())
+    flood_body = csr_body("node")
+    counts: Counter[int] = Counter()
+    figures: dict[str, float] = {}
+
+    async def main() -> None:
+        stop, spent = trio.Event(), trio.Event()
+
+        async def flood(worker: int) -> None:
+            sent = 0
+            while not stop.is_set():
+                sent += 1
+                try:
+                    status, _ = await post_csr(port, anonymous, flood_body,
+                                               f"forged-{worker}-{sent}-{uuid.uuid4()}")
+                except (OSError, trio.BrokenResourceError):
+                    status = 0
+                counts[status] += 1
+                if counts[429] >= 20:  # the anonymous budget is spent
+                    spent.set()
+
+        async with trio.open_nursery() as nursery:
+            for worker in range(16):
+                nursery.start_soon(flood, worker)
+            with trio.fail_after(10):
+                await spent.wait()
+            # A renewal by certificate: signed at once, whatever the flood.
+            started = trio.current_time()
+            status, _ = await post_csr(port, reader.node, csr_body("node"),
+                                       AGENT)
+            figures["renewal"] = trio.current_time() - started
+            assert status == 200, status
+            # A new agent, first request with its real token, retrying as told.
+            started = trio.current_time()
+            attempts = 0
+            with trio.fail_after(10):
+                while True:
+                    attempts += 1
+                    status, headers = await post_csr(
+                        port, anonymous, csr_body("node"), "e2e-trust-agent2-token-0123456789")
+                    if status == 200:
+                        break
+                    assert status == 429, status
+                    await trio.sleep(float(headers.get("retry-after", "1")))
+            figures["enroll"] = trio.current_time() - started
+            figures["attempts"] = attempts
+            stop.set()
+
+    trio.run(main)
+    print(f"\nflood: {dict(counts)}; renewal by certificate {figures['renewal']:.2f}s; "
+          f"new agent enrolled in {figures['enroll']:.2f}s ({figures['attempts']:.0f} "
+          f"attempts)")
+    assert counts[401] > 0 and counts[429] > 0

@@ -30,7 +30,7 @@ from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
-from nodeagent.controller.configserver import ConfigStreamServer, Identity
+from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
 from nodeagent.controller.inputs import (
@@ -114,6 +114,7 @@ class ControllerSettings:
     freeze_gc: bool = False
     server_workers: int = 1  # the servers' --workers: agents hold pods x workers tunnels
     heartbeat: float = 60.0  # seconds between a quiet config watch's heartbeat lines
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 class LeaderWrites:
@@ -196,7 +197,8 @@ class Controller:
             trust_bundle=lambda: self.bootstrap.trust_pem, still_exists=self._still_exists)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
                                          signer=self.signer, metrics=self.metrics,
-                                         heartbeat=self.settings.heartbeat)
+                                         heartbeat=self.settings.heartbeat,
+                                         limits=self.settings.connection_limits)
         self.watchers = WatcherReports(self.kube, self.caches["watchers"], ns,
                                        self.settings.identity, self.stream.subscribers)
         self.status = StatusWriter(self.kube, self.caches, ns, self.settings.identity,

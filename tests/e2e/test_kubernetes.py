@@ -474,10 +474,20 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     api.delete(CLUSTER_TUNNELS, "edge")
     wait_for(lambda: not any(t["metadata"]["name"] == "edge"
                              for t in api.list(CLUSTER_TUNNELS)), "finalizer released")
-    # The new leader reports problems of ClusterTunnels.
+    # The new leader reports problems of ClusterTunnels: an Event on the object, in the API
+    # (cluster-scoped objects' Events live in "default"), not only a log line.
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "t"}, "spec": {"serverUrl": "http://x"}})
-    wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list(EVENTS, "default"))
-             or "InvalidSpec" in cluster["procs"][1].logs(), "ClusterTunnel problem reported")
+
+    def tunnel_event() -> dict[str, Any] | None:
+        return next((e for e in api.list(EVENTS, "default") if e.get("reason") == "InvalidSpec"
+                     and e["involvedObject"].get("kind") == "ClusterTunnel"
+                     and e["involvedObject"].get("name") == "t"), None)
+
+    wait_for(tunnel_event, "an Event on the invalid ClusterTunnel")
+    event = tunnel_event()
+    assert event is not None and event["type"] == "Warning"
+    assert "serverUrl" in event["message"] or "server_url" in event["message"], event
+    assert event["involvedObject"]["uid"] == api.get(CLUSTER_TUNNELS, "t")["metadata"]["uid"]
 
 
 def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up(

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import (
     CA_CONFIGMAP,
     SERVER_SERVICE,
@@ -85,6 +86,9 @@ async def create_app(kube: KubeClient) -> dict[str, Any]:
                               "spec": {"podCIDRs": ["10.1.0.0/24"]},
                               "status": {"addresses": [
                                   {"type": "InternalIP", "address": "192.168.7.10"}]}})
+    web = pod(NS, "web-0", "edge-1", "10.1.0.5")
+    created = await kube.create(PODS, web)  # the API server drops a new Pod's status
+    await kube.update_status(PODS, dict(created, status=web["status"]))
     await kube.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80}]}})
     await kube.create(ENDPOINTSLICES, {
@@ -94,9 +98,6 @@ async def create_app(kube: KubeClient) -> dict[str, Any]:
         "endpoints": [{"addresses": ["10.1.0.5"], "nodeName": "edge-1",
                        "targetRef": target_ref(NS, "web-0"),
                        "conditions": {"ready": True}}]})
-    web = pod(NS, "web-0", "edge-1", "10.1.0.5")
-    created = await kube.create(PODS, web)  # the API server drops a new Pod's status
-    await kube.update_status(PODS, dict(created, status=web["status"]))
     return await kube.create(INGRESSES, ingress("/"))
 
 
@@ -226,7 +227,8 @@ async def test_the_leaders_ca_signs_node_certificates_that_read_the_nodes_config
     certificate from it; an agent's token gets a certificate; it reads its node's config."""
     controller = await start_controller(nursery, fake_kube, tmp_path)
     await create_app(kube)
-    await wait_for(lambda: controller.versions.get("node/edge-1") is not None, "edge-1 config")
+    await wait_for(lambda: (controller.versions.get("node/edge-1") or (0, NodeConfig()))[1]
+                   .allows("10.1.0.5", 8080), "edge-1 config with its pod")
     with trio.fail_after(10):
         await controller.caches["secrets"].wait_until(lambda _: controller.bootstrap.ca
                                                       is not None)
@@ -315,7 +317,7 @@ async def test_metrics_count_recomputes_and_watch_restarts_by_resource(
         servers = controller.versions.get("servers")
         return 0 if servers is None else len(servers[1].ingress.rules[0].backends)
 
-    assert backends() == 1
+    await wait_for(lambda: backends() == 1, "the endpoint of its Pod")  # once its IP is seen
     assert sample("nodeagent_controller_refused_backends", reason="not_pod_address") == 0
     current = await kube.get(PODS, "web-0", namespace=NS)
     await kube.update_status(PODS, dict(current, status={"podIP": "10.1.0.6",

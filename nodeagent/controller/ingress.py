@@ -40,7 +40,8 @@ raises on bad input.
 
 `TranslationMemo` keeps each Ingress's translation between calls with what it read (its
 spec and annotations, its Services' specs, their EndpointSlices, its Secrets, the Nodes
-its endpoints name): a change translates again only the Ingresses that read it.
+its endpoints name, the Pods their targetRefs name): a change translates again only the
+Ingresses that read it; a change of the admin's opt-in translates them all.
 """
 
 from __future__ import annotations

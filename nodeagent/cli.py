@@ -265,6 +265,20 @@ def build_parser() -> argparse.ArgumentParser:
                             help="worker processes per server pod (set it to the servers' "
                                  "--workers): each agent holds a tunnel to ready server "
                                  "pods x N (default 1)")
+    controller.add_argument("--max-connections", type=int, default=20_000, metavar="N",
+                            help="config stream connections open at once, in all (also "
+                                 "kept under the file limit); beyond, a new one is closed at "
+                                 "once (default 20000)")
+    controller.add_argument("--max-anonymous-per-peer", type=int, default=256, metavar="N",
+                            help="connections from one address (IPv6: one /64) that have "
+                                 "not proved an identity (in the TLS handshake, or without a "
+                                 "client certificate); agents come through the servers' "
+                                 "addresses, so those with a certificate are not capped per "
+                                 "address (default 256)")
+    controller.add_argument("--anonymous-deadline-seconds", type=float, default=5.0,
+                            metavar="S", help="a connection must finish its TLS handshake "
+                            "within this, and one without a client certificate must also "
+                            "have sent its request (default 5)")
 
     debug = sub.add_parser(
         "debug", help="inspect a running agent or server through its debug socket",

@@ -80,7 +80,9 @@ def hello_manifest(backend_port: int) -> str:
          "addressType": "IPv4",
          "ports": [{"name": "http", "port": backend_port, "protocol": "TCP"}],
          "endpoints": [{"addresses": ["127.0.0.1"], "nodeName": NODE,
-                        "conditions": {"ready": True}}]},
+                        "conditions": {"ready": True},
+                        "targetRef": {"kind": "Pod", "namespace": "default",
+                                      "name": "hello-0"}}]},
         {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
          "metadata": {"name": "hello", "namespace": "default"},
          "spec": {"ingressClassName": "nodeagent", "rules": [{"host": HOST, "http": {
@@ -125,6 +127,12 @@ class Demo:
                  "spec": {"serverUrl": tunnel_url, "allowedNodePorts": [10250]}})
         k.ok("patch", "node", NODE, "--subresource=status", "--type=merge", "-p", json.dumps(
             {"status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}}))
+        # The sample backend's Pod, placed and started as the kubelet would: the endpoint
+        # in hello.yaml names it, and the controller believes an endpoint only for a Pod
+        # of the Service's namespace on that node holding that address.
+        k.apply(pod("hello-0", "default", NODE, namespace="default"))
+        k.ok("patch", "pod", "hello-0", "--subresource=status", "--type=merge", "-p",
+             json.dumps({"status": {"podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}}))
         uid = {name: k.ok("get", "pod", f"nodeagent-{name}", "-n", NAMESPACE, "-o",
                           "jsonpath={.metadata.uid}") for name in pods}
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 from nodeagent.config import (
+    DNS_LABEL,
     AllowRule,
     Cidr,
     ConfigError,
@@ -87,6 +88,14 @@ class ClusterTunnelSpec(CrdModel):
         "through the tunnel (same model as the agent config file).")
     node_selector: dict[str, str] = Field(
         default={}, description="Labels a Node must carry to be covered; empty: all nodes.")
+    direct_backend_namespaces: tuple[str, ...] = Field(
+        default=(), description="Namespaces whose Ingresses may opt in (annotation "
+        "nodeagent.io/allow-direct-backends: \"true\") to backends the controller cannot "
+        "tie to a Pod of their own namespace: ExternalName Services and endpoints without "
+        "a nodeName (the servers dial them from their pods), and endpoints whose targetRef "
+        "is not a Pod of the Service's namespace on that node with that IP. \"*\": every "
+        "namespace. The cluster admin's choice: the annotation alone opens nothing. Never "
+        "unlocks the protected floor.")
     cloud_node_selector: dict[str, str] | None = Field(
         default=None, description="Labels of the cloud-side nodes where control-plane "
         "components run (kube-apiserver, metrics-server, Prometheus) that dial "
@@ -100,6 +109,14 @@ class ClusterTunnelSpec(CrdModel):
     def _url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("tls://", "wss://", "ws://", "tcp://")):
             raise ValueError(f"{v!r}: use tls://host:port or wss://host[:port]/path")
+        return v
+
+    @field_validator("direct_backend_namespaces")
+    @classmethod
+    def _namespaces(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if name != "*" and not DNS_LABEL.fullmatch(name):
+                raise ValueError(f"{name[:64]!r} is not a namespace name (or \"*\")")
         return v
 
     @field_validator("cloud_node_selector")

@@ -13,6 +13,19 @@ client without a certificate nothing but the signing endpoint. Agents reach this
 their tunnel with TLS end to end, so a server relaying their bytes can neither read nor
 forge a node's config.
 
+Connections are capped, so that idle dialers cannot exhaust this process's file
+descriptors (600 idle streams once took it from 21 to 621 open files): at most
+`max_connections` in all (and never more than the file limit allows), and at most
+`max_anonymous_per_peer` from one address (IPv6: one /64) that have not yet proved an
+identity — still in the TLS handshake, or holding no client certificate. Agents and
+servers reach this through a few server pods, so a per-address cap on connections that
+did prove an identity would cap the fleet: those count only in the total. A connection
+over a cap is closed at once, before its handshake, counted by reason
+(`too_many_connections`, `too_many_from_peer`) and logged at most once a minute per
+reason. A connection must finish its handshake within `anonymous_deadline`; one without
+a client certificate must also have sent its whole request by then, and gets one
+answer (the signer's) before it is closed.
+
 A watch answers `200`, `Content-Type: application/x-ndjson`, chunked, and never ends: one
 line `{"version": V, "config": {...}}` at once if the subscriber's current version V is
 newer than `after` (an unknown node gets an empty NodeConfig at version 0), then one line
@@ -30,7 +43,9 @@ watches of the keys it changed (`notify(keys)`). A refusal is one JSON line `{"e
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
+import resource
 import ssl
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
@@ -52,7 +67,6 @@ from nodeagent.configstream.protocol import (
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.ops.jsonhttp import (
-    Handler,
     Reply,
     Request,
     StreamingReply,
@@ -114,6 +128,42 @@ def may_read(identity: Identity | None, kind: str, name: str) -> bool:
     return kind == "servers" and identity.kind == "server"
 
 
+# POST /v1/certificates: the request and the identity its connection's client
+# certificate proves (None: anonymous).
+Signer = Callable[[Request, Identity | None], Awaitable[Reply]]
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Caps on the config stream's connections (see the module docstring)."""
+
+    max_connections: int = 20_000
+    max_anonymous_per_peer: int = 256
+    anonymous_deadline: float = 5.0  # handshake (and, anonymous, the request) within
+
+    def effective_max(self) -> int:
+        """`max_connections`, lowered to what the process's file limit leaves room for
+        (a reserve for the API client, the informers and the metrics listener)."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return self.max_connections
+        return max(1, min(self.max_connections, soft - 128))
+
+
+def peer_key(address: str) -> str:
+    """Whom a per-address cap counts: the IPv4 address (an IPv4-mapped IPv6 one
+    unmapped), or the IPv6 /64."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
 def refusal(status: int, reason: str, message: str) -> Reply:
     """One JSON line saying why, and the connection closes: a refused client reconnects
     with backoff, no reason to keep its connection."""
@@ -128,11 +178,16 @@ class ConfigStreamServer:
 
     def __init__(self, versions: ConfigVersions, *,
                  tls: Callable[[], Awaitable[ssl.SSLContext]],
-                 signer: Handler | None = None,
+                 signer: Signer | None = None,
                  authorize: Callable[[Identity | None, str, str], bool] = may_read,
                  metrics: ControllerMetrics | None = None,
-                 heartbeat: float = 60.0, request_timeout: float = 10.0) -> None:
+                 heartbeat: float = 60.0, request_timeout: float = 10.0,
+                 limits: ConnectionLimits | None = None) -> None:
         self.versions = versions
+        self.limits = limits or ConnectionLimits()
+        self.max_connections = self.limits.effective_max()
+        self.connections = 0  # open now
+        self.unproven: Counter[str] = Counter()  # peer → connections without an identity
         self._tls = tls
         self._signer = signer
         self._authorize = authorize
@@ -200,6 +255,61 @@ class ConfigStreamServer:
             await trio.serve_listeners(self._connection, listeners)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = peer_key(str(stream.socket.getpeername()[0]))
+        except OSError:  # gone already
+            await trio.aclose_forcefully(stream)
+            return
+        if self.connections >= self.max_connections:
+            await self._refuse_connection(stream, "too_many_connections", peer)
+            return
+        if self.unproven[peer] >= self.limits.max_anonymous_per_peer:
+            await self._refuse_connection(stream, "too_many_from_peer", peer)
+            return
+        self.connections += 1
+        self.unproven[peer] += 1
+        proven = False
+        try:
+            deadline = trio.current_time() + self.limits.anonymous_deadline
+            with trio.CancelScope(deadline=deadline) as scope:
+                shaken = await self._handshake(stream)
+                if shaken is None:
+                    return
+                tls, identity = shaken
+                if identity is not None:
+                    proven = True
+                    self._release(peer)
+                    scope.deadline = float("inf")
+                await serve_http(tls, handler=functools.partial(
+                    self._answer_within, identity, scope), idle_timeout=self.request_timeout,
+                    max_request_bytes=MAX_REQUEST_BYTES)
+            if scope.cancelled_caught and scope.deadline == deadline:  # never answered
+                self.metrics.config("anonymous_deadline")
+                self._refusals.warning("anonymous_deadline", "config stream connection "
+                                       "closed: no certificate and no request in time",
+                                       reason="anonymous_deadline")
+        finally:
+            self.connections -= 1
+            if not proven:
+                self._release(peer)
+            await trio.aclose_forcefully(stream)
+
+    def _release(self, peer: str) -> None:
+        self.unproven[peer] -= 1
+        if self.unproven[peer] <= 0:
+            del self.unproven[peer]
+
+    async def _refuse_connection(self, stream: trio.SocketStream, reason: str,
+                                 peer: str) -> None:
+        self.metrics.config(reason)
+        self._refusals.warning(reason, "config stream connection refused", reason=reason,
+                               peer=peer, open=self.connections)
+        await trio.aclose_forcefully(stream)
+
+    async def _handshake(self, stream: trio.SocketStream
+                         ) -> tuple[TLSStream, Identity | None] | None:
+        """The TLS stream and the identity its client certificate proves (None: no
+        certificate); None if the handshake failed (counted and logged here)."""
         # A client that vanished while its watch was quiet: the kernel ends it in ~35 s
         # (with a heartbeat unacknowledged, TCP's retransmission timeout does, later).
         set_keepalive(stream.socket)
@@ -207,7 +317,7 @@ class ConfigStreamServer:
         # a config line without a scheduler round trip (jsonhttp._send_chunk).
         tls = TLSStream(stream, await self._tls(), server_side=True)
         try:
-            with trio.fail_after(self.request_timeout):
+            with trio.fail_after(min(self.request_timeout, self.limits.anonymous_deadline)):
                 await tls.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
             # Scanners, health checks, clients with a certificate of another CA.
@@ -216,15 +326,21 @@ class ConfigStreamServer:
             self._refusals.warning("tls_handshake", "config stream TLS handshake failed",
                                    reason="tls_handshake", error=str(cause)[:200])
             await trio.aclose_forcefully(tls)
-            return
-        identity = peer_identity(tls.getpeercert(binary_form=True))
-        await serve_http(tls, handler=functools.partial(self.answer, identity),
-                         idle_timeout=self.request_timeout, max_request_bytes=MAX_REQUEST_BYTES)
+            return None
+        return tls, peer_identity(tls.getpeercert(binary_form=True))
+
+    async def _answer_within(self, identity: Identity | None, scope: trio.CancelScope,
+                             request: Request) -> Reply | StreamingReply:
+        if identity is None:
+            # The request is in: time for its answer, then the connection ends (an
+            # anonymous client gets one answer; its keep-alive would hold a slot).
+            scope.deadline = trio.current_time() + self.request_timeout
+        return await self.answer(identity, request)
 
     async def answer(self, identity: Identity | None, request: Request
                      ) -> Reply | StreamingReply:
         if request.path == CERTIFICATES_PATH and self._signer is not None:
-            return await self._signer(request)
+            return await self._signer(request, identity)
         watched = parse_config_path(request.path)
         if watched is None:
             return self._refuse(404, "not_found", "use /v1/config/nodes/NAME, "

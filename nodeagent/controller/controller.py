@@ -30,7 +30,7 @@ from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
-from nodeagent.controller.configserver import ConfigStreamServer
+from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
 from nodeagent.controller.inputs import (
@@ -56,6 +56,7 @@ from nodeagent.kube import (
     INGRESSCLASSES,
     INGRESSES,
     NODES,
+    PODS,
     SECRETS,
     SERVICES,
     CacheEvent,
@@ -70,6 +71,7 @@ from nodeagent.ops.health import HealthServer
 from nodeagent.ops.logs import get_logger
 from nodeagent.runtime.gcfreeze import freeze_survivors_forever
 from nodeagent.runtime.gcpause import gc_paused
+from tunnel.log import RateLimitedLog
 
 log = get_logger("nodeagent.controller")
 
@@ -112,6 +114,7 @@ class ControllerSettings:
     freeze_gc: bool = False
     server_workers: int = 1  # the servers' --workers: agents hold pods x workers tunnels
     heartbeat: float = 60.0  # seconds between a quiet config watch's heartbeat lines
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 class LeaderWrites:
@@ -171,8 +174,10 @@ class Controller:
 
     def __post_init__(self) -> None:
         ns = self.settings.namespace
+        # Pods: what an EndpointSlice's targetRef is checked against (ingress.py).
         self.caches = {r.plural: self.informers.cache(r) for r in (
-            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, CLUSTER_TUNNELS)}
+            NODES, SERVICES, ENDPOINTSLICES, INGRESSES, INGRESSCLASSES, CLUSTER_TUNNELS,
+            PODS)}
         self.caches["secrets"] = self.informers.cache(
             SECRETS, field_selector=SECRET_FIELD_SELECTOR)
         self.caches["watchers"] = self.informers.cache(
@@ -189,10 +194,11 @@ class Controller:
             validity=dt.timedelta(seconds=self.settings.certificate_validity)), self.metrics,
             denied_nodes=self._denied_nodes, review_rate=self.settings.token_review_rate,
             review_burst=max(1, math.ceil(self.settings.token_review_rate * 2.5)),
-            trust_bundle=lambda: self.bootstrap.trust_pem)
+            trust_bundle=lambda: self.bootstrap.trust_pem, still_exists=self._still_exists)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
                                          signer=self.signer, metrics=self.metrics,
-                                         heartbeat=self.settings.heartbeat)
+                                         heartbeat=self.settings.heartbeat,
+                                         limits=self.settings.connection_limits)
         self.watchers = WatcherReports(self.kube, self.caches["watchers"], ns,
                                        self.settings.identity, self.stream.subscribers)
         self.status = StatusWriter(self.kube, self.caches, ns, self.settings.identity,
@@ -208,6 +214,7 @@ class Controller:
         self.is_leader = False
         self._secret_refs: frozenset[tuple[str, str]] = frozenset()
         self._reported: set[tuple[str, str, str, str]] = set()
+        self._refusals = RateLimitedLog(log)
         for plural, cache in self.caches.items():
             cache.add_handler(self._on_change(plural))
 
@@ -250,12 +257,19 @@ class Controller:
         self._secret_refs = secret_references(ingresses)
         services, endpoint_slices = c["services"].list(), c["endpointslices"].list()
         nodes = c["nodes"].list()
+        tunnel_objects = c["clustertunnels"].list()
+        tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
             services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
-            nodes=nodes, memo=self.translation_memo)
-        tunnel_objects = c["clustertunnels"].list()
-        tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
+            nodes=nodes, pods=c["pods"].list(),
+            direct_namespaces=frozenset(n for t in tunnels
+                                        for n in t.spec.direct_backend_namespaces),
+            memo=self.translation_memo)
+        self.metrics.refused(translation.refused_backends)
+        for reason, count in sorted(translation.refused_backends.items()):
+            self._refusals.warning(f"backend:{reason}", "Ingress backends refused",
+                                   reason=reason, count=count)
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
                       services=services, endpoint_slices=endpoint_slices,
                       namespace=self.settings.namespace, memo=self.compute_memo,
@@ -288,6 +302,13 @@ class Controller:
             problems=tuple(problems), served=translation.served, tunnels=tuple(tunnels),
             tunnel_objects=tuple(tunnel_objects), nodes=tuple(nodes),
             config_version=servers[0] if servers else 0)
+
+    def _still_exists(self, identity: Identity) -> bool:
+        """A certificate's node (its Node) or server (its pod, in our namespace) is still
+        in the caches: renewing by certificate needs that instead of a TokenReview."""
+        if identity.kind == "node":
+            return self.caches["nodes"].get(identity.name) is not None
+        return self.caches["pods"].get(identity.name, self.settings.namespace) is not None
 
     def _denied_nodes(self) -> frozenset[str]:
         tunnels, _ = parse_tunnels(self.caches["clustertunnels"].list())

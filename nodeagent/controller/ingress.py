@@ -11,12 +11,23 @@ that are terminating. An endpoint with a `nodeName` is reached through that node
 (its (ip, port) goes into `node_targets` so the node's config allows it) — only if the
 address is the node's own: inside its spec.podCIDRs or one of its addresses; otherwise
 (whoever can write an EndpointSlice could name 169.254.169.254 on any node) it is dropped
-with a Problem. Direct backends — an ExternalName Service, an endpoint without a
-`nodeName` — are dialed by the server itself, from the server pod and around
-NetworkPolicy, so they are refused (a Problem, the rest of the Ingress still served)
-unless the Ingress opts in with `nodeagent.io/allow-direct-backends: "true"`. A Service
-port is matched by number or by name (Service port name → the EndpointSlice port of the
-same name carries the real target port).
+with a Problem. Even on its node, an endpoint is believed only if it is what the
+EndpointSlice controller would have written (`endpoint_refusal`): its targetRef names a
+Pod of the Service's own namespace, that Pod (in the cache) runs on the endpoint's node
+and holds the address. Anyone who may write an EndpointSlice in a namespace could
+otherwise publish another namespace's pod or the node's own sshd through an Ingress (the
+class of CVE-2021-25740). A refused endpoint is counted by reason (`refused_backends`)
+and named in a Problem.
+
+Direct backends — an ExternalName Service, an endpoint without a `nodeName` — are dialed
+by the server itself, from the server pod and around NetworkPolicy, so they are refused
+(a Problem, the rest of the Ingress still served) unless both keys turn: the cluster
+admin lists the Ingress's namespace in a ClusterTunnel's `directBackendNamespaces`
+(`direct_namespaces` here), and the Ingress carries `nodeagent.io/allow-direct-backends:
+"true"`. The same opt-in lets an endpoint on its node through without a matching Pod.
+The annotation without the admin's listing opens nothing and gets a Problem saying so.
+A Service port is matched by number or by name (Service port name → the EndpointSlice
+port of the same name carries the real target port).
 
 TLS: `spec.tls[].secretName` must be a Secret with a PEM certificate and a key that matches
 it; the hosts it lists are redirected from http to https (308) unless the annotation
@@ -29,12 +40,14 @@ raises on bad input.
 
 `TranslationMemo` keeps each Ingress's translation between calls with what it read (its
 spec and annotations, its Services' specs, their EndpointSlices, its Secrets, the Nodes
-its endpoints name): a change translates again only the Ingresses that read it.
+its endpoints name, the Pods their targetRefs name): a change translates again only the
+Ingresses that read it; a change of the admin's opt-in translates them all.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +66,9 @@ DEFAULT_CLASS_ANNOTATION = "ingressclass.kubernetes.io/is-default-class"
 SSL_REDIRECT_ANNOTATION = "nodeagent.io/ssl-redirect"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 DIRECT_BACKENDS_ANNOTATION = "nodeagent.io/allow-direct-backends"
+_OPT_IN = (f"to allow such backends, the cluster admin lists the namespace in a "
+           f"ClusterTunnel's directBackendNamespaces and the Ingress carries the annotation "
+           f'{DIRECT_BACKENDS_ANNOTATION}: "true"')
 
 Obj = dict[str, Any]
 
@@ -75,6 +91,9 @@ class IngressTranslation:
     # node → (ip, port) its agent must let the server dial
     node_targets: dict[str, frozenset[tuple[str, int]]]
     served: tuple[tuple[str, str], ...]  # (namespace, name) of the Ingresses we serve
+    # reason → backends refused now: endpoint addresses (`endpoint_refusal`'s codes,
+    # off_node, nodeless), external_name Services, direct_not_allowed Ingresses
+    refused_backends: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,7 +102,9 @@ class _Index:
     slices: dict[tuple[str, str], list[Obj]]
     secrets: dict[tuple[str, str], Obj]
     nodes: dict[str, Obj]  # by name
+    pods: dict[tuple[str, str], Obj]  # by (namespace, name)
     memo: TranslationMemo  # a node's networks (podCIDRs, addresses), parsed once
+    direct_namespaces: frozenset[str]  # the admin's opt-in ("*": every namespace)
 
 
 @dataclass
@@ -95,6 +116,7 @@ class _Out:
     problems: list[Problem] = field(default_factory=list)
     node_targets: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
     served: list[tuple[str, str]] = field(default_factory=list)
+    refused: Counter[str] = field(default_factory=Counter)
 
 
 def _meta(obj: Obj) -> Obj:
@@ -133,13 +155,80 @@ def is_ours(ingress: Obj, classes: set[str], default: bool) -> bool:
 def translate_ingresses(*, ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                         services: Iterable[Obj], endpoint_slices: Iterable[Obj],
                         secrets: Iterable[Obj], nodes: Iterable[Obj],
+                        pods: Iterable[Obj] = (),
+                        direct_namespaces: frozenset[str] = frozenset(),
                         memo: TranslationMemo | None = None) -> IngressTranslation:
-    """The routes of every Ingress that is ours. With a `memo` kept from earlier calls,
-    an Ingress none of whose inputs changed (same objects, or equal ones) is not
-    translated again: the result is the same as without one."""
+    """The routes of every Ingress that is ours. `pods`: what an endpoint's targetRef is
+    checked against; `direct_namespaces`: the namespaces the cluster admin lets opt in
+    to backends not tied to their own Pods (the ClusterTunnels'
+    `directBackendNamespaces`). With a `memo` kept from earlier calls, an Ingress none
+    of whose inputs changed (same objects, or equal ones) is not translated again: the
+    result is the same as without one."""
     with gc_paused():
         return _translate(ingresses, ingress_classes, services, endpoint_slices, secrets,
-                          nodes, memo if memo is not None else TranslationMemo())
+                          nodes, list(pods), direct_namespaces,
+                          memo if memo is not None else TranslationMemo())
+
+
+def direct_allowed(namespace: str, direct_namespaces: frozenset[str]) -> bool:
+    """Whether the cluster admin lets Ingresses of `namespace` opt in to direct backends."""
+    return "*" in direct_namespaces or namespace in direct_namespaces
+
+
+def pod_view(pod: Obj | None) -> tuple[Any, ...] | None:
+    """What the endpoint check reads of a Pod: its uid, node, IPs, whether it shares the
+    node's network and then the ports it declares; not its status conditions."""
+    if pod is None:
+        return None
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    host = spec.get("hostNetwork") is True
+    return (_meta(pod).get("uid"), spec.get("nodeName"), host, status.get("podIP"),
+            status.get("podIPs"),
+            tuple(port.get("containerPort") for c in spec.get("containers") or []
+                  if isinstance(c, dict) for port in c.get("ports") or []
+                  if isinstance(port, dict)) if host else ())
+
+
+def _ip(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(str(text))
+    except ValueError:
+        return None
+
+
+def _pod_ips(view: tuple[Any, ...]) -> set[Any]:
+    texts = [view[3], *(p.get("ip") for p in view[4] or [] if isinstance(p, dict))]
+    return {ip for text in texts if text and (ip := _ip(text)) is not None}
+
+
+def endpoint_refusal(namespace: str, endpoint: Obj, address: str, port: int,
+                     pods: dict[tuple[str, str], Obj]) -> str | None:
+    """Why an endpoint (with a nodeName) of a Service in `namespace` is not believed, as
+    a reason code; None if its targetRef is a Pod of `namespace` (in `pods`, uid matching
+    when given) on the endpoint's node that holds `address` — and, for a Pod on the
+    node's own network, declares `port`: its address is the node's, so any other port
+    there is the node's service, not the Pod's."""
+    ref = endpoint.get("targetRef")
+    if not isinstance(ref, dict):
+        return "no_target_ref"
+    if ref.get("kind") != "Pod" or ref.get("apiVersion", "v1") not in ("v1", ""):
+        return "target_not_pod"
+    if str(ref.get("namespace") or namespace) != namespace:
+        return "other_namespace"
+    view = pod_view(pods.get((namespace, str(ref.get("name", "")))))
+    if view is None:
+        return "pod_not_found"
+    if ref.get("uid") and ref.get("uid") != view[0]:
+        return "pod_uid_mismatch"
+    if not view[1] or view[1] != endpoint.get("nodeName"):
+        return "pod_on_other_node"
+    ip = _ip(address)
+    if ip is None or ip not in _pod_ips(view):
+        return "not_pod_address"
+    if view[2] and port not in view[5]:
+        return "host_port_undeclared"
+    return None
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -214,6 +303,8 @@ class _Memo:
     inputs: tuple[Any, ...]  # its Services, their EndpointSlices, its Secrets, as read
     node_names: tuple[str, ...]  # the Nodes its endpoints name (derived from `inputs`)
     nodes: tuple[Any, ...]  # node_view of those Nodes, as read
+    pod_names: tuple[tuple[str, str], ...]  # the Pods its endpoints' targetRefs name
+    pods: tuple[Any, ...]  # pod_view of those Pods, as read
     out: _Out
 
 
@@ -233,19 +324,28 @@ class TranslationMemo:
         # the very same objects, an Ingress that is the same object as then is reused
         # without looking up what it reads (a recompute for one Ingress edit at 10,000
         # Ingresses: ~10 ms instead of ~100 ms)
-        self._last: tuple[list[Obj], list[Obj], list[Obj], list[Obj]] = ([], [], [], [])
+        self._last: tuple[list[Obj], ...] = ([], [], [], [], [])
+        self._direct: frozenset[str] = frozenset()
         self.stable = False
 
     def observe(self, services: list[Obj], slices: list[Obj], secrets: list[Obj],
-                nodes: list[Obj]) -> None:
+                nodes: list[Obj], pods: list[Obj], direct_namespaces: frozenset[str]
+                ) -> None:
         """Note this call's inputs besides the Ingresses; `stable` says whether they are
-        those of the last call (the same objects; Nodes: or the same node_view)."""
+        those of the last call (the same objects; Nodes and Pods: or the same view).
+        A change of the admin's direct-backend opt-in (rare) drops every entry."""
         last = self._last
+        if direct_namespaces != self._direct:
+            self._direct = direct_namespaces
+            self._entries.clear()
         self.stable = (_same_objects(services, last[0]) and _same_objects(slices, last[1])
                        and _same_objects(secrets, last[2]) and len(nodes) == len(last[3])
                        and all(a is b or node_view(a) == node_view(b)
-                               for a, b in zip(nodes, last[3], strict=True)))
-        self._last = (services, slices, secrets, nodes)
+                               for a, b in zip(nodes, last[3], strict=True))
+                       and len(pods) == len(last[4])
+                       and all(a is b or pod_view(a) == pod_view(b)
+                               for a, b in zip(pods, last[4], strict=True)))
+        self._last = (services, slices, secrets, nodes, pods)
 
     def networks(self, name: str, node: Obj | None) -> list[Network]:
         if node is None:
@@ -271,17 +371,23 @@ class TranslationMemo:
                   tuple(tuple(index.slices.get((namespace, s), ())) for s in services),
                   tuple(index.secrets.get((namespace, s)) for s in secrets))
         if entry is not None and same and entry.inputs == inputs and entry.nodes == tuple(
-                node_view(index.nodes.get(n)) for n in entry.node_names):
+                node_view(index.nodes.get(n)) for n in entry.node_names) and \
+                entry.pods == tuple(pod_view(index.pods.get(p)) for p in entry.pod_names):
             entry.obj = ingress
             return entry.out
         self.translated += 1
         out = _Out()
-        node_names = tuple(sorted({str(e["nodeName"]) for group in inputs[1] for es in group
-                                   for e in es.get("endpoints") or []
-                                   if isinstance(e, dict) and e.get("nodeName")}))
+        endpoints = [e for group in inputs[1] for es in group
+                     for e in es.get("endpoints") or [] if isinstance(e, dict)]
+        node_names = tuple(sorted({str(e["nodeName"]) for e in endpoints
+                                   if e.get("nodeName")}))
+        pod_names = tuple(sorted({(namespace, str(e["targetRef"].get("name", "")))
+                                  for e in endpoints if isinstance(e.get("targetRef"), dict)}))
         _translate_one(ingress, index, out)
         self._entries[key] = _Memo(ingress, view, refs, inputs, node_names,
                                    tuple(node_view(index.nodes.get(n)) for n in node_names),
+                                   pod_names,
+                                   tuple(pod_view(index.pods.get(p)) for p in pod_names),
                                    out)
         return out
 
@@ -300,15 +406,17 @@ class _LazyIndex:
     needs none."""
 
     def __init__(self, services: list[Obj], slices: list[Obj], secrets: list[Obj],
-                 nodes: dict[str, Obj], memo: TranslationMemo) -> None:
-        self._args = (services, slices, secrets, nodes, memo)
+                 nodes: dict[str, Obj], pods: list[Obj], memo: TranslationMemo,
+                 direct_namespaces: frozenset[str]) -> None:
+        self._args = (services, slices, secrets, nodes, pods, memo, direct_namespaces)
         self._index: _Index | None = None
 
     def get(self) -> _Index:
         if self._index is None:
-            services, slices, secrets, nodes, memo = self._args
+            services, slices, secrets, nodes, pods, memo, direct = self._args
             index = _Index(services={_key(s): s for s in services}, slices={}, secrets={
-                _key(s): s for s in secrets}, nodes=nodes, memo=memo)
+                _key(s): s for s in secrets}, nodes=nodes, pods={_key(p): p for p in pods},
+                memo=memo, direct_namespaces=direct)
             for es in slices:
                 svc = (_meta(es).get("labels") or {}).get(SERVICE_NAME_LABEL)
                 if svc:
@@ -329,14 +437,16 @@ def _spec(service: Obj | None) -> Any:
 
 def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                services: Iterable[Obj], endpoint_slices: Iterable[Obj],
-               secrets: Iterable[Obj], nodes: Iterable[Obj],
-               memo: TranslationMemo) -> IngressTranslation:
+               secrets: Iterable[Obj], nodes: Iterable[Obj], pods: list[Obj],
+               direct_namespaces: frozenset[str], memo: TranslationMemo
+               ) -> IngressTranslation:
     classes, default = our_classes(ingress_classes)
     nodes = list(nodes)
     nodes_by_name = {str(_meta(n).get("name", "")): n for n in nodes}
     services, endpoint_slices, secrets = list(services), list(endpoint_slices), list(secrets)
-    memo.observe(services, endpoint_slices, secrets, nodes)
-    index = _LazyIndex(services, endpoint_slices, secrets, nodes_by_name, memo)
+    memo.observe(services, endpoint_slices, secrets, nodes, pods, direct_namespaces)
+    index = _LazyIndex(services, endpoint_slices, secrets, nodes_by_name, pods, memo,
+                       direct_namespaces)
     out = _Out()
     seen: set[tuple[str, str]] = set()
     for key, ingress in sorted(((_key(i), i) for i in ingresses), key=_first):
@@ -348,6 +458,7 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
         out.rules.extend(one.rules)
         out.tls.extend(one.tls)
         out.problems.extend(one.problems)
+        out.refused.update(one.refused)
         if one.default is not None and (out.default is None or (
                 one.default_rank, one.default.name) < (out.default_rank, out.default.name)):
             # The spec leaves two defaultBackends undefined; the oldest Ingress wins, as
@@ -362,7 +473,7 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                              tls=tuple(out.tls)),
         problems=tuple(out.problems),
         node_targets={n: frozenset(t) for n, t in out.node_targets.items()},
-        served=tuple(out.served))
+        served=tuple(out.served), refused_backends=dict(out.refused))
 
 
 def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
@@ -377,7 +488,13 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
     tls_hosts = _tls(ingress, index, out, problem)
     annotations = _meta(ingress).get("annotations") or {}
     redirect = annotations.get(SSL_REDIRECT_ANNOTATION, "true").lower() != "false"
-    direct = str(annotations.get(DIRECT_BACKENDS_ANNOTATION, "")).lower() == "true"
+    asked = str(annotations.get(DIRECT_BACKENDS_ANNOTATION, "")).lower() == "true"
+    direct = asked and direct_allowed(namespace, index.direct_namespaces)
+    if asked and not direct:
+        out.refused["direct_not_allowed"] += 1
+        problem("DirectBackendsNotAllowed", f"annotation {DIRECT_BACKENDS_ANNOTATION} is "
+                f"ignored: the cluster admin has not listed namespace {namespace} in a "
+                "ClusterTunnel's directBackendNamespaces")
 
     default_backend = spec.get("defaultBackend")
     if default_backend is not None:
@@ -490,9 +607,9 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
             break
     if svc_spec.get("type") == "ExternalName":
         if not direct:
+            out.refused["external_name"] += 1
             problem("DirectBackendRefused", f"{where}: Service {namespace}/{svc_name} is "
-                    f"ExternalName, which the server would dial itself; set the annotation "
-                    f'{DIRECT_BACKENDS_ANNOTATION}: "true" on the Ingress to allow it')
+                    f"ExternalName, which the server would dial itself; {_OPT_IN}")
             return None
         number = port_ref.get("number") or (svc_port or {}).get("port")
         if not number:
@@ -509,6 +626,7 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
     terminating: list[Backend] = []
     nodeless: set[str] = set()
     off_node: set[str] = set()
+    unproven: dict[str, set[str]] = {}  # reason → "address on node"
     for es in index.slices.get((namespace, svc_name), []):
         port = _slice_port(es, svc_port)
         if port is None:
@@ -523,23 +641,33 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
             for address in endpoint.get("addresses") or []:
                 if node is None and not direct:
                     nodeless.add(str(address))
+                    out.refused["nodeless"] += 1
                     continue
                 if node is not None and not _on_node(str(address), index.memo.networks(
                         str(node), index.nodes.get(str(node)))):
                     off_node.add(f"{address} on {node}")
+                    out.refused["off_node"] += 1
+                    continue
+                if node is not None and not direct and (reason := endpoint_refusal(
+                        namespace, endpoint, str(address), port, index.pods)) is not None:
+                    unproven.setdefault(reason, set()).add(f"{address} on {node}")
+                    out.refused[reason] += 1
                     continue
                 item = Backend(node=node, target=HostPort(host=address, port=port))
                 (ready if is_ready else terminating).append(item)
     if nodeless:
         problem("DirectBackendRefused", f"{where}: Service {namespace}/{svc_name}: endpoints "
                 f"without a nodeName ({len(nodeless)}: {', '.join(sorted(nodeless)[:3])}) "
-                f"would be dialed by "
-                f"the server itself; set the annotation {DIRECT_BACKENDS_ANNOTATION}: "
-                f'"true" on the Ingress to allow them')
+                f"would be dialed by the server itself; {_OPT_IN}")
     if off_node:
         problem("EndpointNotOnNode", f"{where}: Service {namespace}/{svc_name}: endpoint "
                 f"addresses outside their node's podCIDRs and addresses are ignored "
                 f"({len(off_node)}: {', '.join(sorted(off_node)[:3])})")
+    for reason, where_ in sorted(unproven.items()):
+        problem("EndpointRefused", f"{where}: Service {namespace}/{svc_name}: endpoints "
+                f"not tied to a Pod of namespace {namespace} on their node are ignored "
+                f"({reason}, {len(where_)}: {', '.join(sorted(where_)[:3])}); "
+                f"{_OPT_IN}")
     chosen = ready or terminating
     for item in chosen:
         if item.node is not None:

@@ -24,11 +24,13 @@ from nodeagent.controller.bootstrap import (
     TUNNEL_SERVICE,
 )
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
+from nodeagent.controller.ingress import pod_view
 from nodeagent.kube import (
     ENDPOINTSLICES,
     INGRESSCLASSES,
     INGRESSES,
     NODES,
+    PODS,
     SECRETS,
     SERVICES,
     CacheEvent,
@@ -88,6 +90,13 @@ def _cluster_tunnel(obj: Obj) -> Any:
     return (obj.get("spec"), _meta(obj).get("deletionTimestamp"))
 
 
+def _pod(obj: Obj) -> Any:
+    # What an endpoint's targetRef is checked against (ingress.pod_view): uid, node, IPs,
+    # hostNetwork and its declared ports. Not phase, conditions or container statuses,
+    # which kubelets rewrite all the time.
+    return pod_view(obj)
+
+
 def _secret(obj: Obj) -> Any:
     # An Ingress TLS certificate and key. Which Secrets matter at all is decided by
     # `secret_feeds_config` (only those an Ingress names).
@@ -102,6 +111,7 @@ CONFIG_INPUTS: dict[str, Callable[[Obj], Any]] = {
     INGRESSCLASSES.plural: _ingress_class,
     CLUSTER_TUNNELS.plural: _cluster_tunnel,
     SECRETS.plural: _secret,
+    PODS.plural: _pod,
 }
 
 

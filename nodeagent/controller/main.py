@@ -10,6 +10,7 @@ import socket
 import trio
 
 from nodeagent.config import ConfigError, ListenAddress
+from nodeagent.controller.configserver import ConnectionLimits
 from nodeagent.controller.controller import ControllerSettings, serve_controller
 from nodeagent.kube import CredentialsError
 from nodeagent.ops.logs import get_logger
@@ -41,6 +42,18 @@ def run_controller(args: argparse.Namespace) -> int:
     if not 1 <= server_workers <= 16:
         raise ConfigError(f"--server-workers {server_workers}: give 1-16 (the servers' "
                           f"--workers)")
+    limits = ConnectionLimits(
+        max_connections=getattr(args, "max_connections", 20_000),
+        max_anonymous_per_peer=getattr(args, "max_anonymous_per_peer", 256),
+        anonymous_deadline=getattr(args, "anonymous_deadline_seconds", 5.0))
+    if not 1 <= limits.max_connections <= 1_000_000:
+        raise ConfigError(f"--max-connections {limits.max_connections}: give 1-1000000")
+    if not 1 <= limits.max_anonymous_per_peer <= limits.max_connections:
+        raise ConfigError(f"--max-anonymous-per-peer {limits.max_anonymous_per_peer}: give "
+                          f"1 to --max-connections")
+    if not 0.5 <= limits.anonymous_deadline <= 60:
+        raise ConfigError(f"--anonymous-deadline-seconds {limits.anonymous_deadline:g}: "
+                          f"give 0.5-60")
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     settings = ControllerSettings(
         namespace=args.namespace, identity=identity, listen_host=listen.host,
@@ -49,7 +62,7 @@ def run_controller(args: argparse.Namespace) -> int:
         tls_names=tuple(getattr(args, "tls_name", None) or ()),
         certificate_validity=args.certificate_hours * 3600.0,
         token_review_rate=args.token_reviews_per_second, freeze_gc=True,
-        server_workers=server_workers, heartbeat=heartbeat)
+        server_workers=server_workers, heartbeat=heartbeat, connection_limits=limits)
     try:
         trio.run(_serve_until_signalled, settings)
     except CredentialsError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -65,6 +65,22 @@ class ControllerMetrics:
             "Duration of one config recompute (every node's config and the servers' "
             "routes from the caches; CPU only, no I/O)", buckets=RECOMPUTE_BUCKETS,
             registry=self.registry)
+        self.refused_backends = Gauge(
+            "nodeagent_controller_refused_backends",
+            "Ingress backends left out of the latest config, by reason code: endpoint "
+            "addresses not tied to a Pod of the Service's namespace on their node "
+            "(no_target_ref, target_not_pod, other_namespace, pod_not_found, "
+            "pod_uid_mismatch, pod_on_other_node, not_pod_address, host_port_undeclared), "
+            "outside their node (off_node), without a node (nodeless), ExternalName "
+            "Services (external_name), and Ingresses whose direct-backends annotation the "
+            "admin did not allow (direct_not_allowed)", ["reason"], registry=self.registry)
+        self._refused_reasons: set[str] = set()
+
+    def refused(self, counts: dict[str, int]) -> None:
+        """The latest recompute's refused backends (reasons now absent read 0)."""
+        self._refused_reasons.update(counts)
+        for reason in self._refused_reasons:
+            self.refused_backends.labels(reason).set(counts.get(reason, 0))
 
     def watch_informers(self, informers: Callable[[], Iterable[Informer]]) -> None:
         """Export the watch restarts of these informers (once per registry)."""

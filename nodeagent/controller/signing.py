@@ -9,15 +9,25 @@ server replica gets the certificate that the config stream (and the tunnel) trus
     400 bad_request | bad_csr                                 the body
     401 no_token | token_invalid | wrong_audience             the token
     403 wrong_service_account | not_pod_bound | pod_not_found | pod_uid_mismatch |
-        pod_not_scheduled | bad_name | node_denied            who the token is
+        pod_not_scheduled | bad_name | node_denied | node_unknown  who the token is
     429 rate_limited (Retry-After)                            too many requests now
     503 no_ca | api_unavailable                               try again later
 
-Every request that gets as far as its token costs a TokenReview (and maybe a pod GET) at
-the API server, so those are bounded by a token bucket (`review_rate` a second, bursts of
-`review_burst`): a flood of bootstrap requests — through the servers, from anyone who can
-dial them — costs kube-apiserver at most that; the excess is answered 429 with
-Retry-After before any API call. Agents retry with backoff.
+A renewal: a request made over a connection that presents a still-valid client
+certificate of the CA (the TLS handshake verified it) for a `kind` the certificate holds
+is signed for that certificate's identity (`peer_identity`: node or server name) with no
+TokenReview and no rate-limit slot — the certificate already proves what a token would.
+The node must still exist and not be denied, the server's pod must still exist (the
+controller's caches). Anyone else is anonymous, however valid their token.
+
+An anonymous request that gets as far as its token costs a TokenReview (and maybe a pod
+GET) at the API server, so those are bounded by a token bucket of their own
+(`review_rate` a second, bursts of `review_burst`): a flood of bootstrap requests —
+through the servers, from anyone who can dial them — costs kube-apiserver at most that;
+the excess is answered 429 with Retry-After before any API call, and it can never take a
+renewal's turn, which needs none. A token the API server said is not valid is
+remembered (its SHA-256, for `FAILED_TOKEN_TTL`, at most `FAILED_TOKENS` of them): sent
+again, it is refused at once and takes no slot. Agents retry with backoff.
 
 A refusal is one JSON line `{"error": ..., "reason": <code>}`, counted by kind and reason,
 and logged at most once a minute per reason (never with the token or the CSR).
@@ -35,9 +45,11 @@ key, which never leaves the client:
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,7 +58,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from nodeagent.config import DNS_NAME
-from nodeagent.controller.configserver import refusal
+from nodeagent.controller.configserver import Identity, refusal
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.kube import PODS, KubeClient, KubeError, NotFound
 from nodeagent.ops.jsonhttp import Reply, Request
@@ -151,6 +163,33 @@ class TokenBucket:
 
 REVIEW_RATE = 20.0  # TokenReviews a second, per controller replica
 REVIEW_BURST = 50  # a node pool booting at once
+FAILED_TOKEN_TTL = 30.0  # seconds a token the API refused is refused without asking
+FAILED_TOKENS = 10_000  # at most this many remembered (32 bytes each)
+
+
+class FailedTokens:
+    """Hashes of tokens TokenReview refused lately: a flood that repeats a token costs
+    one review, not one a request. Bounded in count and age; the oldest go first."""
+
+    def __init__(self, ttl: float = FAILED_TOKEN_TTL, size: int = FAILED_TOKENS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl, self.size, self._clock = ttl, size, clock
+        self._until: OrderedDict[bytes, float] = OrderedDict()
+
+    @staticmethod
+    def _key(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    def add(self, token: str) -> None:
+        key = self._key(token)
+        self._until.pop(key, None)
+        self._until[key] = self._clock() + self.ttl
+        while len(self._until) > self.size:
+            self._until.popitem(last=False)
+
+    def __contains__(self, token: str) -> bool:
+        until = self._until.get(self._key(token))
+        return until is not None and until > self._clock()
 
 
 class CertificateSigner:
@@ -161,9 +200,15 @@ class CertificateSigner:
                  policy: SigningPolicy, metrics: ControllerMetrics, *,
                  denied_nodes: Callable[[], frozenset[str]] = frozenset,
                  review_rate: float = REVIEW_RATE, review_burst: int = REVIEW_BURST,
-                 trust_bundle: Callable[[], bytes | None] = lambda: None) -> None:
+                 trust_bundle: Callable[[], bytes | None] = lambda: None,
+                 still_exists: Callable[[Identity], bool] = lambda _: True) -> None:
         self.kube = kube
+        # Anonymous requests' TokenReviews; renewals by certificate take none.
         self.reviews = TokenBucket(review_rate, review_burst, time.monotonic)
+        self.failed_tokens = FailedTokens()
+        # Whether a certificate's node (a Node) or server (its pod) still exists, from
+        # the controller's caches: a renewal by certificate is signed only then.
+        self.still_exists = still_exists
         # The CA bundle sent with each certificate (what its holder verifies the
         # controller and the servers with); None: the signing CA's certificate alone.
         self.trust_bundle = trust_bundle
@@ -175,24 +220,41 @@ class CertificateSigner:
         self.metrics = metrics
         self._refusals = RateLimitedLog(log)
 
-    async def __call__(self, request: Request) -> Reply:
+    async def __call__(self, request: Request, identity: Identity | None = None) -> Reply:
+        """`identity`: what the connection's verified client certificate says, if any."""
         kind = "invalid"
+        renewal = False
         try:
             if request.method != "POST":
                 raise SigningRefused(405, "method_not_allowed", "POST a CSR here")
             kind, csr = _parse(request.body)
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not token.strip():
-                raise SigningRefused(401, "no_token", "Authorization: Bearer <projected "
-                                     "ServiceAccount token> is required")
             ca = self.ca()
-            if ca is None:
-                raise SigningRefused(503, "no_ca", "the CA does not exist yet; try again")
-            wait = self.reviews.take()
-            if wait is not None:
-                raise SigningRefused(429, "rate_limited", "too many certificate requests "
-                                     "now; retry later", retry_after=wait)
-            issued = await self._issue(ca, token.strip(), kind, csr)
+            renewal = identity is not None and identity.kind == kind
+            if renewal and identity is not None:
+                if ca is None:
+                    raise SigningRefused(503, "no_ca", "the CA is not loaded yet; try again")
+                issued = self._renew(ca, identity, csr)
+            else:
+                scheme, _, token = request.headers.get("authorization", "").partition(" ")
+                token = token.strip()
+                if scheme.lower() != "bearer" or not token:
+                    raise SigningRefused(401, "no_token", "Authorization: Bearer <projected "
+                                         "ServiceAccount token> is required")
+                if ca is None:
+                    raise SigningRefused(503, "no_ca", "the CA does not exist yet; try again")
+                if token in self.failed_tokens:
+                    raise SigningRefused(401, "token_invalid", "the token is not valid "
+                                         "(expired, revoked, or not for audience nodeagent)")
+                wait = self.reviews.take()
+                if wait is not None:
+                    raise SigningRefused(429, "rate_limited", "too many certificate "
+                                         "requests now; retry later", retry_after=wait)
+                try:
+                    issued = await self._issue(ca, token, kind, csr)
+                except SigningRefused as refused:
+                    if refused.reason in ("token_invalid", "wrong_audience"):
+                        self.failed_tokens.add(token)
+                    raise
         except SigningRefused as refused:
             self.metrics.certificate(kind, refused.reason)
             self._refusals.warning(f"{kind}:{refused.reason}", "certificate refused",
@@ -206,11 +268,33 @@ class CertificateSigner:
         cert = issued.certificate
         self.metrics.certificate(kind, "issued")
         log.info("certificate issued", kind=kind, name=_name(issued),
+                 proof="certificate" if renewal else "token",
                  serial=f"{cert.serial_number:x}", not_after=rfc3339(cert.not_valid_after_utc))
         body = {"certificate": issued.certificate_pem.decode(),
                 "ca": (self.trust_bundle() or ca.certificate_pem).decode(),
                 "not_after": rfc3339(cert.not_valid_after_utc)}
         return Reply(200, json.dumps(body).encode() + b"\n")
+
+    def _renew(self, ca: pki.CertificateAuthority, identity: Identity, csr: bytes
+               ) -> pki.IssuedCertificate:
+        """Sign for the identity a verified client certificate proves: no TokenReview."""
+        if identity.kind == "node" and identity.name in self.denied_nodes():
+            raise SigningRefused(403, "node_denied", f"node {identity.name} is revoked (a "
+                                 f"ClusterTunnel lists it in deniedNodes)")
+        if not self.still_exists(identity):
+            what = "node" if identity.kind == "node" else "server pod"
+            raise SigningRefused(403, "node_unknown" if identity.kind == "node" else
+                                 "pod_not_found", f"{what} {identity.name} no longer "
+                                 "exists; request a certificate with a token")
+        return self._sign(ca, identity.kind, csr, identity.name)
+
+    def _sign(self, ca: pki.CertificateAuthority, kind: str, csr: bytes, name: str
+              ) -> pki.IssuedCertificate:
+        sign = pki.sign_node_csr if kind == "node" else pki.sign_server_csr
+        try:
+            return sign(ca, csr, name, valid_for=self.policy.validity)
+        except ValueError as exc:
+            raise SigningRefused(400, "bad_csr", f"the CSR cannot be signed: {exc}") from None
 
     async def _issue(self, ca: pki.CertificateAuthority, token: str, kind: str, csr: bytes
                      ) -> pki.IssuedCertificate:
@@ -224,11 +308,7 @@ class CertificateSigner:
         if kind == "node" and name in self.denied_nodes():
             raise SigningRefused(403, "node_denied", f"node {name} is revoked (a "
                                  f"ClusterTunnel lists it in deniedNodes)")
-        sign = pki.sign_node_csr if kind == "node" else pki.sign_server_csr
-        try:
-            return sign(ca, csr, name, valid_for=self.policy.validity)
-        except ValueError as exc:
-            raise SigningRefused(400, "bad_csr", f"the CSR cannot be signed: {exc}") from None
+        return self._sign(ca, kind, csr, name)
 
 
 def _parse(body: bytes) -> tuple[str, bytes]:

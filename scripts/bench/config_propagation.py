@@ -70,7 +70,7 @@ def populate(fake: FakeKube, nodes: int, hosts: int) -> None:
 
     def create(obj: dict[str, Any]) -> None:
         rt, version = store.type_for(obj["apiVersion"], obj["kind"])
-        store.create(rt, version, obj["metadata"].get("namespace"), obj)
+        store.create(rt, version, obj["metadata"].get("namespace"), obj, keep_status=True)
 
     create({"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass", "metadata": {
         "name": "nodeagent"}, "spec": {"controller": "nodeagent.io/ingress-controller"}})
@@ -90,8 +90,15 @@ def populate(fake: FakeKube, nodes: int, hosts: int) -> None:
             "labels": {"kubernetes.io/service-name": name}},
             "addressType": "IPv4", "ports": [{"name": "http", "port": 8080},
                                              {"name": "admin", "port": 9090}],
-            "endpoints": [{"addresses": [f"10.{n // 256}.{n % 256}.{2 + h // nodes % 250}"],
-                           "nodeName": f"n{n}", "conditions": {"ready": True}}]})
+            "endpoints": [{"addresses": [ip := f"10.{n // 256}.{n % 256}.{2 + h // nodes % 250}"],
+                           "nodeName": f"n{n}", "conditions": {"ready": True},
+                           "targetRef": {"kind": "Pod", "namespace": APPS,
+                                         "name": f"{name}-0"}}]})
+        # The Pod the endpoint names: the controller believes an endpoint only for it.
+        create({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"{name}-0", "namespace": APPS},
+            "spec": {"nodeName": f"n{n}", "containers": [{"name": "app", "image": "app"}]},
+            "status": {"podIP": ip, "podIPs": [{"ip": ip}]}})
         create({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {
             "name": name, "namespace": APPS}, "spec": ingress_spec(h, "http")})
 

@@ -12,6 +12,7 @@ from nodeagent.controller.compute import (
     server_replicas,
 )
 from nodeagent.controller.ingress import translate_ingresses
+from tests.controller.pods import pods_for
 from tests.controller.test_ingress import OURS, endpoint, ingress, path, rule, service, slice_
 
 
@@ -38,7 +39,8 @@ def translation() -> Any:
     return translate_ingresses(
         ingresses=[ingress("shop", [rule("shop.test", path("/"))])], ingress_classes=[OURS],
         services=[service()], endpoint_slices=[slice_("web", endpoint("10.1.0.5"))],
-        secrets=[], nodes=[node("edge-1", "192.168.1.10", pod_cidrs=["10.1.0.0/24"])])
+        secrets=[], nodes=[node("edge-1", "192.168.1.10", pod_cidrs=["10.1.0.0/24"])],
+        pods=pods_for([slice_("web", endpoint("10.1.0.5"))]))
 
 
 def test_nodes_allow_their_ingress_backends_and_the_tunnels_node_ports() -> None:

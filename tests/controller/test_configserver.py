@@ -327,3 +327,17 @@ def test_peer_identity_reads_only_our_identities() -> None:
         Identity("server", "server-0")
     assert peer_identity(der(pki.issue_server_certificate(CA, ["x"]))) is None
     assert peer_identity(None) is None and peer_identity(b"") is None
+
+
+def test_per_address_caps_count_an_ipv4_address_or_an_ipv6_64() -> None:
+    from nodeagent.controller.configserver import ConnectionLimits, peer_key
+    assert peer_key("10.0.0.7") == "10.0.0.7"
+    assert peer_key("::ffff:10.0.0.7") == "10.0.0.7"
+    assert peer_key("2001:db8:1:2:aaaa::1") == peer_key("2001:db8:1:2:bbbb::9") == \
+        "2001:db8:1:2::/64"
+    assert peer_key("fe80::1%eth0") == "fe80::/64"
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limits = ConnectionLimits(max_connections=10**6)
+    assert limits.effective_max() == (10**6 if soft == resource.RLIM_INFINITY
+                                      else max(1, min(10**6, soft - 128)))

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import (
     CA_CONFIGMAP,
     SERVER_SERVICE,
@@ -30,6 +31,7 @@ from nodeagent.kube import (
     INGRESSCLASSES,
     INGRESSES,
     NODES,
+    PODS,
     SECRETS,
     SERVICES,
     Cache,
@@ -41,6 +43,7 @@ from nodeagent.kube.events import rfc3339
 from nodeagent.testing.fakekube.server import FakeKube
 from nodeagent.trust import pki
 from tests.controller.identity import add_agent_token, obtain_identity
+from tests.controller.pods import pod, target_ref
 from tests.controller.test_configserver import get
 
 NS = "default"
@@ -83,6 +86,9 @@ async def create_app(kube: KubeClient) -> dict[str, Any]:
                               "spec": {"podCIDRs": ["10.1.0.0/24"]},
                               "status": {"addresses": [
                                   {"type": "InternalIP", "address": "192.168.7.10"}]}})
+    web = pod(NS, "web-0", "edge-1", "10.1.0.5")
+    created = await kube.create(PODS, web)  # the API server drops a new Pod's status
+    await kube.update_status(PODS, dict(created, status=web["status"]))
     await kube.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80}]}})
     await kube.create(ENDPOINTSLICES, {
@@ -90,6 +96,7 @@ async def create_app(kube: KubeClient) -> dict[str, Any]:
                      "labels": {"kubernetes.io/service-name": "web"}},
         "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
         "endpoints": [{"addresses": ["10.1.0.5"], "nodeName": "edge-1",
+                       "targetRef": target_ref(NS, "web-0"),
                        "conditions": {"ready": True}}]})
     return await kube.create(INGRESSES, ingress("/"))
 
@@ -220,7 +227,8 @@ async def test_the_leaders_ca_signs_node_certificates_that_read_the_nodes_config
     certificate from it; an agent's token gets a certificate; it reads its node's config."""
     controller = await start_controller(nursery, fake_kube, tmp_path)
     await create_app(kube)
-    await wait_for(lambda: controller.versions.get("node/edge-1") is not None, "edge-1 config")
+    await wait_for(lambda: (controller.versions.get("node/edge-1") or (0, NodeConfig()))[1]
+                   .allows("10.1.0.5", 8080), "edge-1 config with its pod")
     with trio.fail_after(10):
         await controller.caches["secrets"].wait_until(lambda _: controller.bootstrap.ca
                                                       is not None)
@@ -303,3 +311,16 @@ async def test_metrics_count_recomputes_and_watch_restarts_by_resource(
     await create_app(kube)
     await wait_for(lambda: rule_paths(controller) == ["/"], "the Ingress in the config")
     assert sample("nodeagent_controller_recompute_seconds_count") > recomputes
+
+    # The endpoint's Pod gets another address: the endpoint is refused, counted by reason.
+    def backends() -> int:
+        servers = controller.versions.get("servers")
+        return 0 if servers is None else len(servers[1].ingress.rules[0].backends)
+
+    await wait_for(lambda: backends() == 1, "the endpoint of its Pod")  # once its IP is seen
+    assert sample("nodeagent_controller_refused_backends", reason="not_pod_address") == 0
+    current = await kube.get(PODS, "web-0", namespace=NS)
+    await kube.update_status(PODS, dict(current, status={"podIP": "10.1.0.6",
+                                                         "podIPs": [{"ip": "10.1.0.6"}]}))
+    await wait_for(lambda: backends() == 0, "the endpoint refused")
+    assert sample("nodeagent_controller_refused_backends", reason="not_pod_address") == 1

@@ -16,6 +16,7 @@ from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, p
 from nodeagent.controller.configserver import ConfigStreamServer
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
 from nodeagent.controller.metrics import ControllerMetrics
+from tests.controller.pods import pods_for
 from tests.controller.test_compute import node, tunnel
 from tests.controller.test_ingress import OURS, endpoint, ingress, path, rule, service, slice_
 
@@ -43,7 +44,9 @@ def run(objects: dict[str, list[dict[str, Any]]], tunnels: list[dict[str, Any]],
         tmemo: TranslationMemo | None = None, cmemo: ComputeMemo | None = None) -> Any:
     translation = translate_ingresses(
         ingresses=objects["ingresses"], ingress_classes=[OURS], services=objects["services"],
-        endpoint_slices=objects["slices"], secrets=[], nodes=objects["nodes"], memo=tmemo)
+        endpoint_slices=objects["slices"], secrets=[], nodes=objects["nodes"],
+        pods=objects["pods"] if "pods" in objects else pods_for(objects["slices"]),
+        memo=tmemo)
     parsed, _ = parse_tunnels(tunnels)
     return compute(nodes=objects["nodes"], tunnels=parsed, translation=translation,
                    services=objects["services"], endpoint_slices=objects["slices"],
@@ -99,6 +102,27 @@ def test_a_change_to_an_endpoint_slice_or_a_node_retranslates_only_its_readers()
     assert out.nodes == fresh.nodes and out.routes == fresh.routes
     assert [p.reason for p in out.problems] == [p.reason for p in fresh.problems] and \
         {p.reason for p in out.problems} == {"EndpointNotOnNode"}
+
+
+def test_a_change_to_a_pod_retranslates_only_the_ingresses_its_endpoints_feed() -> None:
+    objects = cluster()
+    objects["pods"] = pods_for(objects["slices"])
+    tmemo, cmemo = TranslationMemo(), ComputeMemo()
+    run(objects, [], tmemo, cmemo)
+    # A Pod's status conditions change: nothing translated again.
+    objects["pods"][3] = copy.deepcopy(objects["pods"][3])
+    objects["pods"][3]["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    run(objects, [], tmemo, cmemo)
+    assert tmemo.translated == HOSTS
+    # Its IP changes (it was replaced): its Ingress alone, whose endpoint is now refused.
+    objects["pods"][3] = copy.deepcopy(objects["pods"][3])  # a new object, as informers do
+    objects["pods"][3]["status"]["podIP"] = "10.3.0.250"
+    objects["pods"][3]["status"]["podIPs"] = [{"ip": "10.3.0.250"}]
+    out = run(objects, [], tmemo, cmemo)
+    assert tmemo.translated == HOSTS + 1
+    assert not out.nodes["n3"].allows("10.3.0.2", 8080)
+    fresh = run(objects, [])
+    assert out.nodes == fresh.nodes and out.routes == fresh.routes
 
 
 def test_a_tunnel_change_rebuilds_every_node_and_removed_objects_leave_the_memo() -> None:

@@ -10,6 +10,7 @@ import pytest
 from nodeagent.config import Backend, HostPort
 from nodeagent.controller.ingress import IngressTranslation, translate_ingresses
 from nodeagent.trust import pki
+from tests.controller.pods import pod, pods_for, target_ref
 
 NS = "shop"
 OURS = {"metadata": {"name": "nodeagent"},
@@ -51,10 +52,15 @@ def service(name: str = "web", ports: list[dict[str, Any]] | None = None,
                      **spec}}
 
 
-def endpoint(ip: str, node: str | None = "edge-1", **conditions: bool) -> dict[str, Any]:
+def endpoint(ip: str, node: str | None = "edge-1", *, pod: str | None = "",
+             **conditions: bool) -> dict[str, Any]:
+    """An endpoint; with a node, its targetRef names Pod `pod` (default: one named for
+    the address, which `pods_for` creates) unless pod=None."""
     out: dict[str, Any] = {"addresses": [ip], "conditions": {"ready": True, **conditions}}
     if node is not None:
         out["nodeName"] = node
+        if pod is not None:
+            out["targetRef"] = target_ref(NS, pod or f"pod-{ip.replace(':', '-')}")
     return out
 
 
@@ -76,12 +82,17 @@ NODES = [{"metadata": {"name": "edge-1"},
 
 def translate(ingresses: list[dict[str, Any]], services: list[dict[str, Any]] | None = None,
               slices: list[dict[str, Any]] | None = None, secrets: list[dict[str, Any]] | None
-              = None, classes: list[dict[str, Any]] | None = None) -> IngressTranslation:
+              = None, classes: list[dict[str, Any]] | None = None, *,
+              pods: list[dict[str, Any]] | None = None,
+              direct: frozenset[str] = frozenset()) -> IngressTranslation:
+    """`pods`: default, those `pods_for` the slices; `direct`: the admin's
+    directBackendNamespaces."""
+    slices = slices if slices is not None else [slice_("web", endpoint("10.1.0.5"))]
     return translate_ingresses(
         ingresses=ingresses, ingress_classes=classes if classes is not None else [OURS, NGINX],
         services=services if services is not None else [service()],
-        endpoint_slices=slices if slices is not None else [slice_("web", endpoint("10.1.0.5"))],
-        secrets=secrets or [], nodes=NODES)
+        endpoint_slices=slices, secrets=secrets or [], nodes=NODES,
+        pods=pods if pods is not None else pods_for(slices), direct_namespaces=direct)
 
 
 def test_rule_becomes_a_route_to_ready_endpoints_through_their_node() -> None:
@@ -147,10 +158,37 @@ def test_external_name_service_is_a_direct_backend_only_when_opted_in() -> None:
     assert [(p.name, p.reason) for p in t.problems] == [("a", "DirectBackendRefused")]
     assert "allow-direct-backends" in t.problems[0].message
     assert [r.host for r in t.routes.rules] == ["b.test"]
-    t = translate([ingress("a", rules, annotations=DIRECT)], [ext, service()])
+    t = translate([ingress("a", rules, annotations=DIRECT)], [ext, service()],
+                  direct=frozenset({NS}))
     assert t.problems == ()
     assert t.routes.rules[0].backends == (
         Backend(node=None, target=HostPort(host="169.254.169.254", port=443)),)
+
+
+def test_the_direct_backends_annotation_alone_opens_nothing() -> None:
+    """The namespace user writes the Ingress: its annotation is only the second key. The
+    first is the cluster admin's (a ClusterTunnel's directBackendNamespaces); without
+    it the annotation is ignored, with a Problem saying why."""
+    ext = service("ext", ports=[{"port": 443}], type="ExternalName",
+                  externalName="10.0.0.9")
+    rules = [rule("a.test", path("/", svc="ext", port=443)), rule("b.test", path("/"))]
+    slices = [slice_("web", endpoint("10.2.0.1", node=None), endpoint("10.1.0.5"))]
+    for direct in (frozenset(), frozenset({"other"})):
+        t = translate([ingress("a", rules, annotations=DIRECT)], [ext, service()], slices,
+                      direct=direct)
+        assert [p.reason for p in t.problems] == [
+            "DirectBackendsNotAllowed", "DirectBackendRefused", "DirectBackendRefused"]
+        assert f"not listed namespace {NS}" in t.problems[0].message
+        assert [r.host for r in t.routes.rules] == ["b.test"]
+        assert [b.target.host for b in t.routes.rules[0].backends] == ["10.1.0.5"]
+        assert t.refused_backends == {"direct_not_allowed": 1, "external_name": 1,
+                                      "nodeless": 1}
+    # "*" lists every namespace; the admin's list without the annotation opens nothing.
+    t = translate([ingress("a", rules, annotations=DIRECT)], [ext, service()], slices,
+                  direct=frozenset({"*"}))
+    assert t.problems == () and len(t.routes.rules) == 2
+    t = translate([ingress("a", rules)], [ext, service()], slices, direct=frozenset({NS}))
+    assert [p.reason for p in t.problems] == ["DirectBackendRefused"] * 2
 
 
 def test_endpoint_without_a_node_is_dialed_directly_only_when_opted_in() -> None:
@@ -159,8 +197,68 @@ def test_endpoint_without_a_node_is_dialed_directly_only_when_opted_in() -> None
     assert [p.reason for p in t.problems] == ["DirectBackendRefused"]
     assert [b.target.host for b in t.routes.rules[0].backends] == ["10.1.0.5"]
     t = translate([ingress("a", [rule("a.test", path("/"))], annotations=DIRECT)],
-                  slices=[slice_("web", endpoint("10.2.0.1", node=None))])
+                  slices=[slice_("web", endpoint("10.2.0.1", node=None))],
+                  direct=frozenset({NS}))
     assert t.routes.rules[0].backends[0].node is None and t.node_targets == {}
+
+
+def test_an_endpoint_is_believed_only_for_a_pod_of_the_services_namespace_on_its_node(
+        ) -> None:
+    """CVE-2021-25740's class: whoever writes an EndpointSlice could name another
+    namespace's pod, or the node's own address (its sshd), inside the node's ranges. Only
+    an endpoint whose targetRef is a Pod of the Service's namespace, on that node, holding
+    that address, is believed."""
+    mine = pod(NS, "web-0", "edge-1", "10.1.0.5")
+    theirs = pod("bank", "db-0", "edge-1", "10.1.0.9")
+    host = pod(NS, "agent-0", "edge-1", "192.168.7.10", host_network=True, ports=[8080])
+    cases = {
+        "ok": (endpoint("10.1.0.5", pod="web-0"), None),
+        "no_target_ref": (endpoint("192.168.7.10", pod=None), "no_target_ref"),
+        "target_not_pod": (dict(endpoint("10.1.0.5"), targetRef={
+            "kind": "Node", "name": "edge-1"}), "target_not_pod"),
+        "other_namespace": (dict(endpoint("10.1.0.9"), targetRef={
+            "kind": "Pod", "namespace": "bank", "name": "db-0"}), "other_namespace"),
+        "pod_not_found": (endpoint("10.1.0.9", pod="db-0"), "pod_not_found"),
+        "uid": (dict(endpoint("10.1.0.5"), targetRef={
+            "kind": "Pod", "namespace": NS, "name": "web-0", "uid": "old"}),
+            "pod_uid_mismatch"),
+        "other_node": (endpoint("10.1.0.5", "edge-2", pod="web-0"), "pod_on_other_node"),
+        "not_its_ip": (endpoint("10.1.0.6", pod="web-0"), "not_pod_address"),
+        # A pod on the node's network holds the node's address: only its declared ports.
+        "host_ok": (endpoint("192.168.7.10", pod="agent-0"), None),
+    }
+    for label, (ep, reason) in cases.items():
+        t = translate([ingress("a", [rule("a.test", path("/"))])],
+                      slices=[slice_("web", ep)], pods=[mine, theirs, host])
+        if reason is None:
+            assert t.problems == () and len(t.routes.rules[0].backends) == 1, label
+            assert t.refused_backends == {}, label
+            continue
+        if reason == "pod_on_other_node":  # edge-2's ranges do not hold 10.1.0.5 either
+            t = translate([ingress("a", [rule("a.test", path("/"))])],
+                          slices=[slice_("web", endpoint("10.1.0.6", "edge-2", pod="w"))],
+                          pods=[pod(NS, "w", "edge-1", "10.1.0.6")])
+        assert t.routes.rules[0].backends == () and t.node_targets == {}, label
+        assert [p.reason for p in t.problems] == ["EndpointRefused"], label
+        assert f"({reason}, 1:" in t.problems[0].message, label
+        assert t.refused_backends == {reason: 1}, label
+    # The node's sshd through a hostNetwork pod of the namespace: port not declared.
+    t = translate([ingress("a", [rule("a.test", path("/"))])],
+                  slices=[slice_("web", endpoint("192.168.7.10", pod="agent-0"), port=22)],
+                  pods=[host])
+    assert t.refused_backends == {"host_port_undeclared": 1}
+    assert t.routes.rules[0].backends == ()
+    # The admin's opt-in with the Ingress's annotation believes the endpoint (still
+    # only inside its node's ranges).
+    slices = [slice_("web", endpoint("192.168.7.10", pod=None), endpoint("169.254.169.254",
+                                                                         pod=None))]
+    t = translate([ingress("a", [rule("a.test", path("/"))], annotations=DIRECT)],
+                  slices=slices, pods=[], direct=frozenset({NS}))
+    assert [b.target.host for b in t.routes.rules[0].backends] == ["192.168.7.10"]
+    assert t.refused_backends == {"off_node": 1}
+    t = translate([ingress("a", [rule("a.test", path("/"))], annotations=DIRECT)],
+                  slices=slices, pods=[])
+    assert t.routes.rules[0].backends == ()
 
 
 def test_an_endpoint_slice_cannot_put_foreign_addresses_on_a_node() -> None:

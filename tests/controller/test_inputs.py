@@ -59,6 +59,12 @@ def test_only_what_the_computation_reads_feeds_config() -> None:
         deletionTimestamp="2024-01-01T00:00:00Z")))
     report = {"metadata": {"name": "nodeagent-watchers-c2", "namespace": "ns"}, "data": {}}
     assert not feeds_config("watchers", CacheEvent("ADDED", report))
+    pod = {"metadata": {"name": "web-0", "namespace": "shop", "uid": "u"},
+           "spec": {"nodeName": "edge-1"}, "status": {"phase": "Pending", "podIP": None}}
+    assert not feeds_config("pods", modified(pod, lambda o: o["status"].update(
+        phase="Running", conditions=[{"type": "Ready", "status": "True"}])))
+    assert feeds_config("pods", modified(pod, lambda o: o["status"].update(
+        podIP="10.1.0.5", podIPs=[{"ip": "10.1.0.5"}])))
 
 
 def test_secrets_feed_config_only_when_an_ingress_names_them() -> None:

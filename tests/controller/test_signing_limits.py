@@ -19,7 +19,7 @@ from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.configserver import ConfigStreamServer
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.servingtls import ServingTLS, service_names
-from nodeagent.controller.signing import CertificateSigner, SigningPolicy, TokenBucket
+from nodeagent.controller.signing import CertificateSigner, FailedTokens, SigningPolicy, TokenBucket
 from nodeagent.kube import KubeClient
 from nodeagent.testing.fakekube.fixtures import credentials_for, start_fake_kube
 from nodeagent.testing.fakekube.store import DEFAULT_NAMESPACES
@@ -84,15 +84,15 @@ async def test_a_flood_of_certificate_requests_is_held_to_the_review_rate(
         fake.clear_requests()
         answers: list[tuple[int, dict[str, str], dict[str, str]]] = []
 
-        async def one(valid: bool) -> None:
+        async def one(i: int) -> None:
             body = json.dumps({"kind": "node", "csr": pki.certificate_signing_request(
                 "edge-1", pki.generate_key()).decode()}).encode()
             answers.append(await post(port, ca.certificate_pem, body,
-                                      token if valid else "forged-token-xxxxxxxxxxxx"))
+                                      token if i % 2 == 0 else f"forged-token-{i:04}"))
 
         async with trio.open_nursery() as flood:
             for i in range(30):  # forged tokens cost a TokenReview too: they count
-                flood.start_soon(one, i % 2 == 0)
+                flood.start_soon(one, i)
         reviews = fake.requests_matching(method="POST", path="tokenreviews")
         limited = [a for a in answers if a[0] == 429]
         # The burst (4) plus what 2/s refills while the flood lasts.
@@ -114,6 +114,28 @@ async def test_a_flood_of_certificate_requests_is_held_to_the_review_rate(
             "kind": "node", "csr": pki.certificate_signing_request(
                 "edge-1", pki.generate_key()).decode()}).encode(), token)
         assert status == 200, doc
+
+        # A token the API refused, sent again: refused at once, no review and no slot.
+        fake.clear_requests()
+        body = json.dumps({"kind": "node", "csr": pki.certificate_signing_request(
+            "edge-1", pki.generate_key()).decode()}).encode()
+        await trio.sleep(1.0)
+        for _ in range(10):
+            status, _, doc = await post(port, ca.certificate_pem, body, "forged-again-0001")
+            assert (status, doc["reason"]) == (401, "token_invalid")
+        assert len(fake.requests_matching(method="POST", path="tokenreviews")) == 1
+
+
+def test_failed_tokens_are_remembered_for_a_while_and_bounded() -> None:
+    now = [0.0]
+    failed = FailedTokens(ttl=10.0, size=3, clock=lambda: now[0])
+    failed.add("a")
+    assert "a" in failed and "b" not in failed
+    now[0] = 10.5
+    assert "a" not in failed
+    for token in "bcde":
+        failed.add(token)
+    assert "b" not in failed and all(t in failed for t in "cde")
 
 
 async def stream_listeners(nursery: trio.Nursery, stream: ConfigStreamServer

@@ -167,6 +167,11 @@ def run_the_steps(k: Kubectl, fake: FakeApiServer, tmp_path: Path, certs: Certs,
     # 3. The user's app: an Ingress of class nodeagent, its Service and endpoints on edge-1,
     # and a ClusterTunnel; HTTP through the server's Ingress listener reaches it.
     k.ok("create", "namespace", "shop")
+    # The app's Pod, which the endpoint names (its targetRef): the controller believes an
+    # endpoint only for a Pod of the Service's namespace on that node with that address.
+    k.apply(pod("web-0", "default", "edge-1", namespace="shop"))
+    k.ok("patch", "pod", "web-0", "-n", "shop", "--subresource=status", "--type=merge",
+         "-p", json.dumps({"status": {"podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}}))
     k.apply(
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "shop"},
          "spec": {"ports": [{"name": "http", "port": 80, "targetPort": "http"}]}},
@@ -176,7 +181,8 @@ def run_the_steps(k: Kubectl, fake: FakeApiServer, tmp_path: Path, certs: Certs,
          "addressType": "IPv4",
          "ports": [{"name": "http", "port": upstream.http_port, "protocol": "TCP"}],
          "endpoints": [{"addresses": ["127.0.0.1"], "nodeName": "edge-1",
-                        "conditions": {"ready": True}}]},
+                        "conditions": {"ready": True},
+                        "targetRef": {"kind": "Pod", "namespace": "shop", "name": "web-0"}}]},
         ingress("shop", "shop.test", "web"),
         {"apiVersion": "nodeagent.io/v1alpha1", "kind": "ClusterTunnel",
          "metadata": {"name": "edge"},

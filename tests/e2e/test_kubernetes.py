@@ -135,6 +135,20 @@ def endpoint_slice(port: int, endpoints: list[dict[str, Any]]) -> dict[str, Any]
             "endpoints": endpoints}
 
 
+def web_endpoint(api: Api, name: str = "web-0", address: str = "127.0.0.1",
+                 node: str = "edge-1") -> dict[str, Any]:
+    """A ready endpoint of Pod `name` (created in the shop namespace on `node`, holding
+    `address`, unless it exists): the controller believes an endpoint only for the Pod
+    its targetRef names."""
+    if not any(p["metadata"]["name"] == name for p in api.list(PODS, NS)):
+        api.create(PODS, {"metadata": {"name": name, "namespace": NS}, "spec": {
+            "nodeName": node, "containers": [{"name": "web", "image": "web"}]}})
+        api.replace_status(PODS, name, NS, {"phase": "Running", "podIP": address,
+                                            "podIPs": [{"ip": address}]})
+    return {"addresses": [address], "nodeName": node, "conditions": {"ready": True},
+            "targetRef": {"kind": "Pod", "namespace": NS, "name": name}}
+
+
 def add_token(api: Api, token: str, **claims: Any) -> None:
     """A projected ServiceAccount token the fake's TokenReview knows (control endpoint)."""
     response = api.http.post("/_fake/tokens", json={"token": token, **claims})
@@ -218,7 +232,7 @@ def serve_shop_on_edge(api: Api, upstream: Upstream) -> None:
         {"type": "InternalIP", "address": "127.0.0.1"}]})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
-    ready = {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}
+    ready = web_endpoint(api)
     api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [ready]))
     api.create(INGRESSES, ingress("shop", "shop.test", "/"))
 
@@ -355,7 +369,7 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
         {"type": "ExternalIP", "address": "192.168.7.10"}]})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
-    ready = {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}
+    ready = web_endpoint(api)
     api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [ready]))
     api.create(INGRESSES, ingress("shop", "shop.test", "/"))
     took = wait_for(lambda: get(port, "shop.test", "/cart").status_code == 200,
@@ -433,8 +447,7 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
         {"type": "InternalIP", "address": "127.0.0.1"}]})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80}]}})
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [
-        {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}]))
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [web_endpoint(api)]))
     api.create(INGRESSES, ingress("a", "a.test", "/"))
     wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
     c1.kill()
@@ -461,10 +474,20 @@ def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]
     api.delete(CLUSTER_TUNNELS, "edge")
     wait_for(lambda: not any(t["metadata"]["name"] == "edge"
                              for t in api.list(CLUSTER_TUNNELS)), "finalizer released")
-    # The new leader reports problems of ClusterTunnels.
+    # The new leader reports problems of ClusterTunnels: an Event on the object, in the API
+    # (cluster-scoped objects' Events live in "default"), not only a log line.
     api.create(CLUSTER_TUNNELS, {"metadata": {"name": "t"}, "spec": {"serverUrl": "http://x"}})
-    wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in api.list(EVENTS, "default"))
-             or "InvalidSpec" in cluster["procs"][1].logs(), "ClusterTunnel problem reported")
+
+    def tunnel_event() -> dict[str, Any] | None:
+        return next((e for e in api.list(EVENTS, "default") if e.get("reason") == "InvalidSpec"
+                     and e["involvedObject"].get("kind") == "ClusterTunnel"
+                     and e["involvedObject"].get("name") == "t"), None)
+
+    wait_for(tunnel_event, "an Event on the invalid ClusterTunnel")
+    event = tunnel_event()
+    assert event is not None and event["type"] == "Warning"
+    assert "serverUrl" in event["message"] or "server_url" in event["message"], event
+    assert event["involvedObject"]["uid"] == api.get(CLUSTER_TUNNELS, "t")["metadata"]["uid"]
 
 
 def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up(
@@ -480,8 +503,7 @@ def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up
         {"type": "InternalIP", "address": "127.0.0.1"}]})
     api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
         "ports": [{"name": "http", "port": 80}]}})
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [
-        {"addresses": ["127.0.0.1"], "nodeName": "edge-1", "conditions": {"ready": True}}]))
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [web_endpoint(api)]))
     api.create(INGRESSES, ingress("a", "a.test", "/"))
     wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
     state = tmp_path / "server-state" / "routes.json"

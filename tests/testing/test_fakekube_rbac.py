@@ -171,6 +171,7 @@ async def test_manifest_rbac_gives_the_controller_what_it_needs_and_no_more(
             ("GET", "/api/v1/namespaces/other/secrets/s"),
             ("GET", "/apis/discovery.k8s.io/v1/endpointslices"),
             ("GET", "/api/v1/namespaces/nodeagent/configmaps"),
+            ("GET", "/api/v1/pods"),  # endpoints are checked against every namespace's pods
         ]
         for method, path in allowed:
             code = await status_of(c, method, path)
@@ -195,7 +196,8 @@ async def test_manifest_rbac_gives_the_controller_what_it_needs_and_no_more(
             ("GET", "/apis/coordination.k8s.io/v1/namespaces/other/leases"),
             ("GET", "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases"),  # no list
             ("DELETE", "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases/leader"),
-            ("GET", "/api/v1/pods"),
+            ("GET", "/api/v1/namespaces/other/pods/p"),  # list+watch, get only its own
+            ("DELETE", "/api/v1/namespaces/nodeagent/pods/p"),
             ("PUT", "/apis/networking.k8s.io/v1/namespaces/default/ingresses/x"),
             ("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles"),
             ("DELETE", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/x"),

@@ -264,7 +264,7 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
 
     keeper = IdentityKeeper("node", node_certificate_requester(
         agent.client, node=config.node, controller=(host, port), token=token,
-        ca_pem=lambda: ca.pem, server_ca=lambda: ca.server),
+        ca_pem=lambda: ca.pem, server_ca=lambda: ca.server, current=lambda: keeper.identity),
         log=log.bind(node=config.node), on_renewed=renewed)
     agent.identity = keeper
     ca_reloader = FileReloader("CA bundle", [ca_file], load=load_ca, apply=ca_changed,

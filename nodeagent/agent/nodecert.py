@@ -62,12 +62,14 @@ async def bootstrap_connection(endpoint: Endpoint, *, node: str,
 def node_certificate_requester(
     client: TunnelClient, *, node: str, controller: tuple[str, int], token: Callable[[], str],
     ca_pem: Callable[[], bytes], server_ca: Callable[[], ssl.SSLContext | None],
+    current: Callable[[], IssuedIdentity | None] = lambda: None,
 ) -> Requester:
     """How this agent asks for a certificate: through its tunnel when connected, else
     through a bootstrap connection. `token()` reads the projected token file each time
     (the kubelet rotates it); `server_ca()` verifies the tunnel server on bootstrap and
     `ca_pem()` the controller (both as the --ca-file reads now: a CA bundle changed
-    for a rotation applies at the next request)."""
+    for a rotation applies at the next request). `current()`: the certificate being
+    renewed, presented to the controller while it is valid."""
     host, port = controller
     target = p.Target(host, port)
 
@@ -76,13 +78,13 @@ def node_certificate_requester(
         if conn is not None and conn.is_open and not conn.is_draining:
             return await request_certificate(
                 lambda: conn.open_stream(target), host=host, token=token(), kind="node",
-                key=key, ca_pem=ca_pem())
+                key=key, ca_pem=ca_pem(), present=current())
         async with bootstrap_connection(
                 client.endpoint, node=node, ssl_context=server_ca(),
                 server_hostname=client.server_hostname,
                 socket_mark=client.socket_mark) as boot:
             return await request_certificate(
                 lambda: boot.open_stream(target), host=host, token=token(), kind="node",
-                key=key, ca_pem=ca_pem())
+                key=key, ca_pem=ca_pem(), present=current())
 
     return request

@@ -89,8 +89,12 @@ class IssuedIdentity:
 async def request_certificate(
     open_stream: Callable[[], Awaitable[trio.abc.Stream]], *, host: str, token: str,
     kind: str, key: pki.PrivateKey, ca_pem: bytes | str,
+    present: IssuedIdentity | None = None,
 ) -> IssuedIdentity:
-    """POST /v1/certificates over TLS on a stream from `open_stream`. Raises
+    """POST /v1/certificates over TLS on a stream from `open_stream`. `present`: the
+    identity being renewed; while it is valid the TLS handshake presents it, and the
+    controller signs for it without a TokenReview (a renewal then takes no slot of the
+    budget an anonymous flood competes for). Raises
     CertificateRefused (the controller said no), ssl.SSLError / trio.BrokenResourceError
     / OSError (transport, including a controller whose certificate does not verify) or
     ValueError (an answer that is not a certificate for our key). No deadline of its own:
@@ -99,8 +103,10 @@ async def request_certificate(
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
     ca = ca_pem.encode() if isinstance(ca_pem, str) else ca_pem
     body = json.dumps({"kind": kind, "csr": pki.key_signing_request(key, kind).decode()})
-    status, answer = await _post(open_stream, host, pki.client_ssl_context(ca), token,
-                                 body.encode())
+    valid = present is not None and present.not_after > dt.datetime.now(dt.UTC)
+    context = (present.client_context(ca=ca) if valid and present is not None
+               else pki.client_ssl_context(ca))
+    status, answer = await _post(open_stream, host, context, token, body.encode())
     try:
         doc = json.loads(answer)
     except ValueError:

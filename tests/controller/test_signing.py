@@ -5,6 +5,7 @@ certificates then let a client read from the config stream."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from nodeagent.testing.fakekube.server import FakeKube
 from nodeagent.testing.fakekube.store import DEFAULT_NAMESPACES
 from nodeagent.trust import pki
 from nodeagent.trust.enrollment import CertificateRefused, IssuedIdentity
+from nodeagent.trust.enrollment import request_certificate as request_identity
 from tests.controller.identity import (
     NS,
     add_agent_token,
@@ -329,3 +331,30 @@ async def test_an_oversized_body_is_refused_without_reading_on(rig: Rig) -> None
                     break
                 data += chunk
     assert data.startswith(b"HTTP/1.1 413 "), data[:100]
+
+
+async def test_a_renewal_presents_the_current_certificate_and_needs_no_token_review(
+        rig: Rig) -> None:
+    """request_certificate(present=...) is what IdentityKeeper's requesters send at
+    half-life: the controller signs for the presented identity, so a token that no longer
+    passes TokenReview (or a review budget an anonymous flood has taken) does not stop a
+    renewal."""
+    token = add_agent_token(rig.fake, "edge-1")
+    first = await obtain_identity(rig.url, rig.ca_pem, token, "node",
+                                  server_hostname="127.0.0.1")
+    rig.fake.revoke_token(token)
+    reviews = len(rig.fake.requests_matching(path="/apis/authentication.k8s.io/v1/tokenreviews"))
+    with trio.fail_after(15):
+        renewed = await request_identity(
+            functools.partial(trio.open_tcp_stream, "127.0.0.1", rig.port), host="127.0.0.1",
+            token=token, kind="node", key=pki.generate_key(), ca_pem=rig.ca_pem,
+            present=first)
+    assert uris(renewed.certificate_pem) == ["nodeagent://node/edge-1"]
+    assert len(rig.fake.requests_matching(
+        path="/apis/authentication.k8s.io/v1/tokenreviews")) == reviews
+    # Without presenting it, the revoked token is refused.
+    with pytest.raises(CertificateRefused) as refused, trio.fail_after(15):
+        await request_identity(
+            functools.partial(trio.open_tcp_stream, "127.0.0.1", rig.port), host="127.0.0.1",
+            token=token, kind="node", key=pki.generate_key(), ca_pem=rig.ca_pem)
+    assert refused.value.status == 401

@@ -554,6 +554,48 @@ def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up
         assert "PRIVATE KEY" not in proc.logs()
 
 
+# How long both controllers stay away. The issue's figure is 30 s (`-m slow` runs that);
+# the default run keeps it shorter but long enough for a doubling backoff to reach
+# seconds between attempts, which is what this test guards against.
+OUTAGE_SECONDS = [12.0, pytest.param(30.0, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("outage", OUTAGE_SECONDS)
+def test_a_change_reaches_the_server_and_the_agent_within_2s_of_the_controllers_return(
+        cluster: dict[str, Any], tmp_path: Path, outage: float) -> None:
+    """Both controllers gone for `outage` seconds, a change made meanwhile (an Ingress for
+    the server, a ClusterTunnel port for the agent): from the moment a controller is
+    ready again, both watches reconnect and apply it within 2 s."""
+    api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
+    procs, agent = cluster["procs"], cluster["agent"]
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"}]})
+    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80}]}})
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [web_endpoint(api)]))
+    api.create(INGRESSES, ingress("a", "a.test", "/"))
+    wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
+    c1, c2 = procs[0], procs[1]
+    c1.kill()
+    c2.kill()
+    time.sleep(outage)
+    api.create(INGRESSES, ingress("b", "b.test", "/"))
+    api.create(CLUSTER_TUNNELS, {"metadata": {"name": "edge"}, "spec": {
+        "allowedNodePorts": [10250]}})
+    applied = agent.logs().count("config applied")
+    again = NodeagentProcess("controller", {"debug_socket": ""}, tmp_path, "c2-back",
+                             args=c2.args).start()
+    procs.append(again)
+    again.wait_for_log("controller ready", timeout=20)
+    server_took = wait_for(lambda: get(port, "b.test", "/").status_code == 200,
+                           "the server applied the change", timeout=15)
+    agent_took = server_took + wait_for(lambda: agent.logs().count("config applied") > applied,
+                                        "the agent applied the change", timeout=15)
+    print(f"\nafter a {outage:g} s outage: the server applied the change {server_took:.2f} s "
+          f"and the agent {agent_took:.2f} s after a controller was ready")
+    assert server_took < 2.0 and agent_took < 2.0
+
+
 def _connect(path: Path, target: str) -> tuple[socket.socket, int]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)

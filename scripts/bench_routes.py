@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nodeagent.controller.ingress import translate_ingresses  # noqa: E402
-from nodeagent.server.server import build_ingress_table  # noqa: E402
+from nodeagent.server.routetables import build_ingress_table  # noqa: E402
 
 
 def objects(hosts: int) -> dict[str, list[dict[str, Any]]]:

@@ -163,7 +163,7 @@ def start_reloaders(server: Server, nursery: trio.Nursery,
     token_files = [e.token_file for e in config.tokens if e.token_file is not None]
     if token_files:
         server.reloaders["tokens"] = FileReloader(
-            "agent tokens", token_files, load=server.load_tokens,
+            "agent tokens", token_files, load=server.auth.load_tokens,
             apply=server.reload_tokens, log=server.log)
     for reloader in server.reloaders.values():
         nursery.start_soon(reloader.run)
@@ -207,7 +207,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             name = f"tcp:{mapping.name or index}"
 
             async def handler(client: trio.SocketStream, mapping: Any = mapping) -> None:
-                await server.serve_tcp_mapping(mapping, client)
+                await server.tcp_mappings.serve(mapping, client)
 
             listeners = await open_tcp_listeners(mapping.listen.port, host=mapping.listen.host,
                                                  reuse_port=reuse_port)
@@ -221,8 +221,8 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         fronts: list[HttpFront] = []  # told to finish keep-alive connections on drain
         for index, listener in enumerate(config.http):
             name = f"http:{listener.name or index}"
-            front = HttpFront(table=functools.partial(server.tables.__getitem__, index),
-                              open_upstream=server.open_upstream, limits=limits,
+            front = HttpFront(table=functools.partial(server.route_tables.http_table, index),
+                              open_upstream=server.http_backends.open_http_backend, limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
             fronts.append(front)
             listeners = await open_tcp_listeners(listener.listen.port,
@@ -233,11 +233,12 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
         # The Ingress listeners: routes (and certificates) swap under them on every update.
         for name, listen, tls in (("ingress-http", config.ingress_http, None),
                                   ("ingress-https", config.ingress_https,
-                                   TlsConfig(certs=server.ingress_certs))):
+                                   TlsConfig(certs=server.route_tables.ingress_certs))):
             if listen is None:
                 continue
-            front = HttpFront(table=lambda: server.ingress_table,
-                              open_upstream=server.open_upstream, tls=tls, limits=limits,
+            front = HttpFront(table=server.route_tables.current_ingress_table,
+                              open_upstream=server.http_backends.open_http_backend, tls=tls,
+                              limits=limits,
                               stats=server.http_stats.setdefault(name, HttpStats()))
             fronts.append(front)
             listeners = await open_tcp_listeners(listen.port, host=listen.host,

@@ -11,8 +11,8 @@ answers for the whole (readiness, route updates, status).
 - `debugviews`: the debug socket's views and the live metrics.
 
 Each piece gets what it needs passed in; none of them holds the Server. The listeners
-that expose these (tunnel, fronts, mappings, debug socket, health) are started by
-`main.serve_server`.
+that expose these (tunnel, fronts, mappings, CONNECT front, debug socket, health) are
+listed by `listeners.server_listeners` and started together by `main.serve_server`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from nodeagent import __version__
 from nodeagent.config import RoutesConfig, ServerConfig
 from nodeagent.configstream.client import WatchStatus
 from nodeagent.http.stats import HttpStats
+from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics
 from nodeagent.ops.streams import TO_NODE, StreamNotes, tracked_opener
@@ -111,7 +112,8 @@ class Server:
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             stream_bytes=self.metrics.stream_bytes, log=self.log)
-        self.bound: dict[str, list[str]] = {}  # listener name -> addresses, for status
+        # Its listeners (listeners.server_listeners), set by serve_server, for status.
+        self.listeners = Listeners()
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
         # Credentials reloaded from their files (tunnel TLS, tokens): name -> reloader.
         self.reloaders: dict[str, FileReloader[Any]] = {}
@@ -200,7 +202,8 @@ class Server:
             "version": __version__,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
             "config_version": self.routes.version,
-            "listeners": self.bound,
+            "listeners": self.listeners.addresses(),
+            "listener_details": self.listeners.describe(),
             "agents": agent_rows(self.tunnel),
             "streams_by_outcome": dict(self.outcomes.counts),
             "handshake_failures": self.tunnel.handshake_failures,

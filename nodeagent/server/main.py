@@ -1,8 +1,9 @@
 """Entry point of the server role: from a config file (`nodeagent server --config`), or
 from flags with the controller's config watch stream (controller mode).
 
-Both run every listener of one Server in one nursery (tunnel, TCP mappings, HTTP and
-Ingress fronts, debug socket, health), and drain agents gracefully on SIGTERM/SIGINT;
+Both start every listener of one Server (listeners.server_listeners: tunnel, TCP
+mappings, HTTP and Ingress fronts, CONNECT front, debug socket, health) in one nursery
+through `ops.listener.Listeners`, and drain agents gracefully on SIGTERM/SIGINT;
 SIGHUP re-reads a config file. In controller mode the server watches the controller
 directly and applies each RoutesConfig (Ingress routes, certificates, egress, node CIDRs).
 

@@ -98,6 +98,10 @@ class RouteTables:
         self.ingress_certs = CertStore(certs)
         self._log_refused(refused + refused_certs)
 
+    def current(self) -> RoutesConfig:
+        """The routes in force (what the other pieces read per stream or request)."""
+        return self.routes
+
     def http_table(self, index: int) -> RouteTable:
         """The current table of HTTP listener `index` (read per request)."""
         return self.tables[index]

@@ -17,6 +17,7 @@ listed by `listeners.server_listeners` and started together by `main.serve_serve
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -63,17 +64,18 @@ class Server:
         self.metrics = Metrics("server")
         self.log = log.bind(server=config.server_id)
         self.route_tables = RouteTables(config.routes(), self.log)
+        routes = self.route_tables.current
         self.metrics.config_version.set(self.routes.version)
         self.config_watch: WatchStatus | None = None
         # Controller mode: this replica's certificate for the config stream (status only).
         self.identity: IdentityKeeper | None = None
         # Streams refused by policy, by why, and handshakes refused before
         # authentication (handshake_overloaded, handshake_shutting_down).
-        self.refusals = PolicyRefusals(self.metrics.registry, self.log)
+        self.refusals = refusals = PolicyRefusals(self.metrics.registry, self.log)
         self.auth = AgentAuthenticator(
             tokens=config.tokens, controller_mode=config.controller is not None,
             client_certificates=config.tls is not None and config.tls.client_ca_file
-            is not None, routes=self._routes, refusals=self.refusals,
+            is not None, routes=routes, refusals=self.refusals,
             on_bad_input=self.metrics.bad_input.labels("auth").inc, log=self.log)
         settings = EndpointSettings(ping_interval=config.keepalive.interval,
                                     ping_timeout=config.keepalive.timeout,
@@ -87,7 +89,7 @@ class Server:
             admission=HandshakeAdmission(config.tunnel.handshake_rate,
                                          config.tunnel.handshake_burst),
             replicas=self.routes.replicas,
-            on_refusal=lambda reason: self.refusals.count(f"handshake_{reason}"),
+            on_refusal=lambda reason: refusals.count(f"handshake_{reason}"),
             log=self.log)
         # When each stream opened and for what (debug streams); every stream this server
         # opens to a node goes through open_stream, which also times its setup.
@@ -97,14 +99,14 @@ class Server:
         self.outcomes = StreamOutcomes(self.metrics.streams)
         # Agents reach the controller's config stream through their tunnel: always egress.
         self.datapath = DataPath(
-            routes=self._routes, open_stream=self.open_stream, refusals=self.refusals,
+            routes=routes, open_stream=self.open_stream, refusals=self.refusals,
             dial_timeout=config.dial_timeout,
             controller=_host_port(config.controller) if config.controller else None)
         # Cloud nodes' caught dials to other nodes' addresses (control_plane_sources).
         self.dnat = DnatPath(open_stream=self.open_stream, dial_timeout=config.dial_timeout,
                              registry=self.metrics.registry, log=self.log)
         self.agent_streams = AgentStreams(
-            datapath=self.datapath, dnat=self.dnat, routes=self._routes,
+            datapath=self.datapath, dnat=self.dnat, routes=routes,
             notes=self.stream_notes, outcomes=self.outcomes, refusals=self.refusals)
         self.http_backends = HttpBackends(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
@@ -117,10 +119,10 @@ class Server:
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
         # Credentials reloaded from their files (tunnel TLS, tokens): name -> reloader.
         self.reloaders: dict[str, FileReloader[Any]] = {}
-        self.metrics.add_live(lambda: live_metrics(self.tunnel, self.http_stats))
+        self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats))
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
-            config.connect, routes=self._routes, open_stream=self.open_stream,
+            config.connect, routes=routes, open_stream=self.open_stream,
             dial_timeout=config.dial_timeout, registry=self.metrics.registry, log=self.log,
             server_tls=(config.tls.cert_file, config.tls.key_file) if config.tls else None,
         ) if config.connect.enabled else None
@@ -130,9 +132,6 @@ class Server:
     @property
     def routes(self) -> RoutesConfig:
         """The routes in force."""
-        return self.route_tables.routes
-
-    def _routes(self) -> RoutesConfig:
         return self.route_tables.routes
 
     async def _handle_agent_stream(self, node: str, incoming: IncomingStream) -> None:

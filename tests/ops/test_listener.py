@@ -44,8 +44,8 @@ async def test_listeners_start_in_order_drain_and_stop() -> None:
         assert [d["running"] for d in group.describe()] == [True, True]
         group.drain(close_idle=False)
         group.stop_all()
-    assert events == ["start a", "start b", "drain a False", "drain b False", "end a",
-                      "end b"]
+    assert events[:4] == ["start a", "start b", "drain a False", "drain b False"]
+    assert sorted(events[4:]) == ["end a", "end b"]  # trio wakes cancelled tasks in any order
     assert group.describe()[0] == {"name": "a", "kind": "recording",
                                    "addresses": ["mem:a"], "running": False}
 

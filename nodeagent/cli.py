@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeAlias
 
 from nodeagent import __version__
 from nodeagent.config import ConfigError
@@ -92,7 +93,13 @@ class _Parser(argparse.ArgumentParser):
                               f"run '{self.prog} --help' for usage\n")
 
 
+# The subcommands of the `nodeagent` parser, to which each add_*_parser adds its own.
+Subcommands: TypeAlias = "argparse._SubParsersAction[_Parser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `nodeagent` parser: global flags, then one subcommand per role and tool, each
+    built by its own function below."""
     parser = _Parser(prog="nodeagent", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"nodeagent {__version__}")
@@ -102,7 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="log lines as key=value text or JSON objects (default: text)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for add in (add_server_parser, add_agent_parser, add_controller_parser,
+                add_debug_parser, add_demo_parser):
+        add(sub)
+    return parser
 
+
+def add_server_parser(sub: Subcommands) -> None:
+    """`nodeagent server`: standalone (--config) or controller mode (the flags)."""
     server = sub.add_parser(
         "server", help="run the cloud side", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Terminate agents' tunnels and carry public TCP ports and HTTP routes "
@@ -112,6 +126,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="standalone mode: server config (YAML); see examples/server.yaml")
     cluster = server.add_argument_group(
         "controller mode (Kubernetes; instead of --config): routes come from the controller")
+    _add_server_controller_flags(cluster)
+    server.add_argument("--check", action="store_true",
+                        help="validate the config, print a summary and exit")
+    server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+                        help="on shutdown, how long running streams may finish (default 30)")
+    server.add_argument("--shutdown-delay", type=float, default=2.0, metavar="S",
+                        help="on shutdown, how long readiness fails while requests are still "
+                             "served, before agents are told to move (GOAWAY): at least the "
+                             "load balancer's health-check interval (default 2)")
+    server.add_argument("--ready-grace", type=float, default=30.0, metavar="S",
+                        help="a new replica is ready once it holds a tunnel from every node "
+                             "its routes name, or after this long (default 30)")
+    server.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="worker processes (default 1; 2 uses both cores of a 2-core "
+                             "host): each is a server of its own that every agent holds a "
+                             "tunnel to, sharing the public ports (SO_REUSEPORT); a parent "
+                             "restarts one that exits and serves --metrics-listen for all. "
+                             "Ports must be fixed (no port 0)")
+    # The parent starts each worker with the same arguments plus this (not for users).
+    server.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    server.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+
+def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
     cluster.add_argument("--controller", metavar="URL",
                          help="the controller, https://host:port (its config stream and the "
                               "certificate signer)")
@@ -161,27 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="Prometheus /metrics")
     cluster.add_argument("--debug-socket", type=Path, metavar="PATH",
                          help="debug socket (default /run/nodeagent/server.sock)")
-    server.add_argument("--check", action="store_true",
-                        help="validate the config, print a summary and exit")
-    server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
-                        help="on shutdown, how long running streams may finish (default 30)")
-    server.add_argument("--shutdown-delay", type=float, default=2.0, metavar="S",
-                        help="on shutdown, how long readiness fails while requests are still "
-                             "served, before agents are told to move (GOAWAY): at least the "
-                             "load balancer's health-check interval (default 2)")
-    server.add_argument("--ready-grace", type=float, default=30.0, metavar="S",
-                        help="a new replica is ready once it holds a tunnel from every node "
-                             "its routes name, or after this long (default 30)")
-    server.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="worker processes (default 1; 2 uses both cores of a 2-core "
-                             "host): each is a server of its own that every agent holds a "
-                             "tunnel to, sharing the public ports (SO_REUSEPORT); a parent "
-                             "restarts one that exits and serves --metrics-listen for all. "
-                             "Ports must be fixed (no port 0)")
-    # The parent starts each worker with the same arguments plus this (not for users).
-    server.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
-    server.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
 
+
+def add_agent_parser(sub: Subcommands) -> None:
+    """`nodeagent agent`: standalone (--config) or controller mode (the flags)."""
     agent = sub.add_parser(
         "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Dial the server, keep one tunnel up, and serve the streams the server "
@@ -226,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "in this host's kernel, then exit (after uninstalling, like "
                             "kube-proxy --cleanup)")
 
+
+
+def add_controller_parser(sub: Subcommands) -> None:
+    """`nodeagent controller`."""
     controller = sub.add_parser(
         "controller", help="run the cluster controller (Kubernetes)",
         description="Watch the Kubernetes API (Nodes, Services, EndpointSlices, Ingresses, "
@@ -280,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "within this, and one without a client certificate must also "
                             "have sent its request (default 5)")
 
+
+
+def add_debug_parser(sub: Subcommands) -> None:
+    """`nodeagent debug VIEW`: read a running agent's or server's debug socket."""
     debug = sub.add_parser(
         "debug", help="inspect a running agent or server through its debug socket",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -298,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None, metavar="SECONDS",
                        help="redraw every SECONDS (default 2) until Ctrl-C")
 
+
+
+def add_demo_parser(sub: Subcommands) -> None:
+    """`nodeagent demo`: a server, an agent and a sample service on loopback."""
     demo = sub.add_parser(
         "demo", help="run a server, an agent and a sample service on loopback",
         description="Start a server, an agent and a small HTTP service on 127.0.0.1, send "
@@ -308,7 +342,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exit by itself after N seconds (default: run until Ctrl-C)")
     demo.add_argument("--transport", choices=["tls", "wss"], default="tls",
                       help="tunnel transport: TLS over TCP or WebSocket over TLS (default tls)")
-    return parser
 
 
 def _watch_before_view(argv: Sequence[str]) -> list[str]:

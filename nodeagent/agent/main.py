@@ -42,6 +42,7 @@ from nodeagent.configstream.client import (
 from nodeagent.configstream.protocol import node_config_path
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
+from nodeagent.ops.listener import Listener, Listeners
 from nodeagent.ops.logs import get_logger
 from nodeagent.runtime.malloctune import trim_forever
 from nodeagent.trust.filewatch import FileReloader
@@ -78,26 +79,34 @@ def agent_ssl_context(config: AgentConfig, source: str = "config",
     return ctx
 
 
+def agent_listeners(agent: Agent) -> list[Listener]:
+    """The agent's own listeners: the debug socket, and the health listener if asked for.
+    (Its interception listeners follow the node's config: the Agent runs those.)"""
+
+    def ready() -> str | None:
+        state = agent.client.status.state
+        return None if state == "connected" else f"tunnel {state}"
+
+    listeners: list[Listener] = [DebugServer(str(agent.config.debug_socket), {
+        "/status": agent.status,
+        "/config": lambda: redacted(agent.node_config.model_dump(mode="json")),
+        "/rules": agent.rules,
+        "/tunnels": agent.tunnels,
+        "/streams": agent.streams,
+    }, registry=agent.metrics.registry)]
+    if agent.config.metrics_listen is not None:
+        listeners.append(HealthServer(agent.metrics.registry, ready,
+                                      host=agent.config.metrics_listen.host,
+                                      port=agent.config.metrics_listen.port))
+    return listeners
+
+
 async def serve_agent(agent: Agent, config_path: Path | None = None, *,
                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(agent.run)
         nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
-        debug = DebugServer(str(agent.config.debug_socket), {
-            "/status": agent.status,
-            "/config": lambda: redacted(agent.node_config.model_dump(mode="json")),
-            "/rules": agent.rules,
-            "/tunnels": agent.tunnels,
-            "/streams": agent.streams,
-        }, registry=agent.metrics.registry)
-        await nursery.start(debug.run)
-        if agent.config.metrics_listen is not None:
-            def ready() -> str | None:
-                state = agent.client.status.state
-                return None if state == "connected" else f"tunnel {state}"
-            health = HealthServer(agent.metrics.registry, ready)
-            await nursery.start(health.run, agent.config.metrics_listen.host,
-                                agent.config.metrics_listen.port)
+        await Listeners(agent_listeners(agent)).start_all(nursery)
         task_status.started()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:

@@ -1,11 +1,12 @@
 """The node-local debug socket: the JSON routes of `ops.jsonhttp` on a Unix socket, and
 its client.
 
-Server side (agent and server roles): `DebugServer(path, routes, registry=...)` serves each
-route (`"/status": callable`) as JSON on GET/HEAD, `/metrics` as Prometheus text when given
-a registry, and `/` as the list of routes. The socket file is created with mode 0600 (the
-caller may choose 0660 for a group), a stale file left by a crashed agent is removed at
-start (a live one is refused), and the file is removed on exit.
+Server side (agent and server roles): `DebugServer(path, routes, registry=...)`, a
+`Listener` (ops.listener), serves each route (`"/status": callable`) as JSON on GET/HEAD,
+`/metrics` as Prometheus text when given a registry, and `/` as the list of routes. The
+socket file is created with mode 0600 (the caller may choose 0660 for a group), a stale
+file left by a crashed agent is removed at start (a live one is refused), and the file is
+removed on exit.
 
 Client side (the CLI, synchronous): `fetch_debug(path, "/status")` returns the decoded
 JSON or raises `DebugUnavailable` with one line a human can act on. `ops.render` turns it
@@ -27,6 +28,7 @@ from typing import Any
 import trio
 
 from nodeagent.ops.jsonhttp import JsonRoutes, RouteHandler, serve_http
+from nodeagent.ops.listener import Listener
 from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.debug")
@@ -42,8 +44,10 @@ class DebugSocketInUse(Exception):
     """Another live process already serves this socket path."""
 
 
-class DebugServer:
+class DebugServer(Listener):
     """Serves `routes` (path → callable returning JSON-able data) on a Unix socket."""
+
+    kind = "debug"
 
     def __init__(
         self,
@@ -54,6 +58,7 @@ class DebugServer:
         mode: int = 0o600,
         idle_timeout: float = 30.0,
     ) -> None:
+        super().__init__("debug")
         self.path = Path(path)
         self.routes = JsonRoutes(routes, registry=registry)
         self.mode = mode
@@ -83,7 +88,8 @@ class DebugServer:
             probe.close()
         raise DebugSocketInUse(f"another process is serving {self.path}")
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[list[str]]
+                  = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; the socket exists when `task_status.started()` is called."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale()
@@ -106,8 +112,10 @@ class DebugServer:
                         handler_nursery=nursery
                     )
                 )
-                task_status.started()
+                self.addresses = [f"unix:{self.path}"]
+                task_status.started(self.addresses)
         finally:
+            self.addresses = []
             sock.close()
             with contextlib.suppress(OSError):
                 if self.path.stat().st_ino == ino:
@@ -116,6 +124,9 @@ class DebugServer:
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         """Answer one HTTP connection."""
         await serve_http(stream, self.routes, idle_timeout=self.idle_timeout)
+
+    def details(self) -> dict[str, Any]:
+        return {"mode": f"{self.mode:04o}"}
 
 
 # -- client (the CLI) ----------------------------------------------------------------------

@@ -42,6 +42,7 @@ from nodeagent.config import (
     ConnectFrontConfig,
     RoutesConfig,
 )
+from nodeagent.ops.listener import Listener, socket_address
 from nodeagent.ops.streams import LiveStreams
 from nodeagent.server.connect import (
     REASONS,
@@ -72,12 +73,15 @@ class StreamOpener(Protocol):
                        metadata: dict[str, str]) -> TunnelStream: ...
 
 
-class ConnectFront:
+class ConnectFront(Listener):
     """Serves CONNECT and absolute-form proxy requests on the configured listeners."""
+
+    kind = "connect"
 
     def __init__(self, config: ConnectFrontConfig, *, routes: Any, open_stream: StreamOpener,
                  dial_timeout: float, registry: CollectorRegistry, log: StructuredLogger,
                  server_tls: tuple[Any, Any] | None = None) -> None:
+        super().__init__("connect")
         self.config = config
         self._routes = routes  # () -> RoutesConfig: read per request, swapped on updates
         self._open_stream = open_stream
@@ -87,7 +91,6 @@ class ConnectFront:
         self._server_tls = server_tls  # the tunnel's (cert, key) when connect.tls has none
         self.streams = LiveStreams()
         self.outcomes: Counter[str] = Counter()
-        self.bound: list[str] = []
         self.requests = MetricCounter(
             "nodeagent_connect_requests_total", "Requests to the CONNECT front (kube-apiserver"
             "'s egress selector, HTTP proxy clients) by outcome: established, forwarded, or "
@@ -111,8 +114,8 @@ class ConnectFront:
                 await nursery.start(self._serve_uds, self.config.uds)
             if self.config.listen is not None:
                 await nursery.start(self._serve_tls)
-            self.log.info("CONNECT front listening", addresses=",".join(self.bound))
-            task_status.started(list(self.bound))
+            self.log.info("CONNECT front listening", addresses=",".join(self.addresses))
+            task_status.started(list(self.addresses))
 
     def ssl_context(self) -> ssl.SSLContext:
         """The TCP listener's TLS context (client certificates required); ConfigError
@@ -155,7 +158,7 @@ class ConnectFront:
                          -1 if config.uds_group is None else config.uds_group)
             os.chmod(target, config.uds_mode)
             sock.listen(1024)
-            self.bound.append(f"unix:{target}")
+            self.addresses.append(f"unix:{target}")
             listener = trio.SocketListener(sock)
 
             async def handler(stream: trio.SocketStream) -> None:
@@ -207,7 +210,7 @@ class ConnectFront:
             await self.serve_connection(tls_stream, f"{address} {_subject(cert)}".strip())
 
         listeners = await trio.open_tcp_listeners(listen.port, host=listen.host)
-        self.bound.extend(f"tls:{_sockname(lst)}" for lst in listeners)
+        self.addresses.extend(f"tls:{socket_address(lst)}" for lst in listeners)
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(
                 trio.serve_listeners, handler, listeners, handler_nursery=nursery))
@@ -372,7 +375,7 @@ class ConnectFront:
         self.requests.labels(outcome).inc()
 
     def status(self) -> dict[str, Any]:
-        return {"listeners": self.bound, "by_outcome": dict(self.outcomes),
+        return {"listeners": self.addresses, "by_outcome": dict(self.outcomes),
                 "streams": self.streams.as_list()}
 
 
@@ -422,11 +425,6 @@ def _peer(stream: trio.SocketStream) -> str:
         host, port = stream.socket.getpeername()[:2]
     except OSError:
         return "?"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _sockname(listener: trio.SocketListener) -> str:
-    host, port = listener.socket.getsockname()[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -1,8 +1,9 @@
 """Entry point of the server role: from a config file (`nodeagent server --config`), or
 from flags with the controller's config watch stream (controller mode).
 
-Both run every listener of one Server in one nursery (tunnel, TCP mappings, HTTP and
-Ingress fronts, debug socket, health), and drain agents gracefully on SIGTERM/SIGINT;
+Both start every listener of one Server (listeners.server_listeners: tunnel, TCP
+mappings, HTTP and Ingress fronts, CONNECT front, debug socket, health) in one nursery
+through `ops.listener.Listeners`, and drain agents gracefully on SIGTERM/SIGINT;
 SIGHUP re-reads a config file. In controller mode the server watches the controller
 directly and applies each RoutesConfig (Ingress routes, certificates, egress, node CIDRs).
 
@@ -22,7 +23,7 @@ import os
 import signal
 import ssl
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,6 @@ from nodeagent.config import (
     ServerConfig,
     load_config,
     parse_config,
-    redacted,
 )
 from nodeagent.configstream.client import (
     WatchStatus,
@@ -43,15 +43,11 @@ from nodeagent.configstream.client import (
     token_reader,
     watch_config,
 )
-from nodeagent.http import HttpFront, HttpStats
-from nodeagent.http.limits import Limits
-from nodeagent.http.tls import TlsConfig
-from nodeagent.ops.debug import DebugServer
-from nodeagent.ops.health import HealthServer
-from nodeagent.ops.jsonhttp import QueryRoute
+from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
 from nodeagent.runtime.malloctune import trim_forever
 from nodeagent.server.flags import server_config_from_flags
+from nodeagent.server.listeners import server_listeners
 from nodeagent.server.readiness import DEFAULT_READY_GRACE, ReadinessGate
 from nodeagent.server.server import Server
 from nodeagent.server.workers import (
@@ -62,10 +58,7 @@ from nodeagent.server.workers import (
 from nodeagent.trust.filewatch import FileReloader
 from nodeagent.trust.tlscontext import TlsInputError
 from nodeagent.trust.tlscontext import server_ssl_context as tls_server_context
-from tunnel.accept import serve
-from tunnel.listeners import open_tcp_listeners
 from tunnel.tcp import connect_tcp
-from tunnel.urls import parse_endpoint
 
 log = get_logger("nodeagent.server")
 
@@ -164,7 +157,7 @@ def start_reloaders(server: Server, nursery: trio.Nursery,
     token_files = [e.token_file for e in config.tokens if e.token_file is not None]
     if token_files:
         server.reloaders["tokens"] = FileReloader(
-            "agent tokens", token_files, load=server.load_tokens,
+            "agent tokens", token_files, load=server.auth.load_tokens,
             apply=server.reload_tokens, log=server.log)
     for reloader in server.reloaders.values():
         nursery.start_soon(reloader.run)
@@ -179,19 +172,16 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                        slot: WorkerSlot | None = None,
                        task_status: trio.TaskStatus[dict[str, list[str]]]
                        = trio.TASK_STATUS_IGNORED) -> None:
-    """Run every listener of a server until cancelled or signalled; reports the bound
-    addresses ({"tunnel": [...], "tcp:NAME": [...], "http:NAME": [...]}). The tunnel's
+    """Run every listener of a server (listeners.server_listeners) until cancelled or
+    signalled; reports the bound addresses by listener name ({"tunnel": [...],
+    "tcp:NAME": [...], "http:NAME": [...], "debug": [...], ...}). The tunnel's
     certificate files and the token files are reloaded when they change.
 
     `slot`: this process is one of several workers (nodeagent/server/workers.py): its
     public listeners share their ports with the other workers (SO_REUSEPORT), and only
     worker 0 runs the CONNECT front."""
-    config = server.config
-    reuse_port = slot is not None
-    stop_accepting = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
-        endpoint = parse_endpoint(config.tunnel.url)
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
 
         def current_context() -> ssl.SSLContext:
@@ -199,73 +189,14 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             assert context is not None
             return context
 
-        bound = await nursery.start(lambda task_status: serve(
-            endpoint, server.tunnel.handle_transport,
-            ssl_context=current_context if ssl_context is not None else None,
-            stop_accepting=stop_accepting, reuse_port=reuse_port, task_status=task_status))
-        server.bound["tunnel"] = [str(b) for b in bound]
-        for index, mapping in enumerate(config.tcp):
-            name = f"tcp:{mapping.name or index}"
-
-            async def handler(client: trio.SocketStream, mapping: Any = mapping) -> None:
-                await server.serve_tcp_mapping(mapping, client)
-
-            listeners = await open_tcp_listeners(mapping.listen.port, host=mapping.listen.host,
-                                                 reuse_port=reuse_port)
-            await nursery.start(trio.serve_listeners, handler, listeners)
-            server.bound[name] = [_sockname(lst) for lst in listeners]
-        wanted = config.http_limits
-        limits = Limits(max_connections=wanted.max_connections,
-                        max_connections_per_client=wanted.max_connections_per_client,
-                        max_header_fields=wanted.max_header_fields,
-                        min_body_rate=wanted.min_body_rate, body_grace=wanted.body_grace)
-        fronts: list[HttpFront] = []  # told to finish keep-alive connections on drain
-        for index, listener in enumerate(config.http):
-            name = f"http:{listener.name or index}"
-            front = HttpFront(table=functools.partial(server.tables.__getitem__, index),
-                              open_upstream=server.open_upstream, limits=limits,
-                              stats=server.http_stats.setdefault(name, HttpStats()))
-            fronts.append(front)
-            listeners = await open_tcp_listeners(listener.listen.port,
-                                                 host=listener.listen.host,
-                                                 reuse_port=reuse_port)
-            await nursery.start(front.serve, listeners)
-            server.bound[name] = [_sockname(lst) for lst in listeners]
-        # The Ingress listeners: routes (and certificates) swap under them on every update.
-        for name, listen, tls in (("ingress-http", config.ingress_http, None),
-                                  ("ingress-https", config.ingress_https,
-                                   TlsConfig(certs=server.ingress_certs))):
-            if listen is None:
-                continue
-            front = HttpFront(table=lambda: server.ingress_table,
-                              open_upstream=server.open_upstream, tls=tls, limits=limits,
-                              stats=server.http_stats.setdefault(name, HttpStats()))
-            fronts.append(front)
-            listeners = await open_tcp_listeners(listen.port, host=listen.host,
-                                                 reuse_port=reuse_port)
-            await nursery.start(front.serve, listeners)
-            server.bound[name] = [_sockname(lst) for lst in listeners]
-        # The CONNECT front (kube-apiserver's egress selector, Prometheus).
-        if server.connect is not None and (slot is None or slot.runs_connect_front):
-            server.bound["connect"] = await nursery.start(server.connect.run)
-        debug = DebugServer(str(config.debug_socket), {
-            "/status": server.status,
-            "/tunnels": QueryRoute(lambda query: server.tunnels(_node_filter(query))),
-            "/streams": QueryRoute(lambda query: server.streams(_node_filter(query))),
-            # The running routes (the controller's, in controller mode) over the file's,
-            # secrets redacted.
-            "/config": lambda: redacted({
-                **server.config.model_dump(mode="json"),
-                **server.routes.model_dump(mode="json")}),
-        }, registry=server.metrics.registry)
-        await nursery.start(debug.run)
-        if config.metrics_listen is not None:
-            health = HealthServer(server.metrics.registry, server.not_ready)
-            await nursery.start(health.run, config.metrics_listen.host,
-                                config.metrics_listen.port)
+        listeners = server.listeners = Listeners(server_listeners(
+            server, tunnel_context=current_context if ssl_context is not None else None,
+            reuse_port=slot is not None,
+            runs_connect_front=slot is None or slot.runs_connect_front))
+        bound = await listeners.start_all(nursery)
         server.ready_gate = ReadinessGate(started=time.monotonic(), grace=ready_grace)
-        log.info("server ready", **{k: ",".join(v) for k, v in server.bound.items()})
-        task_status.started(dict(server.bound))
+        log.info("server ready", **{k: ",".join(v) for k, v in bound.items()})
+        task_status.started(bound)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 if signum == signal.SIGHUP:
@@ -277,17 +208,15 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                 # Readiness fails first (a load balancer stops sending), then new tunnels
                 # are refused by the kernel (they go to the next server), then GOAWAY.
                 server.tunnel.start_draining()
-                stop_accepting.set()
-                # Public requests keep being served through the tunnels until the load
-                # balancer has seen readiness fail: a GOAWAY at once would answer 502 to
-                # every request it still sends here meanwhile. Keep-alive clients are told
-                # to reconnect (through the balancer, to another replica) after their
-                # current request; the connections idle all along close after the delay.
-                for front in fronts:
-                    front.drain(close_idle=False)
+                # The tunnel listener closes its sockets. Public requests keep being
+                # served through the tunnels until the load balancer has seen readiness
+                # fail: a GOAWAY at once would answer 502 to every request it still sends
+                # here meanwhile. Keep-alive clients are told to reconnect (through the
+                # balancer, to another replica) after their current request; the
+                # connections idle all along close after the delay.
+                listeners.drain(close_idle=False)
                 await trio.sleep(shutdown_delay)
-                for front in fronts:
-                    front.drain(close_idle=True)
+                listeners.drain(close_idle=True)
                 await server.tunnel.drain("server shutting down", grace=drain_seconds)
                 nursery.cancel_scope.cancel()
                 break
@@ -300,17 +229,6 @@ def _reload_server(server: Server, config_path: Path, slot: WorkerSlot | None) -
         server.apply_routes(slot.routes(routes) if slot is not None else routes)
     except ConfigError as exc:
         log.error("config reload refused; keeping the running config", error=str(exc))
-
-
-def _node_filter(query: Mapping[str, list[str]]) -> str | None:
-    """`?node=NAME` of the debug routes (`nodeagent debug tunnels --node NAME`)."""
-    values = query.get("node") or [""]
-    return values[-1] or None
-
-
-def _sockname(listener: trio.SocketListener) -> str:
-    host, port = listener.socket.getsockname()[:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.controller.ingress import translate_ingresses
-from nodeagent.server.server import build_ingress_table
+from nodeagent.server.routetables import build_ingress_table
 from scripts import ROOT
 
 

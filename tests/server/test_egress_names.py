@@ -81,7 +81,7 @@ async def test_a_public_name_is_dialed_at_the_address_checked() -> None:
             lookups.append(host)
             return answers.pop(0) if answers else ["169.254.169.254"]
 
-        server.resolve = resolve
+        server.datapath.resolve = resolve
         agent = await connect(server, nursery, "edge-1")
         assert await roundtrip(agent, "app.example.com", port) == b"ping"
         assert lookups == ["app.example.com"]  # one lookup; the checked address dialed
@@ -99,7 +99,7 @@ async def test_a_name_with_one_protected_address_is_refused_whole() -> None:
         async def resolve(host: str, _port: int) -> list[str]:
             return [global_ipv4(), "169.254.169.254"]
 
-        server.resolve = resolve
+        server.datapath.resolve = resolve
         agent = await connect(server, nursery, "edge-1")
         error = await refused(agent, "mixed.example.com", 80)
         assert error.reason is p.StreamReason.FORBIDDEN
@@ -114,7 +114,8 @@ async def test_direct_ingress_backends_never_reach_the_protected_floor(host: str
                              controller="https://127.0.0.1:1")
         route = Route(name="shop/web", backends=())
         with pytest.raises(UpstreamUnavailable) as info:
-            await server.open_upstream(Backend(node=None, host=host, port=port), route)
+            await server.http_backends.open_http_backend(
+                Backend(node=None, host=host, port=port), route)
         assert info.value.status == 502
         assert "protected" in str(info.value)
         assert refusals(server, "backend_protected") == 1
@@ -128,9 +129,9 @@ async def test_a_direct_ingress_backend_with_a_public_address_is_served() -> Non
         async def resolve(host: str, _port: int) -> list[str]:
             return [public]
 
-        server.resolve = resolve
+        server.datapath.resolve = resolve
         route = Route(name="shop/web", backends=())
-        stream = await server.open_upstream(
+        stream = await server.http_backends.open_http_backend(
             Backend(node=None, host="backend.example.com", port=port), route)
         await stream.send_all(b"ping")
         assert await stream.receive_some() == b"ping"

@@ -1,0 +1,177 @@
+"""The server's data-path policy and dialing: what a stream may reach, and how the server
+connects to it.
+
+- An agent's stream to an address another node owns is a relay: allowed only by a relay
+  policy naming both. To the controller (config and signing streams): always. Anything
+  else is egress: allowed by the node's egress rules, and never into the protected floor
+  (loopback, link-local, the API server, the Service range) unless a CIDR rule names that
+  range. A bootstrap connection's streams reach the controller and nothing else.
+- An Ingress's direct backend (no node: a name a namespace's user controls) is dialed
+  only outside the protected floor.
+- Names are resolved here once and every address checked (`dial_checked`): a name with one
+  protected address is refused whole, and the connection goes to exactly the addresses
+  checked, so DNS cannot rebind between the check and the connect.
+
+Refusals are FORBIDDEN, counted by reason and logged (`refusals.PolicyRefusals`).
+Nothing here is an open proxy.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import trio
+
+from nodeagent.config import RoutesConfig
+from nodeagent.http.routes import Backend
+from nodeagent.server.refusals import PolicyRefusals
+from tunnel import protocol as p
+from tunnel.endpoint import StreamRefusedError
+from tunnel.errors import StreamFailed
+from tunnel.stream import TunnelStream
+from tunnel.tcp import DialFailed, connect_tcp
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+class NodeStreamOpener(Protocol):
+    """Opens a stream through a node's tunnel (TunnelServer.open_stream, tracked)."""
+
+    async def __call__(self, node: str, target: p.Target,
+                       metadata: dict[str, str]) -> TunnelStream: ...
+
+
+async def resolve_tcp(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to for TCP, in the resolver's order, once each."""
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DialFailed("dns", f"cannot resolve {host}: {exc.strerror}") from None
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    if not addresses:
+        raise DialFailed("dns", f"{host} has no addresses")
+    return addresses
+
+
+class DataPath:
+    """Decides and dials the destinations of the server's streams."""
+
+    def __init__(self, *, routes: Callable[[], RoutesConfig], open_stream: NodeStreamOpener,
+                 refusals: PolicyRefusals, dial_timeout: float,
+                 controller: tuple[str, int] | None, resolve: Resolver = resolve_tcp) -> None:
+        """`routes`: the routes in force (read per stream); `controller`: the
+        controller's (host, port) in controller mode, which agents always reach."""
+        self._routes = routes
+        self._open_stream = open_stream
+        self._refusals = refusals
+        self.dial_timeout = dial_timeout
+        self.controller = controller
+        # How names are resolved for egress and direct backends (tests inject theirs).
+        self.resolve = resolve
+
+    def is_controller(self, target: p.Target) -> bool:
+        return (target.host, target.port) == self.controller
+
+    async def open_for_agent(self, node: str, owner: str | None, target: p.Target,
+                             origin: str) -> trio.abc.HalfCloseableStream:
+        """The destination of a stream `node`'s agent opened: relayed to `owner` (the node
+        whose address it is) if a relay policy allows, the controller, or egress if the
+        node's rules allow. Raises StreamFailed (FORBIDDEN when policy refuses)."""
+        routes = self._routes()
+        if owner is not None and owner != node:
+            if not routes.relay_allows(node, target.host, target.port, target.protocol):
+                raise self._refusals.forbid(
+                    "relay_not_allowed", node, f"{target} belongs to node {owner}; no "
+                    f"relay policy lets node {node} reach it", target=str(target),
+                    origin=origin)
+            return await self.open_to(owner, target.host, target.port, f"{node}/{origin}")
+        if self.is_controller(target):
+            # The config and signing streams: always, whatever the egress rules.
+            return await connect_tcp(target.host, target.port,
+                                     connect_timeout=self.dial_timeout)
+        why = routes.check_egress(node, target.host, target.port, target.protocol)
+        if why is None:
+            return await self.dial_checked(
+                target.host, target.port,
+                lambda address: self._routes().address_protected(
+                    node, address, target.port, target.protocol),
+                lambda address: self._refusals.forbid(
+                    "egress_protected", node, f"{target.host} resolves to {address}, "
+                    f"which is protected (loopback, link-local, the API server or the "
+                    f"Service range) and no CIDR egress rule of node {node} names its "
+                    f"range", target=str(target), origin=origin))
+        if why == "not_allowed":
+            raise self._refusals.forbid("egress_not_allowed", node,
+                                        f"{target} is not in node {node}'s egress allow list",
+                                        target=str(target), origin=origin)
+        raise self._refusals.forbid("egress_protected", node,
+                                    f"{target} is protected (loopback, link-local, the API "
+                                    f"server or the Service range) and no egress rule of "
+                                    f"node {node} names its range", target=str(target),
+                                    origin=origin)
+
+    async def open_for_bootstrap(self, claimed_node: str,
+                                 target: p.Target) -> trio.abc.HalfCloseableStream:
+        """The destination of a bootstrap connection's stream: the controller (whose
+        signer checks the agent's token, inside TLS end to end) or nowhere."""
+        if not self.is_controller(target):
+            self._refusals.warning(
+                "bootstrap", "bootstrap stream refused: only the controller is reachable",
+                claimed_node=claimed_node, target=str(target))
+            raise StreamFailed(p.StreamReason.FORBIDDEN, "a connection without a "
+                               "certificate may only reach the controller")
+        return await connect_tcp(target.host, target.port, connect_timeout=self.dial_timeout)
+
+    async def dial_direct_backend(self, backend: Backend,
+                                  route_name: str) -> trio.SocketStream:
+        """An Ingress's direct backend (opted in; a name a namespace's user controls):
+        dialed only outside the protected floor."""
+        return await self.dial_checked(
+            backend.host, backend.port,
+            lambda address: self._routes().address_protected("*", address, backend.port),
+            lambda address: self._refusals.forbid(
+                "backend_protected", route_name, f"{backend.host} is or resolves to "
+                f"{address}, which is protected (loopback, link-local, the API server or "
+                f"the Service range)", backend=f"{backend.host}:{backend.port}"))
+
+    async def open_to(self, node: str | None, host: str, port: int,
+                      origin: str) -> trio.abc.HalfCloseableStream:
+        """A stream to host:port through `node` (or directly when node is None).
+        Raises StreamFailed (StreamRefusedError or DialFailed) with the reason."""
+        if node is None:
+            return await connect_tcp(host, port, connect_timeout=self.dial_timeout)
+        with trio.move_on_after(self.dial_timeout) as scope:
+            return await self._open_stream(node, p.Target(host, port), {"origin": origin})
+        assert scope.cancelled_caught
+        raise StreamRefusedError(p.StreamReason.TIMEOUT,
+                                 f"node {node} did not answer within {self.dial_timeout}s")
+
+    async def dial_checked(self, host: str, port: int, protected: Callable[[str], bool],
+                           refuse: Callable[[str], Exception]) -> trio.SocketStream:
+        """Dial host:port, a name resolved here once: every address it resolves to must
+        pass `protected` (else `refuse(address)` is raised: a name with one protected
+        address is refused whole), and the connection goes to exactly those checked
+        addresses, in order — no second resolution, so no DNS-rebinding window between
+        the check and the connect. An IP literal is checked and dialed as it is."""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            literal = False
+        else:
+            literal = True
+        failure: StreamFailed | None = None
+        with trio.move_on_after(self.dial_timeout):
+            addresses = [host] if literal else await self.resolve(host, port)
+            for address in addresses:
+                if protected(address):
+                    raise refuse(address)
+            for address in addresses:
+                try:
+                    return await connect_tcp(address, port, connect_timeout=None)
+                except DialFailed as exc:
+                    failure = exc
+        raise failure or DialFailed("timeout", f"connecting to {host}:{port} timed out "
+                                               f"after {self.dial_timeout:g}s")

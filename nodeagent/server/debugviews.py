@@ -1,0 +1,118 @@
+"""What the server shows of its agents' tunnels: the debug socket's `tunnels` and
+`streams` views, the `agents` rows of its status, and the live metrics read from the
+tunnels at each scrape (agents connected, RTT and open streams per node, disconnects by
+why, the HTTP fronts' counters).
+
+Pure reads of the TunnelServer and the fronts' counters, computed on request: nothing
+here runs on the data path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client.metrics_core import Metric
+
+from nodeagent.http.stats import HttpStats
+from nodeagent.ops.metrics import counter, gauge
+from nodeagent.ops.streams import StreamNotes, stream_rows
+from tunnel.server import TunnelServer
+
+
+def tunnels_view(tunnel: TunnelServer, server_id: str, node: str | None = None
+                 ) -> dict[str, Any]:
+    """`nodeagent debug tunnels` on a server: a row per node tunnel (or `node`'s),
+    then nodes whose tunnel ended lately (state disconnected, why, since when)."""
+    rows = []
+    now = time.time()
+    sessions = tunnel.sessions
+    for name in ([node] if node is not None else sorted(sessions)):
+        session = sessions.get(name)
+        if session is None:
+            continue
+        info = session.connection.info()
+        ended = tunnel.recent_ends.get(name)
+        rows.append({
+            "node": name, "peer": info.peer,
+            "state": "draining" if info.draining else "open",
+            "rtt_ms": round(info.rtt_seconds * 1000, 2) if info.rtt_seconds is not None
+            else None,
+            "streams_open": info.streams_open, "bytes_in": info.bytes_in,
+            "bytes_out": info.bytes_out,
+            "since_seconds": round(max(0.0, now - session.since), 1),
+            # A node connected again (the live tunnel has not ended): why its
+            # previous tunnel ended, replaced by this one included.
+            "last_error": f"previous tunnel: {ended.label}: {ended.reason}"
+            if ended is not None else None,
+        })
+    for name, ended in reversed(tunnel.recent_ends.items()):
+        if name in sessions or (node is not None and name != node):
+            continue
+        rows.append({"node": name, "peer": ended.peer, "state": "disconnected",
+                     "rtt_ms": None, "streams_open": 0, "bytes_in": None,
+                     "bytes_out": None,
+                     "since_seconds": round(max(0.0, now - ended.since), 1),
+                     "last_error": f"{ended.label}: {ended.reason}"})
+    return {"role": "server", "server_id": server_id,
+            "node_filter": node, "connected": len(sessions),
+            "disconnects": dict(tunnel.disconnects), "tunnels": rows}
+
+
+def streams_view(tunnel: TunnelServer, notes: StreamNotes, server_id: str,
+                 node: str | None = None) -> dict[str, Any]:
+    """`nodeagent debug streams` on a server: every stream of every node's tunnel."""
+    sessions = tunnel.sessions
+    rows = []
+    for name in ([node] if node is not None else sorted(sessions)):
+        session = sessions.get(name)
+        if session is not None:
+            rows.extend(stream_rows(session.connection, notes, peer={"node": name}))
+    return {"role": "server", "server_id": server_id, "node_filter": node, "streams": rows}
+
+
+def agent_rows(tunnel: TunnelServer) -> list[dict[str, Any]]:
+    """The `agents` of the server's status: one row per connected node."""
+    agents = []
+    for node, session in sorted(tunnel.sessions.items()):
+        info = session.connection.info()
+        agents.append({
+            "node": node, "peer": info.peer,
+            "connected_seconds": round(time.time() - session.since, 1),
+            "rtt_ms": round(info.rtt_seconds * 1000, 2) if info.rtt_seconds is not None
+            else None,
+            "streams_open": info.streams_open, "bytes_in": info.bytes_in,
+            "bytes_out": info.bytes_out, "draining": info.draining,
+        })
+    return agents
+
+
+def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats]
+                 ) -> Iterable[Metric]:
+    """The metrics read from the tunnels and fronts at each scrape."""
+    agents = gauge("nodeagent_agents_connected", "Agents with an open tunnel")
+    agents.add_metric([], len(tunnel.sessions))
+    yield agents
+    rtt = gauge("nodeagent_agent_rtt_seconds", "Round-trip time to each agent", ["node"])
+    streams = gauge("nodeagent_agent_streams_open", "Open streams per agent", ["node"])
+    for node, session in tunnel.sessions.items():
+        if session.connection.rtt is not None:
+            rtt.add_metric([node], session.connection.rtt)
+        streams.add_metric([node], session.connection.info().streams_open)
+    yield rtt
+    yield streams
+    disconnects = counter(
+        "nodeagent_agent_disconnects",
+        "Agent tunnels that ended, by why (drained, keepalive_timeout, "
+        "connection_lost, shutting_down, replaced, unauthorized, protocol_error, "
+        "closed, cancelled)", labels=["reason"])
+    for reason, count in sorted(tunnel.disconnects.items()):
+        disconnects.add_metric([reason], count)
+    yield disconnects
+    http = gauge("nodeagent_http_front", "HTTP front counters by listener",
+                 ["listener", "counter"])
+    for name, stats in http_stats.items():
+        for field_name, value in stats.as_dict().items():
+            http.add_metric([name, field_name], value)
+    yield http

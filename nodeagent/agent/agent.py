@@ -70,6 +70,9 @@ class Agent:
         self._forbidden_log = RateLimitedLog(self.log, period=60.0)
         # Streams the server's CONNECT front opened (kube-apiserver, Prometheus), live.
         self.control_plane = LiveStreams()
+        # Set when a drain begins: the agent's own long-lived streams (the config watch)
+        # end then, so the drain waits only for the traffic it carries.
+        self.draining = trio.Event()
         token = config.read_token()
         endpoint = parse_endpoint(config.server)
 
@@ -283,6 +286,7 @@ class Agent:
         bounds it with `drain_seconds`. Intercepted connections: the proxy listener
         closes, those accepted carry on. Tunnels: GOAWAY, so the servers open no new
         streams to this node (they answer 502 meanwhile), and the running ones finish."""
+        self.draining.set()
         interceptor = self.interceptor
         if interceptor is not None:
             await interceptor.stop_accepting()

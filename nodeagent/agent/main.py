@@ -33,13 +33,10 @@ from nodeagent.config import (
     redacted,
 )
 from nodeagent.configstream.client import (
-    WatchStatus,
     controller_address,
     read_ca_file,
     token_reader,
-    watch_config,
 )
-from nodeagent.configstream.protocol import node_config_path
 from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.health import HealthServer
 from nodeagent.ops.listener import Listener, Listeners
@@ -233,36 +230,27 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
     # Controller mode only: the node certificate (a key, a CSR: cryptography). An agent
     # started from a file never imports these (tests/test_imports.py).
     from nodeagent.agent.nodecert import node_certificate_requester
-    from nodeagent.trust.enrollment import IdentityKeeper, IssuedIdentity
+    from nodeagent.configstream.cluster import ControllerLink
+    from nodeagent.trust.enrollment import IssuedIdentity, Requester
 
     config = agent_config_from_flags(args)
     assert config.controller is not None and config.identity_token_file is not None
     assert config.tls.ca_file is not None
-    host, port = controller_address(config.controller)
-    token = token_reader(config.identity_token_file)
     ca_file = config.tls.ca_file
     # The --ca-file bundle: it verifies the tunnel server and the controller, and is
     # re-read when it changes (CA rotation: a bundle of both CAs, then the new one alone).
     ca = _Trust(read_ca_file(ca_file), agent_ssl_context(config, "flags", TLS_FLAGS))
     agent = Agent(config, ssl_context=ca.server)
-    status = WatchStatus(config.controller)
-    agent.config_watch = status
 
     def tunnel_context() -> None:
         # The tunnel presents the node certificate from its next connection on.
-        identity = keeper.identity
+        identity = link.keeper.identity
         if identity is not None:
             agent.client.ssl_context = client_ssl_context(
                 ca.pem, identity.certificate_pem, identity.key_pem)
 
     def renewed(identity: IssuedIdentity) -> None:
         tunnel_context()
-
-    def watch_context() -> ssl.SSLContext:
-        # The config watch (TLS to the controller inside the tunnel), at each connect:
-        # the current certificate, verifying the controller with the --ca-file bundle.
-        assert keeper.identity is not None
-        return keeper.identity.client_context(ca=ca.pem)
 
     def load_ca() -> tuple[bytes, ssl.SSLContext | None]:
         return read_ca_file(ca_file), agent_ssl_context(config, "flags", TLS_FLAGS)
@@ -271,32 +259,45 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
         ca.pem, ca.server = loaded
         tunnel_context()
 
-    keeper = IdentityKeeper("node", node_certificate_requester(
-        agent.client, node=config.node, controller=(host, port), token=token,
-        ca_pem=lambda: ca.pem, server_ca=lambda: ca.server, current=lambda: keeper.identity),
-        log=log.bind(node=config.node), on_renewed=renewed)
-    agent.identity = keeper
+    async def open_stream() -> trio.abc.Stream:
+        # The config watch: TLS to the controller end to end, inside the tunnel.
+        target = p.Target(link.host, link.port)
+        stream: trio.abc.Stream = await agent.open_stream(target)
+        agent.stream_notes.note(stream, f"config watch to the controller {target.host}:"
+                                        f"{target.port}")
+        return stream
+
+    def requester(link: ControllerLink) -> Requester:
+        # Through the tunnel when it is up, else a bootstrap connection (nodecert.py).
+        return node_certificate_requester(
+            agent.client, node=config.node, controller=(link.host, link.port),
+            token=link.token, ca_pem=lambda: ca.pem, server_ca=lambda: ca.server,
+            current=lambda: link.keeper.identity)
+
+    link = ControllerLink(kind="node", name=config.node, url=config.controller,
+                          token=token_reader(config.identity_token_file),
+                          ca_pem=lambda: ca.pem, open_stream=open_stream,
+                          log=log.bind(node=config.node), requester=requester,
+                          on_renewed=renewed)
+    agent.identity = link.keeper
+    agent.config_watch = link.status
     ca_reloader = FileReloader("CA bundle", [ca_file], load=load_ca, apply=ca_changed,
                                log=agent.log)
 
-    async def open_stream() -> trio.abc.Stream:
-        stream: trio.abc.Stream = await agent.open_stream(p.Target(host, port))
-        agent.stream_notes.note(stream, f"config watch to the controller {host}:{port}")
-        return stream
-
-    async def apply(node_config: NodeConfig) -> None:
-        await agent.apply_node_config(node_config)
+    async def link_until_drain(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                               ) -> None:
+        # The watch is a stream of the agent's own: it ends when a drain begins, which
+        # then waits only for the traffic the agent carries.
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run, NodeConfig, agent.apply_node_config)
+            task_status.started()
+            await agent.draining.wait()
+            nursery.cancel_scope.cancel()
 
     async def main() -> None:
-        log.info("asking the controller for this node's certificate", node=config.node)
-        await keeper.obtain()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(keeper.renew_forever)
+            await nursery.start(link_until_drain)  # the first certificate is in
             nursery.start_soon(ca_reloader.run)
-            nursery.start_soon(lambda: watch_config(
-                open_stream=open_stream, host=host,
-                path=node_config_path(config.node), tls=watch_context,
-                model=NodeConfig, apply=apply, status=status, log=log.bind(node=config.node)))
             await serve_agent(agent)  # returns on SIGTERM/SIGINT
             nursery.cancel_scope.cancel()
 

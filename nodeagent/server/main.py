@@ -37,11 +37,9 @@ from nodeagent.config import (
     parse_config,
 )
 from nodeagent.configstream.client import (
-    WatchStatus,
     controller_address,
     read_ca_file,
     token_reader,
-    watch_config,
 )
 from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
@@ -274,8 +272,7 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
 def run_server_cluster(args: argparse.Namespace) -> int:
     # Controller mode only: this server's own certificate (a key, a CSR: cryptography).
     # A server started from a file never imports these.
-    from nodeagent.trust import pki
-    from nodeagent.trust.enrollment import IdentityKeeper, IssuedIdentity, request_certificate
+    from nodeagent.configstream.cluster import ControllerLink
 
     config = server_config_from_flags(args)
     workers = int(getattr(args, "workers", 1) or 1)
@@ -293,8 +290,6 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     ca_file = config.tls.client_ca_file
     ca_pem = read_ca_file(ca_file)
     server = Server(config)
-    status = WatchStatus(config.controller)
-    server.config_watch = status
 
     async def open_stream() -> trio.abc.Stream:
         # connect_tcp: every address in turn, and TCP keepalive (a controller that
@@ -312,18 +307,11 @@ def run_server_cluster(args: argparse.Namespace) -> int:
                         error=str(exc)[:200])
         return ca_pem
 
-    async def request(key: pki.PrivateKey) -> IssuedIdentity:
-        return await request_certificate(open_stream, host=host, token=token(),
-                                         kind="server", key=key, ca_pem=current_ca())
-
-    def watch_context() -> ssl.SSLContext:
-        # At each (re)connect of the watch: the current certificate and CA bundle.
-        assert keeper.identity is not None
-        return keeper.identity.client_context(ca=current_ca())
-
-    keeper = IdentityKeeper("server", request, log=log.bind(server=config.server_id))
-    server.identity = keeper
-
+    link = ControllerLink(kind="server", name=config.server_id, url=config.controller,
+                          token=token, ca_pem=current_ca, open_stream=open_stream,
+                          log=log.bind(server=config.server_id))
+    server.identity = link.keeper
+    server.config_watch = link.status
     state_dir: Path | None = getattr(args, "state_dir", None)
 
     async def apply(routes: RoutesConfig) -> None:
@@ -341,30 +329,16 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     if persisted is not None:
         server.apply_routes(slot.routes(persisted[0]) if slot is not None else persisted[0])
         running = persisted[1]
-        status.applied_version = persisted[0].version
+        link.status.applied_version = persisted[0].version
         log.info("serving the routes persisted before the restart until the controller "
                  "answers", version=persisted[0].version, path=str(state_dir))
 
-    async def watch(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                    ) -> None:
-        if persisted is not None:
-            task_status.started()  # serve the persisted routes now
-        log.info("asking the controller for this server's certificate",
-                 server=config.server_id)
-        await keeper.obtain()
-        if persisted is None:
-            task_status.started()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(keeper.renew_forever)
-            await watch_config(
-                open_stream=open_stream, host=host,
-                path=f"/v1/config/servers/{config.server_id}", tls=watch_context,
-                model=RoutesConfig, apply=apply, status=status, running=running,
-                log=log.bind(server=config.server_id))
-
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(watch)
+            # Serve the persisted routes at once; else wait for the first certificate.
+            await nursery.start(functools.partial(
+                link.run, RoutesConfig, apply, running=running,
+                serve_before_identity=persisted is not None))
             await serve_server(server, ssl_context, tls_source="flags",  # returns on SIGTERM/SIGINT
                                tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds,
                                shutdown_delay=args.shutdown_delay,

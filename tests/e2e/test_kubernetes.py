@@ -554,6 +554,33 @@ def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up
         assert "PRIVATE KEY" not in proc.logs()
 
 
+def test_an_agent_whose_certificate_requests_fail_keeps_trying_and_enrolls(
+        cluster: dict[str, Any], tmp_path: Path) -> None:
+    """A restarted agent asks for its certificate through a bootstrap connection while
+    the API server fails the controller's TokenReviews: each attempt is refused (503,
+    inside the bootstrap connection's nursery), and the agent neither exits nor logs a
+    traceback; it retries with backoff and enrolls once the reviews succeed."""
+    api, procs, server, agent = cluster["api"], cluster["procs"], cluster["server"], \
+        cluster["agent"]
+    assert agent.stop() == 0
+    response = api.http.post("/_fake/fail", json={
+        "count": 3, "status": 500, "method": "POST",
+        "path": "/apis/authentication.k8s.io/v1/tokenreviews"})
+    response.raise_for_status()
+    again = NodeagentProcess("agent", agent.config, tmp_path, "agent-again",
+                             args=agent.args).start()
+    procs.append(again)
+    again.wait_for_log("certificate request failed; retrying", timeout=20)
+    took = wait_for(lambda: again.logs().count("certificate issued") >= 1,
+                    "the agent enrolled after the failures", timeout=30)
+    assert again.logs().count("certificate request failed; retrying") >= 3, again.logs()
+    assert again.proc is not None and again.proc.poll() is None, again.logs()
+    assert "Traceback" not in again.logs(), again.logs()
+    server.wait_for(lambda s: [a["node"] for a in s["agents"]] == ["edge-1"],
+                    what="the agent connected", timeout=15)
+    print(f"\nenrolled {took:.2f} s after the first refusal")
+
+
 # How long both controllers stay away. The issue's figure is 30 s (`-m slow` runs that);
 # the default run keeps it shorter but long enough for a doubling backoff to reach
 # seconds between attempts, which is what this test guards against.

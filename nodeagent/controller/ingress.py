@@ -46,7 +46,6 @@ Ingresses that read it; a change of the admin's opt-in translates them all.
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,6 +57,14 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from nodeagent.config import Backend, HostPort, IngressRoutes, IngressRule, IngressTls
 from nodeagent.config.httprules import PATH_TYPES, check_rule_host, check_rule_path
+from nodeagent.controller.endpoints import (
+    Network,
+    endpoint_refusal,
+    networks_of,
+    node_view,
+    on_node,
+    pod_view,
+)
 from nodeagent.runtime.gcpause import gc_paused
 
 CONTROLLER_NAME = "nodeagent.io/ingress-controller"
@@ -175,92 +182,6 @@ def direct_allowed(namespace: str, direct_namespaces: frozenset[str]) -> bool:
     return "*" in direct_namespaces or namespace in direct_namespaces
 
 
-def pod_view(pod: Obj | None) -> tuple[Any, ...] | None:
-    """What the endpoint check reads of a Pod: its uid, node, IPs, whether it shares the
-    node's network and then the ports it declares; not its status conditions."""
-    if pod is None:
-        return None
-    spec = pod.get("spec") or {}
-    status = pod.get("status") or {}
-    host = spec.get("hostNetwork") is True
-    return (_meta(pod).get("uid"), spec.get("nodeName"), host, status.get("podIP"),
-            status.get("podIPs"),
-            tuple(port.get("containerPort") for c in spec.get("containers") or []
-                  if isinstance(c, dict) for port in c.get("ports") or []
-                  if isinstance(port, dict)) if host else ())
-
-
-def _ip(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(str(text))
-    except ValueError:
-        return None
-
-
-def _pod_ips(view: tuple[Any, ...]) -> set[Any]:
-    texts = [view[3], *(p.get("ip") for p in view[4] or [] if isinstance(p, dict))]
-    return {ip for text in texts if text and (ip := _ip(text)) is not None}
-
-
-def endpoint_refusal(namespace: str, endpoint: Obj, address: str, port: int,
-                     pods: dict[tuple[str, str], Obj]) -> str | None:
-    """Why an endpoint (with a nodeName) of a Service in `namespace` is not believed, as
-    a reason code; None if its targetRef is a Pod of `namespace` (in `pods`, uid matching
-    when given) on the endpoint's node that holds `address` — and, for a Pod on the
-    node's own network, declares `port`: its address is the node's, so any other port
-    there is the node's service, not the Pod's."""
-    ref = endpoint.get("targetRef")
-    if not isinstance(ref, dict):
-        return "no_target_ref"
-    if ref.get("kind") != "Pod" or ref.get("apiVersion", "v1") not in ("v1", ""):
-        return "target_not_pod"
-    if str(ref.get("namespace") or namespace) != namespace:
-        return "other_namespace"
-    view = pod_view(pods.get((namespace, str(ref.get("name", "")))))
-    if view is None:
-        return "pod_not_found"
-    if ref.get("uid") and ref.get("uid") != view[0]:
-        return "pod_uid_mismatch"
-    if not view[1] or view[1] != endpoint.get("nodeName"):
-        return "pod_on_other_node"
-    ip = _ip(address)
-    if ip is None or ip not in _pod_ips(view):
-        return "not_pod_address"
-    if view[2] and port not in view[5]:
-        return "host_port_undeclared"
-    return None
-
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def networks_of(node: Obj) -> list[Network]:
-    """A Node's spec.podCIDRs and its status addresses (IPs, as /32 or /128)."""
-    nets: list[Network] = []
-    texts = [*((node.get("spec") or {}).get("podCIDRs") or []),
-             *(a.get("address") for a in (node.get("status") or {}).get("addresses") or []
-               if isinstance(a, dict))]
-    for text in texts:
-        try:
-            nets.append(ipaddress.ip_network(str(text), strict=False))
-        except ValueError:
-            continue  # a Hostname address, or a bad podCIDR (compute reports those)
-    return nets
-
-
-def node_networks(nodes: Iterable[Obj]) -> dict[str, list[Network]]:
-    """Node → its spec.podCIDRs and its status addresses (IPs, as /32 or /128)."""
-    return {str(_meta(node).get("name", "")): networks_of(node) for node in nodes}
-
-
-def _on_node(address: str, networks: list[Network]) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip.version == net.version and ip in net for net in networks)
-
-
 def references(ingress: Obj) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The names of the Services (backends) and Secrets (spec.tls) an Ingress names, in
     its own namespace: all that it reads besides their EndpointSlices and Nodes."""
@@ -282,15 +203,6 @@ def ingress_view(ingress: Obj) -> tuple[Any, ...]:
     leader writes it, on every Ingress, without changing a route) nor resourceVersion."""
     meta = _meta(ingress)
     return (ingress.get("spec"), meta.get("annotations"), meta.get("creationTimestamp"))
-
-
-def node_view(node: Obj | None) -> tuple[Any, ...] | None:
-    """What the translation reads of a Node: its podCIDRs and addresses, not the status
-    conditions a kubelet rewrites every few seconds."""
-    if node is None:
-        return None
-    return ((node.get("spec") or {}).get("podCIDRs"),
-            (node.get("status") or {}).get("addresses"))
 
 
 @dataclass
@@ -643,7 +555,7 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
                     nodeless.add(str(address))
                     out.refused["nodeless"] += 1
                     continue
-                if node is not None and not _on_node(str(address), index.memo.networks(
+                if node is not None and not on_node(str(address), index.memo.networks(
                         str(node), index.nodes.get(str(node)))):
                     off_node.add(f"{address} on {node}")
                     out.refused["off_node"] += 1

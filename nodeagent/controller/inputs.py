@@ -24,7 +24,7 @@ from nodeagent.controller.bootstrap import (
     TUNNEL_SERVICE,
 )
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
-from nodeagent.controller.ingress import pod_view
+from nodeagent.controller.endpoints import pod_view
 from nodeagent.kube import (
     ENDPOINTSLICES,
     INGRESSCLASSES,

@@ -32,10 +32,10 @@ The next cut, if it grows, is the body pump and response relay into a module of 
 own.) Refusals that protect the front (`_reject`) are also
 counted by reason and logged rate-limited (`HttpStats.refused`).
 
-Performance notes (2-core VM, 1 KiB GETs, 16 keep-alive connections, bench_proxy): the
-front does about half of what a bare trio byte relay does; of its CPU about a third is the
-loopback socket syscalls themselves, the rest is shared by trio's I/O machinery, request
-parsing (~2 µs a plain head with llhttp; it was ~12-24 µs with h11) and this module.
+Performance (`python -m scripts.bench.http_front` measures the front against a bare
+trio byte relay; docs/performance.md has today's figures): much of the front's CPU is
+the loopback syscalls and trio's I/O machinery, which is why heads are parsed with
+llhttp and responses written without h11's re-validation.
 The hot path allocates one header list, one upstream request head, one response head, one
 `ClientRequest` and two cancel scopes per request; a request without a body runs in the
 connection's task (only a request body gets a second task, to stream both ways at once).

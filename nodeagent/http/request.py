@@ -10,9 +10,9 @@ request it refuses raises `BadRequest` with the status to answer (400 or 431).
 Two parsers behind it. Request heads go to llhttp (httptools, strict: no leniency is
 turned on), fed exactly one head at a time so that it stays in step with the requests;
 bodies framed by Content-Length are counted here (and fed to llhttp too, so that one
-parser serves the whole connection). Measured with `scripts/benchlib/parse.py` (head
-and end of message): wrk's GET 1.6 µs against 12.8 µs with a fresh `h11.Connection` per
-request (what the front did before), a 9-field browser GET 3.4 against 24.2 µs.
+parser serves the whole connection). Why: a head costs llhttp several times less CPU
+than a fresh `h11.Connection` per request (`python -m scripts.bench.http_parse` measures
+both; docs/performance.md has today's figures).
 
 h11 stays the reference and the authority for everything unusual. A request that llhttp
 refuses (bare CR or LF, obs-fold, control characters, non-ASCII targets, duplicate or

@@ -4,7 +4,7 @@ asserted is what an operator sees: when the node is back, which streams survive,
 log lines (one per event, never a traceback).
 
 Times are asserted loosely (this machine is shared and noisy) and printed; the tight
-figures come from scripts/bench_reconnect.py over several runs."""
+figures come from `python -m scripts.bench.reconnect_after_outage` over several runs."""
 
 from __future__ import annotations
 

@@ -204,6 +204,11 @@ class TunnelConnection:
         self.identity = dict(done.hello.identity)
         return done
 
+    def limit_peer_streams(self, max_streams: int) -> None:
+        """While vetting the peer's HELLO (accept_handshake's `authenticate`): allow it at
+        most `max_streams` open streams, fewer than the settings say; our HELLO says so."""
+        self._core.limit_remote_streams(max_streams)
+
     # ------------------------------------------------------------------ running
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

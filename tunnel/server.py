@@ -16,10 +16,12 @@ server refuses new handshakes as SHUTTING_DOWN: agents retry at once, elsewhere.
 Bootstrap (an agent without credentials fetching its certificate, `Bootstrap`): anyone
 who can reach the server can open such a connection, so they are capped in all
 (`max_bootstrap_sessions`) and per source address (`max_bootstrap_per_address`, see
-tunnel.bootstrap), and each connection lives at most `bootstrap_seconds`, about what one
-certificate request needs. Beyond a cap the dialer is
-refused as OVERLOADED, counted by reason (`refusals`, `on_refusal`) and logged at most
-once per reason per 10 s.
+tunnel.bootstrap); each connection lives at most `bootstrap_seconds`, about what one
+certificate request needs, and its streams end with it; and a connection opens at
+most `max_bootstrap_streams` streams (our HELLO announces it as its concurrent cap; it is
+also counted over the connection's life), since each becomes a connection to the
+controller. Beyond a cap the dialer is refused as OVERLOADED, counted by reason
+(`refusals`, `on_refusal`) and logged at most once per reason per 10 s.
 
 Replicas: the server's HELLO names it (server id) and says how many replicas serve the
 public address; an agent names the servers it already holds, and one named there refuses
@@ -59,8 +61,9 @@ from tunnel.transports import PeerInfo, Transport
 class Bootstrap:
     """An authenticator's answer for a dialer that has no credentials yet and may only
     fetch them: its connection is never registered as a node, lives at most
-    `bootstrap_seconds`, and its streams go to the server's `bootstrap_handler` (which
-    lets them reach the certificate signer, nothing else)."""
+    `bootstrap_seconds` (its streams end with it), opens at most
+    `max_bootstrap_streams`, and its streams go to the server's `bootstrap_handler`
+    (which lets them reach the certificate signer, nothing else)."""
 
     claimed_node: str
 
@@ -123,6 +126,7 @@ class TunnelServer:
         max_bootstrap_sessions: int = 64,
         max_bootstrap_per_address: int | None = 4,
         bootstrap_seconds: float = 10.0,
+        max_bootstrap_streams: int = 2,
         admission: HandshakeAdmission | None = None,
         replicas: int | None = None,
         on_refusal: Callable[[str], None] | None = None,
@@ -141,10 +145,15 @@ class TunnelServer:
         # registered may still reconnect), so no stream of names can grow the registry.
         self.max_sessions = max_sessions
         # Bootstrap connections open now, in all and per source address (None: no cap per
-        # address, for a server behind a proxy that hides them), and how long each may
-        # last: one certificate request takes well under a second.
+        # address, for a server behind a proxy that hides them), how long each (and so each
+        # of its streams) may last, and how many streams each may open: one certificate
+        # request takes one stream and well under a second.
         self.bootstrap_slots = BootstrapSlots(max_bootstrap_sessions, max_bootstrap_per_address)
         self.bootstrap_seconds = bootstrap_seconds
+        if not 1 <= max_bootstrap_streams <= self.settings.protocol.max_streams:
+            raise ValueError(f"max_bootstrap_streams {max_bootstrap_streams} not in "
+                             f"[1, {self.settings.protocol.max_streams}]")
+        self.max_bootstrap_streams = max_bootstrap_streams
         self.bootstrap_served = 0  # ever
         self.log = log or get_logger("tunnel.server")
         self.sessions: dict[str, AgentSession] = {}
@@ -262,19 +271,26 @@ class TunnelServer:
                                        p.ErrorCode.OVERLOADED,
                                        retry_after=BOOTSTRAP_RETRY_AFTER, source=source)
                 reserved = source
+                # Every bootstrap stream becomes a connection to the controller.
+                conn.limit_peer_streams(self.max_bootstrap_streams)
             answer = {p.IDENTITY_SERVER: self.server_id}
             if self.replicas is not None:
                 answer[p.IDENTITY_REPLICAS] = str(self.replicas)
             return p.Hello(identity=answer)
 
         handler = None
+        bootstrap_streams = 0  # opened on this connection, if it is a bootstrap
         if self._stream_handler is not None or self._bootstrap_handler is not None:
             stream_handler, bootstrap_handler = self._stream_handler, self._bootstrap_handler
 
             async def handler(incoming: IncomingStream) -> None:
+                nonlocal bootstrap_streams
                 if isinstance(identity, Bootstrap):
                     if bootstrap_handler is not None:
-                        await bootstrap_handler(identity.claimed_node, incoming)
+                        bootstrap_streams += 1
+                        await self._serve_bootstrap_stream(
+                            bootstrap_handler, identity, incoming, bootstrap_streams,
+                            reserved or "")
                         return
                 elif identity is not None and stream_handler is not None:
                     await stream_handler(identity, incoming)
@@ -356,6 +372,33 @@ class TunnelServer:
             self.bootstrap_slots.give_back(source)
             with trio.CancelScope(shield=True):
                 await conn.aclose(p.ErrorCode.NO_ERROR, "credentials fetched")
+            # OPENs beyond the concurrent cap, which the protocol core refused itself.
+            if over := conn.stats.streams_refused_over_limit:
+                self._bootstrap_streams_refused(over, source)
+
+    async def _serve_bootstrap_stream(self, handler: NodeStreamHandler, bootstrap: Bootstrap,
+                                      incoming: IncomingStream, nth: int,
+                                      source: str) -> None:
+        """The `nth` stream of a bootstrap connection: refused (OVERLOADED) beyond
+        `max_bootstrap_streams`. (Its deadline is its connection's: the handler runs in
+        the connection's nursery, which _serve_bootstrap ends after `bootstrap_seconds`,
+        resetting every stream.)"""
+        if nth > self.max_bootstrap_streams:
+            self._bootstrap_streams_refused(1, source)
+            await incoming.refuse(p.StreamReason.OVERLOADED, "a bootstrap connection opens at "
+                                  f"most {self.max_bootstrap_streams} streams")
+            return
+        await handler(bootstrap.claimed_node, incoming)
+
+    def _bootstrap_streams_refused(self, count: int, source: str) -> None:
+        reason = "bootstrap_streams"
+        self.refusals[reason] += count
+        if self._on_refusal is not None:
+            for _ in range(count):
+                self._on_refusal(reason)
+        self._refusal_log.warning(reason, "bootstrap streams refused", reason=reason,
+                                  refused=count, source=source,
+                                  refused_total=self.refusals[reason])
 
     def _notify(self) -> None:
         self._changed.set()

@@ -9,7 +9,13 @@ import trio.testing
 from tests.tunnel.memtransport import memory_transport_pair
 from tests.tunnel.test_endpoint import echo_handler
 from tunnel import protocol as p
-from tunnel.endpoint import EndpointSettings, HandshakeError, IncomingStream, TunnelConnection
+from tunnel.endpoint import (
+    EndpointSettings,
+    HandshakeError,
+    IncomingStream,
+    StreamRefusedError,
+    TunnelConnection,
+)
 from tunnel.server import Bootstrap, NodeNotConnected, TunnelServer
 from tunnel.transports import PeerInfo
 
@@ -209,6 +215,63 @@ async def test_a_bootstrap_connection_is_closed_within_ten_seconds_by_default(
         assert trio.current_time() - started <= 10.0
         await trio.testing.wait_all_tasks_blocked()
         assert server.bootstrap_sessions == 0 and server.bootstrap_served == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_bootstrap_connection_opens_at_most_two_streams() -> None:
+    """Each bootstrap stream becomes a connection to the controller: a bootstrap connection
+    gets 2 (announced in the server's HELLO, and counted over the connection's life), and
+    one that ignores the announcement has the rest refused as OVERLOADED, counted."""
+    reached: list[str] = []
+
+    async def to_signer(claimed: str, incoming: IncomingStream) -> None:
+        reached.append(claimed)
+        await echo_handler(incoming)
+
+    reasons: list[str] = []
+    server = TunnelServer(authenticate=bootstrap_unless_token, settings=SETTINGS,
+                          bootstrap_handler=to_signer, on_refusal=reasons.append)
+    signer = p.Target("signer", 443)
+    boot = {"node": "edge-1", "bootstrap": "1"}
+    async with trio.open_nursery() as nursery:
+        honest = await dial_hello(server, nursery, boot)
+        first, second = [await honest.open_stream(signer) for _ in range(2)]
+        with pytest.raises(StreamRefusedError, match="allows 2 concurrent") as info:
+            await honest.open_stream(signer)  # the dialer read the cap in the HELLO
+        assert info.value.reason is p.StreamReason.OVERLOADED
+        await first.aclose()
+        await second.aclose()
+        with pytest.raises(StreamRefusedError, match="at most 2 streams") as info:
+            await honest.open_stream(signer)  # over the connection's life too
+        assert info.value.reason is p.StreamReason.OVERLOADED
+        assert reasons == ["bootstrap_streams"] and len(reached) == 2
+
+        # A dialer that ignores the announced cap and opens 10 at once.
+        ours, theirs = memory_transport_pair(acceptor_peer="192.0.2.5:1000")
+        nursery.start_soon(server.handle_transport, theirs)
+        rogue = p.Connection(p.Role.DIALER)
+        rogue.start(p.Hello(identity=boot))
+        await ours.send(rogue.data_to_send())
+        events = rogue.receive_data(await ours.receive())
+        assert isinstance(events[0], p.HandshakeCompleted)
+        assert rogue.remote_settings.max_streams == 2
+        rogue.remote_settings = p.Settings()  # ignore it
+        for _ in range(10):
+            rogue.open_stream(signer)
+        await ours.send(rogue.data_to_send())
+        answers: list[p.Event] = []
+        with trio.fail_after(5):
+            while len(answers) < 10:
+                answers += [e for e in rogue.receive_data(await ours.receive())
+                            if isinstance(e, p.StreamAccepted | p.StreamRefused)]
+        refused = [e for e in answers if isinstance(e, p.StreamRefused)]
+        assert len(refused) == 8 and len(reached) == 4
+        assert {e.reason for e in refused} == {p.StreamReason.OVERLOADED}
+        await ours.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        # Counted when the connection ends (the protocol core refused them itself).
+        assert server.refusals["bootstrap_streams"] == 1 + 8
+        assert reasons.count("bootstrap_streams") == 9
         nursery.cancel_scope.cancel()
 
 

@@ -9,8 +9,9 @@ waits on a dead connection.
 
 The streams live in stream.py and reach their connection only through the public
 methods of `StreamCarrier` (declared there, implemented here); the connection delivers
-to them through their public `*_received` methods. The errors live in errors.py. Both
-modules' names are importable from here too, as every caller always has.
+to them through their public `*_received` methods. The errors live in errors.py (their
+names importable from here too, as every caller always has), the HELLO exchange that
+opens the connection in handshake.py.
 
 Backpressure is explicit everywhere: a stream's sender waits for flow-control credit and
 for the outgoing buffer to drain; the reader stops reading while the outgoing buffer holds
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import trio
 import trio.lowlevel
 
+from tunnel import handshake
 from tunnel import protocol as p
 from tunnel.errors import (
     AuthenticationFailed,
@@ -177,90 +179,35 @@ class TunnelConnection:
 
     async def dial_handshake(self, hello: p.Hello) -> p.Hello:
         """Dialer: send our HELLO, wait for the acceptor's. Raises HandshakeError."""
-        self._core.start(hello)
-        with trio.move_on_after(self.settings.handshake_timeout) as scope:
-            await self._flush()
-            while True:
-                events = await self._receive_events()
-                for index, event in enumerate(events):
-                    if isinstance(event, p.HandshakeCompleted):
-                        self.identity = dict(event.hello.identity)
-                        self._early_events = events[index + 1:]
-                        return event.hello
-                    if isinstance(event, p.ConnectionTerminated):
-                        await self._flush_quietly()
-                        raise HandshakeError(event.message, event.code, event.retry_after)
-        assert scope.cancelled_caught
-        raise HandshakeError(f"no answer to HELLO within {self.settings.handshake_timeout}s",
-                             p.ErrorCode.KEEPALIVE_TIMEOUT)
+        done = await self._handshake(lambda channel: handshake.dial_handshake(
+            channel, hello, within=self.settings.handshake_timeout))
+        self._early_events = done.early_events
+        return done.hello
 
-    async def accept_handshake(
-        self, authenticate: Callable[[p.Hello, PeerInfo], Awaitable[p.Hello]],
-    ) -> p.Hello:
+    async def accept_handshake(self, authenticate: handshake.Vetter) -> p.Hello:
         """Acceptor: read the dialer's HELLO, let `authenticate` vet it and return our
         HELLO (or raise HandshakeRefused, e.g. AuthenticationFailed), answer. Returns the
         dialer's HELLO."""
-        with trio.move_on_after(self.settings.handshake_timeout):
-            while True:
-                events = await self._receive_events()
-                for index, event in enumerate(events):
-                    if isinstance(event, p.ConnectionTerminated):
-                        await self._flush_quietly()
-                        raise HandshakeError(event.message, event.code)
-                    if isinstance(event, p.HelloReceived):
-                        try:
-                            ours = await authenticate(event.hello, self.peer)
-                        except HandshakeRefused as exc:
-                            if not self._core.is_closed:
-                                self._core.refuse_handshake(exc.code, str(exc),
-                                                            exc.retry_after)
-                            await self._flush_quietly()
-                            raise HandshakeError(str(exc), exc.code,
-                                                 exc.retry_after) from None
-                        if self._core.is_closed:
-                            # The read that brought the HELLO also broke the protocol (a
-                            # frame before our answer): the core has ended the connection.
-                            ended = next((e for e in events[index + 1:]
-                                          if isinstance(e, p.ConnectionTerminated)), None)
-                            await self._flush_quietly()
-                            raise HandshakeError(
-                                ended.message if ended else "connection closed",
-                                ended.code if ended else p.ErrorCode.PROTOCOL_ERROR)
-                        self._core.accept_handshake(ours)
-                        self.identity = dict(event.hello.identity)
-                        await self._flush()
-                        return event.hello
-        self._core.close(p.ErrorCode.KEEPALIVE_TIMEOUT, "no HELLO in time")
-        await self._flush_quietly()
-        raise HandshakeError(f"no HELLO within {self.settings.handshake_timeout}s",
-                             p.ErrorCode.KEEPALIVE_TIMEOUT)
+        done = await self._handshake(lambda channel: handshake.accept_handshake(
+            channel, authenticate, within=self.settings.handshake_timeout))
+        return done.hello
 
-    async def _receive_events(self) -> list[p.Event]:
+    async def _handshake(self, run: Callable[[handshake.HandshakeChannel],
+                                             Awaitable[handshake.Handshaken]]
+                         ) -> handshake.Handshaken:
+        channel = handshake.HandshakeChannel(self._core, self.transport)
         try:
-            data = await self.transport.receive()
-        except TransportError as exc:
-            raise HandshakeError(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR,
-                                 transport=True) from None
-        self.bytes_in += len(data)
-        return self._core.receive_data(data)
+            done = await run(channel)
+        finally:
+            self.bytes_in += channel.bytes_in
+            self.bytes_out += channel.bytes_out
+        self.identity = dict(done.hello.identity)
+        return done
 
-    async def _flush(self) -> None:
-        data = self._core.data_to_send()
-        if data:
-            try:
-                await self.transport.send(data)
-            except TransportError as exc:
-                raise HandshakeError(f"transport failed: {exc}",
-                                     p.ErrorCode.INTERNAL_ERROR, transport=True) from None
-            self.bytes_out += len(data)
-
-    async def _flush_quietly(self) -> None:
-        with trio.move_on_after(1):
-            try:
-                await self._flush()
-            except HandshakeError:
-                pass
-        await self.transport.aclose()
+    def limit_peer_streams(self, max_streams: int) -> None:
+        """While vetting the peer's HELLO (accept_handshake's `authenticate`): allow it at
+        most `max_streams` open streams, fewer than the settings say; our HELLO says so."""
+        self._core.limit_remote_streams(max_streams)
 
     # ------------------------------------------------------------------ running
 

@@ -13,6 +13,16 @@ seconds, so 5,000 agents cut off together return spread over 5,000/rate seconds 
 of all at once, every few seconds, until the server falls over. Draining (a SIGTERM), the
 server refuses new handshakes as SHUTTING_DOWN: agents retry at once, elsewhere.
 
+Bootstrap (an agent without credentials fetching its certificate, `Bootstrap`): anyone
+who can reach the server can open such a connection, so they are capped in all
+(`max_bootstrap_sessions`) and per source address (`max_bootstrap_per_address`, see
+tunnel.bootstrap); each connection lives at most `bootstrap_seconds`, about what one
+certificate request needs, and its streams end with it; and a connection opens at
+most `max_bootstrap_streams` streams (our HELLO announces it as its concurrent cap; it is
+also counted over the connection's life), since each becomes a connection to the
+controller. Beyond a cap the dialer is refused as OVERLOADED, counted by reason
+(`refusals`, `on_refusal`) and logged at most once per reason per 10 s.
+
 Replicas: the server's HELLO names it (server id) and says how many replicas serve the
 public address; an agent names the servers it already holds, and one named there refuses
 as ALREADY_CONNECTED (politely, before authenticating) instead of replacing that tunnel.
@@ -29,6 +39,7 @@ from dataclasses import dataclass
 import trio
 
 from tunnel import protocol as p
+from tunnel.bootstrap import BootstrapRefusal, BootstrapSlots, source_of
 from tunnel.endpoint import (
     AuthenticationFailed,
     EndpointSettings,
@@ -50,8 +61,9 @@ from tunnel.transports import PeerInfo, Transport
 class Bootstrap:
     """An authenticator's answer for a dialer that has no credentials yet and may only
     fetch them: its connection is never registered as a node, lives at most
-    `bootstrap_seconds`, and its streams go to the server's `bootstrap_handler` (which
-    lets them reach the certificate signer, nothing else)."""
+    `bootstrap_seconds` (its streams end with it), opens at most
+    `max_bootstrap_streams`, and its streams go to the server's `bootstrap_handler`
+    (which lets them reach the certificate signer, nothing else)."""
 
     claimed_node: str
 
@@ -75,6 +87,14 @@ class NodeNotConnected(StreamRefusedError):
 
 
 RECENT_ENDS = 1024
+# What a refused bootstrap dialer is told: a slot frees as soon as another agent has its
+# certificate, well within a second.
+BOOTSTRAP_RETRY_AFTER = 1.0
+_BOOTSTRAP_FULL = {
+    BootstrapRefusal.FULL: "too many agents are fetching credentials; retry later",
+    BootstrapRefusal.PER_SOURCE: "too many agents at this address are fetching credentials; "
+                                 "retry later",
+}
 
 
 @dataclass
@@ -104,7 +124,9 @@ class TunnelServer:
         bootstrap_handler: NodeStreamHandler | None = None,
         max_sessions: int = 10_000,
         max_bootstrap_sessions: int = 64,
-        bootstrap_seconds: float = 30.0,
+        max_bootstrap_per_address: int | None = 4,
+        bootstrap_seconds: float = 10.0,
+        max_bootstrap_streams: int = 2,
         admission: HandshakeAdmission | None = None,
         replicas: int | None = None,
         on_refusal: Callable[[str], None] | None = None,
@@ -122,9 +144,16 @@ class TunnelServer:
         # Registered agents at most: beyond it a new node is refused (one already
         # registered may still reconnect), so no stream of names can grow the registry.
         self.max_sessions = max_sessions
-        self.max_bootstrap_sessions = max_bootstrap_sessions
+        # Bootstrap connections open now, in all and per source address (None: no cap per
+        # address, for a server behind a proxy that hides them), how long each (and so each
+        # of its streams) may last, and how many streams each may open: one certificate
+        # request takes one stream and well under a second.
+        self.bootstrap_slots = BootstrapSlots(max_bootstrap_sessions, max_bootstrap_per_address)
         self.bootstrap_seconds = bootstrap_seconds
-        self.bootstrap_sessions = 0  # open now
+        if not 1 <= max_bootstrap_streams <= self.settings.protocol.max_streams:
+            raise ValueError(f"max_bootstrap_streams {max_bootstrap_streams} not in "
+                             f"[1, {self.settings.protocol.max_streams}]")
+        self.max_bootstrap_streams = max_bootstrap_streams
         self.bootstrap_served = 0  # ever
         self.log = log or get_logger("tunnel.server")
         self.sessions: dict[str, AgentSession] = {}
@@ -147,17 +176,22 @@ class TunnelServer:
         self._refusal_log = RateLimitedLog(self.log, period=10.0)
 
     @property
+    def bootstrap_sessions(self) -> int:
+        """Bootstrap connections open now."""
+        return self.bootstrap_slots.total
+
+    @property
     def draining(self) -> bool:
         """True from drain() on: the server is going away (readiness fails)."""
         return self._draining
 
     def _refuse(self, reason: str, message: str, code: p.ErrorCode,
-                retry_after: float | None = None) -> HandshakeRefused:
+                retry_after: float | None = None, **fields: object) -> HandshakeRefused:
         self.refusals[reason] += 1
         if self._on_refusal is not None:
             self._on_refusal(reason)
-        fields = {"reason": reason, "refused_total": self.refusals[reason]}
-        if retry_after is not None:
+        fields.update(reason=reason, refused_total=self.refusals[reason])
+        if reason == "overloaded":
             fields["rate"] = f"{self.admission.rate:g}/s"
         self._refusal_log.warning(reason, "agent handshake refused", **fields)
         return HandshakeRefused(message, code, retry_after)
@@ -202,7 +236,7 @@ class TunnelServer:
         """Serve one accepted transport until it ends (give this to tunnel.accept.serve)."""
         log = self.log.bind(peer=transport.peer.address)
         identity: str | Bootstrap | None = None
-        reserved = False  # a bootstrap slot taken by vet(), released below
+        reserved: str | None = None  # the source holding a bootstrap slot taken by vet()
 
         async def vet(hello: p.Hello, peer: PeerInfo) -> p.Hello:
             nonlocal identity, reserved
@@ -230,24 +264,33 @@ class TunnelServer:
                 if self._bootstrap_handler is None:
                     raise AuthenticationFailed("this server issues no credentials: present a "
                                                "node certificate or token")
-                if self.bootstrap_sessions >= self.max_bootstrap_sessions:
-                    raise AuthenticationFailed("too many agents are fetching credentials; "
-                                               "retry later")
-                self.bootstrap_sessions += 1
-                reserved = True
+                source = source_of(peer.address)
+                refused = self.bootstrap_slots.take(source)
+                if refused is not None:
+                    raise self._refuse(refused.value, _BOOTSTRAP_FULL[refused],
+                                       p.ErrorCode.OVERLOADED,
+                                       retry_after=BOOTSTRAP_RETRY_AFTER, source=source)
+                reserved = source
+                # Every bootstrap stream becomes a connection to the controller.
+                conn.limit_peer_streams(self.max_bootstrap_streams)
             answer = {p.IDENTITY_SERVER: self.server_id}
             if self.replicas is not None:
                 answer[p.IDENTITY_REPLICAS] = str(self.replicas)
             return p.Hello(identity=answer)
 
         handler = None
+        bootstrap_streams = 0  # opened on this connection, if it is a bootstrap
         if self._stream_handler is not None or self._bootstrap_handler is not None:
             stream_handler, bootstrap_handler = self._stream_handler, self._bootstrap_handler
 
             async def handler(incoming: IncomingStream) -> None:
+                nonlocal bootstrap_streams
                 if isinstance(identity, Bootstrap):
                     if bootstrap_handler is not None:
-                        await bootstrap_handler(identity.claimed_node, incoming)
+                        bootstrap_streams += 1
+                        await self._serve_bootstrap_stream(
+                            bootstrap_handler, identity, incoming, bootstrap_streams,
+                            reserved or "")
                         return
                 elif identity is not None and stream_handler is not None:
                     await stream_handler(identity, incoming)
@@ -257,9 +300,11 @@ class TunnelServer:
         conn = TunnelConnection(transport, p.Role.ACCEPTOR, self.settings, handler, log=log)
         try:
             await conn.accept_handshake(vet)
-        except HandshakeError as exc:
-            if reserved:
-                self.bootstrap_sessions -= 1
+        except BaseException as exc:
+            if reserved is not None:
+                self.bootstrap_slots.give_back(reserved)
+            if not isinstance(exc, HandshakeError):
+                raise
             if exc.code not in (p.ErrorCode.OVERLOADED, p.ErrorCode.SHUTTING_DOWN,
                                 p.ErrorCode.ALREADY_CONNECTED):
                 # (Those two are counted and logged by _refuse().)
@@ -274,7 +319,8 @@ class TunnelServer:
             await transport.aclose()
             return
         if isinstance(identity, Bootstrap):
-            await self._serve_bootstrap(conn, identity, log)
+            assert reserved is not None
+            await self._serve_bootstrap(conn, identity, reserved, log)
             return
         node = identity
         assert node is not None
@@ -312,7 +358,7 @@ class TunnelServer:
             log.info("agent disconnected", reason=str(reason) if reason else "cancelled")
 
     async def _serve_bootstrap(self, conn: TunnelConnection, bootstrap: Bootstrap,
-                               log: StructuredLogger) -> None:
+                               source: str, log: StructuredLogger) -> None:
         """A connection that may only fetch credentials: never a node, time-boxed."""
         self.bootstrap_served += 1
         log.info("agent fetching credentials", claimed_node=bootstrap.claimed_node)
@@ -323,9 +369,36 @@ class TunnelServer:
                 log.info("credential fetch took too long; closing",
                          claimed_node=bootstrap.claimed_node)
         finally:
-            self.bootstrap_sessions -= 1
+            self.bootstrap_slots.give_back(source)
             with trio.CancelScope(shield=True):
                 await conn.aclose(p.ErrorCode.NO_ERROR, "credentials fetched")
+            # OPENs beyond the concurrent cap, which the protocol core refused itself.
+            if over := conn.stats.streams_refused_over_limit:
+                self._bootstrap_streams_refused(over, source)
+
+    async def _serve_bootstrap_stream(self, handler: NodeStreamHandler, bootstrap: Bootstrap,
+                                      incoming: IncomingStream, nth: int,
+                                      source: str) -> None:
+        """The `nth` stream of a bootstrap connection: refused (OVERLOADED) beyond
+        `max_bootstrap_streams`. (Its deadline is its connection's: the handler runs in
+        the connection's nursery, which _serve_bootstrap ends after `bootstrap_seconds`,
+        resetting every stream.)"""
+        if nth > self.max_bootstrap_streams:
+            self._bootstrap_streams_refused(1, source)
+            await incoming.refuse(p.StreamReason.OVERLOADED, "a bootstrap connection opens at "
+                                  f"most {self.max_bootstrap_streams} streams")
+            return
+        await handler(bootstrap.claimed_node, incoming)
+
+    def _bootstrap_streams_refused(self, count: int, source: str) -> None:
+        reason = "bootstrap_streams"
+        self.refusals[reason] += count
+        if self._on_refusal is not None:
+            for _ in range(count):
+                self._on_refusal(reason)
+        self._refusal_log.warning(reason, "bootstrap streams refused", reason=reason,
+                                  refused=count, source=source,
+                                  refused_total=self.refusals[reason])
 
     def _notify(self) -> None:
         self._changed.set()

@@ -37,6 +37,9 @@ class MemoryTransport(Transport):
         await self._stream.aclose()
 
 
-def memory_transport_pair() -> tuple[MemoryTransport, MemoryTransport]:
+def memory_transport_pair(acceptor_peer: str = "acceptor"
+                          ) -> tuple[MemoryTransport, MemoryTransport]:
+    """(dialer's end, acceptor's end); the acceptor sees its peer as `acceptor_peer` (an
+    address, for tests of what is counted per address)."""
     a, b = trio.testing.memory_stream_pair()
-    return MemoryTransport(a, "dialer"), MemoryTransport(b, "acceptor")
+    return MemoryTransport(a, "dialer"), MemoryTransport(b, acceptor_peer)

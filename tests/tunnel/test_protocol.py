@@ -365,6 +365,35 @@ def test_too_many_streams_are_refused_as_overloaded() -> None:
     assert pair.acceptor.open_streams == 3
 
 
+def test_the_acceptor_may_allow_fewer_streams_on_one_connection() -> None:
+    """A connection trusted less (an anonymous bootstrap) gets a lower stream cap than the
+    settings the acceptor was made with: announced in its HELLO, enforced like any cap."""
+    d = Conn(Role.DIALER)
+    a = Conn(Role.ACCEPTOR, Settings(max_streams=100))
+    d.start(p.Hello())
+    a.receive_data(d.data_to_send())
+    with pytest.raises(LocalProtocolError):
+        a.limit_remote_streams(101)  # only lower
+    a.limit_remote_streams(2)
+    a.accept_handshake(p.Hello())
+    d.receive_data(a.data_to_send())
+    assert d.remote_settings.max_streams == 2 and a.local_settings.max_streams == 2
+    with pytest.raises(LocalProtocolError):
+        a.limit_remote_streams(1)  # the HELLO is out: too late
+    d.open_stream(T)
+    d.open_stream(T)
+    with pytest.raises(StreamLimitReached):
+        d.open_stream(T)
+    a.receive_data(d.data_to_send())
+    # A dialer that ignores the cap gets OVERLOADED.
+    assert a.receive_data(frame(FrameType.OPEN, 5, b'{"host":"a","port":1}')) == []
+    out = a.data_to_send()
+    word, _, sid = HEADER.unpack_from(out)
+    assert (word & 0xFF, sid, out[HEADER.size]) == (
+        FrameType.REFUSE, 5, StreamReason.OVERLOADED)
+    assert a.stats.streams_refused_over_limit == 1 and a.open_streams == 2
+
+
 def test_unknown_frame_type() -> None:
     pair = handshake()
     (t,) = terminated(pair.acceptor.receive_data(frame(0x42, 0, b"")))

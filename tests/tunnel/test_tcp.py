@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import traceback
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -86,11 +88,60 @@ async def test_deadline_is_timeout_and_none_leaves_it_to_the_caller() -> None:
         sock.close()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may set SO_MARK; the failure needs non-root")
-async def test_mark_without_privilege_is_a_clear_error() -> None:
-    with pytest.raises(DialFailed) as info:
-        await connect_tcp("127.0.0.1", 9, connect_timeout=5, mark=1)
-    assert info.value.cause == "mark" and "CAP_NET_ADMIN" in info.value.message
+NOBODY = 65534
+CAP_NET_ADMIN = 12
+
+
+def _holds_net_admin() -> bool:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    return False
+
+
+def run_unprivileged(check: Callable[[], None]) -> None:
+    """Run `check` as a user without CAP_NET_ADMIN. As root (CI), in a forked child that
+    drops to nobody first (setresuid clears the capabilities; a fork needs no access to
+    the interpreter's files, an exec would); its failure comes back as this test's."""
+    if os.geteuid() != 0:
+        if _holds_net_admin():
+            pytest.skip("not root, yet holding CAP_NET_ADMIN: no user to drop to here")
+        check()
+        return
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            assert not _holds_net_admin(), "dropping to nobody kept CAP_NET_ADMIN"
+            check()
+            status = 0
+        except BaseException:
+            os.write(write_end, traceback.format_exc().encode()[-4000:])
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        report = pipe.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"as user {NOBODY}:\n{report}"
+
+
+def test_mark_without_privilege_is_a_clear_error() -> None:
+    def check() -> None:
+        async def dial_marked() -> None:
+            with pytest.raises(DialFailed) as info:
+                await connect_tcp("127.0.0.1", 9, connect_timeout=5, mark=1)
+            assert info.value.cause == "mark" and "CAP_NET_ADMIN" in info.value.message
+
+        trio.run(dial_marked)
+
+    run_unprivileged(check)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])

@@ -20,7 +20,7 @@ stream table (state.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tunnel.protocol.errors import (
     ConnectionClosedError,
@@ -265,6 +265,18 @@ class Connection:
             raise ConnectionClosedError("connection closed")
         self._send_hello(hello)
         self.state = ConnectionState.OPEN
+
+    def limit_remote_streams(self, max_streams: int) -> None:
+        """Before our HELLO: let the peer have at most `max_streams` streams open towards
+        us on this connection, fewer than the settings it was made with (a connection
+        trusted less, e.g. an anonymous one, gets fewer). Our HELLO announces it; an OPEN
+        beyond it is refused as OVERLOADED."""
+        if self._hello_sent:
+            raise LocalProtocolError("limit_remote_streams() goes before our HELLO")
+        if not 1 <= max_streams <= self.local_settings.max_streams:
+            raise LocalProtocolError(f"max_streams {max_streams} not in "
+                                     f"[1, {self.local_settings.max_streams}]")
+        self.local_settings = replace(self.local_settings, max_streams=max_streams)
 
     def refuse_handshake(self, code: ErrorCode, message: str,
                          retry_after: float | None = None) -> None:

@@ -52,7 +52,7 @@ OUTGOING_HIGH_WATER = 1024 * 1024
 # The writer writes at most this much synchronously (send_nowait); more goes through the
 # transport's send, which encrypts and writes it piece by piece: one big synchronous
 # write encrypted all of it at once and copied what the socket did not take (more bulk
-# CPU per GB, as scripts/bench.py shows).
+# CPU per GB, as `python -m scripts.bench.tunnel` shows).
 _NOWAIT_MAX = 64 * 1024
 # The reader stops reading only beyond what stream data alone can queue (the peer's
 # connection window, capped here): a reader that stopped for stream data while its

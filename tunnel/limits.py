@@ -25,9 +25,9 @@ class OpenRateLimiter:
         return False
 
 
-# Measured with scripts/bench_reconnect_storm.py on the 2-core development machine: a
-# server process spends ~3-4 ms of CPU per TLS + tunnel handshake (~300/s on one core flat
-# out, and then nothing else gets done), so it admits 200/s by default. Raise it on bigger
+# A server process spends a few ms of CPU per TLS + tunnel handshake (a core flat out
+# admits a few hundred a second, and then nothing else gets done), so it admits 200/s by
+# default (`python -m scripts.bench.reconnect_storm` measures it). Raise it on bigger
 # machines (config: tunnel.handshake_rate).
 DEFAULT_HANDSHAKE_RATE = 200.0
 DEFAULT_HANDSHAKE_BURST = 200

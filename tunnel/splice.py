@@ -5,8 +5,8 @@ mappings, intercepted connections) takes a shorter way tunnel → socket: the co
 reader writes each frame straight into the socket, without waking a task, and only what
 the socket cannot take at once waits for a drain task started for that moment. That
 direction then costs no task switch per frame and no task per idle connection
-(scripts/bench.py measures it); socket → tunnel stays a task, as reading a socket has to
-wait somewhere. The drain task starts through the stream's connection
+(`python -m scripts.bench.tunnel` measures it); socket → tunnel stays a task, as reading
+a socket has to wait somewhere. The drain task starts through the stream's connection
 (`StreamCarrier.start_task`).
 """
 

@@ -18,7 +18,8 @@ __all__ = [
 ]
 
 # websockets' core masks in C, wsproto in pure Python: uploads (client → server, what
-# agents mostly do) are about twice as fast, downloads about even (scripts/bench_websocket.py).
+# agents mostly do) are about twice as fast, downloads about even
+# (`python -m scripts.bench.websocket_transports`).
 DEFAULT_WEBSOCKET_IMPL: WebSocketImpl = "websockets"
 
 _SCHEMES = ("tls", "tcp", "wss", "ws")

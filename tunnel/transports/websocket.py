@@ -8,7 +8,7 @@ The transport drives a sans-IO WebSocket core from inside `send()`/`receive()`:
 for a background reader task for as long as the connection lives, and `dial()` hands out a
 transport without one; driving the core in the caller's task keeps every task owned and
 lets one code path own buffer sizes, message limits and error mapping. Which core is used
-by default was decided by measurement (scripts/bench_websocket.py; see
+by default was decided by measurement (`python -m scripts.bench.websocket_transports`; see
 tunnel.urls.DEFAULT_WEBSOCKET_IMPL).
 """
 

@@ -23,6 +23,9 @@ From the repository root:
 Needs root and: iproute2 wrk iperf3 nginx-light openssh-server openssh-client gcc.
 Prints a table and writes bench-results/bench.json. Namespaces and processes are removed
 on exit, Ctrl-C included.
+
+One module although it is long: it is one run over one topology, and every measurement
+shares its namespaces, processes and result table (the load tools live in lib/).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from nodeagent.config import (
 from nodeagent.configstream.client import WatchStatus
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, counter, gauge
-from nodeagent.ops.streams import (
+from nodeagent.ops.streamviews import (
     FROM_NODE,
     LiveStreams,
     StreamNotes,
@@ -161,7 +161,7 @@ class Agent:
         prefix = "control_plane_" if control else ""
         self.stream_notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
 
-        async def open_upstream() -> trio.abc.HalfCloseableStream:
+        async def open_node_target() -> trio.abc.HalfCloseableStream:
             allowed = (self.node_config.allows_control_plane if control
                        else self.node_config.allows)
             if target.protocol != "tcp" or not allowed(target.host, target.port,
@@ -177,9 +177,10 @@ class Agent:
             with self.control_plane.track(origin, self.config.node, str(target),
                                           incoming.stream, sends_toward_target=False):
                 relayed = await relay_incoming(
-                    incoming, open_upstream, on_accepted=lambda: self._count(f"{prefix}accepted"))
+                    incoming, open_node_target,
+                    on_accepted=lambda: self._count(f"{prefix}accepted"))
         else:
-            relayed = await relay_incoming(incoming, open_upstream,
+            relayed = await relay_incoming(incoming, open_node_target,
                                            on_accepted=lambda: self._count("accepted"))
         if relayed.failure is not None:
             failure = relayed.failure

@@ -17,7 +17,7 @@ from nodeagent.http.balancer import Balancer
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.front import HttpFront, serve_http_connection
 from nodeagent.http.limits import Limits
-from nodeagent.http.routes import Backend, Match, PathType, Route, RouteSpec, RouteTable
+from nodeagent.http.routetable import Backend, Match, PathType, Route, RouteSpec, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import CertStore, TlsConfig, context_from_pem
 from nodeagent.http.upstream import Opener

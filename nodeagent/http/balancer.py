@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from nodeagent.http.routes import Backend, Route
+from nodeagent.http.routetable import Backend, Route
 
 
 class Balancer:

@@ -75,7 +75,7 @@ from nodeagent.http.request import (
     RequestHead,
     RequestReader,
 )
-from nodeagent.http.routes import Route, RouteTable
+from nodeagent.http.routetable import Route, RouteTable
 from nodeagent.http.stats import HttpStats, RefusalReason
 from nodeagent.http.upstream import (
     Opener,

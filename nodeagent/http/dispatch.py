@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from nodeagent.http.headers import ClientRequest
 from nodeagent.http.paths import clip
-from nodeagent.http.routes import Route, RouteTable, normalize_host
+from nodeagent.http.routetable import Route, RouteTable, normalize_host
 from nodeagent.http.stats import RefusalReason
 
 

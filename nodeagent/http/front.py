@@ -24,7 +24,7 @@ import trio
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.connection import GracefulClose, HttpConnection
 from nodeagent.http.limits import Limits
-from nodeagent.http.routes import RouteTable
+from nodeagent.http.routetable import RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import TlsConfig
 from nodeagent.http.upstream import Opener

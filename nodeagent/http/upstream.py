@@ -17,7 +17,7 @@ from nodeagent.http.balancer import Balancer
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.h1 import ResponseParser
 from nodeagent.http.limits import Limits
-from nodeagent.http.routes import Backend, Route
+from nodeagent.http.routetable import Backend, Route
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.logs import get_logger
 

@@ -43,7 +43,7 @@ from nodeagent.config import (
     RoutesConfig,
 )
 from nodeagent.ops.listener import Listener, socket_address
-from nodeagent.ops.streams import LiveStreams
+from nodeagent.ops.streamviews import LiveStreams
 from nodeagent.server.connect import (
     REASONS,
     ConnectRoute,

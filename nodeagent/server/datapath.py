@@ -26,7 +26,7 @@ from typing import Protocol
 import trio
 
 from nodeagent.config import RoutesConfig
-from nodeagent.http.routes import Backend
+from nodeagent.http.routetable import Backend
 from nodeagent.server.refusals import PolicyRefusals
 from tunnel import protocol as p
 from tunnel.endpoint import StreamRefusedError

@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import Metric
 
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.metrics import counter, gauge
-from nodeagent.ops.streams import StreamNotes, stream_rows
+from nodeagent.ops.streamviews import StreamNotes, stream_rows
 from tunnel.server import TunnelServer
 
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
 from nodeagent.config import RoutesConfig
-from nodeagent.ops.streams import LiveStreams
+from nodeagent.ops.streamviews import LiveStreams
 from nodeagent.server.connect import ConnectRoute, ProxyTarget, Refusal, decide
 from nodeagent.server.connectfront import StreamOpener, failure_refusal, open_control_plane
 from tunnel import protocol as p

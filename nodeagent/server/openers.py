@@ -27,8 +27,8 @@ from prometheus_client import Counter as MetricCounter
 
 from nodeagent.config import RoutesConfig
 from nodeagent.http.errors import UpstreamUnavailable
-from nodeagent.http.routes import Backend, Route
-from nodeagent.ops.streams import StreamNotes, opener_from_metadata
+from nodeagent.http.routetable import Backend, Route
+from nodeagent.ops.streamviews import StreamNotes, opener_from_metadata
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.dnat import POLICY_REASONS, DnatPath
 from nodeagent.server.refusals import PolicyRefusals

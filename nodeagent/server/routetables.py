@@ -20,7 +20,7 @@ from nodeagent.config import (
     IngressRule,
     RoutesConfig,
 )
-from nodeagent.http.routes import Backend, PathType, Route, RouteSpec, RouteTable
+from nodeagent.http.routetable import Backend, PathType, Route, RouteSpec, RouteTable
 from nodeagent.http.tls import CertStore, context_from_pem
 from nodeagent.ops.logs import StructuredLogger
 from nodeagent.runtime.gcpause import gc_paused

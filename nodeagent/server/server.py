@@ -29,7 +29,7 @@ from nodeagent.http.stats import HttpStats
 from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics
-from nodeagent.ops.streams import TO_NODE, StreamNotes, tracked_opener
+from nodeagent.ops.streamviews import TO_NODE, StreamNotes, tracked_opener
 from nodeagent.server.agentauth import AgentAuthenticator
 from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.datapath import DataPath

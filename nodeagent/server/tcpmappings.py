@@ -15,7 +15,7 @@ from prometheus_client import Counter as MetricCounter
 
 from nodeagent.config import TcpMapping
 from nodeagent.ops.logs import StructuredLogger
-from nodeagent.ops.streams import StreamNotes
+from nodeagent.ops.streamviews import StreamNotes
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.openers import StreamOutcomes
 from tunnel.relay import relay_connection

@@ -22,7 +22,7 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry, Histogram
 
-from nodeagent.ops.streams import StreamNotes, opener_from_metadata, tracked_opener
+from nodeagent.ops.streamviews import StreamNotes, opener_from_metadata, tracked_opener
 from scripts.bench.lib.loopback import allow_any_peer, tcp_pair
 from tunnel import protocol as p
 from tunnel.endpoint import (

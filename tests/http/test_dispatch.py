@@ -6,7 +6,7 @@ import pytest
 
 from nodeagent.http.dispatch import Refusal, route_request
 from nodeagent.http.headers import read_request
-from nodeagent.http.routes import Backend, Route, RouteSpec, RouteTable
+from nodeagent.http.routetable import Backend, Route, RouteSpec, RouteTable
 
 SHOP = Route("shop", (Backend("edge-1", "10.0.0.5", 8080),))
 SECURE = Route("secure", (Backend(None, "127.0.0.1", 8443),), tls_redirect=True)

@@ -18,7 +18,7 @@ from nodeagent.ops.debug import DebugServer
 from nodeagent.ops.debugcli import render, route_for, run_debug
 from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.render import render_streams, render_tunnels
-from nodeagent.ops.streams import (
+from nodeagent.ops.streamviews import (
     StreamNotes,
     direction,
     opener_from_metadata,

@@ -16,7 +16,7 @@ import trio
 
 from nodeagent.config import RoutesConfig
 from nodeagent.http.errors import UpstreamUnavailable
-from nodeagent.http.routes import Backend, Route
+from nodeagent.http.routetable import Backend, Route
 from tests.server.test_policy import connect, make_server, refusals, refused
 from tunnel import protocol as p
 

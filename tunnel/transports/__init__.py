@@ -30,7 +30,7 @@ from tunnel.transports.base import (
     WebSocketHandshakeError,
     WebSocketImpl,
 )
-from tunnel.transports.stream import CLOSE_TIMEOUT, StreamTransport, socket_of
+from tunnel.transports.streamtransport import CLOSE_TIMEOUT, StreamTransport, socket_of
 from tunnel.transports.tls import TLS_RECORD_SIZE, TLSStream, describe_error, is_tls_error
 
 if TYPE_CHECKING:

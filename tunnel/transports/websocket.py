@@ -39,7 +39,7 @@ from tunnel.transports.base import (
     TransportError,
     WebSocketImpl,
 )
-from tunnel.transports.stream import CLOSE_TIMEOUT, StreamOwner
+from tunnel.transports.streamtransport import CLOSE_TIMEOUT, StreamOwner
 
 __all__ = [
     "MAX_MESSAGE_SIZE",

@@ -262,7 +262,7 @@ class Interceptor:
         via = rule.via if rule is not None else "tunnel"
         target = p.Target(host, port)
 
-        async def open_upstream() -> trio.abc.HalfCloseableStream:
+        async def open_original_destination() -> trio.abc.HalfCloseableStream:
             if via == "direct":
                 return await connect_tcp(host, port, connect_timeout=self._dial_timeout,
                                          mark=self.skip_mark)
@@ -272,7 +272,7 @@ class Interceptor:
         def accepted() -> None:
             self.outcomes[via] += 1
 
-        relayed = await relay_connection(client, open_upstream, on_accepted=accepted)
+        relayed = await relay_connection(client, open_original_destination, on_accepted=accepted)
         if relayed.failure is not None:
             outcome = relayed.failure.outcome
             self.outcomes[outcome] += 1

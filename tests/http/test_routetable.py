@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.http.routes import (
+from nodeagent.http.routetable import (
     Backend,
     Match,
     PathType,

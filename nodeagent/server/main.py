@@ -3,9 +3,10 @@ from flags with the controller's config watch stream (controller mode).
 
 Both start every listener of one Server (listeners.server_listeners: tunnel, TCP
 mappings, HTTP and Ingress fronts, CONNECT front, debug socket, health) in one nursery
-through `ops.listener.Listeners`, and drain agents gracefully on SIGTERM/SIGINT;
-SIGHUP re-reads a config file. In controller mode the server watches the controller
-directly and applies each RoutesConfig (Ingress routes, certificates, egress, node CIDRs).
+through `ops.listener.Listeners`, and drain agents gracefully on SIGTERM/SIGINT (a second
+one ends the drain at once); SIGHUP re-reads a config file. In controller mode the server
+watches the controller directly and applies each RoutesConfig (Ingress routes,
+certificates, egress, node CIDRs).
 
 Static stability (controller mode, `--state-dir`): each RoutesConfig applied is also
 written to STATE_DIR/routes.json (mode 0600, replaced atomically; it holds Ingress TLS
@@ -56,6 +57,7 @@ from nodeagent.server.workers import (
 from nodeagent.trust.filewatch import FileReloader
 from nodeagent.trust.tlscontext import TlsInputError
 from nodeagent.trust.tlscontext import server_ssl_context as tls_server_context
+from tunnel import protocol as p
 from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.server")
@@ -203,21 +205,49 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds, delay_seconds=shutdown_delay)
-                # Readiness fails first (a load balancer stops sending), then new tunnels
-                # are refused by the kernel (they go to the next server), then GOAWAY.
-                server.tunnel.start_draining()
-                # The tunnel listener closes its sockets. Public requests keep being
-                # served through the tunnels until the load balancer has seen readiness
-                # fail: a GOAWAY at once would answer 502 to every request it still sends
-                # here meanwhile. Keep-alive clients are told to reconnect (through the
-                # balancer, to another replica) after their current request; the
-                # connections idle all along close after the delay.
-                listeners.drain(close_idle=False)
-                await trio.sleep(shutdown_delay)
-                listeners.drain(close_idle=True)
-                await server.tunnel.drain("server shutting down", grace=drain_seconds)
+                # A second signal during the drain ends it at once. Its watcher runs in a
+                # nursery of the drain's own, so it has ended before the receiver's block
+                # closes (a drain with nothing in flight returns at once).
+                async with trio.open_nursery() as drain:
+                    drain.start_soon(_cancel_on_next_signal, signals, drain.cancel_scope)
+                    await _drain(server, listeners, drain_seconds=drain_seconds,
+                                 shutdown_delay=shutdown_delay)
+                    drain.cancel_scope.cancel()
+                # Cut short, the drain left its tunnels open: they end now, telling each
+                # agent why (resetting the streams in them).
+                await _close_tunnels(server)
                 nursery.cancel_scope.cancel()
                 break
+
+
+async def _drain(server: Server, listeners: Listeners, *, drain_seconds: float,
+                 shutdown_delay: float) -> None:
+    # Readiness fails first (a load balancer stops sending), then new tunnels are refused
+    # by the kernel (they go to the next server), then GOAWAY.
+    server.tunnel.start_draining()
+    # The tunnel listener closes its sockets. Public requests keep being served through
+    # the tunnels until the load balancer has seen readiness fail: a GOAWAY at once would
+    # answer 502 to every request it still sends here meanwhile. Keep-alive clients are
+    # told to reconnect (through the balancer, to another replica) after their current
+    # request; the connections idle all along close after the delay.
+    listeners.drain(close_idle=False)
+    await trio.sleep(shutdown_delay)
+    listeners.drain(close_idle=True)
+    await server.tunnel.drain("server shutting down", grace=drain_seconds)
+
+
+async def _close_tunnels(server: Server) -> None:
+    for session in list(server.tunnel.sessions.values()):
+        await session.connection.aclose(p.ErrorCode.SHUTTING_DOWN, "server shutting down")
+
+
+async def _cancel_on_next_signal(signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        if signum != signal.SIGHUP:
+            log.info("second signal: not waiting for the drain",
+                     signal=signal.Signals(signum).name)
+            scope.cancel()
+            return
 
 
 def _reload_server(server: Server, config_path: Path, slot: WorkerSlot | None) -> None:

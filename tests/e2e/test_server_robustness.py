@@ -4,13 +4,16 @@ processes, real TLS, standalone."""
 
 from __future__ import annotations
 
+import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from nodeagent.testing.procs import NodeagentProcess
@@ -84,3 +87,121 @@ def drain_ended_by_a_second_signal(server: NodeagentProcess, held: socket.socket
         assert held.recv(1) == b""
     except ConnectionResetError:
         pass
+
+
+# ------------------------------------------------------------------ CONNECT client gone
+
+
+def debug_streams(proc: NodeagentProcess) -> list[dict[str, Any]]:
+    """`nodeagent debug streams` on a process's debug socket."""
+    transport = httpx.HTTPTransport(uds=str(proc.socket))
+    with httpx.Client(transport=transport, timeout=5) as client:
+        rows: list[dict[str, Any]] = client.get("http://debug/streams").json()["streams"]
+        return rows
+
+
+class Streamer:
+    """A target on the node that streams and never reads, as `logs -f` does: a burst of
+    BURST bytes, then quiet until the next line (30 s away). `ended` is set when its
+    connection ends (a reset: POLLHUP/POLLERR; a half-close alone is not an end, the
+    target never reads it)."""
+
+    BURST = 256 * 1024
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.ended = threading.Event()
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn:
+            poller = select.poll()
+            poller.register(conn, 0)  # POLLHUP and POLLERR are always reported
+            while not self._stop.is_set():
+                try:
+                    conn.sendall(b"x" * self.BURST)
+                except OSError:
+                    self.ended.set()
+                    return
+                quiet_until = time.monotonic() + 30
+                while time.monotonic() < quiet_until and not self._stop.is_set():
+                    if poller.poll(100):
+                        self.ended.set()
+                        return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+
+
+@pytest.fixture
+def streamer() -> Iterator[Streamer]:
+    target = Streamer()
+    yield target
+    target.close()
+
+
+def connect_front_pair(tmp: Path, certs: Certs, upstream: Upstream,
+                       procs: list[NodeagentProcess],
+                       ports: list[int]) -> tuple[NodeagentProcess, NodeagentProcess, Path]:
+    scfg = server_config(tmp, certs, upstream)
+    uds = tmp / "connect.sock"
+    scfg["connect"] = {"uds": str(uds)}
+    scfg["connect_nodes"] = {"edge-1": {"addresses": ["127.0.0.1"], "ports": ports}}
+    server = start(procs, "server", scfg, tmp, "server")
+    acfg = agent_config(tmp, certs, upstream, scfg["tunnel"])
+    acfg["control_plane"] = [f"127.0.0.1:{port}" for port in ports]
+    agent = start(procs, "agent", acfg, tmp, "agent")
+    server.wait_for(lambda s: s["agents"], what="agent connected")
+    return server, agent, uds
+
+
+def open_connect(uds: Path, target: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(uds))
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)
+        assert chunk, head
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    return sock
+
+
+def test_a_connect_client_that_closes_ends_the_stream_of_a_target_that_never_reads(
+        tmp_path: Path, certs: Certs, upstream: Upstream, procs: list[NodeagentProcess],
+        streamer: Streamer) -> None:
+    server, agent, uds = connect_front_pair(tmp_path, certs, upstream, procs,
+                                            [streamer.port, upstream.echo_port])
+    # A half-close is still one: the echo target sees end of file and answers in full.
+    with open_connect(uds, f"edge-1:{upstream.echo_port}") as echo:
+        echo.sendall(b"stdin" * 1000)
+        echo.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := echo.recv(65536):
+            answer += chunk
+        assert answer == b"stdin" * 1000
+    server.wait_for(lambda s: s["connect"]["streams"] == [], what="echo stream done")
+
+    sock = open_connect(uds, f"edge-1:{streamer.port}")
+    got = 0
+    while got < Streamer.BURST:  # all the target has streamed so far
+        got += len(sock.recv(65536))
+    assert len(debug_streams(server)) == 1 and len(debug_streams(agent)) == 1
+    sock.close()  # a full close: the client is gone, it reads nothing more
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (debug_streams(server) or debug_streams(agent)
+                                           or not streamer.ended.is_set()):
+        time.sleep(0.1)
+    assert debug_streams(server) == [], "the server still holds the stream"
+    assert debug_streams(agent) == [], "the agent still holds the stream"
+    assert streamer.ended.is_set(), "the target's connection is still open"
+    server.wait_for(lambda s: s["connect"]["streams"] == [], what="CONNECT stream gone")

@@ -95,3 +95,31 @@ async def test_only_clients_with_a_certificate_from_the_client_ca(
         assert front.outcomes == {"nodeagent_identity": 1}
     if not expect:
         assert registry.get_sample_value("nodeagent_connect_handshake_failures_total") == 1
+
+
+async def test_a_unix_client_full_close_is_broken_and_a_half_close_is_end_of_file() -> None:
+    """UdsClientStream: a client that shut down only its sending side still reads, so its
+    end of file is a half-close to pass on; one that closed its socket reads nothing more,
+    so its end of file breaks the stream (splice then resets the tunnel stream)."""
+    import socket
+
+    from nodeagent.server.connectfront import UdsClientStream
+
+    for half in (True, False):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stream = UdsClientStream(trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+        theirs.sendall(b"last words")
+        if half:
+            theirs.shutdown(socket.SHUT_WR)
+        else:
+            theirs.close()
+        assert await stream.receive_some(100) == b"last words"
+        if half:
+            assert await stream.receive_some(100) == b""
+            await stream.send_all(b"still read")
+            assert theirs.recv(100) == b"still read"
+            theirs.close()
+        else:
+            with pytest.raises(trio.BrokenResourceError, match="full close"):
+                await stream.receive_some(100)
+        await stream.aclose()

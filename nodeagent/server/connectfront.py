@@ -3,7 +3,11 @@ use to reach nodes through their agents.
 
 - a Unix socket (`transport.uds`): the file's mode and owner authenticate (0600 or 0660);
 - TCP with mutual TLS (`transport.tcp` with a tlsConfig): only clients whose certificate
-  the configured CA signed; anything else fails the handshake, is counted and logged.
+  the configured CA signed; anything else fails the handshake, is counted and logged. Of
+  those, only the allowed identities (`connect.tls.allowed_subjects` CNs, default
+  kube-apiserver's egress client, or `allowed_organizations`) get past their request
+  head: any other certificate of the CA (a kubelet's) is refused with 403
+  `client_not_allowed`.
 
 Each connection sends one request head (h11 parses it; `head_timeout` bounds how long that
 may take). `CONNECT host:port` → `nodeagent.server.connect.decide` → a stream through the
@@ -51,6 +55,7 @@ from nodeagent.server.connect import (
     ConnectRoute,
     ProxyTarget,
     Refusal,
+    check_client,
     decide,
     parse_target,
 )
@@ -209,7 +214,11 @@ class ConnectFront(Listener):
                     "use the CONNECT front"))
                 return
             cert = tls_stream.getpeercert()
-            await self.serve_connection(tls_stream, f"{address} {_subject(cert)}".strip())
+            client = f"{address} {_subject(cert)}".strip()
+            assert self.config.tls is not None
+            await self.serve_connection(tls_stream, client, refusal=check_client(
+                _names(cert, "commonName"), _names(cert, "organizationName"),
+                self.config.tls))
 
         listeners = await trio.open_tcp_listeners(listen.port, host=listen.host)
         self.addresses.extend(f"tls:{socket_address(lst)}" for lst in listeners)
@@ -480,13 +489,17 @@ def _peer(stream: trio.SocketStream) -> str:
 
 def _subject(cert: Any) -> str:
     """`cn=NAME` of a verified client certificate, for the debug view and logs."""
+    names = _names(cert, "commonName")
+    return f"cn={names[0]}" if names else ""
+
+
+def _names(cert: Any, attribute: str) -> list[str]:
+    """The values of one subject attribute (commonName, organizationName) of a verified
+    client certificate (ssl's getpeercert() dict)."""
     if not isinstance(cert, dict):
-        return ""
-    for rdn in cert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                return f"cn={value}"
-    return ""
+        return []
+    return [value for rdn in cert.get("subject", ()) for key, value in rdn
+            if key == attribute and isinstance(value, str)]
 
 
 def _tls_error(exc: BaseException) -> str:

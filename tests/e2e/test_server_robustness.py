@@ -7,6 +7,7 @@ from __future__ import annotations
 import select
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -15,12 +16,14 @@ from typing import Any
 
 import httpx
 import pytest
+import trustme
 
 from nodeagent.testing.procs import NodeagentProcess
 from nodeagent.testing.standalone import (
     Certs,
     Upstream,
     agent_config,
+    free_port,
     listen_port,
     server_config,
 )
@@ -205,3 +208,86 @@ def test_a_connect_client_that_closes_ends_the_stream_of_a_target_that_never_rea
     assert debug_streams(agent) == [], "the agent still holds the stream"
     assert streamer.ended.is_set(), "the target's connection is still open"
     server.wait_for(lambda s: s["connect"]["streams"] == [], what="CONNECT stream gone")
+
+
+# ------------------------------------------------------------------ CONNECT clients
+
+
+def connect_over_tls(port: int, certs: Certs, cert: Path, key: Path,
+                     target: str) -> bytes:
+    """A CONNECT through the mutual-TLS listener with a client certificate, then one HTTP
+    request through it if it was established: everything the client read."""
+    context = ssl.create_default_context(cafile=str(certs.ca))
+    context.load_cert_chain(str(cert), str(key))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname="localhost") as tls:
+        tls.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = tls.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+        if got.startswith(b"HTTP/1.1 200 "):
+            tls.sendall(b"GET /through HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            while chunk := tls.recv(65536):  # the target closes
+                got += chunk
+        return got
+
+
+def test_the_connect_front_takes_only_the_api_servers_identity_of_the_cluster_ca(
+        tmp_path: Path, certs: Certs, upstream: Upstream,
+        procs: list[NodeagentProcess]) -> None:
+    """The cluster CA signs kube-apiserver's egress client certificate and every kubelet's
+    client certificate: only the first may open streams; a kubelet's is refused with its
+    reason, a metric and one log line."""
+    cluster_ca = trustme.CA()
+    cluster_ca.cert_pem.write_to_path(str(tmp_path / "cluster-ca.crt"))
+    identities = {
+        "apiserver": cluster_ca.issue_cert("kube-apiserver",
+                                           common_name="kube-apiserver-kubelet-client",
+                                           organization_name="system:masters"),
+        "kubelet": cluster_ca.issue_cert("edge-2", common_name="system:node:edge-2",
+                                         organization_name="system:nodes"),
+    }
+    for name, leaf in identities.items():
+        leaf.cert_chain_pems[0].write_to_path(str(tmp_path / f"{name}.crt"))
+        leaf.private_key_pem.write_to_path(str(tmp_path / f"{name}.key"))
+    scfg = server_config(tmp_path, certs, upstream)
+    tls_port = free_port()
+    scfg["connect"] = {"listen": f"127.0.0.1:{tls_port}",
+                       "tls": {"client_ca_file": str(tmp_path / "cluster-ca.crt")}}
+    scfg["connect_nodes"] = {"edge-1": {"addresses": ["127.0.0.1"],
+                                        "ports": [upstream.http_port]}}
+    server = start(procs, "server", scfg, tmp_path, "server")
+    acfg = agent_config(tmp_path, certs, upstream, scfg["tunnel"])
+    acfg["control_plane"] = [f"127.0.0.1:{upstream.http_port}"]
+    start(procs, "agent", acfg, tmp_path, "agent")
+    server.wait_for(lambda s: s["agents"], what="agent connected")
+    target = f"edge-1:{upstream.http_port}"
+
+    got = connect_over_tls(tls_port, certs, tmp_path / "apiserver.crt",
+                           tmp_path / "apiserver.key", target)
+    assert got.startswith(b"HTTP/1.1 200 ") and b"path=/through" in got, got
+    for _ in range(3):
+        got = connect_over_tls(tls_port, certs, tmp_path / "kubelet.crt",
+                               tmp_path / "kubelet.key", target)
+        assert got.startswith(b"HTTP/1.1 403 "), got
+        assert b"cn=system:node:edge-2 o=system:nodes" in got
+    status = server.wait_for(lambda s: s["connect"]["streams"] == [], what="streams done")
+    assert status["connect"]["by_outcome"] == {"established": 1, "client_not_allowed": 3}
+    assert metric(server, "nodeagent_connect_requests_total",
+                  outcome="client_not_allowed") == 3
+    # One line a minute per reason, whatever the flood.
+    assert server.logs().count("reason=client_not_allowed") == 1, server.logs()
+
+
+def metric(proc: NodeagentProcess, name: str, **labels: str) -> float:
+    transport = httpx.HTTPTransport(uds=str(proc.socket))
+    with httpx.Client(transport=transport, timeout=5) as client:
+        text = client.get("http://debug/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}}"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -48,6 +48,7 @@ from nodeagent.runtime.malloctune import trim_forever
 from nodeagent.server.flags import server_config_from_flags
 from nodeagent.server.listeners import server_listeners
 from nodeagent.server.readiness import DEFAULT_READY_GRACE, ReadinessGate
+from nodeagent.server.reload import ServerReloader
 from nodeagent.server.server import Server
 from nodeagent.server.workers import (
     WorkerSlot,
@@ -138,9 +139,9 @@ def check_token_files(config: ServerConfig, source: str) -> None:
 def start_reloaders(server: Server, nursery: trio.Nursery,
                     ssl_context: ssl.SSLContext | None, tls_source: str,
                     tls_fields: dict[str, str]) -> list[ssl.SSLContext | None]:
-    """Watch the tunnel's certificate, key and client CA files and the token files:
-    returns the one-element holder of the tunnel's current TLS context (what new
-    handshakes use; tunnels already up keep theirs)."""
+    """Watch the tunnel's certificate, key and client CA files (the token files:
+    reload.ServerReloader): returns the one-element holder of the tunnel's current TLS
+    context (what new handshakes use; tunnels already up keep theirs)."""
     config = server.config
     holder = [ssl_context]
     tls = config.tls
@@ -154,13 +155,7 @@ def start_reloaders(server: Server, nursery: trio.Nursery,
             "tunnel certificate", files,
             load=functools.partial(server_ssl_context, config, tls_source, tls_fields),
             apply=swap, log=server.log)
-    token_files = [e.token_file for e in config.tokens if e.token_file is not None]
-    if token_files:
-        server.reloaders["tokens"] = FileReloader(
-            "agent tokens", token_files, load=server.auth.load_tokens,
-            apply=server.reload_tokens, log=server.log)
-    for reloader in server.reloaders.values():
-        nursery.start_soon(reloader.run)
+        nursery.start_soon(server.reloaders["tunnel_tls"].run)
     return holder
 
 
@@ -183,6 +178,8 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
+        reloader = ServerReloader(server, nursery, slot)
+        reloader.watch_token_files()
 
         def current_context() -> ssl.SSLContext:
             context = holder[0]
@@ -201,7 +198,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     if config_path is not None:
-                        _reload_server(server, config_path, slot)
+                        await reloader.reload(config_path)
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds, delay_seconds=shutdown_delay)
@@ -248,15 +245,6 @@ async def _cancel_on_next_signal(signals: Any, scope: trio.CancelScope) -> None:
                      signal=signal.Signals(signum).name)
             scope.cancel()
             return
-
-
-def _reload_server(server: Server, config_path: Path, slot: WorkerSlot | None) -> None:
-    try:
-        new = load_config(ServerConfig, config_path)
-        routes = new.routes()
-        server.apply_routes(slot.routes(routes) if slot is not None else routes)
-    except ConfigError as exc:
-        log.error("config reload refused; keeping the running config", error=str(exc))
 
 
 def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:

@@ -291,3 +291,55 @@ def metric(proc: NodeagentProcess, name: str, **labels: str) -> float:
         if line.startswith(f"{name}{{{want}}}"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+# ------------------------------------------------------------------ SIGHUP
+
+
+def test_sighup_revokes_a_removed_token_and_names_what_needs_a_restart(
+        tmp_path: Path, certs: Certs, upstream: Upstream,
+        procs: list[NodeagentProcess]) -> None:
+    scfg = server_config(tmp_path, certs, upstream)
+    other = {"node": "edge-2", "token": "edge-2-token-0123456789"}
+    scfg["tokens"] = [*scfg["tokens"], other]
+    server = start(procs, "server", scfg, tmp_path, "server")
+    agent = start(procs, "agent", agent_config(tmp_path, certs, upstream, scfg["tunnel"]),
+                  tmp_path, "agent")
+    server.wait_for(lambda s: s["agents"], what="agent connected")
+
+    # edge-1's token removed; the tunnel port and metrics_listen changed too.
+    server.config = dict(scfg, tokens=[other],
+                         tunnel=f"tls://127.0.0.1:{free_port()}",
+                         metrics_listen=f"127.0.0.1:{free_port()}")
+    server.write_config()
+    server.signal(signal.SIGHUP)
+    server.wait_for(lambda s: not s["agents"], what="the removed token's tunnel closed")
+    reload = server.status()["last_reload"]
+    assert reload["outcome"] == "partly_applied", reload
+    assert reload["applied"] == ["routes", "tokens"]
+    assert reload["tunnels_closed"] == ["edge-1"]
+    assert reload["needs_restart"] == ["tunnel.url", "metrics_listen"]
+    failures = agent.status()["tunnel"]["failures"]
+    agent.wait_for(lambda s: s["tunnel"]["failures"] > failures,
+                   what="its redial (to the unchanged tunnel port) refused")
+    assert server.status()["agents"] == []
+    logs = server.logs()
+    assert "agent disconnected: its token was removed" in logs
+    assert "config reload: not applied: needs a restart" in logs
+    assert "fields=tunnel.url,metrics_listen" in logs
+
+    # An invalid file: refused whole, the reason shown, nothing changes.
+    server.config = dict(scfg, tokens=[{"node": "edge-1", "token": "short"}])
+    server.write_config()
+    server.signal(signal.SIGHUP)
+    status = server.wait_for(lambda s: s["last_reload"]["outcome"] == "refused",
+                             what="refused")
+    assert "token" in status["last_reload"]["error"]
+    assert server.status()["agents"] == []
+
+    # The token back: applied in full, and the agent registers again.
+    server.config = scfg
+    server.write_config()
+    server.signal(signal.SIGHUP)
+    server.wait_for(lambda s: s["last_reload"]["outcome"] == "applied", what="applied")
+    server.wait_for(lambda s: s["agents"], what="edge-1 registers again", timeout=15)

@@ -185,6 +185,13 @@ def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
     cluster.add_argument("--connect-client-ca", type=Path, metavar="FILE",
                          help="CA whose client certificates the --connect-listen front "
                               "accepts (kube-apiserver's egress client certificate)")
+    cluster.add_argument("--connect-allow-subject", action="append", metavar="CN",
+                         help="a client certificate CN the --connect-listen front accepts "
+                              "(repeatable; default kube-apiserver-kubelet-client, "
+                              "kube-apiserver's egress client; '*': any of the CA's)")
+    cluster.add_argument("--connect-allow-organization", action="append", metavar="O",
+                         help="a client certificate O the --connect-listen front accepts "
+                              "(repeatable; default none)")
     cluster.add_argument("--handshake-rate", type=float, metavar="PER_S",
                          help="agent handshakes admitted per second (default 200); beyond it "
                               "agents are refused with a retry-after and come back spread out")

@@ -21,6 +21,12 @@ from nodeagent.config.base import ListenAddress, Model, PortRange
 PURPOSE_KEY = "purpose"
 CONTROL_PLANE_PURPOSE = "control-plane"
 KUBELET_PORT = 10250
+# The client certificate kube-apiserver presents to the CONNECT front's TCP listener: the
+# egress selector's `tlsConfig.clientCert`, for which docs/control-plane-access.md names
+# kubeadm's apiserver-kubelet-client.crt (the certificate kube-apiserver already uses to
+# reach kubelets). Its CN is this; its O (system:masters, or kubeadm:cluster-admins since
+# kubeadm 1.29) is shared with admin credentials, so the default names the CN alone.
+APISERVER_CLIENT_CN = "kube-apiserver-kubelet-client"
 
 
 class ConnectNode(Model):
@@ -60,11 +66,25 @@ class ConnectTls(Model):
     cert_file: Path | None = None  # None: the tunnel's certificate (tls.cert_file)
     key_file: Path | None = None
     client_ca_file: Path
+    # Which of that CA's client certificates may use the front: its subject CN is one of
+    # `allowed_subjects`, or one of its O is in `allowed_organizations`. The cluster's CA
+    # also signs every kubelet's client certificate (CN system:node:<name>, O
+    # system:nodes): without this, an edge node's kubelet credential would reach every
+    # other node's kubelet through the front. "*" in allowed_subjects: any certificate of
+    # the CA (only for a CA dedicated to the front's clients).
+    allowed_subjects: tuple[str, ...] = (APISERVER_CLIENT_CN,)
+    allowed_organizations: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _pair(self) -> ConnectTls:
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("cert_file and key_file go together")
+        if not self.allowed_subjects and not self.allowed_organizations:
+            raise ValueError("allowed_subjects and allowed_organizations are both empty: "
+                             "no client could use the front")
+        if any(not v.strip() for v in self.allowed_subjects + self.allowed_organizations):
+            raise ValueError("allowed_subjects and allowed_organizations take non-empty "
+                             "names")
         return self
 
 

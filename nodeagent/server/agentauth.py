@@ -4,9 +4,9 @@ revocation of agents' tunnels.
 - Mutual TLS: the certificate names the node (a `nodeagent://node/<name>` URI SAN) and the
   HELLO's claim must match it.
 - Token (standalone): the presented token must match the node's entry (or a "*" entry),
-  compared in constant time. When the token files change (`reload_tokens`), a node whose
-  token was removed or rotated loses its tunnel: an operator revoking a token expects its
-  sessions to end.
+  compared in constant time. When the token files change, or a reloaded config file
+  removes or changes a token (`reload_tokens`), a node whose token was removed or
+  rotated loses its tunnel: an operator revoking a token expects its sessions to end.
 - Controller mode: an authenticated node must also be admitted by the current routes (a
   known Node, not denied); a node the routes stop admitting is disconnected
   (`close_revoked`). An agent with neither certificate nor token that asks for
@@ -127,12 +127,22 @@ class AgentAuthenticator:
 
     # ---------------------------------------------------------------- revocation
 
+    @property
+    def entries(self) -> Sequence[TokenEntry]:
+        """The token entries in force (a config reload replaces them)."""
+        return self._entries
+
     def load_tokens(self) -> list[tuple[str, bytes]]:
         """The tokens as their files say now (for FileReloader). A token file that is
         gone is a removed token: that entry accepts nothing. Any other problem (unreadable,
         too short: perhaps half-written) raises ConfigError and the loaded tokens stay."""
+        return self.read_tokens(self._entries)
+
+    @staticmethod
+    def read_tokens(entries: Sequence[TokenEntry]) -> list[tuple[str, bytes]]:
+        """The tokens `entries` stand for now (see load_tokens); reads, changes nothing."""
         tokens = []
-        for index, entry in enumerate(self._entries):
+        for index, entry in enumerate(entries):
             if entry.token_file is not None and not entry.token_file.exists():
                 continue
             try:
@@ -142,10 +152,15 @@ class AgentAuthenticator:
         return tokens
 
     async def reload_tokens(self, tokens: list[tuple[str, bytes]],
-                            sessions: Mapping[str, AgentSession]) -> list[str]:
+                            sessions: Mapping[str, AgentSession], *,
+                            entries: Sequence[TokenEntry] | None = None) -> list[str]:
         """Use `tokens` for new handshakes and close the tunnel (among `sessions`) of every
-        node whose token they no longer hold. Returns the nodes closed."""
+        node whose token they no longer hold. Returns the nodes closed. `entries`: the
+        token entries of a reloaded config file, which `tokens` were read from (the token
+        files watched from now on are theirs)."""
         self._tokens = tokens
+        if entries is not None:
+            self._entries = entries
         for node in [n for n in self._session_tokens if n not in sessions]:
             del self._session_tokens[node]  # ended or never registered
         closed = []

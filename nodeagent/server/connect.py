@@ -8,18 +8,21 @@ of its addresses (InternalIP, ExternalIP, Hostname) or a pod address in its podC
 
 `parse_target(method, target)` turns the request line into a `ProxyTarget` or a
 `Refusal` (400); `decide(target, routes)` into a `ConnectRoute` (node, what its agent
-dials) or a `Refusal` (403 by policy, 502 no such node). Every refusal carries a reason
-code from `REASONS` — the metric label and the log key — and a one-line message for the
-response body, which never echoes more than the (bounded) target the client sent.
+dials) or a `Refusal` (403 by policy, 502 no such node); `check_client` says whether a
+TCP client's certificate is on the allow list (403 `client_not_allowed` if not). Every
+refusal carries a reason code from `REASONS` — the metric label and the log key — and a
+one-line message for the response body, which never echoes more than the (bounded)
+target the client sent.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nodeagent.config import RoutesConfig
+from nodeagent.config import ConnectTls, RoutesConfig
 
 # Every reason a request can be refused for, with its HTTP status.
 REASONS: dict[str, int] = {
@@ -28,6 +31,7 @@ REASONS: dict[str, int] = {
     "https_absolute_form": 400,  # `GET https://...`: use CONNECT for TLS
     "head_timeout": 408,
     "nodeagent_identity": 403,  # a node's or server's tunnel certificate (TCP listener)
+    "client_not_allowed": 403,  # a certificate of the CA not in the allow list (TCP)
     "node_denied": 403,  # in a ClusterTunnel's deniedNodes
     "port_not_allowed": 403,  # not in the node's allowedNodePorts
     "pod_not_allowed": 403,  # a pod address, not on the tunnel's allowedPodPorts
@@ -41,7 +45,8 @@ REASONS: dict[str, int] = {
 }
 
 # A DNS name or an IP address as written in an authority (brackets stripped).
-_HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]{0,252})$")
+# Matched whole (fullmatch): `$` would also match before a final newline.
+_HOST = re.compile(r"[A-Za-z0-9][-A-Za-z0-9.]{0,252}")
 _MAX_TARGET = 1024
 
 
@@ -91,7 +96,7 @@ def _split_authority(text: str) -> tuple[str, int] | None:
             return None
     else:
         host, sep, port = text.rpartition(":")
-        if not sep or not _HOST.match(host):
+        if not sep or not _HOST.fullmatch(host):
             return None
     if not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
         return None
@@ -164,3 +169,22 @@ def decide(target: ProxyTarget, routes: RoutesConfig) -> ConnectRoute | Refusal:
     # By name (node or Hostname address): the node's first IP; by IP: that address.
     dial = target.host if _is_ip(target.host) else settings.dial_host()
     return ConnectRoute(node, dial, target.port, kind)
+
+
+def check_client(subjects: Sequence[str], organizations: Sequence[str],
+                 tls: ConnectTls) -> Refusal | None:
+    """Whether a client certificate the CA signed may use the TCP listener: its subject
+    CNs (`subjects`) and Os against `connect.tls.allowed_subjects` and
+    `allowed_organizations`; None when it may, else a 403 refusal naming what it is."""
+    if "*" in tls.allowed_subjects:
+        return None
+    if any(cn in tls.allowed_subjects for cn in subjects):
+        return None
+    if any(o in tls.allowed_organizations for o in organizations):
+        return None
+    who = " ".join([f"cn={cn[:64]}" for cn in subjects[:2]] +
+                   [f"o={o[:64]}" for o in organizations[:4]]) or "no subject"
+    return Refusal("client_not_allowed",
+                   f"client certificate ({who}) is not in connect.tls.allowed_subjects or "
+                   f"allowed_organizations (by default only kube-apiserver's egress "
+                   f"identity)")

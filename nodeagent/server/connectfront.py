@@ -3,14 +3,19 @@ use to reach nodes through their agents.
 
 - a Unix socket (`transport.uds`): the file's mode and owner authenticate (0600 or 0660);
 - TCP with mutual TLS (`transport.tcp` with a tlsConfig): only clients whose certificate
-  the configured CA signed; anything else fails the handshake, is counted and logged.
+  the configured CA signed; anything else fails the handshake, is counted and logged. Of
+  those, only the allowed identities (`connect.tls.allowed_subjects` CNs, default
+  kube-apiserver's egress client, or `allowed_organizations`) get past their request
+  head: any other certificate of the CA (a kubelet's) is refused with 403
+  `client_not_allowed`.
 
 Each connection sends one request head (h11 parses it; `head_timeout` bounds how long that
 may take). `CONNECT host:port` → `nodeagent.server.connect.decide` → a stream through the
 node's agent (metadata purpose=control-plane, so the agent checks its own control-plane
 rules) → `200 Connection established`, then bytes both ways for as long as both ends keep
 the stream (no idle timeout: `kubectl logs -f` and exec run for hours; half-close passes
-through on the Unix socket — TLS has no half-close, so there the first end closes both).
+through on the Unix socket, a full close resets the stream (`UdsClientStream`) — TLS has
+no half-close, so there the first end closes both).
 An absolute-form `GET http://node:port/path` (Prometheus `proxy_url`) is decided the same
 way and forwarded as one request with `Connection: close`; the response streams back
 until the target closes. Refusals answer 400/403/408/502/503/504 with a one-line body,
@@ -23,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import select
 import socket
 import ssl
 import stat
@@ -49,6 +55,7 @@ from nodeagent.server.connect import (
     ConnectRoute,
     ProxyTarget,
     Refusal,
+    check_client,
     decide,
     parse_target,
 )
@@ -162,7 +169,7 @@ class ConnectFront(Listener):
             listener = trio.SocketListener(sock)
 
             async def handler(stream: trio.SocketStream) -> None:
-                await self.serve_connection(stream, _uds_client(stream))
+                await self.serve_connection(UdsClientStream(stream), _uds_client(stream))
 
             async with trio.open_nursery() as nursery:
                 await nursery.start(functools.partial(
@@ -207,7 +214,11 @@ class ConnectFront(Listener):
                     "use the CONNECT front"))
                 return
             cert = tls_stream.getpeercert()
-            await self.serve_connection(tls_stream, f"{address} {_subject(cert)}".strip())
+            client = f"{address} {_subject(cert)}".strip()
+            assert self.config.tls is not None
+            await self.serve_connection(tls_stream, client, refusal=check_client(
+                _names(cert, "commonName"), _names(cert, "organizationName"),
+                self.config.tls))
 
         listeners = await trio.open_tcp_listeners(listen.port, host=listen.host)
         self.addresses.extend(f"tls:{socket_address(lst)}" for lst in listeners)
@@ -408,6 +419,54 @@ def failure_refusal(route: ConnectRoute, exc: StreamFailed) -> Refusal:
     return Refusal("dial_failed", f"{target}: {exc.message}")
 
 
+class UdsClientStream(trio.abc.HalfCloseableStream):
+    """A Unix-socket client, telling its full close from a half-close.
+
+    Both read as end of file. A client that only shut down its sending side
+    (`shutdown(SHUT_WR)`: exec's stdin closed) still reads, and its end of file is passed
+    on as a half-close. A client that closed its socket (or shut down both sides) reads
+    nothing more: passing that on as a half-close would leave a target that streams and
+    never reads holding the stream open on both sides until its next write fails, which
+    for a quiet `logs -f` is never. The kernel tells the two apart (POLLHUP: both
+    directions shut), so that end of file is a broken stream instead, and splice resets
+    the tunnel stream: the agent resets the target's connection.
+
+    A wrapper, not the SocketStream itself, so splice carries these streams with a task
+    each way rather than its task-free tunnel → socket path; the CONNECT front carries
+    the control plane's streams, not the bulk data path."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self.stream.receive_some(max_bytes)
+        if not data and _peer_closed(self.stream.socket.fileno()):
+            raise trio.BrokenResourceError("the client closed its connection (a full "
+                                           "close, not a half-close)")
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def _peer_closed(fd: int) -> bool:
+    """Whether a Unix socket's peer is gone both ways (POLLHUP), not only half-closed."""
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLHUP and POLLERR are reported whatever was asked
+    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
+
 def _uds_client(stream: trio.SocketStream) -> str:
     """`uds uid=N pid=N` from the peer's credentials (SO_PEERCRED)."""
     try:
@@ -430,13 +489,17 @@ def _peer(stream: trio.SocketStream) -> str:
 
 def _subject(cert: Any) -> str:
     """`cn=NAME` of a verified client certificate, for the debug view and logs."""
+    names = _names(cert, "commonName")
+    return f"cn={names[0]}" if names else ""
+
+
+def _names(cert: Any, attribute: str) -> list[str]:
+    """The values of one subject attribute (commonName, organizationName) of a verified
+    client certificate (ssl's getpeercert() dict)."""
     if not isinstance(cert, dict):
-        return ""
-    for rdn in cert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                return f"cn={value}"
-    return ""
+        return []
+    return [value for rdn in cert.get("subject", ()) for key, value in rdn
+            if key == attribute and isinstance(value, str)]
 
 
 def _tls_error(exc: BaseException) -> str:

@@ -65,4 +65,9 @@ def connect_from_flags(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("--connect-listen needs --connect-client-ca (only clients with "
                               "a certificate from that CA may use it)")
         doc["tls"] = {"client_ca_file": str(args.connect_client_ca)}
+        subjects = getattr(args, "connect_allow_subject", None)
+        organizations = getattr(args, "connect_allow_organization", None)
+        if subjects or organizations:  # else the default: kube-apiserver's identity
+            doc["tls"].update(allowed_subjects=subjects or [],
+                              allowed_organizations=organizations or [])
     return doc

@@ -3,9 +3,10 @@ from flags with the controller's config watch stream (controller mode).
 
 Both start every listener of one Server (listeners.server_listeners: tunnel, TCP
 mappings, HTTP and Ingress fronts, CONNECT front, debug socket, health) in one nursery
-through `ops.listener.Listeners`, and drain agents gracefully on SIGTERM/SIGINT;
-SIGHUP re-reads a config file. In controller mode the server watches the controller
-directly and applies each RoutesConfig (Ingress routes, certificates, egress, node CIDRs).
+through `ops.listener.Listeners`, and drain agents gracefully on SIGTERM/SIGINT (a second
+one ends the drain at once); SIGHUP re-reads a config file. In controller mode the server
+watches the controller directly and applies each RoutesConfig (Ingress routes,
+certificates, egress, node CIDRs).
 
 Static stability (controller mode, `--state-dir`): each RoutesConfig applied is also
 written to STATE_DIR/routes.json (mode 0600, replaced atomically; it holds Ingress TLS
@@ -47,6 +48,7 @@ from nodeagent.runtime.malloctune import trim_forever
 from nodeagent.server.flags import server_config_from_flags
 from nodeagent.server.listeners import server_listeners
 from nodeagent.server.readiness import DEFAULT_READY_GRACE, ReadinessGate
+from nodeagent.server.reload import ServerReloader
 from nodeagent.server.server import Server
 from nodeagent.server.workers import (
     WorkerSlot,
@@ -56,6 +58,7 @@ from nodeagent.server.workers import (
 from nodeagent.trust.filewatch import FileReloader
 from nodeagent.trust.tlscontext import TlsInputError
 from nodeagent.trust.tlscontext import server_ssl_context as tls_server_context
+from tunnel import protocol as p
 from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.server")
@@ -136,9 +139,9 @@ def check_token_files(config: ServerConfig, source: str) -> None:
 def start_reloaders(server: Server, nursery: trio.Nursery,
                     ssl_context: ssl.SSLContext | None, tls_source: str,
                     tls_fields: dict[str, str]) -> list[ssl.SSLContext | None]:
-    """Watch the tunnel's certificate, key and client CA files and the token files:
-    returns the one-element holder of the tunnel's current TLS context (what new
-    handshakes use; tunnels already up keep theirs)."""
+    """Watch the tunnel's certificate, key and client CA files (the token files:
+    reload.ServerReloader): returns the one-element holder of the tunnel's current TLS
+    context (what new handshakes use; tunnels already up keep theirs)."""
     config = server.config
     holder = [ssl_context]
     tls = config.tls
@@ -152,13 +155,7 @@ def start_reloaders(server: Server, nursery: trio.Nursery,
             "tunnel certificate", files,
             load=functools.partial(server_ssl_context, config, tls_source, tls_fields),
             apply=swap, log=server.log)
-    token_files = [e.token_file for e in config.tokens if e.token_file is not None]
-    if token_files:
-        server.reloaders["tokens"] = FileReloader(
-            "agent tokens", token_files, load=server.auth.load_tokens,
-            apply=server.reload_tokens, log=server.log)
-    for reloader in server.reloaders.values():
-        nursery.start_soon(reloader.run)
+        nursery.start_soon(server.reloaders["tunnel_tls"].run)
     return holder
 
 
@@ -181,6 +178,8 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
+        reloader = ServerReloader(server, nursery, slot)
+        reloader.watch_token_files()
 
         def current_context() -> ssl.SSLContext:
             context = holder[0]
@@ -199,34 +198,53 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     if config_path is not None:
-                        _reload_server(server, config_path, slot)
+                        await reloader.reload(config_path)
                     continue
                 log.info("shutting down: draining agents", signal=signal.Signals(signum).name,
                          grace_seconds=drain_seconds, delay_seconds=shutdown_delay)
-                # Readiness fails first (a load balancer stops sending), then new tunnels
-                # are refused by the kernel (they go to the next server), then GOAWAY.
-                server.tunnel.start_draining()
-                # The tunnel listener closes its sockets. Public requests keep being
-                # served through the tunnels until the load balancer has seen readiness
-                # fail: a GOAWAY at once would answer 502 to every request it still sends
-                # here meanwhile. Keep-alive clients are told to reconnect (through the
-                # balancer, to another replica) after their current request; the
-                # connections idle all along close after the delay.
-                listeners.drain(close_idle=False)
-                await trio.sleep(shutdown_delay)
-                listeners.drain(close_idle=True)
-                await server.tunnel.drain("server shutting down", grace=drain_seconds)
+                # A second signal during the drain ends it at once. Its watcher runs in a
+                # nursery of the drain's own, so it has ended before the receiver's block
+                # closes (a drain with nothing in flight returns at once).
+                async with trio.open_nursery() as drain:
+                    drain.start_soon(_cancel_on_next_signal, signals, drain.cancel_scope)
+                    await _drain(server, listeners, drain_seconds=drain_seconds,
+                                 shutdown_delay=shutdown_delay)
+                    drain.cancel_scope.cancel()
+                # Cut short, the drain left its tunnels open: they end now, telling each
+                # agent why (resetting the streams in them).
+                await _close_tunnels(server)
                 nursery.cancel_scope.cancel()
                 break
 
 
-def _reload_server(server: Server, config_path: Path, slot: WorkerSlot | None) -> None:
-    try:
-        new = load_config(ServerConfig, config_path)
-        routes = new.routes()
-        server.apply_routes(slot.routes(routes) if slot is not None else routes)
-    except ConfigError as exc:
-        log.error("config reload refused; keeping the running config", error=str(exc))
+async def _drain(server: Server, listeners: Listeners, *, drain_seconds: float,
+                 shutdown_delay: float) -> None:
+    # Readiness fails first (a load balancer stops sending), then new tunnels are refused
+    # by the kernel (they go to the next server), then GOAWAY.
+    server.tunnel.start_draining()
+    # The tunnel listener closes its sockets. Public requests keep being served through
+    # the tunnels until the load balancer has seen readiness fail: a GOAWAY at once would
+    # answer 502 to every request it still sends here meanwhile. Keep-alive clients are
+    # told to reconnect (through the balancer, to another replica) after their current
+    # request; the connections idle all along close after the delay.
+    listeners.drain(close_idle=False)
+    await trio.sleep(shutdown_delay)
+    listeners.drain(close_idle=True)
+    await server.tunnel.drain("server shutting down", grace=drain_seconds)
+
+
+async def _close_tunnels(server: Server) -> None:
+    for session in list(server.tunnel.sessions.values()):
+        await session.connection.aclose(p.ErrorCode.SHUTTING_DOWN, "server shutting down")
+
+
+async def _cancel_on_next_signal(signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        if signum != signal.SIGHUP:
+            log.info("second signal: not waiting for the drain",
+                     signal=signal.Signals(signum).name)
+            scope.cancel()
+            return
 
 
 def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:

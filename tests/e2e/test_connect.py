@@ -104,7 +104,9 @@ def apiserver_pki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ap
     d = tmp_path_factory.mktemp("apiserver-pki")
     ca = trustme.CA()
     ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    client = ca.issue_cert("kube-apiserver")
+    # kubeadm's apiserver-kubelet-client.crt: the CONNECT front's default allow list.
+    client = ca.issue_cert("kube-apiserver", common_name="kube-apiserver-kubelet-client",
+                           organization_name="system:masters")
     client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
     client.private_key_pem.write_to_path(str(d / "client.key"))
     yield ApiserverPki(d / "ca.pem", d / "client.pem", d / "client.key"), ca

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent.config import ConfigError, ConnectFrontConfig, RoutesConfig, parse_config
+from nodeagent.config import (
+    ConfigError,
+    ConnectFrontConfig,
+    ConnectTls,
+    RoutesConfig,
+    parse_config,
+)
 from nodeagent.server.connect import (
     REASONS,
     ConnectRoute,
     ProxyTarget,
     Refusal,
+    check_client,
     decide,
     parse_target,
 )
@@ -53,6 +60,9 @@ def test_request_lines_parse_into_targets(method: str, target: str, want: ProxyT
     ("CONNECT", "-edge:10250", "malformed"),
     ("CONNECT", "a" * 2000 + ":1", "malformed"),
     ("CONNECT", "/etc/passwd:1", "malformed"),
+    # `$` with .match would let a final newline through: matched whole instead.
+    ("CONNECT", "edge-1\n:10250", "malformed"),
+    ("GET", "http://edge-1\n:9100/", "malformed"),
     ("GET", "/metrics", "not_proxy_request"),
     ("GET", "https://edge-1:10250/metrics", "https_absolute_form"),
     ("GET", "http://user@edge-1:9100/", "malformed"),
@@ -117,4 +127,42 @@ def test_front_config_is_off_by_default_and_checked() -> None:
         parse_config(ConnectFrontConfig, {"listen": "0.0.0.0:8132"}, "server.yaml")
     with pytest.raises(ConfigError, match="every local user"):
         parse_config(ConnectFrontConfig, {"uds": "/run/x.sock", "uds_mode": 0o666},
+                     "server.yaml")
+
+
+def _tls(**allowed: list[str]) -> ConnectTls:
+    return ConnectTls.model_validate({"client_ca_file": "/ca.crt", **allowed})
+
+
+@pytest.mark.parametrize(("subjects", "organizations", "allowed", "passes"), [
+    # The default: kube-apiserver's egress client (kubeadm's apiserver-kubelet-client).
+    (["kube-apiserver-kubelet-client"], ["system:masters"], {}, True),
+    (["kube-apiserver-kubelet-client"], ["kubeadm:cluster-admins"], {}, True),
+    # A kubelet's client certificate from the same CA: refused.
+    (["system:node:edge-2"], ["system:nodes"], {}, False),
+    # An admin's: it shares the O, not the CN.
+    (["kubernetes-admin"], ["system:masters"], {}, False),
+    ([], [], {}, False),
+    (["prometheus"], [], {"allowed_subjects": ["kube-apiserver-kubelet-client",
+                                               "prometheus"]}, True),
+    (["scraper-7"], ["monitoring"], {"allowed_organizations": ["monitoring"]}, True),
+    (["system:node:edge-2"], ["system:nodes"], {"allowed_organizations": ["monitoring"]},
+     False),
+    (["anyone"], [], {"allowed_subjects": ["*"]}, True),
+])
+def test_only_allowed_client_identities_use_the_tls_listener(
+        subjects: list[str], organizations: list[str], allowed: dict[str, list[str]],
+        passes: bool) -> None:
+    refusal = check_client(subjects, organizations, _tls(**allowed))
+    if passes:
+        assert refusal is None
+    else:
+        assert refusal is not None and refusal.reason == "client_not_allowed"
+        assert refusal.status == 403 and "\n" not in refusal.message
+        assert "allowed_subjects" in refusal.message
+
+
+def test_an_empty_allow_list_is_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match="both empty"):
+        parse_config(ConnectTls, {"client_ca_file": "/ca.crt", "allowed_subjects": []},
                      "server.yaml")

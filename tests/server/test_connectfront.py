@@ -30,9 +30,15 @@ def files(tmp_path: Path) -> dict[str, Path]:
     pki.issue_client_certificate(ca, "edge-1").write(tmp_path / "node.crt", tmp_path / "node.key")
     other = trustme.CA()
     other.cert_pem.write_to_path(str(tmp_path / "apiserver-ca.crt"))
-    leaf = other.issue_cert("kube-apiserver")
+    leaf = other.issue_cert("kube-apiserver", common_name="kube-apiserver-kubelet-client",
+                            organization_name="system:masters")
     leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "apiserver.crt"))
     leaf.private_key_pem.write_to_path(str(tmp_path / "apiserver.key"))
+    # A kubelet's client certificate from the same CA (as a cluster CA signs them).
+    kubelet = other.issue_cert("edge-2", common_name="system:node:edge-2",
+                               organization_name="system:nodes")
+    kubelet.cert_chain_pems[0].write_to_path(str(tmp_path / "kubelet.crt"))
+    kubelet.private_key_pem.write_to_path(str(tmp_path / "kubelet.key"))
     return {p.stem + p.suffix: p for p in tmp_path.iterdir()}
 
 
@@ -64,6 +70,8 @@ async def _exchange(front: ConnectFront, port: int, files: dict[str, Path],
     # The cluster's nodeagent CA given as the client CA: a node's own tunnel certificate
     # still may not use the front (a compromised node must not reach other kubelets).
     ("ca.crt", "node", b"HTTP/1.1 403 "),
+    # Another identity of the client CA (a kubelet's): not on the allow list.
+    ("apiserver-ca.crt", "kubelet", b"HTTP/1.1 403 "),
 ])
 async def test_only_clients_with_a_certificate_from_the_client_ca(
         files: dict[str, Path], client_ca: str, cert: str | None, expect: bytes) -> None:
@@ -93,5 +101,38 @@ async def test_only_clients_with_a_certificate_from_the_client_ca(
     if cert == "node" and client_ca == "ca.crt":
         assert b"a nodeagent node or server certificate may not use the CONNECT front" in got
         assert front.outcomes == {"nodeagent_identity": 1}
+    if cert == "kubelet":
+        assert b"cn=system:node:edge-2 o=system:nodes" in got
+        assert front.outcomes == {"client_not_allowed": 1}
+        assert registry.get_sample_value("nodeagent_connect_requests_total",
+                                          {"outcome": "client_not_allowed"}) == 1
     if not expect:
         assert registry.get_sample_value("nodeagent_connect_handshake_failures_total") == 1
+
+
+async def test_a_unix_client_full_close_is_broken_and_a_half_close_is_end_of_file() -> None:
+    """UdsClientStream: a client that shut down only its sending side still reads, so its
+    end of file is a half-close to pass on; one that closed its socket reads nothing more,
+    so its end of file breaks the stream (splice then resets the tunnel stream)."""
+    import socket
+
+    from nodeagent.server.connectfront import UdsClientStream
+
+    for half in (True, False):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stream = UdsClientStream(trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+        theirs.sendall(b"last words")
+        if half:
+            theirs.shutdown(socket.SHUT_WR)
+        else:
+            theirs.close()
+        assert await stream.receive_some(100) == b"last words"
+        if half:
+            assert await stream.receive_some(100) == b""
+            await stream.send_all(b"still read")
+            assert theirs.recv(100) == b"still read"
+            theirs.close()
+        else:
+            with pytest.raises(trio.BrokenResourceError, match="full close"):
+                await stream.receive_some(100)
+        await stream.aclose()

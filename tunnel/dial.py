@@ -91,7 +91,11 @@ async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
     connect_rtt = trio.current_time() - started
     stream: trio.abc.Stream = sock_stream
     try:
-        address = format_address(sock_stream.socket.getpeername())
+        try:
+            address = format_address(sock_stream.socket.getpeername())
+        except OSError as exc:  # reset between connect() and here (a server closing)
+            raise DialError(f"{endpoint}: the connection closed at once: {exc}",
+                            "reset") from None
         certificate: bytes | None = None
         initial = b""
         if ssl_context is not None:

@@ -84,7 +84,9 @@ def serve_echo(sock: socket.socket) -> None:
             return
 
         def serve(c: socket.socket) -> None:
-            with c:
+            # A client may reset its connection (a refused or cut stream): that ends
+            # this echo, it is no error of the sample service.
+            with c, contextlib.suppress(ConnectionResetError, BrokenPipeError):
                 while data := c.recv(65536):
                     c.sendall(data)
 

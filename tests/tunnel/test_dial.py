@@ -302,3 +302,19 @@ async def test_our_client_with_library_servers(impl: str, certs: dict[str, Any])
         assert await t.receive() == b"to websockets"
         await t.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_reset_before_the_dial_looks_at_it_is_a_dial_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server closing its listener (a drain) can reset a connection between connect()
+    and the dialer's first look at it: getpeername() then fails. That is a failed dial
+    (retried as unreachable), never an exception out of the agent."""
+    import tunnel.dial
+
+    async def reset_at_once(endpoint: Endpoint, socket_mark: int | None) -> trio.SocketStream:
+        return trio.SocketStream(trio.socket.socket())  # never connected: ENOTCONN
+
+    monkeypatch.setattr(tunnel.dial, "_connect_tcp", reset_at_once)
+    with pytest.raises(DialError) as info:
+        await dial(parse_endpoint("tcp://127.0.0.1:9"))
+    assert info.value.reason == "reset"

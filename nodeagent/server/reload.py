@@ -115,7 +115,7 @@ class ServerReloader:
             outcome = ReloadOutcome("refused", error=str(exc)[:500])
             server.log.error("config reload refused; keeping the running config",
                              error=outcome.error)
-        server.last_reload = outcome
+        server.last_reload = outcome.as_dict()
         return outcome
 
     async def _apply(self, config_path: Path) -> ReloadOutcome:

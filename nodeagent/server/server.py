@@ -45,7 +45,6 @@ from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.server import HandshakeAdmission, TunnelServer
 
 if TYPE_CHECKING:
-    from nodeagent.server.reload import ReloadOutcome  # it imports this module
     from nodeagent.trust.enrollment import IdentityKeeper  # controller mode: cryptography
 
 log = get_logger("nodeagent.server")
@@ -120,8 +119,8 @@ class Server:
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
         # Credentials reloaded from their files (tunnel TLS, tokens): name -> reloader.
         self.reloaders: dict[str, FileReloader[Any]] = {}
-        # SIGHUP's last outcome (reload.ReloadOutcome; standalone only), for status.
-        self.last_reload: ReloadOutcome | None = None
+        # SIGHUP's last outcome (reload.ReloadOutcome.as_dict(); standalone only).
+        self.last_reload: dict[str, Any] | None = None
         self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats))
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
@@ -217,7 +216,7 @@ class Server:
             "bootstrap": {"open": self.tunnel.bootstrap_sessions,
                           "served": self.tunnel.bootstrap_served},
             "reloads": {name: r.status() for name, r in self.reloaders.items()},
-            "last_reload": self.last_reload.as_dict() if self.last_reload else None,
+            "last_reload": self.last_reload,
             "connect": self.connect.status() if self.connect else None,
             "dnat": self.dnat.status(),
         }

@@ -190,14 +190,16 @@ def csr_body(kind: str) -> bytes:
         pki.generate_key(), kind).decode()}).encode()
 
 
-def test_an_anonymous_flood_takes_no_renewal_and_a_new_agent_still_enrolls(
+def test_an_anonymous_flood_takes_no_renewal_and_delays_a_new_agent_only_as_retry_later(
         controllers: dict[str, Any]) -> None:  # noqa: F811 (the fixture)
     """~As many certificate requests with forged tokens as one client can send (each a
     fresh token, so each would cost a TokenReview) hold the anonymous budget at zero;
     meanwhile a node renewing with its still-valid certificate is signed at the first
-    try (no TokenReview, no slot), and a new agent with a real token, retrying as told
-    (429, Retry-After), still gets its certificate (in well under a second in a quiet
-    run: the figure is printed)."""
+    try (no TokenReview, no slot). A new agent's first request competes with the flood
+    for that budget (its token is unknown until reviewed): it is refused at most as
+    "retry later" (429, Retry-After), which the agent rides out, and signed once the
+    flood ends. (Through the servers, the bootstrap caps bound such a flood: see
+    test_enrollment_flood.py.)"""
     api = controllers["api"]
     port = controllers["ports"]["c1"]
     api.create(NODES, {"metadata": {"name": "edge-1"}})
@@ -240,26 +242,30 @@ def test_an_anonymous_flood_takes_no_renewal_and_a_new_agent_still_enrolls(
                                        AGENT)
             figures["renewal"] = trio.current_time() - started
             assert status == 200, status
-            # A new agent, first request with its real token, retrying as told.
-            started = trio.current_time()
-            attempts = 0
-            # A bound against a hang, not a timing: how long it took is printed (and
-            # measured in quiet runs); on a loaded machine the controller itself is slow.
-            with trio.fail_after(60):
-                while True:
-                    attempts += 1
-                    status, headers = await post_csr(
-                        port, anonymous, csr_body("node"), "e2e-trust-agent2-token-0123456789")
-                    if status == 200:
-                        break
-                    assert status == 429, status
-                    await trio.sleep(float(headers.get("retry-after", "1")))
-            figures["enroll"] = trio.current_time() - started
-            figures["attempts"] = attempts
+            # A new agent's first request competes with the flood for the anonymous
+            # budget (its token is not known yet): it may be refused, but only as
+            # "retry later" (429 with Retry-After), never as a failure of its own.
+            status, headers = await post_csr(
+                port, anonymous, csr_body("node"), "e2e-trust-agent2-token-0123456789")
+            assert status in (200, 429), status
+            if status == 429:
+                assert float(headers["retry-after"]) > 0
             stop.set()
+        # The flood over, the same agent retrying as told is signed.
+        started = trio.current_time()
+        attempts = 1
+        with trio.fail_after(60):  # a bound against a hang, not a timing
+            while status != 200:
+                await trio.sleep(float(headers.get("retry-after", "1")))
+                attempts += 1
+                status, headers = await post_csr(
+                    port, anonymous, csr_body("node"), "e2e-trust-agent2-token-0123456789")
+                assert status in (200, 429), status
+        figures["enroll"] = trio.current_time() - started
+        figures["attempts"] = attempts
 
     trio.run(main)
     print(f"\nflood: {dict(counts)}; renewal by certificate {figures['renewal']:.2f}s; "
-          f"new agent enrolled in {figures['enroll']:.2f}s ({figures['attempts']:.0f} "
-          f"attempts)")
+          f"new agent enrolled {figures['enroll']:.2f}s after the flood "
+          f"({figures['attempts']:.0f} attempts)")
     assert counts[401] > 0 and counts[429] > 0

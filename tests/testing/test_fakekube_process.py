@@ -61,3 +61,17 @@ async def test_fake_kube_as_a_subprocess(tmp_path: Path) -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_the_local_fake_starts_with_a_token_that_begins_with_a_dash(tmp_path: Path) -> None:
+    """A random admin token (secrets.token_urlsafe) begins with "-" once in 64 runs;
+    passed as its own argument, argparse took it for an option and the fake never
+    started (the cluster demo then failed at random)."""
+    from nodeagent.testing.fakekube.localcluster import FakeApiServer
+
+    fake = FakeApiServer(tmp_path / "kubeconfig", "-starts-with-a-dash")
+    try:
+        assert fake.url.startswith("https://")
+        assert "-starts-with-a-dash" in (tmp_path / "kubeconfig").read_text()
+    finally:
+        fake.close()

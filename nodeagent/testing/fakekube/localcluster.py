@@ -63,8 +63,10 @@ class FakeApiServer:
                  bookmark_interval: float = 0.5) -> None:
         self.kubeconfig = kubeconfig
         self.proc = subprocess.Popen(
+            # --token=VALUE: a random token may begin with "-", which argparse would take
+            # for an option (the fake then never started, one run in 64).
             [sys.executable, "-m", "nodeagent.testing.fakekube", "--tls", "--rbac",
-             "--token", admin_token,
+             f"--token={admin_token}",
              "--kubeconfig", str(kubeconfig), "--bookmark-interval", str(bookmark_interval)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:

@@ -237,6 +237,17 @@ def serve_shop_on_edge(api: Api, upstream: Upstream) -> None:
     api.create(INGRESSES, ingress("shop", "shop.test", "/"))
 
 
+def serve_a_test(api: Api, upstream: Upstream) -> None:
+    """Ingress a.test/ → Service web → the upstream's HTTP port on edge-1 (127.0.0.1,
+    its InternalIP), the endpoint naming its Pod."""
+    api.replace_status(NODES, "edge-1", None, {"addresses": [
+        {"type": "InternalIP", "address": "127.0.0.1"}]})
+    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
+        "ports": [{"name": "http", "port": 80}]}})
+    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [web_endpoint(api)]))
+    api.create(INGRESSES, ingress("a", "a.test", "/"))
+
+
 @pytest.fixture
 def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
             upstream: Upstream) -> Iterator[dict[str, Any]]:
@@ -443,12 +454,7 @@ def test_ingress_reaches_the_edge_pod_and_follows_every_change(
 def test_standby_takes_over_and_agents_keep_their_config(cluster: dict[str, Any]) -> None:
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
     c1 = cluster["procs"][0]
-    api.replace_status(NODES, "edge-1", None, {"addresses": [
-        {"type": "InternalIP", "address": "127.0.0.1"}]})
-    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
-        "ports": [{"name": "http", "port": 80}]}})
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [web_endpoint(api)]))
-    api.create(INGRESSES, ingress("a", "a.test", "/"))
+    serve_a_test(api, upstream)
     wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
     c1.kill()
     wait_for(lambda: api.get(LEASES, "nodeagent-controller", "nodeagent")["spec"]
@@ -499,12 +505,7 @@ def test_static_stability_the_controller_gone_a_server_restarted_and_catching_up
     although the new process numbers its versions from 1 again."""
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
     procs, server, agent = cluster["procs"], cluster["server"], cluster["agent"]
-    api.replace_status(NODES, "edge-1", None, {"addresses": [
-        {"type": "InternalIP", "address": "127.0.0.1"}]})
-    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
-        "ports": [{"name": "http", "port": 80}]}})
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [web_endpoint(api)]))
-    api.create(INGRESSES, ingress("a", "a.test", "/"))
+    serve_a_test(api, upstream)
     wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
     state = tmp_path / "server-state" / "routes.json"
     wait_for(state.exists, "routes persisted")
@@ -597,12 +598,7 @@ def test_a_change_reaches_the_server_and_the_agent_within_2s_of_the_controllers_
     the controller."""
     api, port, upstream = cluster["api"], cluster["http"], cluster["upstream"]
     procs, agent = cluster["procs"], cluster["agent"]
-    api.replace_status(NODES, "edge-1", None, {"addresses": [
-        {"type": "InternalIP", "address": "127.0.0.1"}]})
-    api.create(SERVICES, {"metadata": {"name": "web", "namespace": NS}, "spec": {
-        "ports": [{"name": "http", "port": 80}]}})
-    api.create(ENDPOINTSLICES, endpoint_slice(upstream.http_port, [web_endpoint(api)]))
-    api.create(INGRESSES, ingress("a", "a.test", "/"))
+    serve_a_test(api, upstream)
     wait_for(lambda: get(port, "a.test", "/").status_code == 200, "first route")
     c1, c2 = procs[0], procs[1]
     c1.kill()

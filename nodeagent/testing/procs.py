@@ -69,6 +69,18 @@ class NodeagentProcess:
             result: dict[str, Any] = response.json()
             return result
 
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the process's metrics (its debug socket's /metrics), 0 if absent;
+        `labels` in the order the metric declares them."""
+        transport = httpx.HTTPTransport(uds=str(self.socket))
+        with httpx.Client(transport=transport, timeout=5) as client:
+            text = client.get("http://debug/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            if line.startswith(f"{name}{{{want}}}" if want else f"{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def wait_ready(self, timeout: float = 15.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import trio
 
@@ -32,16 +31,6 @@ from tunnel.endpoint import (
 
 pytestmark = pytest.mark.needs("root")
 
-
-def metric(server: NodeagentProcess, name: str, **labels: str) -> float:
-    transport = httpx.HTTPTransport(uds=str(server.socket))
-    with httpx.Client(transport=transport, timeout=5) as client:
-        text = client.get("http://debug/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{want}}}"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def local_ipv4() -> str | None:
@@ -139,7 +128,7 @@ def test_another_nodes_pod_in_ipv4_mapped_form_needs_a_relay_policy(
         for result in results:
             assert result.startswith("forbidden:"), results
             assert "belongs to node edge-2; no relay policy" in result, results
-        assert metric(server, "nodeagent_server_refusals_total",
+        assert server.metric("nodeagent_server_refusals_total",
                       reason="relay_not_allowed") == 2
         assert server.logs().count("agent stream refused: relay not allowed") == 1
     finally:
@@ -169,7 +158,7 @@ def test_the_floor_refuses_ipv6_addresses_that_embed_a_protected_ipv4(
                            [(host, upstream.echo_port) for host in FLOOR_FORMS])
         for host, result in zip(FLOOR_FORMS, results, strict=True):
             assert result.startswith("forbidden:") and "is protected" in result, (host, result)
-        assert metric(server, "nodeagent_server_refusals_total",
+        assert server.metric("nodeagent_server_refusals_total",
                       reason="egress_protected") == len(FLOOR_FORMS)
         # One log line a minute per (reason, node), however many refusals.
         assert server.logs().count("agent stream refused: protected destination") == 1, \

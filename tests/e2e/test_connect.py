@@ -19,7 +19,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import trio
 import trustme
@@ -251,16 +250,6 @@ def connect(target: str) -> bytes:
     return f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
 
 
-def metric(server: NodeagentProcess, name: str, **labels: str) -> float:
-    transport = httpx.HTTPTransport(uds=str(server.socket))
-    with httpx.Client(transport=transport, timeout=5) as client:
-        text = client.get("http://debug/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{want}}}" if want else f"{name} "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
 
 # ------------------------------------------------------------------ tests
 
@@ -309,7 +298,7 @@ def test_logs_follow_through_the_unix_socket_shows_on_both_sides(
     assert got.count(b"log line ") == 25
     tls.close()
     stack.server.wait_for(lambda s: s["connect"]["streams"] == [], what="stream gone")
-    assert metric(stack.server, "nodeagent_connect_requests_total",
+    assert stack.server.metric("nodeagent_connect_requests_total",
                   outcome="established") == 1
 
 
@@ -343,7 +332,7 @@ def test_refusals_answer_a_status_and_one_line(stack: Stack, request_bytes: byte
     _, got, body = connect_uds(stack.uds, request_bytes)
     assert got == status, body
     assert body.endswith(b"\n") and body.count(b"\n") == 1, body
-    assert metric(stack.server, "nodeagent_connect_requests_total", outcome=reason) == 1
+    assert stack.server.metric("nodeagent_connect_requests_total", outcome=reason) == 1
     assert stack.server.status()["connect"]["by_outcome"] == {reason: 1}
 
 
@@ -362,7 +351,7 @@ def test_a_dial_that_hangs_is_504_and_the_agent_refuses_what_its_own_rules_do_no
         what="the agent counted its refusal")
     stack.agent.wait_for_log("stream refused: target not allowed on this node for "
                              "control-plane streams")
-    assert metric(stack.server, "nodeagent_connect_requests_total",
+    assert stack.server.metric("nodeagent_connect_requests_total",
                   outcome="agent_forbidden") == 1
 
 
@@ -388,8 +377,8 @@ def test_curl_through_the_mutual_tls_listener(
                 client_cert=False)
     assert done.returncode != 0 and "kubelet_up" not in done.stdout
     stack.server.wait_for_log("CONNECT client refused: TLS handshake failed")
-    assert metric(stack.server, "nodeagent_connect_handshake_failures_total") >= 1
-    assert metric(stack.server, "nodeagent_connect_requests_total",
+    assert stack.server.metric("nodeagent_connect_handshake_failures_total") >= 1
+    assert stack.server.metric("nodeagent_connect_requests_total",
                   outcome="established") == 1
 
 
@@ -406,8 +395,8 @@ def test_curl_as_an_http_proxy_client_like_prometheus(
     done = curl(stack, certs, pki_, "http://edge-1:22/metrics", "-w", "%{http_code}")
     assert done.stdout.endswith("403"), done.stdout
     assert "port 22 of node edge-1 is not in allowedNodePorts" in done.stdout
-    assert metric(stack.server, "nodeagent_connect_requests_total", outcome="forwarded") == 1
-    assert metric(stack.server, "nodeagent_connect_requests_total",
+    assert stack.server.metric("nodeagent_connect_requests_total", outcome="forwarded") == 1
+    assert stack.server.metric("nodeagent_connect_requests_total",
                   outcome="port_not_allowed") == 1
 
 
@@ -461,5 +450,5 @@ async def test_200_concurrent_streams_to_one_node(stack: Stack) -> None:
     print(f"200 concurrent CONNECT streams x 64 KiB echoed in "
           f"{time.monotonic() - started:.2f}s")
     assert len(results) == 200 and all(r == payload for r in results)
-    assert metric(stack.server, "nodeagent_connect_requests_total",
+    assert stack.server.metric("nodeagent_connect_requests_total",
                   outcome="established") == 200

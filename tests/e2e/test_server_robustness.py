@@ -276,21 +276,11 @@ def test_the_connect_front_takes_only_the_api_servers_identity_of_the_cluster_ca
         assert b"cn=system:node:edge-2 o=system:nodes" in got
     status = server.wait_for(lambda s: s["connect"]["streams"] == [], what="streams done")
     assert status["connect"]["by_outcome"] == {"established": 1, "client_not_allowed": 3}
-    assert metric(server, "nodeagent_connect_requests_total",
+    assert server.metric("nodeagent_connect_requests_total",
                   outcome="client_not_allowed") == 3
     # One line a minute per reason, whatever the flood.
     assert server.logs().count("reason=client_not_allowed") == 1, server.logs()
 
-
-def metric(proc: NodeagentProcess, name: str, **labels: str) -> float:
-    transport = httpx.HTTPTransport(uds=str(proc.socket))
-    with httpx.Client(transport=transport, timeout=5) as client:
-        text = client.get("http://debug/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{want}}}"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 # ------------------------------------------------------------------ SIGHUP

@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 from cryptography import x509
 
+from nodeagent.ops.debugcli import program_command
 from nodeagent.testing.fakekube.kubectl import KUBECTL
 from nodeagent.testing.fakekube.localcluster import (
     MANIFESTS,
@@ -244,7 +245,7 @@ Try it (in another terminal, from this checkout):
   kubectl apply -f {tmp}/hello.yaml
   curl -H 'Host: {HOST}' http://127.0.0.1:{http}/
   kubectl describe ingress hello
-  nodeagent debug --socket {tmp}/agent.sock status
+  {program_command()} debug --socket {tmp}/agent.sock status
 
 Ctrl-C stops everything."""
 

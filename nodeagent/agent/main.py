@@ -27,6 +27,7 @@ from nodeagent.agent.agent import Agent
 from nodeagent.config import (
     AgentConfig,
     ConfigError,
+    ConfigProblems,
     NodeConfig,
     load_config,
     parse_config,
@@ -180,11 +181,16 @@ def run_cleanup() -> int:
 
 def run_agent(config_path: Path, *, check: bool = False) -> int:
     config = load_config(AgentConfig, config_path)
-    ssl_context = agent_ssl_context(config, str(config_path))
-    try:
-        config.read_token()
-    except ConfigError as exc:  # token_file: unreadable or too short
-        raise ConfigError(f"{config_path}: token_file: {exc}") from None
+    problems = ConfigProblems()  # the TLS files and the token file, both reported
+    ssl_context = None
+    with problems.check():
+        ssl_context = agent_ssl_context(config, str(config_path))
+    with problems.check():
+        try:
+            config.read_token()
+        except ConfigError as exc:  # token_file: unreadable, too short, not ASCII
+            raise ConfigError(f"{config_path}: token_file: {exc}") from None
+    problems.raise_any()
     agent = Agent(config, ssl_context=ssl_context)
     if check:
         print(f"{config_path}: valid. node {config.node}, server {config.server}, "

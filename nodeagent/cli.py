@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from nodeagent import __version__
-from nodeagent.config import ConfigError
+from nodeagent.config import ConfigError, StartupFailed
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -480,6 +480,44 @@ def _watch_before_view(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# Controller mode has no file: a setting is named by the flag that sets it.
+FLAG_FOR_SETTING = {
+    "tunnel": "--tunnel-listen", "ingress_http": "--ingress-http",
+    "ingress_https": "--ingress-https", "metrics_listen": "--metrics-listen",
+    "debug_socket": "--debug-socket", "connect.listen": "--connect-listen",
+    "connect.uds": "--connect-uds",
+}
+
+
+def _startup_failure(exc: BaseException) -> StartupFailed | None:
+    """The StartupFailed a role ended with, out of the exception groups of its nurseries
+    (with the cancellations it caused); None for anything else, which is a bug."""
+    if isinstance(exc, StartupFailed):
+        return exc
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    import trio
+
+    failed, rest = exc.split(StartupFailed)
+    if failed is None or (rest is not None and rest.split(trio.Cancelled)[1] is not None):
+        return None
+    first: BaseException = failed
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first if isinstance(first, StartupFailed) else None
+
+
+def _source(args: argparse.Namespace) -> str:
+    config = getattr(args, "config", None)
+    return str(config) if config is not None else "flags"
+
+
+def _setting(args: argparse.Namespace, failed: StartupFailed) -> str:
+    if getattr(args, "config", None) is None and failed.setting in FLAG_FOR_SETTING:
+        return f"{FLAG_FOR_SETTING[failed.setting]}: {failed.detail}"
+    return str(failed)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_watch_before_view(sys.argv[1:] if argv is None else argv))
@@ -538,6 +576,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK
+    except (StartupFailed, BaseExceptionGroup) as exc:
+        failed = _startup_failure(exc)
+        if failed is None:
+            raise
+        print(f"nodeagent {args.command}: {_source(args)}: {_setting(args, failed)}",
+              file=sys.stderr)
+        return EXIT_FAILURE
     parser.error(f"unknown command {args.command}")
     return EXIT_USAGE
 

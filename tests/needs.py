@@ -36,6 +36,8 @@ TOOLS: dict[str, str] = {
     "wrk": "wrk",
     # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
     "curl": "curl",
+    # starting a process without a capability (tests/e2e/test_startup_errors.py)
+    "setpriv": "util-linux",
 }
 
 NETNS = (ROOT, "ip", "sysctl")

@@ -67,6 +67,17 @@ class ConfigError(Exception):
     (one line each when there are several)."""
 
 
+class StartupFailed(Exception):
+    """A valid config this host cannot honour (a port in use, a missing capability): the
+    message is one line naming the setting and saying what to do, which the CLI prints
+    instead of a traceback (exit code 1)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+        self.detail = message
+
+
 class ConfigProblems:
     """Runs independent checks of one config and raises their ConfigErrors together, so a
     file with a missing certificate and a missing token file says both at once.

@@ -121,7 +121,7 @@ async def test_socket_file_lifecycle(sock_path: Path) -> None:
     assert not sock_path.exists()
 
     sock_path.write_text("not a socket")
-    with pytest.raises(DebugSocketInUse, match="is not a socket"):
+    with pytest.raises(DebugSocketInUse, match="a file that is not a socket is there"):
         await DebugServer(sock_path, {}).run()
     assert sock_path.read_text() == "not a socket"
 

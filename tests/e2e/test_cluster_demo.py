@@ -62,6 +62,8 @@ def test_cluster_demo_steps_work_word_for_word(tmp_path: Path) -> None:
             assert done.returncode == 0, f"{step}: {done.stdout}{done.stderr}"
             results[argv[0] + " " + argv[1]] = done.stdout
         assert re.search(r"clustertunnel.nodeagent.io/demo\s", results["kubectl get"]), results
+        # The demo plays the kubelet, which reports its node Ready.
+        assert re.search(r"^node/demo-node\s+Ready\s", results["kubectl get"], re.M), results
         assert "hello from the sample backend on demo-node" in results["curl -H"], results
         assert re.search(r"^Ingress Class:\s+nodeagent$", results["kubectl describe"], re.M)
         debug = next(out for step, out in results.items() if step.endswith(" debug"))

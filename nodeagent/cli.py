@@ -1,7 +1,8 @@
 """The `nodeagent` command line: one program, one subcommand per role.
 
 Exit codes: 0 success, 1 a runtime failure (the demo saw no traffic, a debug socket is not
-there), 2 a usage or config error (nothing was started).
+there), 2 a usage or config error (nothing was started), 3 a setting this host cannot honour
+at start (a port in use, a missing capability: StartupFailed; nothing was started).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TypeAlias
 from nodeagent import __version__
 from nodeagent.config import ConfigError, StartupFailed
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
 
 DESCRIPTION = """\
 nodeagent connects Kubernetes nodes that sit behind NAT to a cloud side. Each node's
@@ -582,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"nodeagent {args.command}: {_source(args)}: {_setting(args, failed)}",
               file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_STARTUP
     parser.error(f"unknown command {args.command}")
     return EXIT_USAGE
 

@@ -70,7 +70,7 @@ class ConfigError(Exception):
 class StartupFailed(Exception):
     """A valid config this host cannot honour (a port in use, a missing capability): the
     message is one line naming the setting and saying what to do, which the CLI prints
-    instead of a traceback (exit code 1)."""
+    instead of a traceback (exit code 3)."""
 
     def __init__(self, setting: str, message: str) -> None:
         super().__init__(f"{setting}: {message}")

@@ -1,7 +1,8 @@
 """A valid config this host cannot honour ends the process with one line naming the setting
-and the address and saying what to do, exit code 1, no traceback: each of the nine
+and the address and saying what to do, exit code 3, no traceback: each of the nine
 listeners on an address another process holds, a privileged port without the capability,
-and an agent without CAP_NET_ADMIN. Real processes: a port (or debug socket) held by
+an agent without CAP_NET_ADMIN, and a server with workers (which stops rather than
+restarting them). Real processes: a port (or debug socket) held by
 another process first, then `nodeagent server|agent` started on it."""
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def held() -> Iterator[Callable[[str], str]]:
 
 
 def ends_with_one_line(proc: NodeagentProcess, expected: str, timeout: float = 30) -> str:
-    """The process exits 1 by itself, its last line is `expected` (which names the setting
+    """The process exits 3 by itself, its last line is `expected` (which names the setting
     and the address), and there is no traceback."""
     assert proc.proc is not None
     try:
@@ -66,7 +67,7 @@ def ends_with_one_line(proc: NodeagentProcess, expected: str, timeout: float = 3
         proc.kill()
         raise AssertionError(f"{proc.name} did not exit:\n{proc.logs()}") from None
     logs = proc.logs()
-    assert code == 1, logs
+    assert code == 3, logs
     assert "Traceback" not in logs and "ExceptionGroup" not in logs, logs
     last = logs.strip().splitlines()[-1]
     assert last == expected, logs
@@ -170,3 +171,21 @@ def test_an_agent_without_net_admin(tmp_path: Path, certs: Certs) -> None:
                               "mark the agent's sockets with 0x100000 (SO_MARK needs "
                               "CAP_NET_ADMIN): run the agent as root or with CAP_NET_ADMIN, "
                               "as the DaemonSet does (capabilities: add: [NET_ADMIN])")
+
+
+def test_workers_stop_instead_of_restarting(tmp_path: Path, certs: Certs,
+                                            held: Callable[[str], str]) -> None:
+    """With --workers, each worker says it once and the server stops (a restart would
+    only say it again), with the workers' exit code."""
+    address = held("tcp")
+    config = server_config(tmp_path, certs, UPSTREAM, tunnel_port=free_port())
+    config["tcp"] = config["tcp"][:1]
+    config["tcp"][0]["listen"] = f"127.0.0.1:{free_port()}"
+    config["http"][0]["listen"] = address
+    server = NodeagentProcess("server", config, tmp_path, "server",
+                              extra_args=("--workers", "2")).start()
+    assert server.proc is not None
+    assert server.proc.wait(60) == 3, server.logs()
+    logs = server.logs()
+    assert "Traceback" not in logs and "restarting" not in logs, logs
+    assert f"http[0].listen: cannot listen on {address}: address already in use" in logs

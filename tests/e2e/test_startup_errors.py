@@ -189,3 +189,25 @@ def test_workers_stop_instead_of_restarting(tmp_path: Path, certs: Certs,
     logs = server.logs()
     assert "Traceback" not in logs and "restarting" not in logs, logs
     assert f"http[0].listen: cannot listen on {address}: address already in use" in logs
+
+
+@pytest.mark.parametrize("flag", ["--listen", "--metrics-listen"])
+def test_a_controller_listener_on_an_address_in_use(tmp_path: Path, held: Callable[[str], str],
+                                                    flag: str) -> None:
+    """The controller's config stream and health listeners: flags, named as flags."""
+    from nodeagent.testing.fakekube.localcluster import FakeApiServer
+
+    address = held("tcp")
+    fake = FakeApiServer(tmp_path / "kubeconfig", "admin-token-0123456789")
+    try:
+        other = "--metrics-listen" if flag == "--listen" else "--listen"
+        controller = NodeagentProcess(
+            "controller", {"debug_socket": str(tmp_path / "unused.sock")}, tmp_path,
+            "controller", args=["--kubeconfig", str(fake.kubeconfig), "--identity", "c-1",
+                                flag, address, other, f"127.0.0.1:{free_port()}"]).start()
+        ends_with_one_line(controller, f"nodeagent controller: flags: {flag}: cannot listen "
+                                       f"on {address}: "
+                                       + IN_USE.format(port=address.rpartition(":")[2]),
+                           timeout=60)
+    finally:
+        fake.close()

@@ -36,6 +36,12 @@ TOOLS: dict[str, str] = {
     "wrk": "wrk",
     # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
     "curl": "curl",
+    # starting a process without a capability (tests/e2e/test_startup_errors.py)
+    "setpriv": "util-linux",
+    # the newcomer test: a clone, and namespaces of its own (tests/e2e/test_newcomer.py)
+    "git": "git",
+    "nsenter": "util-linux",
+    "unshare": "util-linux",
 }
 
 NETNS = (ROOT, "ip", "sysctl")

@@ -29,7 +29,10 @@ from nodeagent.config.base import (
     DEFAULT_AGENT_SOCKET,
     DEFAULT_SOCKET_MARK,
     DNS_NAME,
+    MIN_TOKEN_LENGTH,
     Cidr,
+    ConfigPath,
+    InlineToken,
     Keepalive,
     ListenAddress,
     Model,
@@ -39,6 +42,7 @@ from nodeagent.config.base import (
     _check_tunnel_url,
     _read_secret,
     _split_host_port,
+    raise_problems,
 )
 
 
@@ -94,9 +98,9 @@ class AllowRule(Model):
 class ClientTls(Model):
     """How the agent verifies the server and (for mutual TLS) proves itself."""
 
-    ca_file: Path | None = None  # None: the system trust store
-    cert_file: Path | None = None
-    key_file: Path | None = None
+    ca_file: ConfigPath | None = None  # None: the system trust store
+    cert_file: ConfigPath | None = None
+    key_file: ConfigPath | None = None
     server_name: str | None = None  # SNI / verification name if not the URL's host
     insecure_skip_verify: bool = False
 
@@ -203,10 +207,10 @@ class AgentConfig(NodeConfig):
     # Server replicas this agent also dials at their own addresses, one tunnel each,
     # besides those it reaches through `server` (the public address).
     direct_servers: tuple[str, ...] = ()
-    token: str | None = Field(default=None, min_length=16)
-    token_file: Path | None = None
+    token: InlineToken | None = Field(default=None, min_length=MIN_TOKEN_LENGTH)
+    token_file: ConfigPath | None = None
     tls: ClientTls = ClientTls()
-    debug_socket: Path = Path(DEFAULT_AGENT_SOCKET)
+    debug_socket: ConfigPath = Path(DEFAULT_AGENT_SOCKET)
     metrics_listen: ListenAddress | None = None
     socket_mark: int = Field(default=DEFAULT_SOCKET_MARK, ge=1, le=0xFFFFFFFF)
     dial_timeout: float = Field(default=5.0, gt=0, le=300)
@@ -217,7 +221,7 @@ class AgentConfig(NodeConfig):
     # Controller mode: the projected ServiceAccount token (audience nodeagent) that proves
     # this pod to the controller, which signs the node's certificate for it. It goes only
     # to the controller, inside TLS end to end: never to the server.
-    identity_token_file: Path | None = None
+    identity_token_file: ConfigPath | None = None
     # Controller mode: URL of the controller's config stream (http://host:port), reached
     # through the tunnel. Set, the controller's NodeConfig replaces the file's.
     controller: str | None = None
@@ -250,25 +254,27 @@ class AgentConfig(NodeConfig):
 
     @model_validator(mode="after")
     def _credentials(self) -> AgentConfig:
+        problems = []  # every one at once
         if self.token is not None and self.token_file is not None:
-            raise ValueError("give token or token_file, not both")
+            problems.append("give token or token_file, not both")
         if self.identity_token_file is not None:
             if self.controller is None:
-                raise ValueError("identity_token_file needs controller (it proves this pod "
-                                 "to the controller, which signs the node's certificate)")
+                problems.append("identity_token_file needs controller (it proves this pod "
+                                "to the controller, which signs the node's certificate)")
             if self.token is not None or self.token_file is not None:
-                raise ValueError("with identity_token_file the node's certificate is its "
-                                 "only credential: drop token and token_file")
+                problems.append("with identity_token_file the node's certificate is its "
+                                "only credential: drop token and token_file")
         elif self.token is None and self.token_file is None and self.tls.cert_file is None:
-            raise ValueError("no credentials: set token, token_file, or tls.cert_file "
-                             "(mutual TLS)")
+            problems.append("no credentials: set token, token_file, or tls.cert_file "
+                            "(mutual TLS)")
         clear = [u for u in (self.server, *self.direct_servers)
                  if u.startswith(("tcp://", "ws://"))]
         if clear and not self.insecure and (
                 self.token is not None or self.token_file is not None):
-            raise ValueError(f"server {clear[0]}: the token would cross the network in "
-                             f"clear; use tls:// or wss://, or set insecure: true (a lab "
-                             f"on one host)")
+            problems.append(f"server {clear[0]}: the token would cross the network in "
+                            f"clear; use tls:// or wss://, or set insecure: true (a lab "
+                            f"on one host)")
+        raise_problems(problems)
         return self
 
     def read_token(self) -> str | None:

@@ -30,7 +30,8 @@ from nodeagent.controller.clustertunnel import (
 from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, Conflict, KubeClient, NotFound
 from nodeagent.ops.logs import get_logger
 
-CRD_REVISION = 4  # 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts
+# 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts; 5: wide printer columns
+CRD_REVISION = 5
 log = get_logger("nodeagent.crds")
 
 # Models whose Python side accepts a scalar short form: their schema is that form.
@@ -128,6 +129,12 @@ def crd_manifests() -> list[dict[str, Any]]:
                     {"name": "Ready", "type": "string",
                      "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    # -o wide: how many nodes it covers (Nodes counts those connected),
+                    # and why it is (not) Ready.
+                    {"name": "Covered", "type": "integer", "priority": 1,
+                     "jsonPath": ".status.nodesCovered"},
+                    {"name": "Reason", "type": "string", "priority": 1,
+                     "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
                 ],
                 "schema": {"openAPIV3Schema": {
                     "type": "object",

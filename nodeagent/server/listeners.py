@@ -29,6 +29,7 @@ from nodeagent.server.server import Server
 from nodeagent.server.tcpmappings import TcpMappingRelay
 from tunnel.accept import serve
 from tunnel.listeners import open_tcp_listeners
+from tunnel.tcp import format_address
 from tunnel.transports import Transport
 from tunnel.urls import parse_endpoint
 
@@ -135,12 +136,15 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
     of several workers sharing the public ports; `runs_connect_front`: this process runs
     the CONNECT front (one worker only)."""
     config = server.config
+    endpoint = parse_endpoint(config.tunnel.url)
     listeners: list[Listener] = [TunnelListener(
         config.tunnel.url, server.tunnel.handle_transport, ssl_context=tunnel_context,
-        reuse_port=reuse_port)]
+        reuse_port=reuse_port).for_setting("tunnel", format_address((endpoint.host,
+                                                                     endpoint.port)))]
     for index, mapping in enumerate(config.tcp):
-        listeners.append(TcpMappingListener(f"tcp:{mapping.name or index}", mapping,
-                                            server.tcp_mappings, reuse_port=reuse_port))
+        listeners.append(TcpMappingListener(
+            f"tcp:{mapping.name or index}", mapping, server.tcp_mappings,
+            reuse_port=reuse_port).for_setting(f"tcp[{index}].listen", mapping.listen))
     wanted = config.http_limits
     limits = Limits(max_connections=wanted.max_connections,
                     max_connections_per_client=wanted.max_connections_per_client,
@@ -153,7 +157,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         front = HttpFront(table=functools.partial(tables.http_table, index),
                           open_upstream=open_upstream, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()))
-        listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port))
+        listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port)
+                         .for_setting(f"http[{index}].listen", http.listen))
     # The Ingress listeners: routes (and certificates) swap under them on every update.
     for name, listen, tls in (("ingress-http", config.ingress_http, None),
                               ("ingress-https", config.ingress_https,
@@ -163,7 +168,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         front = HttpFront(table=tables.current_ingress_table, open_upstream=open_upstream,
                           tls=tls, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()))
-        listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port))
+        listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port)
+                         .for_setting(name.replace("-", "_"), listen))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).
     if server.connect is not None and runs_connect_front:
         listeners.append(server.connect)
@@ -176,9 +182,10 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         "/config": lambda: redacted({
             **server.config.model_dump(mode="json"),
             **server.routes.model_dump(mode="json")}),
-    }, registry=server.metrics.registry))
+    }, registry=server.metrics.registry).for_setting("debug_socket", config.debug_socket))
     if config.metrics_listen is not None:
         listeners.append(HealthServer(server.metrics.registry, server.not_ready,
                                       host=config.metrics_listen.host,
-                                      port=config.metrics_listen.port))
+                                      port=config.metrics_listen.port)
+                         .for_setting("metrics_listen", config.metrics_listen))
     return listeners

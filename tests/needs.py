@@ -36,6 +36,9 @@ TOOLS: dict[str, str] = {
     "wrk": "wrk",
     # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
     "curl": "curl",
+    # real forward proxies an agent dials its server through (tests/e2e/test_proxy.py)
+    "tinyproxy": "tinyproxy",
+    "microsocks": "microsocks",
 }
 
 NETNS = (ROOT, "ip", "sysctl")

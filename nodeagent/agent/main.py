@@ -188,7 +188,7 @@ def run_agent(config_path: Path, *, check: bool = False) -> int:
     agent = Agent(config, ssl_context=ssl_context)
     if check:
         print(f"{config_path}: valid. node {config.node}, server {config.server}, "
-              f"{len(config.allow)} allow rule(s)")
+              f"{len(config.allow)} allow rule(s), {agent.client.proxy.describe()}")
         return 0
     trio.run(serve_agent_reloading, agent, config_path)
     return 0

@@ -57,7 +57,7 @@ LOCK = ROOT / "requirements.lock"
 # agent's netfilter tools, CA certificates, and useradd (passwd, in minbase already).
 BASE_PACKAGES = ("python3", "python3-venv", "nftables", "iptables", "ipset", "iproute2",
                  "ca-certificates")
-# The machines here need runc (crun fails under their seccomp) and ulimits below the
+# The machines here need runc (crun refuses their hybrid cgroup setup) and ulimits below the
 # host's hard limits.
 PODMAN_ARGS = ("--runtime", "runc")
 ULIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")

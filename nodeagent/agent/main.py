@@ -178,6 +178,11 @@ def run_cleanup() -> int:
     return 0
 
 
+# What to do when the host lacks the netfilter tools interception needs.
+NETFILTER_HINT = ("install the nftables package on the node (iptables on a host whose "
+                  "kube-proxy uses legacy iptables), or drop the intercept section")
+
+
 def run_agent(config_path: Path, *, check: bool = False) -> int:
     config = load_config(AgentConfig, config_path)
     ssl_context = agent_ssl_context(config, str(config_path))
@@ -185,7 +190,12 @@ def run_agent(config_path: Path, *, check: bool = False) -> int:
         config.read_token()
     except ConfigError as exc:  # token_file: unreadable or too short
         raise ConfigError(f"{config_path}: token_file: {exc}") from None
-    agent = Agent(config, ssl_context=ssl_context)
+    try:
+        agent = Agent(config, ssl_context=ssl_context)
+    except NetfilterError as exc:  # interception asked for, and this host cannot do it
+        print(f"nodeagent agent: {config_path}: intercept: {exc}; {NETFILTER_HINT}",
+              file=sys.stderr)
+        return 1
     if check:
         print(f"{config_path}: valid. node {config.node}, server {config.server}, "
               f"{len(config.allow)} allow rule(s), {agent.client.proxy.describe()}")

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from nodeagent.agent.main import run_agent
-from nodeagent.config import AgentConfig, ConfigError, parse_config
+from nodeagent.config import AgentConfig, ConfigError, parse_config, redacted
 from tunnel.proxy import DIRECT
 from tunnel.transports import Endpoint
 
@@ -68,3 +68,14 @@ def test_check_names_the_proxy_redacted(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "HTTPS_PROXY http://alice:[redacted]@proxy.corp:3128" in out
     assert SECRET not in out
+
+
+def test_a_config_dump_keeps_the_proxy_but_not_its_password() -> None:
+    cfg = parse_config(AgentConfig, agent(proxy=f"http://alice:{SECRET}@proxy.corp:3128"),
+                       "agent.yaml")
+    dump = redacted(cfg.model_dump(mode="json"))
+    assert dump["proxy"] == "http://alice:[redacted]@proxy.corp:3128"
+    assert dump["token"] == "[redacted]"
+    assert SECRET not in str(dump)
+    assert redacted({"proxy": "socks5://p:1080"}) == {"proxy": "socks5://p:1080"}
+    assert redacted({"proxy": None}) == {"proxy": None}

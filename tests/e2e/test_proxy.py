@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from nodeagent import __version__
 from nodeagent.testing.netns import Topology, in_netns, netns_available
 from nodeagent.testing.procs import NodeagentProcess
 from nodeagent.trust import pki
@@ -159,6 +160,7 @@ def test_agent_reaches_its_server_only_through_the_proxy(lab: Lab, kind: str,
     agents = server.status()["agents"]
     assert any(a["node"] == "edge-1" and a.get("peer", "").startswith("10.60.0.1")
                for a in agents), agents
+    assert [a["agent_version"] for a in agents] == [__version__]
 
 
 def test_https_proxy_from_the_environment(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -262,9 +262,12 @@ def test_controller_and_server_run_as_non_root() -> None:
 
 def test_containerfile_essentials() -> None:
     text = (ROOT / "Containerfile").read_text()
-    froms = re.findall(r"^FROM (\S+)", text, re.M)
-    assert len(froms) == 2, "multi-stage: build, then runtime"
-    assert all(re.search(r":\d+\.\d+\.\d+", image) for image in froms), "pinned bases"
+    base = re.search(r"^ARG BASE=(\S+)$", text, re.M)
+    assert base and re.search(r":\d+\.\d+\.\d+-slim", base.group(1)), "a pinned default base"
+    assert re.findall(r"^FROM (\S+)", text, re.M) == [
+        "${BASE}", "scratch", "${BASE}"], "wheel build, the wheels, then the runtime"
+    assert "--require-hashes -r requirements.lock" in text, "wheels from the lock"
+    assert "--require-hashes -r /wheels/requirements.lock" in text, "installed from the lock"
     assert re.search(r"^USER 65532", text, re.M), "non-root by default"
     assert not re.search(r"^ADD https?://", text, re.M)
     for package in ("nftables", "iptables", "iproute2"):

@@ -95,7 +95,7 @@ class Agent:
                 config.reconnect.initial, config.reconnect.maximum,
                 unreachable_maximum=config.reconnect.unreachable_maximum,
                 retry_after_jitter=config.reconnect.retry_after_jitter),
-            log=self.log.bind(server=config.server))
+            log=self.log.bind(server=config.server), proxy=config.proxy_rules())
         self.client.set_replicas(self.node_config.server_replicas)
         # When each stream opened and for what (debug streams); streams this agent opens
         # go through open_stream, which also times their setup.
@@ -256,6 +256,8 @@ class Agent:
             "tunnel": {
                 "state": self.client.status.state,
                 "server": self.config.server,
+                # "direct", or the proxy the tunnel is dialed through (password redacted)
+                "proxy": self.client.proxy.describe(),
                 "peer": info.peer if info else None,
                 "rtt_ms": round(info.rtt_seconds * 1000, 2) if info and info.rtt_seconds
                 is not None else None,

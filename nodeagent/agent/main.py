@@ -198,6 +198,11 @@ def check_socket_mark(mark: int) -> None:
                 "DaemonSet does (capabilities: add: [NET_ADMIN])") from None
 
 
+# What to do when the host lacks the netfilter tools interception needs.
+NETFILTER_HINT = ("install the nftables package on the node (iptables on a host whose "
+                  "kube-proxy uses legacy iptables), or drop the intercept section")
+
+
 def run_agent(config_path: Path, *, check: bool = False) -> int:
     config = load_config(AgentConfig, config_path)
     problems = ConfigProblems()  # the TLS files and the token file, both reported
@@ -210,10 +215,15 @@ def run_agent(config_path: Path, *, check: bool = False) -> int:
         except ConfigError as exc:  # token_file: unreadable, too short, not ASCII
             raise ConfigError(f"{config_path}: token_file: {exc}") from None
     problems.raise_any()
-    agent = Agent(config, ssl_context=ssl_context)
+    try:
+        agent = Agent(config, ssl_context=ssl_context)
+    except NetfilterError as exc:  # interception asked for, and this host cannot do it
+        print(f"nodeagent agent: {config_path}: intercept: {exc}; {NETFILTER_HINT}",
+              file=sys.stderr)
+        return 1
     if check:
         print(f"{config_path}: valid. node {config.node}, server {config.server}, "
-              f"{len(config.allow)} allow rule(s)")
+              f"{len(config.allow)} allow rule(s), {agent.client.proxy.describe()}")
         return 0
     check_socket_mark(config.socket_mark)
     trio.run(serve_agent_reloading, agent, config_path)

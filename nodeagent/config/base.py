@@ -32,6 +32,7 @@ from tunnel.backoff import (
     DEFAULT_RETRY_AFTER_JITTER,
     DEFAULT_UNREACHABLE_MAXIMUM,
 )
+from tunnel.proxy import parse_proxy_url
 
 # Anchored with \Z, not $: `$` also matches before a final newline, so `re.match` would
 # take "edge-1\n". Use `fullmatch`; the \Z keeps a caller's `match` safe too.
@@ -417,14 +418,27 @@ SECRET_FIELDS = frozenset({"key_pem", "token"})
 
 
 REDACTED = "[redacted]"
+# Fields holding a URL that may carry a password (user:password@host).
+URL_FIELDS = frozenset({"proxy"})
+
+
+def _redacted_url(value: Any) -> Any:
+    if not isinstance(value, str) or value.strip().lower() == "direct":
+        return value
+    try:
+        return str(parse_proxy_url(value))  # its password as [redacted]
+    except ValueError:
+        return REDACTED  # not a URL we can read: hide it all
 
 
 def redacted(doc: Any) -> Any:
     """A JSON config document with every secret value replaced (as Envoy's config_dump
     does): what the debug socket and `nodeagent debug config` show, so a dump pasted
-    into a ticket leaks no private key or token. File paths to secrets stay visible."""
+    into a ticket leaks no private key or token. File paths to secrets stay visible; a
+    proxy URL keeps all but its password."""
     if isinstance(doc, dict):
         return {key: REDACTED if key in SECRET_FIELDS and value is not None
+                else _redacted_url(value) if key in URL_FIELDS
                 else redacted(value) for key, value in doc.items()}
     if isinstance(doc, list):
         return [redacted(value) for value in doc]

@@ -31,6 +31,7 @@ from nodeagent.config.base import (
     DNS_NAME,
     MIN_TOKEN_LENGTH,
     Cidr,
+    ConfigError,
     ConfigPath,
     InlineToken,
     Keepalive,
@@ -44,6 +45,7 @@ from nodeagent.config.base import (
     _split_host_port,
     raise_problems,
 )
+from tunnel.proxy import DIRECT, ProxyRules, parse_proxy_url
 
 
 class AllowRule(Model):
@@ -210,6 +212,12 @@ class AgentConfig(NodeConfig):
     token: InlineToken | None = Field(default=None, min_length=MIN_TOKEN_LENGTH)
     token_file: ConfigPath | None = None
     tls: ClientTls = ClientTls()
+    # A forward proxy for the tunnel (branch offices often reach the internet only through
+    # one): `http://[user:password@]host:port` (HTTP CONNECT, Basic auth) or
+    # `socks5://[user:password@]host:port`. `direct`: no proxy, whatever the environment
+    # says. Unset: HTTPS_PROXY (tls://, wss://), HTTP_PROXY (tcp://, ws://) and NO_PROXY,
+    # read as kubelet reads them. The password never appears in logs or status.
+    proxy: str | None = None
     debug_socket: ConfigPath = Path(DEFAULT_AGENT_SOCKET)
     metrics_listen: ListenAddress | None = None
     socket_mark: int = Field(default=DEFAULT_SOCKET_MARK, ge=1, le=0xFFFFFFFF)
@@ -245,6 +253,13 @@ class AgentConfig(NodeConfig):
     def _server(cls, v: str) -> str:
         return _check_tunnel_url(v)
 
+    @field_validator("proxy")
+    @classmethod
+    def _proxy(cls, v: str | None) -> str | None:
+        if v is not None and v.strip().lower() != "direct":
+            parse_proxy_url(v)  # the message never repeats the URL: it may hold a password
+        return v
+
     @field_validator("direct_servers")
     @classmethod
     def _direct_servers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -276,6 +291,18 @@ class AgentConfig(NodeConfig):
                             f"on one host)")
         raise_problems(problems)
         return self
+
+    def proxy_rules(self, environ: dict[str, str] | None = None) -> ProxyRules:
+        """Which proxy each server address is dialed through: the `proxy` field, else the
+        environment (`environ`, default os.environ). ConfigError for an invalid variable."""
+        if self.proxy is not None:
+            if self.proxy.strip().lower() == "direct":
+                return DIRECT
+            return ProxyRules(explicit=parse_proxy_url(self.proxy))
+        try:
+            return ProxyRules.from_environment(environ)
+        except ValueError as exc:
+            raise ConfigError(f"environment: {exc}") from None
 
     def read_token(self) -> str | None:
         if self.token is not None:

@@ -16,6 +16,7 @@ from typing import Protocol
 from netfilter.model import (
     InterceptModel,
     InterceptRule,
+    NetfilterError,
 )
 from nodeagent.config import InterceptRuleConfig
 
@@ -35,6 +36,11 @@ def choose_backend(name: str, netns: str | None = None) -> tuple[Backend, str]:
     from netfilter.detect import detect_backend
     from netfilter.iptables import IptablesBackend
     from netfilter.nftables import NftablesBackend
+    # A backend named explicitly whose tool is missing: said now, in one line, not as a
+    # failed rule transaction once the agent runs.
+    tool = {"iptables": "iptables-legacy-restore", "nftables": "nft"}.get(name)
+    if tool is not None and shutil.which(tool) is None:
+        raise NetfilterError(f"intercept.backend is {name}, but {tool} is not installed")
     if name == "iptables":
         return IptablesBackend(netns), "intercept.backend is iptables"
     if name == "nftables":

@@ -34,8 +34,11 @@ TOOLS: dict[str, str] = {
     "ssh": "openssh-client",
     "sshuttle": "sshuttle",
     "wrk": "wrk",
-    # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
+    # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py), and an
+    # HTTP/2 client for the front (tests/e2e/test_http2.py)
     "curl": "curl",
+    # h2load, the HTTP/2 load generator (scripts/bench/h2.py)
+    "h2load": "nghttp2-client",
 }
 
 NETNS = (ROOT, "ip", "sysctl")

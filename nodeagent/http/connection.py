@@ -50,6 +50,7 @@ import trio
 
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.dispatch import Refusal, route_request
+from nodeagent.http.exchange import ResponseEnd, ResponseStart
 from nodeagent.http.h1 import (
     NEED_DATA,
     ResponseHead,
@@ -58,6 +59,8 @@ from nodeagent.http.h1 import (
     encode_last_chunk,
     serialize_request,
 )
+from nodeagent.http.h2heads import h2_request, reason_phrase
+from nodeagent.http.h2pool import H2cExchange, H2Pool, open_h2c_exchange
 from nodeagent.http.headers import (
     ClientRequest,
     frame_response,
@@ -162,6 +165,7 @@ class HttpConnection:
         "keep",
         "limits",
         "opener",
+        "pool",
         "reader",
         "scheme",
         "started",
@@ -184,8 +188,10 @@ class HttpConnection:
         balancer: Balancer,
         access_log: bool,
         closing: GracefulClose | None = None,
+        pool: H2Pool | None = None,
     ) -> None:
         self.stream = stream
+        self.pool = pool
         self.closing = closing if closing is not None else GracefulClose()
         self.table = table
         self.opener = opener
@@ -206,11 +212,21 @@ class HttpConnection:
 
     # -- the loop -------------------------------------------------------------------------
 
-    async def run(self) -> None:
+    async def run(self, initial: bytes = b"", timed_out: bool = False) -> None:
+        """Serve requests until the connection ends. `initial`: bytes the front already
+        read (sniffing for HTTP/2's preface); `timed_out`: none came within the header
+        timeout, answer 408 at once."""
         graceful = True
         try:
+            if timed_out:
+                await self._reject(
+                    "head_timeout", 408, "timed out waiting for the request headers"
+                )
+                return
             first = True
-            pending = 0  # bytes of the next request already received
+            pending = len(initial)  # bytes of the next request already received
+            if initial:
+                self.reader.feed(initial)
             while True:
                 req = await self._read_request(first, pending)
                 if req is None:
@@ -219,7 +235,10 @@ class HttpConnection:
                 # The request's steps: policy and route (no I/O), then forward with retry.
                 route = self._route(req)
                 if type(route) is Route:
-                    keep = await self._forward(req, route)
+                    if route.backend_protocol == "h1":
+                        keep = await self._forward(req, route)
+                    else:
+                        keep = await self._forward_h2c(req, route)
                 else:
                     assert type(route) is Refusal
                     keep = await self._refuse(route, req)
@@ -445,6 +464,117 @@ class HttpConnection:
             )
         return self.keep and status != 101
 
+    async def _forward_h2c(self, req: RequestHead, route: Route) -> bool:
+        """The request to an h2c backend (a stream on its shared connection, balanced for
+        this request alone), the response back as HTTP/1.1 (`h2heads`: trailers become
+        chunked trailers)."""
+        creq = self.creq
+        if self.pool is None or creq.upgrade is not None:
+            return await self._error(502, "this backend speaks h2c: no protocol upgrades", req)
+        headers = h2_request(
+            req.method,
+            creq.target,
+            upstream_headers(
+                creq, default_host=route.backends[0].host, client=self.client_addr,
+                proto=self.xfp,
+            ),
+            te_trailers=False,
+        )
+        try:
+            first_body = self.reader.next()
+        except BadRequest as exc:
+            return await self._reject(
+                exc.reason, 400, f"malformed request body: {clip(str(exc))}", req
+            )
+        has_body = type(first_body) is not EndOfRequest
+        try:
+            exchange = await open_h2c_exchange(
+                route, self.pool, self.balancer, self.limits, self.stats, headers, not has_body
+            )
+        except UpstreamFailed as exc:
+            return await self._error(exc.status, exc.reason, req)
+        body_state: list[BaseException | None] = [None]
+        status = 0
+        try:
+            if has_body:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump_body, exchange, first_body, body_state,
+                                       nursery)
+                    try:
+                        status = await self._relay_h2c(exchange)
+                    except UpstreamFailed as exc:
+                        body_state[0] = exc
+                    nursery.cancel_scope.cancel()
+                if body_state[0] is not None:
+                    raise body_state[0]
+            else:
+                status = await self._relay_h2c(exchange)
+            await exchange.finish()
+        except (UpstreamFailed, _BodyTooLarge, _BadBody, _SlowBody) as exc:
+            with trio.CancelScope(shield=True):
+                await exchange.abort()
+            if self.started:
+                return False
+            if isinstance(exc, UpstreamFailed):
+                self.stats.upstream_errors += 1
+                return await self._error(exc.status, exc.reason, req)
+            if isinstance(exc, _BodyTooLarge):
+                max_body = self.limits.max_body_bytes
+                return await self._reject(
+                    "body_too_large", 413, f"request body over {max_body} bytes", req
+                )
+            if isinstance(exc, _SlowBody):
+                return await self._reject("slow_body", 408, str(exc), req)
+            return await self._reject(
+                exc.reason, 400, f"malformed request body: {clip(str(exc))}",
+                req,
+            )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await exchange.abort()
+            raise
+        return self.keep and self.reader.done and status != 0
+
+    async def _relay_h2c(self, exchange: H2cExchange) -> int:
+        """An h2c backend's response → the HTTP/1.1 client."""
+        limits = self.limits
+        status = 0
+        chunked = False
+        ev: ResponseStart | bytes | ResponseEnd | None = None
+        with trio.move_on_after(limits.response_timeout):
+            ev = await exchange.receive()
+        if ev is None:
+            self.stats.timeouts += 1
+            raise UpstreamFailed(
+                504, f"upstream {exchange.backend} timed out after {limits.response_timeout:g}s"
+            )
+        while True:
+            t = type(ev)
+            if t is bytes:
+                await self._send(encode_chunk(cast(bytes, ev)) if chunked else cast(bytes, ev))
+            elif t is ResponseStart:
+                start = cast(ResponseStart, ev)
+                status = start.status
+                head, chunked, self.keep = frame_response(
+                    status,
+                    reason_phrase(status),
+                    start.headers,
+                    length=0 if start.ended else start.length,
+                    head_request=self.head_request,
+                    http11=self.http11,
+                    keep_alive=self.keep,
+                )
+                self.stats.count_status(status)
+                self.started = True
+                await self._send(head)
+                if start.ended:
+                    return status
+            else:
+                if chunked:
+                    await self._send(encode_last_chunk(cast(ResponseEnd, ev).trailers))
+                return status
+            ev = await exchange.receive()
+
     async def _upstream(self, route: Route) -> tuple[Upstream, bool]:
         """An upstream for `route` and whether it is a kept-alive one."""
         held = self.up
@@ -478,11 +608,10 @@ class HttpConnection:
             status = await self._relay_response(up, upgrade, reused)
         else:
             await up.send(req.head, stale=reused)
+            up.chunked = req.chunked
             body_state: list[BaseException | None] = [None]
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    self._pump_body, up, req.chunked, first_body, body_state, nursery
-                )
+                nursery.start_soon(self._pump_body, up, first_body, body_state, nursery)
                 status = await self._relay_response(up, upgrade, reused)
                 nursery.cancel_scope.cancel()
             if body_state[0] is not None:
@@ -496,8 +625,7 @@ class HttpConnection:
 
     async def _pump_body(
         self,
-        up: Upstream,
-        chunked: bool,
+        sink: Upstream | H2cExchange,
         event: Any,
         state: list[BaseException | None],
         nursery: trio.Nursery,
@@ -530,17 +658,12 @@ class HttpConnection:
                     raise _SlowBody(f"no request body data for {idle:g}s")
                 t = type(event)
                 if t is bytes:
-                    data = event
-                    seen += len(data)
+                    seen += len(event)
                     if max_body is not None and seen > max_body:
                         raise _BodyTooLarge()
-                    if chunked:
-                        data = encode_chunk(data)
-                    await up.send(data)
+                    await sink.send_body(event)
                 elif t is EndOfRequest:
-                    if chunked:
-                        await up.send(encode_last_chunk(event.trailers))
-                    up.request_done = True
+                    await sink.end_body(event.trailers)
                     return
                 else:  # CLOSED: the client went away mid-body
                     raise _ClientGone()

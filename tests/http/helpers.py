@@ -191,3 +191,125 @@ async def running_front(
         await nursery.start(front.run, "127.0.0.1", 0)
         yield Front(front, opener, tables, front.port)
         front.stop()
+
+
+@dataclass
+class H2Origin:
+    """An h2c origin (prior knowledge), built on the `h2` state machine. Every request is
+    answered with JSON (method, path, headers, body length, the origin's name, the
+    connection's number) and, when the request asked `te: trailers`, a trailer
+    `x-body-sha256`. `/big?n=N` streams N bytes; `/hang` never answers; `/reset` resets."""
+
+    name: str = "h2"
+    connections: int = 0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    resets_received: int = 0
+    open_streams: int = 0
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        self.connections += 1
+        number = self.connections
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        lock = trio.Lock()
+        bodies: dict[int, list[bytes]] = {}
+        heads: dict[int, list[tuple[bytes, bytes]]] = {}
+        windows: dict[int, trio.Event] = {}
+
+        async def flush() -> None:
+            async with lock:
+                data = conn.data_to_send()
+                if data:
+                    await stream.send_all(data)
+
+        async def send_body(sid: int, data: bytes) -> None:
+            while data:
+                window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
+                if window <= 0:
+                    event = windows[sid] = trio.Event()
+                    await event.wait()
+                    continue
+                conn.send_data(sid, data[:window])
+                data = data[window:]
+                await flush()
+
+        async def answer(sid: int) -> None:
+            self.open_streams += 1
+            try:
+                headers = dict(heads[sid])
+                body = b"".join(bodies.pop(sid, []))
+                path = headers[b":path"].decode()
+                doc = {"upstream": self.name, "method": headers[b":method"].decode(),
+                       "target": path, "connection": number, "body_length": len(body),
+                       "headers": [[n.decode(), v.decode()] for n, v in heads[sid]]}
+                self.requests.append(doc)
+                if path == "/hang":
+                    await trio.sleep_forever()
+                if path == "/reset":
+                    conn.reset_stream(sid, 2)
+                    await flush()
+                    return
+                if path.startswith("/big"):
+                    n = int(path.split("=")[1])
+                    conn.send_headers(sid, [(b":status", b"200")])
+                    await flush()
+                    await send_body(sid, b"x" * n)
+                    conn.end_stream(sid)
+                    await flush()
+                    return
+                out = json.dumps(doc).encode()
+                conn.send_headers(sid, [(b":status", b"200"),
+                                        (b"content-type", b"application/json")])
+                await send_body(sid, out)
+                if headers.get(b"te") == b"trailers":
+                    conn.send_headers(sid, [(b"x-body-sha256",
+                                             hashlib.sha256(body).hexdigest().encode())],
+                                      end_stream=True)
+                else:
+                    conn.end_stream(sid)
+                await flush()
+            except Exception:
+                pass
+            finally:
+                self.open_streams -= 1
+
+        try:
+            async with trio.open_nursery() as nursery:
+                tasks: dict[int, trio.CancelScope] = {}
+
+                async def run(sid: int) -> None:
+                    with trio.CancelScope() as scope:
+                        tasks[sid] = scope
+                        await answer(sid)
+
+                await flush()
+                while data := await stream.receive_some(65536):
+                    for ev in conn.receive_data(data):
+                        if isinstance(ev, h2.events.RequestReceived):
+                            heads[ev.stream_id] = list(ev.headers)  # type: ignore[arg-type]
+                        elif isinstance(ev, h2.events.DataReceived):
+                            bodies.setdefault(ev.stream_id, []).append(ev.data)  # type: ignore[arg-type]
+                            conn.acknowledge_received_data(ev.flow_controlled_length,  # type: ignore[arg-type]
+                                                           ev.stream_id)  # type: ignore[arg-type]
+                        elif isinstance(ev, h2.events.StreamEnded):
+                            nursery.start_soon(run, ev.stream_id)
+                        elif isinstance(ev, h2.events.StreamReset):
+                            self.resets_received += 1
+                            scope = tasks.get(ev.stream_id)  # type: ignore[arg-type]
+                            if scope is not None:
+                                scope.cancel()
+                        elif isinstance(ev, h2.events.WindowUpdated):
+                            for sid in list(windows):
+                                if ev.stream_id in (0, sid):
+                                    windows.pop(sid).set()
+                    await flush()
+                nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, Exception):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)

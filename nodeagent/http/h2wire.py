@@ -1,0 +1,164 @@
+"""The trio side of one HTTP/2 connection's writes, shared by the front's client connections
+(`h2connection`) and the upstream h2c connections (`h2pool`).
+
+Many stream tasks write to one connection: each queues frames on the `H2Session` and then
+`flush()`es, which takes the one write lock and sends whatever the session has queued, so
+frames leave in the order they were queued. `send_data` honours flow control: it sends
+what the stream's and the connection's windows allow and waits for the peer to open them
+(`wake`, called by the connection's reader on WINDOW_UPDATE and SETTINGS), at most
+`stall_timeout` at a time — a peer that never reads (a zero-window stall) costs one stream
+task until then, not unbounded buffering: nothing is queued beyond the window.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import trio
+
+from nodeagent.http.h2session import H2Event, H2Session, Headers
+
+
+class StreamGone(Exception):
+    """The stream was reset or closed, or the connection failed, while we wrote to it."""
+
+
+class WindowStalled(StreamGone):
+    """The peer kept a window shut for longer than the stall timeout."""
+
+
+class H2Wire:
+    """Writes to one HTTP/2 connection from many tasks; see the module docstring."""
+
+    def __init__(self, session: H2Session, stream: trio.abc.Stream, *,
+                 stall_timeout: float) -> None:
+        self.session = session
+        self.stream = stream
+        self.stall_timeout = stall_timeout
+        self._lock = trio.Lock()
+        self._windows: dict[int, trio.Event] = {}
+        self.broken = False
+        """The transport failed: every write from now on raises StreamGone."""
+
+    async def flush(self) -> None:
+        async with self._lock:
+            if self.broken:
+                raise StreamGone("connection closed")
+            data = self.session.data_to_send()
+            if data:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self.broken = True
+                    self.wake(0)
+                    raise StreamGone("connection broke") from exc
+
+    def wake(self, stream_id: int) -> None:
+        """A window opened (0: the connection's, or the connection ended): wake its writers."""
+        if stream_id == 0:
+            windows, self._windows = self._windows, {}
+            for event in windows.values():
+                event.set()
+        else:
+            waiting = self._windows.get(stream_id)
+            if waiting is not None:
+                del self._windows[stream_id]
+                waiting.set()
+
+    async def send_headers(self, stream_id: int, headers: Headers, end: bool = False) -> None:
+        try:
+            self.session.send_headers(stream_id, headers, end)
+        except Exception as exc:  # h2's StreamClosedError / ProtocolError: the stream is gone
+            raise StreamGone(str(exc)) from exc
+        await self.flush()
+
+    async def send_data(self, stream_id: int, data: bytes, end: bool = False) -> None:
+        session = self.session
+        view = memoryview(data)
+        while True:
+            if self.broken:
+                raise StreamGone("connection closed")
+            window = session.send_window(stream_id)
+            if window < 0:
+                raise StreamGone("stream closed")
+            if window == 0 and view:
+                event = self._windows.get(stream_id)
+                if event is None:
+                    event = self._windows[stream_id] = trio.Event()
+                with trio.move_on_after(self.stall_timeout):
+                    await event.wait()
+                    continue
+                raise WindowStalled(f"window shut for {self.stall_timeout:g}s")
+            piece = view[:window]
+            view = view[window:]
+            last = not view
+            try:
+                session.send_data(stream_id, bytes(piece), end and last)
+            except Exception as exc:  # the stream closed under us
+                raise StreamGone(str(exc)) from exc
+            await self.flush()
+            if last:
+                return
+
+    async def end_stream(self, stream_id: int) -> None:
+        try:
+            self.session.end_stream(stream_id)
+        except Exception as exc:
+            raise StreamGone(str(exc)) from exc
+        await self.flush()
+
+    async def reset(self, stream_id: int, code: int) -> None:
+        """Reset a stream (quiet when it is already gone or the connection broke)."""
+        self.session.reset(stream_id, code)
+        self.wake(stream_id)
+        try:
+            await self.flush()
+        except StreamGone:
+            pass
+
+    async def acknowledge(self, stream_id: int, flow_length: int) -> None:
+        self.session.acknowledge(stream_id, flow_length)
+        try:
+            await self.flush()
+        except StreamGone:
+            pass
+
+
+
+
+class Inbox:
+    """What the connection's reader received for one stream, in order, until the stream's
+    task takes it. Bounded by the stream's receive window: the reader never acknowledges
+    data, the task does once it forwarded it (`H2Wire.acknowledge`)."""
+
+    __slots__ = ("_event", "error", "items")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[H2Event] = collections.deque()
+        self._event: trio.Event | None = None
+        self.error: Exception | None = None
+
+    def put(self, item: H2Event) -> None:
+        self.items.append(item)
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    def fail(self, error: Exception) -> None:
+        """Nothing more will come: `get` raises `error` once the items are taken."""
+        if self.error is None:
+            self.error = error
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def get(self) -> H2Event:
+        while not self.items:
+            if self.error is not None:
+                raise self.error
+            event = self._event = trio.Event()
+            await event.wait()
+        return self.items.popleft()
+
+
+__all__ = ["H2Wire", "Inbox", "StreamGone", "WindowStalled"]

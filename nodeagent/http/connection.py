@@ -135,18 +135,25 @@ class GracefulClose:
     ends and are then reset under the client (measured: 6 failed requests per rollout
     with keep-alive clients)."""
 
-    __slots__ = ("idle", "idle_closed", "started")
+    __slots__ = ("idle", "idle_closed", "on_start", "started")
 
     def __init__(self) -> None:
         self.started = False
         self.idle_closed = False
         self.idle: set[trio.CancelScope] = set()  # keep-alive waits, cancelled on close_idle
+        self.on_start: set[Callable[[], None]] = set()
+        """Called once at `start()`: HTTP/2 connections send GOAWAY at once (a long gRPC
+        stream may never give them a response to say `connection: close` on)."""
 
     def start(self) -> None:
-        self.started = True
+        if not self.started:
+            self.started = True
+            for callback in list(self.on_start):
+                callback()
 
     def close_idle(self) -> None:
-        self.started = self.idle_closed = True
+        self.start()
+        self.idle_closed = True
         for scope in self.idle:
             scope.cancel()
 

@@ -119,14 +119,19 @@ class H2Connection:
         self.peer_gone = False
         self._nursery: trio.Nursery | None = None
         self._read_scope: trio.CancelScope | None = None
+        self.last_taken = 0
+        """The highest stream id served: what GOAWAY names."""
 
     # -- the connection ---------------------------------------------------------------------
 
     async def run(self) -> None:
         stats = self.stats
         stats.h2_connections += 1
+        self.closing.on_start.add(self._drain)
         try:
             self.session.start()
+            if self.closing.started:
+                self._goaway()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.wire.flush()
@@ -144,6 +149,7 @@ class H2Connection:
         except StreamGone:
             pass
         finally:
+            self.closing.on_start.discard(self._drain)
             for up in self.idle_upstreams:
                 await trio.aclose_forcefully(up.stream)
             self.idle_upstreams.clear()
@@ -173,6 +179,9 @@ class H2Connection:
                     closing.idle.discard(scope)
                     self._read_scope = None
             if scope.cancelled_caught:
+                if closing.started and not self.goaway_sent:
+                    self._goaway()  # the front drains: streams in flight finish
+                    await self.wire.flush()
                 if self.streams:
                     continue
                 self._goaway()
@@ -200,9 +209,16 @@ class H2Connection:
             return b""
 
     def _goaway(self) -> None:
+        """GOAWAY naming the last stream taken: the client may retry later ones elsewhere."""
         if not self.goaway_sent:
             self.goaway_sent = True
-            self.session.goaway(0, last_stream_id=self.session.last_peer_stream)
+            self.session.graceful_goaway(self.last_taken)
+
+    def _drain(self) -> None:
+        """The front drains (`GracefulClose.start`): wake the reader to send GOAWAY now."""
+        scope = self._read_scope
+        if scope is not None:
+            scope.cancel()
 
     async def _received(self, data: bytes) -> None:
         events = self.session.receive(data)  # H2Refused ends the connection
@@ -219,6 +235,7 @@ class H2Connection:
                     self.session.reset(head.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
                     continue
                 state = streams[head.stream_id] = _ClientStream()
+                self.last_taken = head.stream_id
                 assert self._nursery is not None
                 self._nursery.start_soon(self._stream_task, head, state)
             elif t is WindowIn:
@@ -443,7 +460,12 @@ class H2Connection:
                     await exchange.end_body(trailers)
                     pumped[0] = True
                     return
-        except (UpstreamFailed, _BodyTooLarge, _SlowBody, StreamGone) as exc:
+        except UpstreamFailed:
+            # The backend stopped reading the body: it may have answered already (an early
+            # error response, RFC 9112 §9.6), which the relay still delivers; if it did not,
+            # the relay fails on its own.
+            return
+        except (_BodyTooLarge, _SlowBody, StreamGone) as exc:
             errors.append(exc)
             nursery.cancel_scope.cancel()
 

@@ -12,6 +12,8 @@ Framing, HPACK, stream states and flow-control accounting are `h2`'s; this modul
 - limits `h2` does not have, counted where it has none: a client resetting streams faster
   than it lets them finish (rapid reset, CVE-2023-44487), PING and SETTINGS floods. Over a
   limit the session queues GOAWAY(ENHANCE_YOUR_CALM) and raises `H2Refused`;
+- a graceful GOAWAY (`graceful_goaway`), which `h2` lacks: its GOAWAY closes the
+  connection with its streams;
 - any protocol error `h2` raises (bad frames, HPACK bombs over the header list size,
   CONTINUATION floods, flow-control violations, too many streams) becomes `H2Refused` with
   `h2`'s GOAWAY already queued: the shell writes it and closes.
@@ -27,6 +29,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hyperframe.frame
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -147,6 +150,8 @@ class H2Session:
         self.control_frames = 0
         """PING and SETTINGS frames received."""
         self.goaway_received = False
+        self._out = b""  # frames queued ahead of h2's (a graceful GOAWAY)
+        self._in = b""  # client side: the start of a frame not complete yet
 
     def start(self) -> None:
         """Queue the preface and SETTINGS, and open the connection window."""
@@ -157,12 +162,18 @@ class H2Session:
             conn.increment_flow_control_window(extra)
 
     def data_to_send(self) -> bytes:
-        return self.conn.data_to_send()
+        if self._out:
+            out, self._out = self._out + self.conn.data_to_send(), b""
+            return out
+        return bytes(self.conn.data_to_send())
 
     # -- input -----------------------------------------------------------------------------
 
     def receive(self, data: bytes) -> list[H2Event]:
         """Feed bytes from the peer; the events they made. Raises `H2Refused` (GOAWAY queued)."""
+        goaways: list[GoawayIn] = []
+        if self.client_side:
+            data = self._take_goaways(data, goaways)
         try:
             events = self.conn.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
@@ -170,6 +181,7 @@ class H2Session:
             # HPACK, too many streams, CONTINUATION backlog...).
             raise H2Refused(_reason_of(exc), str(exc) or type(exc).__name__) from None
         out: list[H2Event] = []
+        out.extend(goaways)
         ev_ = h2.events
         for ev in events:
             if isinstance(ev, ev_.DataReceived):
@@ -204,6 +216,40 @@ class H2Session:
             # unknown frames: nothing to do.
         return out
 
+    def _take_goaways(self, data: bytes, goaways: list[GoawayIn]) -> bytes:
+        """The bytes for `h2` without the peer's GOAWAY frames, which become `GoawayIn`s.
+
+        `h2` closes the whole connection on a GOAWAY and then refuses the frames of the
+        streams still in flight, which a server that drains (a gRPC backend rolling out)
+        goes on answering. Frames are read by hyperframe, h2's own framing layer; only
+        whole frames go to `h2` (the rest waits for more bytes). Client side only: that
+        is where a graceful GOAWAY with streams in flight comes from in practice."""
+        buf = self._in + data if self._in else data
+        if len(buf) < 9:
+            self._in = bytes(buf)
+            return b""
+        parts: list[bytes] = []
+        start = pos = 0
+        end = len(buf)
+        view = memoryview(buf)
+        while pos + 9 <= end:
+            frame, length = hyperframe.frame.Frame.parse_frame_header(view[pos:pos + 9])
+            if length > self.conn.max_inbound_frame_size:
+                pos = end  # not held here: h2 refuses it (FRAME_SIZE_ERROR)
+                break
+            if pos + 9 + length > end:
+                break
+            if isinstance(frame, hyperframe.frame.GoAwayFrame):
+                frame.parse_body(view[pos + 9:pos + 9 + length])
+                goaways.append(GoawayIn(frame.last_stream_id, frame.error_code))
+                self.goaway_received = True
+                parts.append(bytes(view[start:pos]))
+                start = pos + 9 + length
+            pos += 9 + length
+        parts.append(bytes(view[start:pos]))
+        self._in = bytes(view[pos:])
+        return b"".join(parts)
+
     def _check_resets(self) -> None:
         s = self.settings
         if self.early_resets > s.max_client_resets + self.streams_opened // 2:
@@ -220,12 +266,21 @@ class H2Session:
     # -- output ----------------------------------------------------------------------------
 
     def goaway(self, code: int = 0, last_stream_id: int | None = None) -> None:
-        """Queue GOAWAY: no stream above `last_stream_id` (default: the last the peer
-        opened) will be served."""
+        """Queue GOAWAY and close the connection: nothing more is sent or accepted."""
         try:
             self.conn.close_connection(code, last_stream_id=last_stream_id)
         except h2.exceptions.ProtocolError:
             pass  # already closed
+
+    def graceful_goaway(self, last_stream_id: int) -> None:
+        """Queue GOAWAY(NO_ERROR) naming the last stream served, and keep the connection
+        open for the streams up to it (a drain). `h2` has no such call: its GOAWAY closes
+        the connection at once, in-flight streams included; the frame is made by
+        hyperframe (h2's own framing layer) and queued after what `h2` queued so far."""
+        frame = hyperframe.frame.GoAwayFrame(0)
+        frame.last_stream_id = last_stream_id
+        frame.error_code = 0
+        self._out += self.conn.data_to_send() + frame.serialize()
 
     def send_headers(self, stream_id: int, headers: Headers, end: bool = False) -> None:
         self.conn.send_headers(stream_id, headers, end_stream=end)

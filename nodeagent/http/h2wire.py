@@ -73,6 +73,8 @@ class H2Wire:
         await self.flush()
 
     async def send_data(self, stream_id: int, data: bytes, end: bool = False) -> None:
+        """Send `data` as the windows allow: every frame they allow is queued, then one
+        flush (a write per frame cost a syscall per 16 KiB)."""
         session = self.session
         view = memoryview(data)
         while True:
@@ -82,6 +84,7 @@ class H2Wire:
             if window < 0:
                 raise StreamGone("stream closed")
             if window == 0 and view:
+                await self.flush()
                 event = self._windows.get(stream_id)
                 if event is None:
                     event = self._windows[stream_id] = trio.Event()
@@ -96,8 +99,8 @@ class H2Wire:
                 session.send_data(stream_id, bytes(piece), end and last)
             except Exception as exc:  # the stream closed under us
                 raise StreamGone(str(exc)) from exc
-            await self.flush()
             if last:
+                await self.flush()
                 return
 
     async def end_stream(self, stream_id: int) -> None:

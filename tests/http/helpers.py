@@ -205,12 +205,21 @@ class H2Origin:
     requests: list[dict[str, Any]] = field(default_factory=list)
     resets_received: int = 0
     open_streams: int = 0
+    body_bytes_sent: int = 0
+    goaways_sent: int = 0
+    sockets: list[trio.SocketStream] = field(default_factory=list)
+
+    async def drop(self) -> None:
+        """Close every connection now (a backend that crashed)."""
+        for sock in self.sockets:
+            await trio.aclose_forcefully(sock)
 
     async def handle(self, stream: trio.SocketStream) -> None:
         import h2.config
         import h2.connection
         import h2.events
 
+        self.sockets.append(stream)
         self.connections += 1
         number = self.connections
         conn = h2.connection.H2Connection(h2.config.H2Configuration(
@@ -235,6 +244,7 @@ class H2Origin:
                     await event.wait()
                     continue
                 conn.send_data(sid, data[:window])
+                self.body_bytes_sent += min(window, len(data))
                 data = data[window:]
                 await flush()
 
@@ -250,6 +260,18 @@ class H2Origin:
                 self.requests.append(doc)
                 if path == "/hang":
                     await trio.sleep_forever()
+                if path == "/slow":
+                    await trio.sleep(1.0)
+                if path == "/goaway":
+                    # A graceful drain: GOAWAY naming this stream, then the answer.
+                    import hyperframe.frame as hf
+
+                    goaway = hf.GoAwayFrame(0)
+                    goaway.last_stream_id = sid
+                    async with lock:
+                        await stream.send_all(conn.data_to_send() + goaway.serialize())
+                    self.goaways_sent += 1
+                    await trio.sleep(0.5)
                 if path == "/reset":
                     conn.reset_stream(sid, 2)
                     await flush()
@@ -313,3 +335,108 @@ class H2Origin:
             pass
         finally:
             await trio.aclose_forcefully(stream)
+
+
+class RawH2:
+    """A bare HTTP/2 client on the `h2` state machine, for what httpx hides: GOAWAY, window
+    updates withheld (a reader that never reads), resets."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        import h2.config
+        import h2.connection
+
+        self.stream = stream
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=True, header_encoding=None))
+        self.conn.initiate_connection()
+        self.body: dict[int, int] = {}
+        self.unread: dict[int, int] = {}  # window not given back yet, by stream
+        self.status: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.goaway: int | None = None
+        self.refused: dict[int, int] = {}  # stream → RST_STREAM code, for hand-made streams
+        self.closed = False
+        self._buf = b""
+
+    @classmethod
+    async def connect(cls, port: int) -> RawH2:
+        client = cls(await trio.open_tcp_stream("127.0.0.1", port))
+        await client.flush()
+        return client
+
+    async def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            await self.stream.send_all(data)
+
+    async def request(self, path: str, host: str = "app.test") -> int:
+        sid: int = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, [(b":method", b"GET"), (b":scheme", b"http"),
+                                     (b":authority", host.encode()),
+                                     (b":path", path.encode())], end_stream=True)
+        await self.flush()
+        return sid
+
+    async def pump(self, seconds: float, *, grant: bool) -> None:
+        """Read for `seconds` (or until the server closes); `grant`: give the window back
+        for what arrived, else keep it shut."""
+        import h2.events
+
+        if grant:
+            for sid, n in self.unread.items():
+                if n:
+                    self.conn.acknowledge_received_data(n, sid)
+            self.unread.clear()
+            await self.flush()
+        with trio.move_on_after(seconds):
+            while True:
+                try:
+                    data = await self.stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    self.closed = True
+                    return
+                for ev in self.conn.receive_data(self._intercept(data)):
+                    if isinstance(ev, h2.events.ResponseReceived):
+                        self.status[ev.stream_id] = int(dict(ev.headers)[b":status"])  # type: ignore[arg-type, index]
+                    elif isinstance(ev, h2.events.DataReceived):
+                        sid = ev.stream_id or 0
+                        self.body[sid] = self.body.get(sid, 0) + len(ev.data or b"")
+                        if grant:
+                            self.conn.acknowledge_received_data(ev.flow_controlled_length or 0,
+                                                                sid)
+                        else:
+                            self.unread[sid] = (self.unread.get(sid, 0)
+                                                + (ev.flow_controlled_length or 0))
+                    elif isinstance(ev, h2.events.StreamEnded):
+                        self.ended.add(ev.stream_id or 0)
+                await self.flush()
+
+    def _intercept(self, data: bytes) -> bytes:
+        """Take out what h2 cannot take as a client: a graceful GOAWAY (h2 closes the
+        connection on any GOAWAY and then refuses the frames of streams still in flight),
+        and resets of streams written by hand (h2 never opened them)."""
+        import hyperframe.frame as hf
+
+        buf = self._buf + data
+        out = b""
+        while len(buf) >= 9:
+            frame, length = hf.Frame.parse_frame_header(memoryview(buf[:9]))
+            if len(buf) < 9 + length:
+                break
+            raw, buf = buf[:9 + length], buf[9 + length:]
+            if isinstance(frame, hf.GoAwayFrame):
+                frame.parse_body(memoryview(raw[9:]))
+                self.goaway = frame.last_stream_id
+            elif (isinstance(frame, hf.RstStreamFrame)
+                  and frame.stream_id > self.conn.highest_outbound_stream_id):
+                frame.parse_body(memoryview(raw[9:]))
+                self.refused[frame.stream_id] = frame.error_code
+            else:
+                out += raw
+        self._buf = buf
+        return out
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)

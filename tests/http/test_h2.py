@@ -8,13 +8,15 @@ import hashlib
 import ssl
 from typing import Any
 
+import hpack
 import httpx
+import hyperframe.frame as hf
 import trio
 import trustme
 
 from nodeagent.http import Backend, CertStore, Route, RouteSpec, TlsConfig
 from nodeagent.http.tls import context_from_pem
-from tests.http.helpers import H2Origin, Upstream, running_front, start_tcp
+from tests.http.helpers import H2Origin, RawH2, Upstream, running_front, start_tcp
 
 
 def client(**kwargs: Any) -> httpx.AsyncClient:
@@ -117,3 +119,96 @@ async def test_h2c_backend_from_h2_and_http11_clients(nursery: trio.Nursery) -> 
         # Every request on one shared h2c connection.
         assert origin.connections == 1
         assert [d["connection"] for d in origin.requests] == [1] * len(origin.requests)
+
+
+async def test_a_lost_h2c_connection_fails_only_its_requests(nursery: trio.Nursery) -> None:
+    """Two backends, one call in flight on each; one backend's connection dies: its call
+    fails (502), the other's completes, and the next call to it dials a new connection."""
+    a, b = H2Origin("a"), H2Origin("b")
+    pa, pb = await start_tcp(nursery, a.handle), await start_tcp(nursery, b.handle)
+    route = route_to(pa, protocol="h2c", ports=(pb,))
+    async with running_front([RouteSpec(None, "/", route)]) as f, h2c_client() as c:
+        results: dict[str, Any] = {}
+
+        async def call(key: str) -> None:
+            results[key] = await c.get(f"{f.url}/slow")
+
+        async with trio.open_nursery() as calls:
+            calls.start_soon(call, "first")
+            calls.start_soon(call, "second")
+            with trio.fail_after(5):
+                while a.open_streams + b.open_streams < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            await a.drop()
+        statuses = sorted((r.status_code, r.json()["upstream"] if r.status_code == 200
+                           else r.text) for r in results.values())
+        assert statuses[0] == (200, "b"), statuses
+        assert statuses[1][0] == 502 and "h2c" in statuses[1][1], statuses
+        r1, r2 = await c.get(f"{f.url}/x"), await c.get(f"{f.url}/y")
+        assert {r1.json()["upstream"], r2.json()["upstream"]} == {"a", "b"}
+        assert a.connections == 2 and b.connections == 1
+
+
+async def test_a_slow_reader_costs_the_windows_not_the_response(nursery: trio.Nursery) -> None:
+    """A client that never opens its window gets 64 KiB; the backend's h2c stream stops at
+    the front's 1 MiB stream window: 8 MiB asked, about 1 MiB moved. Granting the window
+    moves the rest."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        sid = await client.request("/big?n=8388608")
+        await client.pump(2.0, grant=False)
+        assert client.status[sid] == 200
+        assert client.body[sid] <= 65535
+        assert origin.body_bytes_sent <= 1024 * 1024 + 65535, origin.body_bytes_sent
+        with trio.fail_after(60):
+            while sid not in client.ended:
+                await client.pump(1.0, grant=True)
+        assert client.body[sid] == 8 * 1024 * 1024
+        await client.aclose()
+
+
+async def test_drain_sends_goaway_and_calls_in_flight_finish(nursery: trio.Nursery) -> None:
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        first = await client.request("/slow")
+        second = await client.request("/slow")
+        with trio.fail_after(5):
+            while origin.open_streams < 2:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        f.front.drain(close_idle=False)
+        await client.pump(0.3, grant=True)
+        assert client.goaway == second  # GOAWAY at once, naming the last stream taken
+        # A stream the client opened before it read the GOAWAY: refused, never served (h2
+        # itself no longer sends after GOAWAY, so the frame is written by hand).
+        late = second + 2
+        frame = hf.HeadersFrame(late)
+        frame.data = hpack.Encoder().encode([(b":method", b"GET"), (b":scheme", b"http"),
+                                             (b":authority", b"app.test"), (b":path", b"/late")])
+        frame.flags.add("END_HEADERS")
+        frame.flags.add("END_STREAM")
+        await client.stream.send_all(frame.serialize())
+        with trio.fail_after(10):
+            while not client.closed:
+                await client.pump(1.0, grant=True)
+        assert client.status[first] == client.status[second] == 200
+        assert {first, second} <= client.ended and late not in client.status
+        assert client.refused == {late: 7}  # REFUSED_STREAM: safe to retry elsewhere
+        assert "/late" not in [d["target"] for d in origin.requests]
+
+
+async def test_a_backend_draining_with_goaway_finishes_its_calls(nursery: trio.Nursery) -> None:
+    """An h2c backend that drains (GOAWAY naming the streams it will still answer) has its
+    calls in flight answered; the next call dials a new connection."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        async with h2c_client() as c:
+            r = await c.get(f"{f.url}/goaway")
+            assert r.status_code == 200 and r.json()["target"] == "/goaway"
+            assert origin.goaways_sent == 1
+            r = await c.get(f"{f.url}/after")
+            assert r.status_code == 200 and r.json()["connection"] == 2

@@ -177,6 +177,7 @@ class HttpConnection:
         "scheme",
         "started",
         "stats",
+        "status",
         "stream",
         "table",
         "up",
@@ -213,6 +214,7 @@ class HttpConnection:
         self.up: Upstream | None = None
         self.creq: ClientRequest  # the request being served, as `read_request` read it
         self.started = False  # the final response head went out: errors can only close
+        self.status = 0  # the status answered to the request being served
         self.keep = True  # the client connection may serve another request
         self.http11 = True
         self.head_request = False
@@ -242,10 +244,12 @@ class HttpConnection:
                 # The request's steps: policy and route (no I/O), then forward with retry.
                 route = self._route(req)
                 if type(route) is Route:
+                    self.status = 0
                     if route.backend_protocol == "h1":
                         keep = await self._forward(req, route)
                     else:
                         keep = await self._forward_h2c(req, route)
+                    self.stats.count_route(route.name, "h1", self.status)
                 else:
                     assert type(route) is Refusal
                     keep = await self._refuse(route, req)
@@ -379,6 +383,10 @@ class HttpConnection:
             https=self.scheme != "http",
             max_body=self.limits.max_body_bytes,
         )
+
+    def _count_status(self, status: int) -> None:
+        self.status = status
+        self.stats.count_status(status)
 
     async def _refuse(self, refusal: Refusal, req: RequestHead) -> bool:
         if refusal.location is not None:
@@ -571,7 +579,7 @@ class HttpConnection:
                     http11=self.http11,
                     keep_alive=self.keep,
                 )
-                self.stats.count_status(status)
+                self._count_status(status)
                 self.started = True
                 await self._send(head)
                 if start.ended:
@@ -732,7 +740,7 @@ class HttpConnection:
                             raise UpstreamFailed(
                                 502, f"upstream {up.backend} switched protocols unasked"
                             )
-                        self.stats.count_status(101)
+                        self._count_status(101)
                         self.started = True
                         out.append(switch_response(event.reason, event.headers))
                         await self._send(b"".join(out))
@@ -749,7 +757,7 @@ class HttpConnection:
                     )
                     out.append(head)
                     if status >= 200:
-                        self.stats.count_status(status)
+                        self._count_status(status)
                         timeout = limits.idle_timeout
                         self.started = True
                 else:  # END
@@ -802,7 +810,7 @@ class HttpConnection:
         ]
         if not keep:
             headers.append((b"connection", b"close"))
-        self.stats.count_status(status)
+        self._count_status(status)
         if status >= 500 or status in (404, 503):
             log.info(
                 "request failed",
@@ -824,7 +832,7 @@ class HttpConnection:
         keep = self.keep and self.reader.done
         if not keep:
             headers.append((b"connection", b"close"))
-        self.stats.count_status(308)
+        self._count_status(308)
         await self._answer(308, b"Permanent Redirect", headers, body)
         return keep
 

@@ -29,7 +29,7 @@ import trio
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.connection import GracefulClose, HttpConnection
 from nodeagent.http.h2connection import H2Connection
-from nodeagent.http.h2pool import H2Pool
+from nodeagent.http.h2pool import Describe, H2Pool
 from nodeagent.http.h2session import PREFACE
 from nodeagent.http.limits import Limits
 from nodeagent.http.routetable import RouteTable
@@ -166,7 +166,10 @@ class HttpFront:
         limits: Limits | None = None,
         stats: HttpStats | None = None,
         access_log: bool = False,
+        describe_upstream: Describe | None = None,
     ) -> None:
+        self.describe_upstream = describe_upstream
+        """How the shared h2c upstream streams show their h2 streams in the debug views."""
         self.table = table
         self.open_upstream = open_upstream
         self.tls = tls
@@ -209,7 +212,8 @@ class HttpFront:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
                 # The h2c backends' shared connections live as long as the front.
-                self.pool = H2Pool(nursery, self.open_upstream, self.limits)
+                self.pool = H2Pool(nursery, self.open_upstream, self.limits,
+                                   describe=self.describe_upstream)
                 await nursery.start(
                     functools.partial(
                         trio.serve_listeners, self._handle, listeners, handler_nursery=nursery

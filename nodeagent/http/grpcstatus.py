@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+from collections.abc import Iterable
 
 from nodeagent.http.headers import Headers
 
@@ -33,6 +34,22 @@ _BY_HTTP = {400: INTERNAL, 401: UNAUTHENTICATED, 403: PERMISSION_DENIED, 404: UN
 
 _TIMEOUT = re.compile(rb"([0-9]{1,8})([HMSmun])")
 _UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+         "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+         "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+         "UNAUTHENTICATED")
+
+
+def name_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The name of the `grpc-status` in trailers (or a trailers-only head): what the
+    per-route metrics count; "none" when there is none, "invalid" when it is no code."""
+    for name, value in headers:
+        if name == b"grpc-status":
+            code = int(value) if value.isdigit() and len(value) <= 2 else -1
+            return NAMES[code] if 0 <= code < len(NAMES) else "invalid"
+    return "none"
 
 
 def code_for_http(status: int) -> int:
@@ -67,11 +84,13 @@ __all__ = [
     "CANCELLED",
     "DEADLINE_EXCEEDED",
     "INTERNAL",
+    "NAMES",
     "OK",
     "UNAVAILABLE",
     "UNIMPLEMENTED",
     "UNKNOWN",
     "code_for_http",
+    "name_of",
     "parse_timeout",
     "status_trailers",
     "trailers_only",

@@ -79,6 +79,23 @@ class _SlowBody(Exception):
     pass
 
 
+class _Outcome:
+    """How a stream's response went, filled as it goes: whether its head went out
+    (`[0]`, errors can then only end it) and the gRPC status name seen."""
+
+    __slots__ = ("grpc", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.grpc = ""
+
+    def __getitem__(self, _: int) -> bool:
+        return self.started
+
+    def __setitem__(self, _: int, value: bool) -> None:
+        self.started = value
+
+
 class _ClientStream:
     __slots__ = ("inbox", "scope")
 
@@ -134,6 +151,7 @@ class H2Connection:
                 self._goaway()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                await nursery.start(self.wire.run)
                 await self.wire.flush()
                 if self.initial:
                     await self._received(self.initial)
@@ -303,25 +321,36 @@ class H2Connection:
             for name, value in req.fields:
                 if name == b"grpc-timeout":
                     timeout = grpcstatus.parse_timeout(value)
-        started = [False]
-        with trio.move_on_after(timeout if timeout is not None else float("inf")) as deadline:
-            status = await self._forward(sid, req, creq, route, has_body, inbox, started)
-        if deadline.cancelled_caught:
-            stats.timeouts += 1
-            message = f"deadline of {timeout:g}s exceeded at the front"
-            if started[0]:
-                await self.wire.send_headers(sid, grpcstatus.status_trailers(
-                    grpcstatus.DEADLINE_EXCEEDED, message), end=True)
+        started = _Outcome()
+        status = 0
+        try:
+            with trio.move_on_after(timeout if timeout is not None else float("inf")
+                                    ) as deadline:
+                status = await self._forward(sid, req, creq, route, has_body, inbox, started)
+            if deadline.cancelled_caught:
+                stats.timeouts += 1
+                started.grpc = "DEADLINE_EXCEEDED"
+                message = f"deadline of {timeout:g}s exceeded at the front"
+                if started[0]:
+                    await self.wire.send_headers(sid, grpcstatus.status_trailers(
+                        grpcstatus.DEADLINE_EXCEEDED, message), end=True)
+                else:
+                    await self.wire.send_headers(sid, grpcstatus.trailers_only(
+                        grpcstatus.DEADLINE_EXCEEDED, message, req.content_type), end=True)
+                return
+        finally:
+            # Per route, by protocol and result; a call the client cancelled counts as
+            # CANCELLED (gRPC) or without a status (HTTP).
+            if grpc:
+                stats.count_route(route.name, "grpc", status, started.grpc or "CANCELLED")
             else:
-                await self.wire.send_headers(sid, grpcstatus.trailers_only(
-                    grpcstatus.DEADLINE_EXCEEDED, message, req.content_type), end=True)
-            return
+                stats.count_route(route.name, "h2", status)
         if self.access_log:
             log.info("request routed", host=clip(creq.host.decode("latin-1")),
                      path=clip(creq.target.decode("latin-1")), status=status, protocol="h2")
 
     async def _forward(self, sid: int, req: H2Request, creq: ClientRequest, route: Route,
-                       has_body: bool, inbox: Inbox, started: list[bool]) -> int:
+                       has_body: bool, inbox: Inbox, started: _Outcome) -> int:
         fields = upstream_headers(creq, default_host=route.backends[0].host,
                                   client=self.client, proto=self.xfp)
         limits = self.limits
@@ -362,6 +391,8 @@ class H2Connection:
                                    detail=str(exc))
                 await self.wire.reset(sid, h2.errors.ErrorCodes.CANCEL)
                 return 0
+            if req.grpc:
+                started.grpc = grpcstatus.NAMES[grpcstatus.code_for_http(status)]
             if not started[0]:
                 await self._answer(sid, req, status, reason)
             elif req.grpc:
@@ -409,7 +440,7 @@ class H2Connection:
         return None
 
     async def _exchange_with_body(self, sid: int, req: H2Request, exchange: Exchange,
-                                  inbox: Inbox, started: list[bool]) -> int:
+                                  inbox: Inbox, started: _Outcome) -> int:
         """Request body and response at the same time (gRPC streams both ways). The first
         failure of either side ends both; a response that ends before the request body
         tells the client to stop sending (RST_STREAM NO_ERROR, RFC 9113 §8.1)."""
@@ -470,7 +501,7 @@ class H2Connection:
             nursery.cancel_scope.cancel()
 
     async def _relay(self, sid: int, req: H2Request, exchange: Exchange,
-                     started: list[bool]) -> int:
+                     started: _Outcome) -> int:
         """Backend response → client, within the client's windows."""
         wire = self.wire
         status = 0
@@ -497,9 +528,13 @@ class H2Connection:
                 started[0] = True
                 await wire.send_headers(sid, h2_response(status, start.headers), start.ended)
                 if start.ended:
+                    if req.grpc:
+                        started.grpc = grpcstatus.name_of(start.headers)
                     break
             else:
                 trailers = cast(ResponseEnd, ev).trailers
+                if req.grpc:
+                    started.grpc = grpcstatus.name_of(trailers)
                 if trailers:
                     await wire.send_headers(sid, trailers, end=True)
                 else:

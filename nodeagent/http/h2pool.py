@@ -19,6 +19,8 @@ protocol), only the requests in flight on it fail; the next request dials a new 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import h2.errors
 import trio
 
@@ -48,6 +50,11 @@ from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.http")
 
+Describe = Callable[[trio.abc.HalfCloseableStream, Callable[[], list[dict[str, object]]]], None]
+"""`describe(stream, streams_view)`: how the pool shows the debug views what an upstream
+stream carries (`StreamNotes.describe` on the server)."""
+
+
 class UpstreamLost(UpstreamFailed):
     """The backend's h2c connection ended with this request in flight."""
 
@@ -64,6 +71,7 @@ class H2Upstream:
         self.read_size = limits.read_size
         self.max_streams = settings.max_concurrent_streams
         self.inboxes: dict[int, Inbox] = {}
+        self.paths: dict[int, tuple[bytes, float]] = {}  # stream → (:path, opened at)
         self.closed = False
         self.goaway = False
         self.requests = 0
@@ -73,6 +81,25 @@ class H2Upstream:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
+        why = "closed by the backend"
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.wire.run)
+                why = await self._read(task_status)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.closed = True
+            self.wire.broken = True
+            self.wire.wake(0)
+            for inbox in self.inboxes.values():
+                inbox.fail(UpstreamLost(502, f"h2c connection to {self.backend} {why}"))
+            self._free_slot()
+            await trio.aclose_forcefully(self.stream)
+            log.info("h2c upstream closed", backend=str(self.backend), reason=why,
+                     in_flight=len(self.inboxes), requests=self.requests)
+
+    async def _read(self, task_status: trio.TaskStatus[None]) -> str:
+        """Read the backend until the connection ends; returns why it ended."""
         session = self.session
         why = "closed by the backend"
         try:
@@ -113,16 +140,7 @@ class H2Upstream:
                 pass
         except StreamGone as exc:
             why = f"broke: {exc}"
-        finally:
-            self.closed = True
-            self.wire.broken = True
-            self.wire.wake(0)
-            for inbox in self.inboxes.values():
-                inbox.fail(UpstreamLost(502, f"h2c connection to {self.backend} {why}"))
-            self._free_slot()
-            await trio.aclose_forcefully(self.stream)
-            log.info("h2c upstream closed", backend=str(self.backend), reason=why,
-                     in_flight=len(self.inboxes), requests=self.requests)
+        return why
 
     def _goaway(self, ev: GoawayIn) -> None:
         self.goaway = True
@@ -153,6 +171,8 @@ class H2Upstream:
             raise UpstreamLost(502, f"h2c connection to {self.backend} closed")
         sid = self.session.next_stream_id()
         inbox = self.inboxes[sid] = Inbox()
+        self.paths[sid] = (next((v for n, v in headers if n == b":path"), b""),
+                           trio.current_time())
         self.requests += 1
         exchange = H2cExchange(self, sid, inbox, end)
         try:
@@ -163,8 +183,16 @@ class H2Upstream:
         return exchange
 
     def release(self, sid: int) -> None:
+        self.paths.pop(sid, None)
         if self.inboxes.pop(sid, None) is not None:
             self._free_slot()
+
+    def streams_view(self) -> list[dict[str, object]]:
+        """The h2 streams in flight on this connection (`nodeagent debug streams`)."""
+        now = trio.current_time()
+        return [{"stream": sid, "path": path.decode("latin-1")[:200],
+                 "age_seconds": round(now - opened, 1)}
+                for sid, (path, opened) in sorted(self.paths.items())]
 
 
 class H2cExchange:
@@ -270,7 +298,10 @@ class H2Pool:
     """The shared h2c connections of one front, by backend; their tasks in `nursery`."""
 
     def __init__(self, nursery: trio.Nursery, opener: Opener, limits: Limits,
-                 settings: H2Settings | None = None) -> None:
+                 settings: H2Settings | None = None,
+                 describe: Describe | None = None) -> None:
+        self.describe = describe
+        """Told of each connection's upstream stream and how to list its h2 streams."""
         self.nursery = nursery
         self.opener = opener
         self.limits = limits
@@ -291,6 +322,8 @@ class H2Pool:
         try:
             stream = await self.opener(backend, route, "")
             conn = H2Upstream(backend, stream, self.settings, self.limits)
+            if self.describe is not None:
+                self.describe(stream, conn.streams_view)
             await self.nursery.start(self._run, conn)
             self.conns[backend] = conn
             return conn

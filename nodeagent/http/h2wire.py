@@ -2,8 +2,10 @@
 (`h2connection`) and the upstream h2c connections (`h2pool`).
 
 Many stream tasks write to one connection: each queues frames on the `H2Session` and then
-`flush()`es, which takes the one write lock and sends whatever the session has queued, so
-frames leave in the order they were queued. `send_data` honours flow control: it sends
+`flush()`es, which wakes the connection's one writer task (`run`): it sends whatever the
+session has queued, in rounds, so frames leave in the order they were queued, many
+streams' frames share one write, and a stream task cancelled mid-write cannot cut a frame.
+`send_data` honours flow control: it sends
 what the stream's and the connection's windows allow and waits for the peer to open them
 (`wake`, called by the connection's reader on WINDOW_UPDATE and SETTINGS), at most
 `stall_timeout` at a time — a peer that never reads (a zero-window stall) costs one stream
@@ -35,23 +37,61 @@ class H2Wire:
         self.session = session
         self.stream = stream
         self.stall_timeout = stall_timeout
-        self._lock = trio.Lock()
         self._windows: dict[int, trio.Event] = {}
+        self._kick = trio.Event()  # the writer has rounds to send
+        self._next_done = trio.Event()  # set when the next round has been sent
+        self._running = False
         self.broken = False
         """The transport failed: every write from now on raises StreamGone."""
 
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """The connection's one writer: each round sends everything queued so far in one
+        `send_all`. Stream tasks never write themselves: a stream task cancelled (its
+        client reset it, a deadline) while writing would cut a frame in half and break
+        every other stream of the connection."""
+        self._running = True
+        task_status.started()
+        try:
+            while not self.broken:
+                await self._kick.wait()
+                self._kick = trio.Event()
+                done, self._next_done = self._next_done, trio.Event()
+                data = self.session.data_to_send()
+                if data:
+                    try:
+                        await self.stream.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError,
+                            OSError):
+                        self.broken = True
+                        self.wake(0)
+                done.set()
+        finally:
+            self._running = False
+            self._next_done.set()
+
     async def flush(self) -> None:
-        async with self._lock:
+        """Have what the session queued sent, and wait until it is on its way (the
+        backpressure of a peer that stops reading TCP). With the writer running (`run`),
+        many tasks' frames leave in one write; without it (before it starts, after it
+        ends: a last GOAWAY), the caller writes."""
+        if self.broken:
+            raise StreamGone("connection closed")
+        if self._running:
+            done = self._next_done
+            self._kick.set()
+            await done.wait()
             if self.broken:
-                raise StreamGone("connection closed")
-            data = self.session.data_to_send()
-            if data:
-                try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    self.broken = True
-                    self.wake(0)
-                    raise StreamGone("connection broke") from exc
+                raise StreamGone("connection broke")
+            return
+        data = self.session.data_to_send()
+        if data:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.broken = True
+                self.wake(0)
+                raise StreamGone("connection broke") from exc
 
     def wake(self, stream_id: int) -> None:
         """A window opened (0: the connection's, or the connection ended): wake its writers."""
@@ -84,10 +124,12 @@ class H2Wire:
             if window < 0:
                 raise StreamGone("stream closed")
             if window == 0 and view:
-                await self.flush()
+                # Register before flushing: a WINDOW_UPDATE read while the flush yields
+                # must find the event to set, or the wake-up is lost.
                 event = self._windows.get(stream_id)
                 if event is None:
                     event = self._windows[stream_id] = trio.Event()
+                await self.flush()
                 with trio.move_on_after(self.stall_timeout):
                     await event.wait()
                     continue

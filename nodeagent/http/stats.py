@@ -7,7 +7,8 @@ reason: a flood of one kind is one line a minute, with how many were suppressed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections import Counter
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from nodeagent.ops.logs import get_logger
@@ -34,6 +35,8 @@ RefusalReason = Literal[
     "h2_frame_too_large",
     "h2_window_stalled",
 ]
+
+_CLASSES = ("none", "1xx", "2xx", "3xx", "4xx", "5xx", "none")
 
 _refusal_log = RateLimitedLog(get_logger("nodeagent.http"), period=60.0)
 
@@ -111,6 +114,15 @@ class HttpStats:
     refused_h2_window_stalled: int = 0
     """HTTP/2 streams reset because the client kept their window shut for `idle_timeout`."""
 
+    by_route: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    """Requests that reached a route, by (route, protocol, result): protocol `h1`, `h2`
+    or `grpc`; result the status class (`2xx`...) or, for gRPC, the grpc-status name
+    (`OK`, `UNAVAILABLE`...). Exported as `nodeagent_http_route_requests`; its size is
+    bounded by the routes configured (protocols and results are fixed sets)."""
+
+    def count_route(self, route: str, protocol: str, status: int, grpc: str = "") -> None:
+        self.by_route[route, protocol, grpc or _CLASSES[min(status // 100, 6)]] += 1
+
     def count_status(self, status: int) -> None:
         if status < 200:
             self.responses_1xx += 1
@@ -135,7 +147,8 @@ class HttpStats:
         )
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The plain counters (not `by_route`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "by_route"}
 
 
 __all__ = ["HttpStats", "RefusalReason"]

@@ -7,6 +7,7 @@ as gRPC status, and each call balanced on its own across three endpoints on two 
 from __future__ import annotations
 
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -192,6 +193,13 @@ def test_grpc_deadline_and_cancellation_reach_the_backend(site: Site,
     echo.cancelled.clear()
     future = method(grpc_channel, "Hang").future(b"", timeout=30)
     threading.Event().wait(0.5)  # the call reached the backend
+    # `nodeagent debug streams` shows the call as an h2 stream inside the tunnel stream
+    # that carries the backend's shared h2c connection.
+    out = subprocess.run([sys.executable, "-m", "nodeagent", "debug", "streams",
+                          "--socket", str(site.server.socket)],
+                         capture_output=True, text=True, timeout=30)
+    assert "carries an h2c connection" in out.stdout, out
+    assert "/test.Echo/Hang" in out.stdout, out.stdout
     future.cancel()
     assert echo.cancelled.wait(10), "the client's cancel never reached the backend"
     assert site.server.metric("nodeagent_http_front", counter="h2_client_resets",
@@ -231,3 +239,31 @@ def test_each_call_is_balanced_on_its_own(site: Site) -> None:
         ch.close()
     assert set(counts) == {b"g0", b"g1", b"g2"}, counts
     assert all(90 <= n <= 110 for n in counts.values()), counts
+
+
+def test_requests_are_counted_per_route_by_protocol_and_grpc_status(
+        site: Site, grpc_channel: Any) -> None:
+    def count(route: str, protocol: str, result: str) -> float:
+        # (labels in the order the exposition writes them: sorted)
+        return site.server.metric("nodeagent_http_route_requests_total",
+                                  listener="http:public", protocol=protocol, result=result,
+                                  route=route)
+
+    ok, denied = count("public[1]", "grpc", "OK"), count("public[1]", "grpc", "PERMISSION_DENIED")
+    method(grpc_channel, "Unary")(b"x", timeout=10)
+    with pytest.raises(grpc.RpcError):
+        method(grpc_channel, "Fail")(b"x", timeout=10)
+    assert count("public[1]", "grpc", "OK") == ok + 1
+    assert count("public[1]", "grpc", "PERMISSION_DENIED") == denied + 1
+    ch = channel(f"127.0.0.1:{site.http_port}", "gone.test")
+    try:
+        with pytest.raises(grpc.RpcError):
+            method(ch, "Unary")(b"x", timeout=10)
+    finally:
+        ch.close()
+    assert count("public[2]", "grpc", "UNAVAILABLE") >= 1
+    h1 = count("public[0]", "h1", "2xx")
+    curl("-H", "Host: app.test", f"http://127.0.0.1:{site.http_port}/")
+    curl("--http2-prior-knowledge", "-H", "Host: app.test", f"http://127.0.0.1:{site.http_port}/")
+    assert count("public[0]", "h1", "2xx") == h1 + 1
+    assert count("public[0]", "h2", "2xx") >= 1

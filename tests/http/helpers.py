@@ -411,7 +411,8 @@ class RawH2:
                                                 + (ev.flow_controlled_length or 0))
                     elif isinstance(ev, h2.events.StreamEnded):
                         self.ended.add(ev.stream_id or 0)
-                await self.flush()
+                with trio.CancelScope(shield=True):  # a write cut by the timeout loses frames
+                    await self.flush()
 
     def _intercept(self, data: bytes) -> bytes:
         """Take out what h2 cannot take as a client: a graceful GOAWAY (h2 closes the

@@ -145,6 +145,7 @@ class H2Connection:
         stats = self.stats
         stats.h2_connections += 1
         self.closing.on_start.add(self._drain)
+        refused: H2Refused | None = None
         try:
             self.session.start()
             if self.closing.started:
@@ -152,18 +153,22 @@ class H2Connection:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.wire.run)
-                await self.wire.flush()
-                if self.initial:
-                    await self._received(self.initial)
-                await self._read_loop()
+                # Caught here, in the nursery's own task: raised out of it, they would
+                # come wrapped in an ExceptionGroup.
+                try:
+                    await self.wire.flush()
+                    if self.initial:
+                        await self._received(self.initial)
+                    await self._read_loop()
+                except H2Refused as exc:
+                    refused = exc
+                except StreamGone:
+                    pass
                 nursery.cancel_scope.cancel()
-        except H2Refused as exc:
-            stats.refused(f"h2_{exc.reason}", status=0, client=self.client_addr,  # type: ignore[arg-type]
-                          detail=clip(str(exc), 200))
-            try:
-                await self.wire.flush()  # h2's GOAWAY
-            except StreamGone:
-                pass
+            if refused is not None:
+                stats.refused(f"h2_{refused.reason}", status=0,  # type: ignore[arg-type]
+                              client=self.client_addr, detail=clip(str(refused), 200))
+                await self.wire.flush()  # h2's GOAWAY, written directly: the writer is gone
         except StreamGone:
             pass
         finally:

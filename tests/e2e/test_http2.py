@@ -6,6 +6,7 @@ as gRPC status, and each call balanced on its own across three endpoints on two 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -15,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hpack
+import hyperframe.frame as hf
 import pytest
 
+from nodeagent.http.h2session import PREFACE
 from nodeagent.testing.grpcservice import GrpcEcho, channel, method
-from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess, rss_kib
 from nodeagent.testing.standalone import (
     TOKEN,
     Certs,
@@ -267,3 +271,82 @@ def test_requests_are_counted_per_route_by_protocol_and_grpc_status(
     curl("--http2-prior-knowledge", "-H", "Host: app.test", f"http://127.0.0.1:{site.http_port}/")
     assert count("public[0]", "h1", "2xx") == h1 + 1
     assert count("public[0]", "h2", "2xx") >= 1
+
+
+# -- abuse: the HTTP/2 attacks of record against the real server --------------------------
+
+
+def _attack(kind: str) -> bytes:
+    """The bytes of one attack, after the connection preface and an empty SETTINGS."""
+    enc = hpack.Encoder()
+    head = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"app.test"),
+            (b":path", b"/")]
+    out = [PREFACE, hf.SettingsFrame(0).serialize()]
+    if kind == "rapid_reset":
+        for i in range(3000):
+            frame = hf.HeadersFrame(2 * i + 1)
+            frame.data = enc.encode(head)
+            frame.flags.add("END_HEADERS")
+            frame.flags.add("END_STREAM")
+            rst = hf.RstStreamFrame(2 * i + 1)
+            rst.error_code = 8  # CANCEL
+            out += [frame.serialize(), rst.serialize()]
+    elif kind == "control_flood":
+        for i in range(20_000):
+            ping = hf.PingFrame(0)
+            ping.opaque_data = b"%08d" % i
+            out.append(ping.serialize())
+    elif kind == "continuation_flood":
+        frame = hf.HeadersFrame(1)
+        frame.data = enc.encode(head)
+        out.append(frame.serialize())
+        for _ in range(2000):
+            cont = hf.ContinuationFrame(1)
+            cont.data = b"\x00" * 16_000
+            out.append(cont.serialize())
+    elif kind == "header_list_too_large":  # an HPACK bomb: one 4 KB field, then its index
+        frame = hf.HeadersFrame(1)
+        frame.data = enc.encode([*head, (b"x-bomb", b"a" * 4000)]) + bytes([0x80 | 62]) * 2000
+        frame.flags.add("END_HEADERS")
+        out.append(frame.serialize())
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("rapid_reset", "rapid_reset"), ("control_flood", "control_flood"),
+    ("continuation_flood", "protocol_error"),
+    ("header_list_too_large", "header_list_too_large")])
+def test_h2_attacks_are_refused_with_bounded_cost(site: Site, kind: str, reason: str) -> None:
+    """Each attack ends its connection with GOAWAY, counted by reason; what the server
+    spent is counted: request streams it started (at most the reset allowance), upstream
+    streams it opened, and its memory."""
+    server = site.server
+
+    def front(counter: str) -> float:
+        return server.metric("nodeagent_http_front", counter=counter, listener="http:public")
+
+    assert server.proc is not None
+    before = {c: front(c) for c in ("h2_requests", "upstream_opens", f"refused_h2_{reason}")}
+    rss = rss_kib(server.proc.pid)
+    with socket.create_connection(("127.0.0.1", site.http_port), timeout=10) as sock:
+        try:
+            sock.sendall(_attack(kind))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before it finished sending: the point
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    assert front(f"refused_h2_{reason}") == before[f"refused_h2_{reason}"] + 1
+    started = front("h2_requests") - before["h2_requests"]
+    opened = front("upstream_opens") - before["upstream_opens"]
+    assert started <= 1700 and opened <= 1700, (started, opened)  # of 3000 sent
+    assert rss_kib(server.proc.pid) - rss < 32 * 1024
+    print(f"{kind}: {started:.0f} request streams started, {opened:.0f} upstreams opened, "
+          f"RSS +{rss_kib(server.proc.pid) - rss} KiB")
+    # The server goes on serving.
+    out = curl("--http2-prior-knowledge", "-H", "Host: app.test",
+               f"http://127.0.0.1:{site.http_port}/after-{kind}")
+    assert f"path=/after-{kind}" in out.stdout, out

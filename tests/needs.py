@@ -34,7 +34,8 @@ TOOLS: dict[str, str] = {
     "ssh": "openssh-client",
     "sshuttle": "sshuttle",
     "wrk": "wrk",
-    # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
+    # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py), and an
+    # HTTP/2 client for the front (tests/e2e/test_http2.py)
     "curl": "curl",
     # starting a process without a capability (tests/e2e/test_startup_errors.py)
     "setpriv": "util-linux",
@@ -45,6 +46,8 @@ TOOLS: dict[str, str] = {
     # real forward proxies an agent dials its server through (tests/e2e/test_proxy.py)
     "tinyproxy": "tinyproxy",
     "microsocks": "microsocks",
+    # h2load, the HTTP/2 load generator (scripts/bench/h2.py)
+    "h2load": "nghttp2-client",
 }
 
 # Tools only slow tests need (`scripts/test -m slow`): scripts/test installs them only

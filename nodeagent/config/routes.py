@@ -109,6 +109,9 @@ class HttpRoute(Model):
     path_type: Literal["Prefix", "Exact", "ImplementationSpecific"] = "Prefix"
     node: str | None = None
     target: HostPort
+    # What the target speaks: h1 (HTTP/1.1) or h2c (HTTP/2 without TLS, prior knowledge;
+    # gRPC servers): h2c backends get one shared HTTP/2 connection, each request balanced.
+    backend_protocol: Literal["h1", "h2c"] = "h1"
 
     @field_validator("host")
     @classmethod
@@ -147,6 +150,9 @@ class IngressRule(Model):
     # controller uses creationTimestamp, so the oldest Ingress wins).
     rank: str = ""
     tls_redirect: bool = False  # answer plain HTTP with 308 to https://
+    # What the backends speak (the Service port's appProtocol: kubernetes.io/h2c or grpc
+    # → h2c).
+    backend_protocol: Literal["h1", "h2c"] = "h1"
 
 
 class IngressTls(Model):

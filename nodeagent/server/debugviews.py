@@ -114,7 +114,15 @@ def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats]
     yield disconnects
     http = gauge("nodeagent_http_front", "HTTP front counters by listener",
                  ["listener", "counter"])
+    by_route = counter(
+        "nodeagent_http_route_requests",
+        "Requests that reached a route, by listener, route, client protocol (h1, h2, grpc) "
+        "and result (status class, or the gRPC status name)",
+        labels=["listener", "route", "protocol", "result"])
     for name, stats in http_stats.items():
         for field_name, value in stats.as_dict().items():
             http.add_metric([name, field_name], value)
+        for (route, protocol, result), count in sorted(stats.by_route.items()):
+            by_route.add_metric([name, route, protocol, result], count)
     yield http
+    yield by_route

@@ -156,7 +156,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         name = f"http:{http.name or index}"
         front = HttpFront(table=functools.partial(tables.http_table, index),
                           open_upstream=open_upstream, limits=limits,
-                          stats=server.http_stats.setdefault(name, HttpStats()))
+                          stats=server.http_stats.setdefault(name, HttpStats()),
+                          describe_upstream=server.stream_notes.describe)
         listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port)
                          .for_setting(f"http[{index}].listen", http.listen))
     # The Ingress listeners: routes (and certificates) swap under them on every update.
@@ -167,7 +168,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
             continue
         front = HttpFront(table=tables.current_ingress_table, open_upstream=open_upstream,
                           tls=tls, limits=limits,
-                          stats=server.http_stats.setdefault(name, HttpStats()))
+                          stats=server.http_stats.setdefault(name, HttpStats()),
+                          describe_upstream=server.stream_notes.describe)
         listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port)
                          .for_setting(name.replace("-", "_"), listen))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).

@@ -33,13 +33,15 @@ def build_route_table(listener: HttpListener) -> RouteTable:
         backend = Backend(node=route.node, host=route.target.host, port=route.target.port)
         name = f"{listener.name or 'http'}[{index}]"
         specs.append(RouteSpec(host=route.host, path=route.path,
-                               route=Route(name=name, backends=(backend,)),
+                               route=Route(name=name, backends=(backend,),
+                                           backend_protocol=route.backend_protocol),
                                path_type=_path_type(route.path_type)))
     return RouteTable.build(specs)
 
 
 def _ingress_route(rule: IngressRule) -> Route:
-    return Route(name=rule.name, tls_redirect=rule.tls_redirect, backends=tuple(
+    return Route(name=rule.name, tls_redirect=rule.tls_redirect,
+                 backend_protocol=rule.backend_protocol, backends=tuple(
         Backend(node=b.node, host=b.target.host, port=b.target.port) for b in rule.backends))
 
 

@@ -36,6 +36,12 @@ TOOLS: dict[str, str] = {
     "wrk": "wrk",
     # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
     "curl": "curl",
+    # UDP through the tunnel: a real DNS client (tests/e2e/test_udp.py) and the UDP
+    # benchmark's load generators and baseline relay (scripts/bench/udp.py)
+    "dig": "dnsutils",
+    "iperf3": "iperf3",
+    "socat": "socat",
+    "dnsperf": "dnsperf",
 }
 
 NETNS = (ROOT, "ip", "sysctl")

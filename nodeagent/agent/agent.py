@@ -47,12 +47,29 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
+from tunnel.udp import bridge_flow, connect_udp
 from tunnel.urls import parse_endpoint
 
 if TYPE_CHECKING:  # controller mode only: it imports cryptography
     from nodeagent.trust.enrollment import IdentityKeeper
 
 log = get_logger("nodeagent.agent")
+
+# A flow's idle timeout on the agent when the server names none (metadata "idle"); the
+# server owns expiry, this only ends flows whose server vanished without a reset.
+DEFAULT_FLOW_IDLE = 120.0
+FLOW_IDLE_MARGIN = 5.0  # past the server's, so the server's expiry comes first
+
+
+def flow_idle(metadata: dict[str, str]) -> float:
+    """The idle timeout the server named for a flow (seconds) plus a margin, bounded."""
+    try:
+        named = float(metadata.get("idle", ""))
+    except ValueError:
+        return DEFAULT_FLOW_IDLE
+    if not 0 < named <= 3600:
+        return DEFAULT_FLOW_IDLE
+    return named + FLOW_IDLE_MARGIN
 
 
 class Agent:
@@ -153,6 +170,9 @@ class Agent:
 
     async def handle_stream(self, incoming: IncomingStream) -> None:
         target = incoming.target
+        if target.protocol == "udp":
+            await self.handle_flow(incoming)
+            return
         origin = incoming.metadata.get("origin", "")
         # A control-plane stream (the server's CONNECT front) is checked against this
         # node's control_plane rules, not its allow list: a compromised server cannot
@@ -207,6 +227,50 @@ class Agent:
             self.log.debug("stream finished", stream=incoming.stream.stream_id,
                            target=str(target), origin=origin, sent=result.b_to_a,
                            received=result.a_to_b, error=result.error or "")
+
+    async def handle_flow(self, incoming: IncomingStream) -> None:
+        """A flow the server opened (a public UDP mapping): checked against the allow
+        list (udp rules only), joined to a connected UDP socket to the target until the
+        server resets it, it idles out or the target refuses."""
+        target = incoming.target
+        origin = incoming.metadata.get("origin", "")
+        self.stream_notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
+        if incoming.metadata.get(PURPOSE_KEY) == CONTROL_PLANE_PURPOSE or \
+                not self.node_config.allows(target.host, target.port, "udp"):
+            self._count("forbidden")
+            self._forbidden_log.warning(
+                "forbidden", "stream refused: target not allowed on this node",
+                reason="forbidden", stream=incoming.stream.stream_id, target=str(target),
+                origin=origin)
+            await incoming.refuse(p.StreamReason.FORBIDDEN,
+                                  f"{target} is not allowed on node {self.config.node}")
+            return
+        try:
+            sock = connect_udp(target.host, target.port, mark=self.config.socket_mark)
+        except StreamFailed as exc:
+            self._count(exc.outcome)
+            self.log.info("flow refused", stream=incoming.stream.stream_id,
+                          target=str(target), origin=origin, reason=exc.outcome,
+                          error=exc.message)
+            await incoming.refuse(exc.reason, exc.message)
+            return
+        try:
+            stream = await incoming.accept()
+        except BaseException:
+            sock.close()
+            raise
+        self._count("accepted")
+        counters = await bridge_flow(stream, sock, idle_timeout=flow_idle(incoming.metadata))
+        self.metrics.datagrams.labels("in").inc(counters.datagrams_in)
+        self.metrics.datagrams.labels("out").inc(counters.datagrams_out)
+        self.metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
+        self.metrics.datagram_bytes.labels("out").inc(counters.bytes_out)
+        for reason, count in counters.drops.items():
+            self.metrics.datagram_drops.labels(reason).inc(count)
+        if self.log.isEnabledFor(logging.DEBUG):
+            self.log.debug("flow finished", stream=stream.stream_id, target=str(target),
+                           origin=origin, datagrams_in=counters.datagrams_in,
+                           datagrams_out=counters.datagrams_out, ended_by=counters.ended_by)
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] += 1

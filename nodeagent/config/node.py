@@ -44,7 +44,8 @@ from nodeagent.config.base import (
 
 class AllowRule(Model):
     """A target the server may ask this agent to dial. String form: `10.0.0.0/8:80-443`,
-    `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`."""
+    `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`; TCP unless prefixed
+    `udp/` (`udp/10.96.0.10:53`; `tcp/` is allowed too). A rule allows one protocol."""
 
     cidr: Cidr | None = None
     host: str | None = None
@@ -56,14 +57,19 @@ class AllowRule(Model):
     def _from_string(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
+        protocol = "tcp"
+        for prefix in ("udp/", "tcp/"):
+            if value.lower().startswith(prefix):
+                protocol, value = prefix[:3], value[len(prefix):]
         where, port = _split_host_port(value)
         ports: list[str] = [] if port == "*" else [port]
         try:
-            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports}
+            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports,
+                    "protocol": protocol}
         except ValueError as exc:
             if "/" in where:
                 raise ValueError(f"{where!r} is not a valid CIDR: {exc}") from None
-        return {"host": where, "ports": ports}
+        return {"host": where, "ports": ports, "protocol": protocol}
 
     @field_validator("host")
     @classmethod

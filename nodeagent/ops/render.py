@@ -185,3 +185,20 @@ def render_streams(doc: Mapping[str, Any]) -> str:
                ("bytes_from_target", "FROM TARGET"), ("age_seconds", "AGE"),
                ("opened_by", "OPENED BY")]
     return f"{head}\n\n{render_table(rows, columns)}\n"
+
+
+def render_flows(doc: Mapping[str, Any]) -> str:
+    """`nodeagent debug flows` (a server): each UDP mapping with its drops by reason, then
+    a row per flow (one per client address). In: from the client; out: back to it."""
+    mappings = doc.get("mappings") or []
+    rows = doc.get("flows") or []
+    lines = [f"{len(mappings)} UDP mapping(s), {len(rows)} flow(s)"]
+    for m in mappings:
+        lines.append(f"  {m.get('mapping')} -> node {m.get('node')}: {m.get('flows')} "
+                     f"flow(s); drops: {_counts(m.get('drops'))}")
+    columns: list[str | tuple[str, str]] = [
+        ("mapping", "MAPPING"), ("client", "CLIENT"), ("node", "NODE"),
+        ("target", "TARGET"), ("state", "STATE"), ("datagrams_in", "IN"),
+        ("datagrams_out", "OUT"), ("bytes_in", "BYTES IN"), ("bytes_out", "BYTES OUT"),
+        ("idle_seconds", "IDLE"), ("age_seconds", "AGE")]
+    return "\n".join(lines) + f"\n\n{render_table(rows, columns)}\n"

@@ -149,6 +149,17 @@ class DataPath:
         raise StreamRefusedError(p.StreamReason.TIMEOUT,
                                  f"node {node} did not answer within {self.dial_timeout}s")
 
+    async def open_flow(self, node: str, target: p.Target, origin: str,
+                        idle_timeout: float) -> TunnelStream:
+        """A flow (udp target) through `node`'s tunnel, within the dial timeout; the
+        agent learns the idle timeout from the metadata. Raises StreamFailed."""
+        metadata = {"origin": origin, "idle": f"{idle_timeout:g}"}
+        with trio.move_on_after(self.dial_timeout) as scope:
+            return await self._open_stream(node, target, metadata)
+        assert scope.cancelled_caught
+        raise StreamRefusedError(p.StreamReason.TIMEOUT,
+                                 f"node {node} did not answer within {self.dial_timeout}s")
+
     async def dial_checked(self, host: str, port: int, protected: Callable[[str], bool],
                            refuse: Callable[[str], Exception]) -> trio.SocketStream:
         """Dial host:port, a name resolved here once: every address it resolves to must

@@ -7,6 +7,7 @@ answers for the whole (readiness, route updates, status).
 - `datapath.DataPath`: what a stream may reach and the DNS-safe dialing;
 - `openers`: the streams agents open and the HTTP fronts' upstreams, counted by outcome;
 - `tcpmappings.TcpMappingRelay`: public TCP ports spliced into streams;
+- `udpmappings.UdpMappingRelay`: public UDP ports, each client address a flow;
 - `connectfront.ConnectFront` and `dnat.DnatPath`: the control plane's ways to nodes;
 - `debugviews`: the debug socket's views and the live metrics.
 
@@ -40,6 +41,7 @@ from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
 from nodeagent.server.refusals import PolicyRefusals
 from nodeagent.server.routetables import RouteTables
 from nodeagent.server.tcpmappings import TcpMappingRelay
+from nodeagent.server.udpmappings import UdpMappingRelay
 from nodeagent.trust.filewatch import FileReloader
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.server import HandshakeAdmission, TunnelServer
@@ -114,6 +116,9 @@ class Server:
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             stream_bytes=self.metrics.stream_bytes, log=self.log)
+        self.udp_mappings = UdpMappingRelay(
+            datapath=self.datapath, notes=self.stream_notes, metrics=self.metrics,
+            log=self.log)
         # Its listeners (listeners.server_listeners), set by serve_server, for status.
         self.listeners = Listeners()
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters

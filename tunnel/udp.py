@@ -1,0 +1,165 @@
+"""A flow (a tunnel stream whose target is udp) joined to a connected UDP socket: the
+agent's end of a public UDP mapping and of intercepted UDP, as splice.py is for bytes.
+
+Nothing here buffers a datagram. One from the tunnel goes to the socket at once
+(non-blocking send; a full socket buffer drops it, counted as `socket_full`); one from
+the socket goes to the flow at once (`TunnelStream.send_datagram`, which queues within
+the core's bounds or drops). So a flow costs one task waiting for its socket, and a
+burst on one flow never delays another. The flow ends when the peer resets it, when it
+has been idle for `idle_timeout`, or when the target answers with ICMP port unreachable
+(reset REFUSED, so the other side learns the target refused).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+import trio.lowlevel
+
+from tunnel.errors import StreamResetError
+from tunnel.protocol import StreamReason
+from tunnel.stream import TunnelStream
+from tunnel.tcp import SO_MARK, DialCause, DialFailed
+
+# Datagrams read from the socket per wake-up (wait_readable yields every time): a flood
+# on one flow cannot starve the others' tasks.
+RECV_BATCH = 64
+RECV_SIZE = 65_535
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN}
+
+
+@dataclass
+class FlowCounters:
+    """What one flow carried: "in" is toward the target, "out" back from it."""
+
+    datagrams_in: int = 0
+    datagrams_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    drops: Counter[str] = field(default_factory=Counter)
+    ended_by: str = ""  # reset | idle | refused | cancelled
+
+
+def connect_udp(host: str, port: int, *, mark: int | None = None) -> socket.socket:
+    """A non-blocking UDP socket connected to host:port (an IP literal: the agent's
+    targets are addresses; a name costs a blocking lookup, so it is refused here).
+    `mark` sets SO_MARK so the agent's own rules never catch it. Raises DialFailed."""
+    family = None
+    for candidate in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(candidate, host)
+        except OSError:
+            continue
+        family = candidate
+        break
+    if family is None:
+        raise DialFailed("dns", f"UDP targets are addresses, not names: {host!r}")
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        if mark is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+            except OSError as exc:
+                raise DialFailed("mark", f"cannot set SO_MARK {mark} (needs "
+                                         f"CAP_NET_ADMIN): {exc.strerror}") from None
+        sock.connect((host, port))
+    except DialFailed:
+        sock.close()
+        raise
+    except OSError as exc:
+        sock.close()
+        cause: DialCause = "unreachable" if exc.errno in _UNREACHABLE else "refused"
+        raise DialFailed(cause, f"{host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+class _SocketSink:
+    """The flow's datagrams to the socket, now or dropped (tunnel.stream.DatagramSink)."""
+
+    def __init__(self, sock: socket.socket, counters: FlowCounters,
+                 scope: trio.CancelScope, idle_timeout: float) -> None:
+        self.sock = sock
+        self.counters = counters
+        self.scope = scope
+        self.idle_timeout = idle_timeout
+        self.reset: StreamResetError | None = None
+
+    def on_datagram(self, data: bytes) -> None:
+        counters = self.counters
+        try:
+            self.sock.send(data)
+        except BlockingIOError:
+            counters.drops["socket_full"] += 1
+            return
+        except ConnectionRefusedError:
+            # An ICMP port unreachable from an earlier datagram: the target is not there.
+            counters.drops["refused"] += 1
+            counters.ended_by = "refused"
+            self.scope.cancel()
+            return
+        except OSError:
+            counters.drops["send_error"] += 1
+            return
+        counters.datagrams_in += 1
+        counters.bytes_in += len(data)
+        self.scope.deadline = trio.current_time() + self.idle_timeout
+
+    def on_reset(self, error: StreamResetError) -> None:
+        self.reset = error
+        self.scope.cancel()
+
+
+async def bridge_flow(stream: TunnelStream, sock: socket.socket, *,
+                      idle_timeout: float) -> FlowCounters:
+    """Carry datagrams between an accepted flow and a connected UDP socket until the
+    flow is reset, idle for `idle_timeout` seconds, or refused by the target. Closes
+    the socket and the flow (RST: CANCELLED when idle, REFUSED when refused)."""
+    counters = FlowCounters()
+    scope = trio.CancelScope(deadline=trio.current_time() + idle_timeout)
+    sink = _SocketSink(sock, counters, scope, idle_timeout)
+    try:
+        with scope:
+            stream.attach_datagram_sink(sink)
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                for _ in range(RECV_BATCH):
+                    try:
+                        data = sock.recv(RECV_SIZE)
+                    except BlockingIOError:
+                        break
+                    except ConnectionRefusedError:
+                        counters.drops["refused"] += 1
+                        counters.ended_by = "refused"
+                        scope.cancel()
+                        break
+                    except OSError:
+                        counters.drops["recv_error"] += 1
+                        break
+                    dropped = stream.send_datagram(data)
+                    if dropped is not None:
+                        counters.drops[dropped] += 1
+                        continue
+                    counters.datagrams_out += 1
+                    counters.bytes_out += len(data)
+                    scope.deadline = trio.current_time() + idle_timeout
+    finally:
+        stream.attach_datagram_sink(None)
+        trio.lowlevel.notify_closing(sock)
+        sock.close()
+        if not counters.ended_by:
+            counters.ended_by = ("reset" if sink.reset is not None
+                                 else "idle" if scope.cancelled_caught else "cancelled")
+        with trio.CancelScope(shield=True):
+            if counters.ended_by == "refused":
+                await stream.abort(StreamReason.REFUSED, "the target refused (port "
+                                                         "unreachable)")
+            elif counters.ended_by == "idle":
+                await stream.abort(StreamReason.CANCELLED, "flow idle")
+            else:
+                await stream.aclose()
+    return counters

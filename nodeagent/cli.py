@@ -55,8 +55,9 @@ views:
             Ingress, a TCP mapping or a CONNECT client; from-node: the agent did, for
             intercepted pod traffic or the controller), target, bytes toward the target
             and back, age, and who opened it (a UDP flow is a stream to a udp:// target)
-  flows     (server) each UDP mapping with its drops by reason, then each flow: client
-            address, node, target, state, datagrams and bytes each way, idle time, age
+  flows     server: each UDP mapping with its drops by reason, then each flow: client
+            address, node, target, state, datagrams and bytes each way, idle time, age;
+            agent: pods' intercepted UDP flows (client, original destination, rule, via)
   config    the config in use, with its version (secret values shown as [redacted])
   rules     interception rules as applied in the kernel, next to the model (agent)
   metrics   Prometheus text

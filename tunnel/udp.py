@@ -32,6 +32,24 @@ RECV_SIZE = 65_535
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN}
 
 
+# A flow's idle timeout at the end that did not open it, when the opener names none
+# (metadata "idle"): the opener owns expiry, this only ends flows whose opener vanished
+# without a reset; past the opener's own by a margin, so the opener's comes first.
+DEFAULT_FLOW_IDLE = 120.0
+FLOW_IDLE_MARGIN = 5.0
+
+
+def flow_idle_timeout(metadata: dict[str, str]) -> float:
+    """The idle timeout the opener named for a flow (seconds) plus a margin, bounded."""
+    try:
+        named = float(metadata.get("idle", ""))
+    except ValueError:
+        return DEFAULT_FLOW_IDLE
+    if not 0 < named <= 3600:
+        return DEFAULT_FLOW_IDLE
+    return named + FLOW_IDLE_MARGIN
+
+
 @dataclass
 class FlowCounters:
     """What one flow carried: "in" is toward the target, "out" back from it."""

@@ -47,7 +47,7 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
-from tunnel.udp import bridge_flow, connect_udp
+from tunnel.udp import bridge_flow, connect_udp, flow_idle_timeout
 from tunnel.urls import parse_endpoint
 
 if TYPE_CHECKING:  # controller mode only: it imports cryptography
@@ -55,21 +55,6 @@ if TYPE_CHECKING:  # controller mode only: it imports cryptography
 
 log = get_logger("nodeagent.agent")
 
-# A flow's idle timeout on the agent when the server names none (metadata "idle"); the
-# server owns expiry, this only ends flows whose server vanished without a reset.
-DEFAULT_FLOW_IDLE = 120.0
-FLOW_IDLE_MARGIN = 5.0  # past the server's, so the server's expiry comes first
-
-
-def flow_idle(metadata: dict[str, str]) -> float:
-    """The idle timeout the server named for a flow (seconds) plus a margin, bounded."""
-    try:
-        named = float(metadata.get("idle", ""))
-    except ValueError:
-        return DEFAULT_FLOW_IDLE
-    if not 0 < named <= 3600:
-        return DEFAULT_FLOW_IDLE
-    return named + FLOW_IDLE_MARGIN
 
 
 class Agent:
@@ -126,8 +111,16 @@ class Agent:
         self._nursery: trio.Nursery | None = None  # run()'s, while it runs
 
     def _interceptor(self, intercept: InterceptConfig) -> Interceptor:
+        def datagram_drop(reason: str, count: int) -> None:
+            self.metrics.datagram_drops.labels(reason).inc(count)
+
+        def datagram(direction: str, size: int) -> None:
+            self.metrics.datagrams.labels(direction).inc()
+            self.metrics.datagram_bytes.labels(direction).inc(size)
+
         interceptor = Interceptor(intercept, skip_mark=self.config.socket_mark,
-                                  open_tunnel=self.open_stream,
+                                  open_tunnel=self.open_stream, open_flow=self.open_stream,
+                                  on_datagram_drop=datagram_drop, on_datagram=datagram,
                                   dial_timeout=self.config.dial_timeout, node=self.config.node)
         interceptor.keep_rules_on_exit = self.config.keep_rules_on_exit
         return interceptor
@@ -260,7 +253,8 @@ class Agent:
             sock.close()
             raise
         self._count("accepted")
-        counters = await bridge_flow(stream, sock, idle_timeout=flow_idle(incoming.metadata))
+        counters = await bridge_flow(stream, sock,
+                                     idle_timeout=flow_idle_timeout(incoming.metadata))
         self.metrics.datagrams.labels("in").inc(counters.datagrams_in)
         self.metrics.datagrams.labels("out").inc(counters.datagrams_out)
         self.metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
@@ -341,6 +335,8 @@ class Agent:
             "control_plane_streams": self.control_plane.as_list(),
             "intercepted_by_outcome": dict(self.interceptor.outcomes)
             if self.interceptor is not None else {},
+            "intercepted_udp_by_outcome": dict(self.interceptor.udp.outcomes)
+            if self.interceptor is not None and self.interceptor.udp is not None else {},
             # Controller mode: the config watch (controller URL, version applied, errors).
             "config_watch": self.config_watch.as_dict() if self.config_watch else None,
             "identity": self.identity.status() if self.identity else None,
@@ -398,6 +394,14 @@ class Agent:
             rows.extend(stream_rows(tunnel.connection, self.stream_notes,
                                     peer={"server_id": tunnel.server_id}))
         return {"role": "agent", "node": self.config.node, "streams": rows}
+
+    def flows(self) -> dict[str, Any]:
+        """`nodeagent debug flows`: pods' intercepted UDP flows (the flows the server
+        opens for its UDP mappings are streams to udp:// targets: `debug streams`)."""
+        udp = self.interceptor.udp if self.interceptor is not None else None
+        return {"role": "agent", "node": self.config.node,
+                "flows": udp.view() if udp is not None else [],
+                "drops": dict(udp.drops) if udp is not None else {}}
 
     def rules(self) -> dict[str, Any]:
         if self.interceptor is None:

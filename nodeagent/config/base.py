@@ -10,7 +10,7 @@ import functools
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -78,6 +79,17 @@ def _cidr_as_text(value: Any) -> Any:
 
 
 Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, BeforeValidator(_cidr_as_text)]
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+# A transport protocol, lower-case inside; `TCP` and `UDP` (Kubernetes' spelling, as in
+# a Service's ports) are accepted too, so the CRD schema lists both spellings.
+TransportProtocol = Annotated[
+    Literal["tcp", "udp"], BeforeValidator(_lower),
+    WithJsonSchema({"type": "string", "enum": ["tcp", "udp", "TCP", "UDP"]})]
 
 
 def _split_host_port(text: str) -> tuple[str, str]:

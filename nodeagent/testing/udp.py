@@ -67,23 +67,28 @@ class DnsServer:
 
 @contextlib.contextmanager
 def run_dns_server(zone: str = "svc.cloud.internal.", address: str = "10.20.30.40",
-                   host: str = "127.0.0.1") -> Iterator[DnsServer]:
+                   host: str = "127.0.0.1", port: int = 0, *,
+                   answer_asker: bool = False) -> Iterator[DnsServer]:
     """A real DNS server (dnslib) on UDP: A queries for names in `zone` answer `address`,
-    anything else NXDOMAIN."""
+    anything else NXDOMAIN. `answer_asker`: every A query answers the address the query
+    came from (a resolver that shows which path a query took)."""
     from dnslib import QTYPE, RCODE, RR, A
     from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
     class Resolver(BaseResolver):  # type: ignore[misc]
         def resolve(self, request: Any, handler: Any) -> Any:
             reply = request.reply()
-            name = str(request.q.qname)
-            if name.endswith(zone) and request.q.qtype == QTYPE.A:
+            name = str(request.q.qname).lower()
+            if answer_asker and request.q.qtype == QTYPE.A:
+                reply.add_answer(RR(request.q.qname, QTYPE.A,
+                                    rdata=A(handler.client_address[0]), ttl=0))
+            elif name.endswith(zone) and request.q.qtype == QTYPE.A:
                 reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(address), ttl=30))
             else:
                 reply.header.rcode = RCODE.NXDOMAIN
             return reply
 
-    server = DNSServer(Resolver(), port=0, address=host,
+    server = DNSServer(Resolver(), port=port, address=host,
                        logger=DNSLogger(log="-request,-reply,-truncated,-error,-recv,-send,"
                                             "-data", prefix=False))
     server.start_thread()

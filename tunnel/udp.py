@@ -50,6 +50,31 @@ def flow_idle_timeout(metadata: dict[str, str]) -> float:
     return named + FLOW_IDLE_MARGIN
 
 
+# Receive buffers: the default (~208 KiB, 150 full-size datagrams) overflows whenever the
+# process is not scheduled for a few milliseconds at a few hundred Mbit/s, and a datagram
+# the kernel drops there is lost without a trace. A shared socket (a mapping's, the
+# TPROXY one) gets more than a flow's own. The kernel allocates buffers as datagrams
+# queue, so an idle socket costs nothing for it.
+SHARED_BUFFER = 8 * 1024 * 1024
+FLOW_BUFFER = 1024 * 1024
+_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+
+
+def size_buffers(sock: socket.socket, size: int) -> None:
+    """Ask for `size`-byte receive and send buffers: past net.core.rmem_max with
+    CAP_NET_ADMIN (the agent has it), else as much as the limit allows. Best effort."""
+    for force, plain in ((_SO_RCVBUFFORCE, socket.SO_RCVBUF),
+                         (_SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, size)
+        except OSError:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, plain, size)
+            except OSError:
+                pass
+
+
 @dataclass
 class FlowCounters:
     """What one flow carried: "in" is toward the target, "out" back from it."""
@@ -85,6 +110,7 @@ def connect_udp(host: str, port: int, *, mark: int | None = None) -> socket.sock
             except OSError as exc:
                 raise DialFailed("mark", f"cannot set SO_MARK {mark} (needs "
                                          f"CAP_NET_ADMIN): {exc.strerror}") from None
+        size_buffers(sock, FLOW_BUFFER)
         sock.connect((host, port))
     except DialFailed:
         sock.close()

@@ -33,6 +33,7 @@ from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.accept import serve
 from tunnel.listeners import open_tcp_listeners
 from tunnel.transports import Transport
+from tunnel.udp import SHARED_BUFFER, size_buffers
 from tunnel.urls import parse_endpoint
 
 
@@ -133,6 +134,7 @@ def bind_udp(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
         sock.setblocking(False)
+        size_buffers(sock, SHARED_BUFFER)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6 and host == "::":

@@ -46,7 +46,7 @@ from tunnel.errors import StreamFailed, StreamResetError
 from tunnel.log import RateLimitedLog
 from tunnel.stream import TunnelStream
 from tunnel.tcp import format_address
-from tunnel.udp import connect_udp
+from tunnel.udp import SHARED_BUFFER, connect_udp, size_buffers
 
 OpenFlow = Callable[[p.Target, dict[str, str]], Awaitable[TunnelStream]]
 RuleFor = Callable[[str, int], "ActiveRule | None"]
@@ -147,6 +147,7 @@ class UdpInterceptor:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 set_transparent(sock, family)
                 enable_recv_original_dst(sock)
+                size_buffers(sock, SHARED_BUFFER)
                 sock.bind((host, self.port))
             except OSError as exc:
                 sock.close()

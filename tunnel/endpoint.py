@@ -359,8 +359,9 @@ class TunnelConnection:
                 self._core.refuse_stream(incoming.stream.stream_id, p.StreamReason.INTERNAL,
                                          "handler did not answer")
                 self._wake_writer()
-            with trio.CancelScope(shield=True):
-                await incoming.stream.aclose()
+            if not incoming.handed_over:
+                with trio.CancelScope(shield=True):
+                    await incoming.stream.aclose()
 
     async def _writer(self) -> None:
         """Send what the core queued, one write per wake-up: the writer runs after the

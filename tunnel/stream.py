@@ -377,8 +377,13 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         await self.abort(p.StreamReason.CANCELLED, "closed by the local side")
 
     async def abort(self, reason: p.StreamReason, message: str) -> None:
+        self.abort_now(reason, message)
+        await trio.lowlevel.checkpoint()
+
+    def abort_now(self, reason: p.StreamReason, message: str) -> None:
+        """abort() without the checkpoint, for owners that are not tasks (a flow handed
+        to tunnel.udp.FlowPoller)."""
         if self._closed:
-            await trio.lowlevel.checkpoint()
             return
         self._closed = True
         if self._buffered:
@@ -391,7 +396,6 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             self._reset = StreamResetError(reason, message)
         self._wake_receiver()
         self.window_opened()
-        await trio.lowlevel.checkpoint()
 
     @property
     def reset_reason(self) -> StreamResetError | None:
@@ -423,6 +427,8 @@ class IncomingStream:
         self.connection = conn
         self.stream = stream
         self.answered = False
+        # Set by hand_over(): the handler's return does not close the stream.
+        self.handed_over = False
 
     @property
     def target(self) -> p.Target:
@@ -456,6 +462,14 @@ class IncomingStream:
         self.connection.forget(self.stream)
         self.stream.mark_closed()
         await self.connection.send_queued()
+
+    def hand_over(self) -> None:
+        """After accept(): another owner keeps the stream (e.g. a flow handed to
+        tunnel.udp.FlowPoller, which needs no task per flow), so the handler may return
+        without the stream being closed. That owner must close it."""
+        if not self.answered:
+            raise p.LocalProtocolError("hand_over() follows accept()")
+        self.handed_over = True
 
     def _answer(self) -> None:
         if self.answered:

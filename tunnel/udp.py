@@ -8,13 +8,18 @@ the core's bounds or drops). So a flow costs one task waiting for its socket, an
 burst on one flow never delays another. The flow ends when the peer resets it, when it
 has been idle for `idle_timeout`, or when the target answers with ICMP port unreachable
 (reset REFUSED, so the other side learns the target refused).
+
+`bridge_flow` serves one flow with a task of its own; `FlowPoller` serves many with one
+task (an epoll set of their sockets), for the agent, where idle flows add up.
 """
 
 from __future__ import annotations
 
 import errno
+import select
 import socket
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -207,3 +212,127 @@ async def bridge_flow(stream: TunnelStream, sock: socket.socket, *,
             else:
                 await stream.aclose()
     return counters
+
+
+class _PolledFlow:
+    """One flow of a FlowPoller: its socket, its stream, when it was last active."""
+
+    __slots__ = ("counters", "deadline", "idle_timeout", "on_end", "poller", "sock",
+                 "stream")
+
+    def __init__(self, poller: FlowPoller, stream: TunnelStream, sock: socket.socket,
+                 idle_timeout: float, on_end: Callable[[FlowCounters], None] | None) -> None:
+        self.poller = poller
+        self.stream = stream
+        self.sock = sock
+        self.idle_timeout = idle_timeout
+        self.deadline = trio.current_time() + idle_timeout
+        self.counters = FlowCounters()
+        self.on_end = on_end
+
+    def on_datagram(self, data: bytes) -> None:
+        counters = self.counters
+        try:
+            self.sock.send(data)
+        except BlockingIOError:
+            counters.drops["socket_full"] += 1
+            return
+        except ConnectionRefusedError:
+            counters.drops["refused"] += 1
+            self.poller.end(self, "refused")
+            return
+        except OSError:
+            counters.drops["send_error"] += 1
+            return
+        counters.datagrams_in += 1
+        counters.bytes_in += len(data)
+        self.deadline = trio.current_time() + self.idle_timeout
+
+    def on_reset(self, error: StreamResetError) -> None:
+        self.poller.end(self, "reset")
+
+    def readable(self) -> None:
+        counters = self.counters
+        stream = self.stream
+        for _ in range(RECV_BATCH):
+            try:
+                data = self.sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                return
+            except ConnectionRefusedError:
+                counters.drops["refused"] += 1
+                self.poller.end(self, "refused")
+                return
+            except OSError:
+                counters.drops["recv_error"] += 1
+                return
+            dropped = stream.send_datagram(data)
+            if dropped is not None:
+                counters.drops[dropped] += 1
+                continue
+            counters.datagrams_out += 1
+            counters.bytes_out += len(data)
+            self.deadline = trio.current_time() + self.idle_timeout
+
+
+class FlowPoller:
+    """Many flows joined to their connected UDP sockets by one task (bridge_flow's job
+    without a task per flow): the sockets sit in one epoll set, and the task wakes when
+    any is readable. An idle flow costs its socket and a small record. A flow ends as in
+    bridge_flow: reset by the peer, idle past its timeout (RST CANCELLED), or refused by
+    the target (RST REFUSED); `on_end` gets its counters."""
+
+    SWEEP = 1.0  # seconds between idle sweeps
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._flows: dict[int, _PolledFlow] = {}
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def add(self, stream: TunnelStream, sock: socket.socket, *, idle_timeout: float,
+            on_end: Callable[[FlowCounters], None] | None = None) -> None:
+        """Take over an accepted flow and its connected, non-blocking socket."""
+        flow = _PolledFlow(self, stream, sock, idle_timeout, on_end)
+        self._flows[sock.fileno()] = flow
+        self._epoll.register(sock.fileno(), select.EPOLLIN)
+        stream.attach_datagram_sink(flow)  # a reset that already came ends it at once
+
+    def end(self, flow: _PolledFlow, why: str) -> None:
+        fd = flow.sock.fileno()
+        if fd < 0 or self._flows.get(fd) is not flow:
+            return  # already ended
+        del self._flows[fd]
+        self._epoll.unregister(fd)
+        flow.sock.close()
+        flow.stream.attach_datagram_sink(None)
+        counters = flow.counters
+        counters.ended_by = why
+        if why == "refused":
+            flow.stream.abort_now(StreamReason.REFUSED,
+                                  "the target refused (port unreachable)")
+        elif why == "idle":
+            flow.stream.abort_now(StreamReason.CANCELLED, "flow idle")
+        else:
+            flow.stream.abort_now(StreamReason.CANCELLED, "closed by the local side")
+        if flow.on_end is not None:
+            flow.on_end(counters)
+
+    async def run(self) -> None:
+        """Serve the flows until cancelled; then end every one."""
+        try:
+            while True:
+                with trio.move_on_after(self.SWEEP):
+                    await trio.lowlevel.wait_readable(self._epoll.fileno())
+                for fd, _ in self._epoll.poll(0, 256):
+                    flow = self._flows.get(fd)
+                    if flow is not None:
+                        flow.readable()
+                now = trio.current_time()
+                for flow in [f for f in self._flows.values() if f.deadline <= now]:
+                    self.end(flow, "idle")
+        finally:
+            for flow in list(self._flows.values()):
+                self.end(flow, "cancelled")
+            self._epoll.close()

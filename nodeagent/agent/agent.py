@@ -47,7 +47,7 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
-from tunnel.udp import bridge_flow, connect_udp, flow_idle_timeout
+from tunnel.udp import FlowCounters, FlowPoller, connect_udp, flow_idle_timeout
 from tunnel.urls import parse_endpoint
 
 if TYPE_CHECKING:  # controller mode only: it imports cryptography
@@ -109,6 +109,9 @@ class Agent:
         if self.node_config.intercept is not None:
             self.interceptor = self._interceptor(self.node_config.intercept)
         self._nursery: trio.Nursery | None = None  # run()'s, while it runs
+        # The flows the server opens (UDP mappings), served by one task: an idle flow
+        # costs its socket and a small record, no task.
+        self.flow_poller = FlowPoller()
 
     def _interceptor(self, intercept: InterceptConfig) -> Interceptor:
         def datagram_drop(reason: str, count: int) -> None:
@@ -253,8 +256,13 @@ class Agent:
             sock.close()
             raise
         self._count("accepted")
-        counters = await bridge_flow(stream, sock,
-                                     idle_timeout=flow_idle_timeout(incoming.metadata))
+        self.flow_poller.add(stream, sock, idle_timeout=flow_idle_timeout(incoming.metadata),
+                       on_end=lambda counters: self._flow_ended(stream.stream_id, str(target),
+                                                                origin, counters))
+        incoming.hand_over()
+
+    def _flow_ended(self, stream_id: int, target: str, origin: str,
+                    counters: FlowCounters) -> None:
         self.metrics.datagrams.labels("in").inc(counters.datagrams_in)
         self.metrics.datagrams.labels("out").inc(counters.datagrams_out)
         self.metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
@@ -262,7 +270,7 @@ class Agent:
         for reason, count in counters.drops.items():
             self.metrics.datagram_drops.labels(reason).inc(count)
         if self.log.isEnabledFor(logging.DEBUG):
-            self.log.debug("flow finished", stream=stream.stream_id, target=str(target),
+            self.log.debug("flow finished", stream=stream_id, target=target,
                            origin=origin, datagrams_in=counters.datagrams_in,
                            datagrams_out=counters.datagrams_out, ended_by=counters.ended_by)
 
@@ -411,6 +419,7 @@ class Agent:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.flow_poller.run)
                 await nursery.start(self.client.run)
                 if self.interceptor is not None:
                     await nursery.start(self.interceptor.run)

@@ -30,6 +30,7 @@ from typing import Any
 import trio
 import trio.lowlevel
 
+from netfilter.model import NetfilterError
 from netfilter.sockets import (
     Address,
     enable_recv_original_dst,
@@ -186,8 +187,8 @@ class UdpInterceptor:
                     data, source, destination = recv_with_original_dst(sock)
                 except BlockingIOError:
                     break
-                except OSError:
-                    continue
+                except (OSError, NetfilterError):
+                    continue  # an ICMP error, or an address family we do not know
                 self._from_pod(sock, data, source, destination, nursery)
 
     def _from_pod(self, sock: socket.socket, data: bytes, source: Address,

@@ -44,7 +44,7 @@ Config files are YAML; see examples/ and README.md.
 """
 
 
-DEBUG_VIEWS = ("status", "tunnels", "streams", "config", "rules", "metrics")
+DEBUG_VIEWS = ("status", "tunnels", "streams", "flows", "config", "rules", "metrics")
 DEBUG_DESCRIPTION = """\
 Read the node-local debug socket of a running agent or server and print what it is doing.
 
@@ -56,7 +56,10 @@ views:
   streams   each stream now open: id, direction (to-node: the server opened it, for an
             Ingress, a TCP mapping or a CONNECT client; from-node: the agent did, for
             intercepted pod traffic or the controller), target, bytes toward the target
-            and back, age, and who opened it
+            and back, age, and who opened it (a UDP flow is a stream to a udp:// target)
+  flows     server: each UDP mapping with its drops by reason, then each flow: client
+            address, node, target, state, datagrams and bytes each way, idle time, age;
+            agent: pods' intercepted UDP flows (client, original destination, rule, via)
   config    the config in use, with its version (secret values shown as [redacted])
   rules     interception rules as applied in the kernel, next to the model (agent)
   metrics   Prometheus text
@@ -441,7 +444,7 @@ def add_debug_parser(sub: Subcommands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=DEBUG_DESCRIPTION, epilog=DEBUG_EPILOG)
     debug.add_argument("what", choices=DEBUG_VIEWS, metavar="VIEW",
-                       help="status | tunnels | streams | config | rules | metrics "
+                       help="status | tunnels | streams | flows | config | rules | metrics "
                             "(see above)")
     debug.add_argument("--socket", type=Path, default=None, metavar="PATH",
                        help="debug socket (default: the agent's, else the server's: "

@@ -48,6 +48,12 @@ TOOLS: dict[str, str] = {
     "microsocks": "microsocks",
     # h2load, the HTTP/2 load generator (scripts/bench/h2.py)
     "h2load": "nghttp2-client",
+    # UDP through the tunnel: a real DNS client (tests/e2e/test_udp.py) and the UDP
+    # benchmark's load generators and baseline relay (scripts/bench/udp.py)
+    "dig": "dnsutils",
+    "iperf3": "iperf3",
+    "socat": "socat",
+    "dnsperf": "dnsperf",
 }
 
 # Tools only slow tests need (`scripts/test -m slow`): scripts/test installs them only

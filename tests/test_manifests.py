@@ -516,3 +516,25 @@ def test_the_control_plane_server_variant_serves_the_egress_selectors_socket() -
     assert security["capabilities"] == {"drop": ["ALL"]}
     assert security["allowPrivilegeEscalation"] is False
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_a_udp_cluster_tunnel_passes_the_crd_schema_and_the_model() -> None:
+    """Kubernetes' spelling (protocol: UDP), DNS by zone, udp egress: what the API server
+    accepts is what the controller parses."""
+    tunnel = {"apiVersion": "nodeagent.io/v1alpha1", "kind": "ClusterTunnel",
+              "metadata": {"name": "dns"},
+              "spec": {"egress": [{"cidr": "10.200.0.10/32", "ports": ["53"],
+                                   "protocol": "UDP"},
+                                  {"cidr": "10.200.0.0/24", "protocol": "udp"}],
+                       "intercept": {"mode": "tproxy", "rules": [{
+                           "name": "cloud-dns", "protocol": "UDP",
+                           "destinations": ["10.96.0.10/32"], "ports": [53],
+                           "dns_zones": ["svc.cloud.internal"],
+                           "dns_resolver": "10.200.0.10:53"}]}}}
+    schema = _crd_schema()
+    assert structural.prune(tunnel, schema, root=True) == tunnel
+    assert structural.validate(tunnel, schema, root=True) == []
+    spec = parse_cluster_tunnel(tunnel)
+    assert spec.intercept is not None
+    assert spec.intercept.rules[0].protocol == "udp"
+    assert spec.egress[0].protocol == "udp" and spec.egress[1].protocol == "udp"

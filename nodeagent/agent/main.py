@@ -93,6 +93,7 @@ def agent_listeners(agent: Agent) -> list[Listener]:
         "/rules": agent.rules,
         "/tunnels": agent.tunnels,
         "/streams": agent.streams,
+        "/flows": agent.flows,
     }, registry=agent.metrics.registry).for_setting("debug_socket", agent.config.debug_socket)]
     if agent.config.metrics_listen is not None:
         listeners.append(HealthServer(agent.metrics.registry, ready,

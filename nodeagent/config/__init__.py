@@ -80,6 +80,7 @@ from nodeagent.config.routes import (
     TcpMapping,
     TokenEntry,
     TunnelListen,
+    UdpMapping,
 )
 
 __all__ = [
@@ -129,6 +130,7 @@ __all__ = [
     "TcpMapping",
     "TokenEntry",
     "TunnelListen",
+    "UdpMapping",
     "format_errors",
     "intercept_model",
     "load_config",

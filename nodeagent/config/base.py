@@ -12,7 +12,7 @@ import ipaddress
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -134,6 +135,17 @@ def _cidr_as_text(value: Any) -> Any:
 
 
 Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, BeforeValidator(_cidr_as_text)]
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+# A transport protocol, lower-case inside; `TCP` and `UDP` (Kubernetes' spelling, as in
+# a Service's ports) are accepted too, so the CRD schema lists both spellings.
+TransportProtocol = Annotated[
+    Literal["tcp", "udp"], BeforeValidator(_lower),
+    WithJsonSchema({"type": "string", "enum": ["tcp", "udp", "TCP", "UDP"]})]
 
 
 def _split_host_port(text: str) -> tuple[str, str]:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -18,7 +19,6 @@ from pydantic import (
 from netfilter.model import (
     InterceptModel,
     InterceptRule,
-    InvalidRule,
     Mode,
     NetfilterError,
     ProxyPorts,
@@ -33,12 +33,14 @@ from nodeagent.config.base import (
     Cidr,
     ConfigError,
     ConfigPath,
+    HostPort,
     InlineToken,
     Keepalive,
     ListenAddress,
     Model,
     PortRange,
     Reconnect,
+    TransportProtocol,
     _check_host,
     _check_tunnel_url,
     _read_secret,
@@ -50,26 +52,32 @@ from tunnel.proxy import DIRECT, ProxyRules, parse_proxy_url
 
 class AllowRule(Model):
     """A target the server may ask this agent to dial. String form: `10.0.0.0/8:80-443`,
-    `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`."""
+    `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`; TCP unless prefixed
+    `udp/` (`udp/10.96.0.10:53`; `tcp/` is allowed too). A rule allows one protocol."""
 
     cidr: Cidr | None = None
     host: str | None = None
     ports: tuple[PortRange, ...] = ()  # empty: any port
-    protocol: Literal["tcp", "udp"] = "tcp"
+    protocol: TransportProtocol = "tcp"
 
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
+        protocol = "tcp"
+        for prefix in ("udp/", "tcp/"):
+            if value.lower().startswith(prefix):
+                protocol, value = prefix[:3], value[len(prefix):]
         where, port = _split_host_port(value)
         ports: list[str] = [] if port == "*" else [port]
         try:
-            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports}
+            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports,
+                    "protocol": protocol}
         except ValueError as exc:
             if "/" in where:
                 raise ValueError(f"{where!r} is not a valid CIDR: {exc}") from None
-        return {"host": where, "ports": ports}
+        return {"host": where, "ports": ports, "protocol": protocol}
 
     @field_validator("host")
     @classmethod
@@ -117,7 +125,7 @@ class InterceptRuleConfig(Model):
     """Connections from pods (or the node itself) to catch and carry elsewhere."""
 
     name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*$")
-    protocol: Literal["tcp", "udp"] = "tcp"
+    protocol: TransportProtocol = "tcp"
     destinations: tuple[str, ...] = Field(min_length=1)
     ports: tuple[int | str, ...] = ()  # empty: every port
     source_interfaces: tuple[str, ...] = ()
@@ -127,6 +135,43 @@ class InterceptRuleConfig(Model):
     # tunnel: the server dials the destination (egress allow list) or relays it to the
     # node that owns it; direct: the agent dials it itself, marked so it is not caught.
     via: Literal["tunnel", "direct"] = "tunnel"
+    # DNS by zone (a udp rule catching pods' DNS, like `sshuttle --dns`): queries for
+    # names in these zones go through the tunnel to `dns_resolver` (a cloud-side
+    # resolver, reached as egress); every other query goes directly where the pod sent
+    # it. Answers come back from the address the pod asked either way.
+    dns_zones: tuple[str, ...] = Field(default=(), max_length=64)
+    # The zones' resolver, `ip:port` (`10.200.0.10:53`): reached through the tunnel as
+    # egress, so the server's egress rules must allow it for udp.
+    dns_resolver: Annotated[HostPort, WithJsonSchema(
+        {"type": "string", "description": "ip:port of the zones' resolver"})] | None = None
+
+    @field_validator("dns_zones")
+    @classmethod
+    def _zones(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        zones = []
+        for zone in v:
+            name = zone.lower().strip(".")
+            if not DNS_NAME.fullmatch(name):
+                raise ValueError(f"{zone!r} is not a DNS zone (e.g. cloud.internal)")
+            zones.append(name + ".")
+        return tuple(zones)
+
+    @model_validator(mode="after")
+    def _dns(self) -> InterceptRuleConfig:
+        if (self.dns_resolver is None) != (not self.dns_zones):
+            raise ValueError("dns_zones and dns_resolver go together")
+        if self.dns_zones:
+            if self.protocol != "udp":
+                raise ValueError("dns_zones needs protocol udp")
+            if self.via != "tunnel":
+                raise ValueError("dns_zones sends its zones through the tunnel: via must "
+                                 "be tunnel (the other queries go direct anyway)")
+            assert self.dns_resolver is not None
+            try:
+                ipaddress.ip_address(self.dns_resolver.host)
+            except ValueError:
+                raise ValueError("dns_resolver must be an IP address and port") from None
+        return self
 
 
 class InterceptConfig(Model):
@@ -155,12 +200,6 @@ def intercept_model(config: InterceptConfig, *, skip_mark: int,
     """The intercept section as the netfilter package's model, validated. Raises NetfilterError (its
     InvalidRule names the rule) for overlapping or invalid CIDRs, bad ports, unknown
     interfaces (when `interfaces` is given)."""
-    for rule in config.rules:
-        if rule.protocol != "tcp":
-            # The rule model and both backends render udp, but the agent has no UDP relay
-            # yet: a udp rule would divert datagrams to a port nobody serves.
-            raise InvalidRule(rule.name, "protocol udp is not supported by the agent yet; "
-                                         "intercept rules are tcp only")
     rules = tuple(
         InterceptRule.parse(
             rule.name, rule.protocol, rule.destinations, ports=rule.ports,
@@ -170,7 +209,10 @@ def intercept_model(config: InterceptConfig, *, skip_mark: int,
     )
     model = InterceptModel(
         rules=rules,
-        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port),
+        # UDP on the same port number: the agent's TPROXY UDP sockets (udp needs tproxy
+        # mode; the netfilter model says so by rule name).
+        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port,
+                               udp4=config.proxy_port, udp6=config.proxy_port),
         mode=Mode(config.mode),
         exclude=parse_cidrs("(global)", "exclude", config.exclude),
         skip_mark=skip_mark,

@@ -103,6 +103,27 @@ class TcpMapping(Model):
     target: HostPort
 
 
+class UdpMapping(Model):
+    """A public UDP port on the server that leads to a target through a node: each client
+    address (host and port) becomes a flow, replies go back to it (docs/udp.md)."""
+
+    name: str | None = None
+    listen: ListenAddress
+    node: str
+    target: HostPort
+    # A flow with no datagram either way for this long ends (DNS: a few seconds).
+    idle_timeout: float = Field(default=60.0, gt=0, le=3600)
+    # Flows at once through this mapping's node (all its UDP mappings on this server):
+    # beyond, a new client's datagrams are dropped (flow_limit).
+    max_flows: int = Field(default=10_000, ge=1, le=1_000_000)
+    # Flows at once from one client IP, whatever its ports (client_flow_limit). Behind a
+    # NAT or a load balancer that hides client addresses, raise it.
+    max_flows_per_client: int = Field(default=64, ge=1, le=1_000_000)
+    # Anti-amplification (as QUIC's, RFC 9000 8.1): until a client has sent a second
+    # datagram on its flow, replies toward it stop at this many times the bytes it sent.
+    amplification_factor: float = Field(default=3.0, ge=1, le=100)
+
+
 class HttpRoute(Model):
     host: str | None = None  # exact or "*.example.com"; None: any host
     path: str = "/"
@@ -196,6 +217,7 @@ class RoutesConfig(Model):
 
     version: int = Field(default=0, ge=0)
     tcp: tuple[TcpMapping, ...] = ()
+    udp: tuple[UdpMapping, ...] = ()
     http: tuple[HttpListener, ...] = ()
     # Destinations the server dials itself for streams agents open (intercepted traffic),
     # for every node; `scopes` add egress for some nodes only.
@@ -334,11 +356,13 @@ class RoutesConfig(Model):
     def problems(self) -> list[str]:
         """What is wrong across fields (each field alone being valid)."""
         problems = []
-        seen: dict[tuple[str, int], str] = {}
+        seen: dict[tuple[str, str, int], str] = {}
         listens = [(f"tcp[{i}]", m.listen) for i, m in enumerate(self.tcp)]
         listens += [(f"http[{i}]", h.listen) for i, h in enumerate(self.http)]
+        # UDP ports are their own space: tcp :53 and udp :53 may both be mapped.
+        listens += [(f"udp[{i}]", m.listen) for i, m in enumerate(self.udp)]
         for where, addr in listens:
-            key = (addr.host, addr.port)
+            key = ("udp" if where.startswith("udp") else "tcp", addr.host, addr.port)
             if addr.port and key in seen:
                 problems.append(f"{where} listens on {addr}, already used by {seen[key]}")
             seen.setdefault(key, where)
@@ -420,7 +444,7 @@ class ServerConfig(RoutesConfig):
         return problems
 
     def routes(self) -> RoutesConfig:
-        return RoutesConfig(version=self.version, tcp=self.tcp, http=self.http,
+        return RoutesConfig(version=self.version, tcp=self.tcp, udp=self.udp, http=self.http,
                             egress=self.egress, scopes=self.scopes,
                             protected=self.protected, node_cidrs=self.node_cidrs,
                             ingress=self.ingress, nodes=self.nodes,

@@ -20,10 +20,10 @@ from urllib.parse import quote
 
 from nodeagent.config import DEFAULT_AGENT_SOCKET, DEFAULT_SERVER_SOCKET
 from nodeagent.ops.debug import DebugUnavailable, fetch_debug
-from nodeagent.ops.render import render_status, render_streams, render_tunnels
+from nodeagent.ops.render import render_flows, render_status, render_streams, render_tunnels
 
 # Views that take `--node` (a server's: every node's rows, or one node's).
-NODE_VIEWS = ("tunnels", "streams")
+NODE_VIEWS = ("tunnels", "streams", "flows")
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (any ANSI terminal)
 
 
@@ -72,6 +72,8 @@ def render(what: str, doc: Any, *, as_json: bool) -> str:
         return render_tunnels(doc)
     if what == "streams" and isinstance(doc, dict):
         return render_streams(doc)
+    if what == "flows" and isinstance(doc, dict):
+        return render_flows(doc)
     if what == "status" and isinstance(doc, dict):
         return render_status(doc) + "\n"
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"

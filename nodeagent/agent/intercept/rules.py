@@ -78,6 +78,9 @@ class ActiveRule:
     exclude: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     ports: tuple[tuple[int, int], ...]
     via: str
+    # DNS by zone (udp): queries for these zones go to dns_resolver through the tunnel.
+    dns_zones: tuple[str, ...] = ()
+    dns_resolver: tuple[str, int] | None = None
 
     def matches(self, host: str, port: int) -> bool:
         address = ipaddress.ip_address(host)
@@ -92,7 +95,9 @@ def active_rule(config: InterceptRuleConfig, rule: InterceptRule) -> ActiveRule:
     return ActiveRule(
         name=rule.name, protocol=rule.protocol.value, networks=rule.destinations,
         exclude=rule.exclude, ports=tuple((r.first, r.last) for r in rule.ports),
-        via=config.via)
+        via=config.via, dns_zones=config.dns_zones,
+        dns_resolver=(config.dns_resolver.host, config.dns_resolver.port)
+        if config.dns_resolver is not None else None)
 
 
 def remove_all(netns: str | None = None) -> list[str]:

@@ -312,6 +312,12 @@ def add_controller_parser(sub: Subcommands) -> None:
                             metavar="S", help="a connection must finish its TLS handshake "
                             "within this, and one without a client certificate must also "
                             "have sent its request (default 5)")
+    controller.add_argument("--min-awake-seconds", type=float, default=60.0, metavar="S",
+                            help="scale to zero: a woken workload stays up at least this "
+                            "long, whatever its idle-after (default 60)")
+    controller.add_argument("--activity-interval-seconds", type=float, default=10.0,
+                            metavar="S", help="scale to zero: how often servers report "
+                            "their sleepable routes' activity (default 10)")
 
 
 

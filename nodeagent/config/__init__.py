@@ -74,6 +74,7 @@ from nodeagent.config.routes import (
     TcpMapping,
     TokenEntry,
     TunnelListen,
+    WakeRoute,
 )
 
 __all__ = [
@@ -119,6 +120,7 @@ __all__ = [
     "TcpMapping",
     "TokenEntry",
     "TunnelListen",
+    "WakeRoute",
     "format_errors",
     "intercept_model",
     "load_config",

@@ -30,7 +30,7 @@ from nodeagent.controller.clustertunnel import (
 from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, Conflict, KubeClient, NotFound
 from nodeagent.ops.logs import get_logger
 
-CRD_REVISION = 4  # 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts
+CRD_REVISION = 5  # 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts; 5: scaleToZero
 log = get_logger("nodeagent.crds")
 
 # Models whose Python side accepts a scalar short form: their schema is that form.

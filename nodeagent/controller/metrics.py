@@ -91,5 +91,6 @@ class ControllerMetrics:
         self.certificate_requests.labels(kind, outcome, reason).inc()
 
     def config(self, reason: str) -> None:
-        outcome = "watching" if reason == "watching" else "refused"
+        outcome = "watching" if reason == "watching" else (
+            "report" if reason.startswith("report_") else "refused")
         self.config_requests.labels(outcome, reason).inc()

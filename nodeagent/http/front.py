@@ -23,6 +23,7 @@ import trio
 
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.connection import GracefulClose, HttpConnection
+from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
 from nodeagent.http.routetable import RouteTable
 from nodeagent.http.stats import HttpStats
@@ -70,6 +71,7 @@ async def serve_http_connection(
     balancer: Balancer | None = None,
     access_log: bool = False,
     closing: GracefulClose | None = None,
+    holds: HeldRequests | None = None,
 ) -> None:
     """Serve one client connection until it closes; closes `stream` (and upstreams) at the end.
 
@@ -88,6 +90,7 @@ async def serve_http_connection(
         balancer if balancer is not None else Balancer(limits.failed_backend_cooldown),
         access_log,
         closing,
+        holds,
     ).run()
 
 
@@ -107,8 +110,10 @@ class HttpFront:
         limits: Limits | None = None,
         stats: HttpStats | None = None,
         access_log: bool = False,
+        holds: HeldRequests | None = None,
     ) -> None:
         self.table = table
+        self.holds = holds
         self.open_upstream = open_upstream
         self.tls = tls
         self.limits = limits or Limits()
@@ -250,6 +255,7 @@ class HttpFront:
                 balancer=self.balancer,
                 access_log=self.access_log,
                 closing=self.closing,
+                holds=self.holds,
             )
         except Exception as exc:
             # A bug here must cost one connection, not the listener and all its clients.

@@ -61,13 +61,25 @@ class Backend:
 
 
 @dataclass(frozen=True, slots=True)
+class WakeSpec:
+    """A route whose Service sleeps when idle (scale to zero; `holds.py`)."""
+
+    service: str  # "namespace/name"
+    timeout: float  # a held request gets 504 after this many seconds
+    max_pending: int  # held requests per Service; beyond, 503 with Retry-After
+    failure: str = ""  # the workload fails to start: 502 with this reason
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
-    """What a matching request is sent to. Empty `backends` answers 503."""
+    """What a matching request is sent to. Empty `backends` answers 503 (or, with
+    `wake`, holds the request until the route has backends)."""
 
     name: str
     backends: tuple[Backend, ...]
     tls_redirect: bool = False
     """Answer plain-HTTP requests with a 308 to the https:// URL (Ingress with TLS)."""
+    wake: WakeSpec | None = None
 
 
 class PathType(enum.Enum):

@@ -162,7 +162,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
             continue
         front = HttpFront(table=tables.current_ingress_table, open_upstream=open_upstream,
                           tls=tls, limits=limits,
-                          stats=server.http_stats.setdefault(name, HttpStats()))
+                          stats=server.http_stats.setdefault(name, HttpStats()),
+                          holds=server.holds)
         listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).
     if server.connect is not None and runs_connect_front:
@@ -171,6 +172,7 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         "/status": server.status,
         "/tunnels": QueryRoute(lambda query: server.tunnels(_node_filter(query))),
         "/streams": QueryRoute(lambda query: server.streams(_node_filter(query))),
+        "/holds": server.holds.as_dict,
         # The running routes (the controller's, in controller mode) over the file's,
         # secrets redacted.
         "/config": lambda: redacted({

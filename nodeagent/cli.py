@@ -42,7 +42,7 @@ Config files are YAML; see examples/ and README.md.
 """
 
 
-DEBUG_VIEWS = ("status", "tunnels", "streams", "config", "rules", "metrics")
+DEBUG_VIEWS = ("status", "tunnels", "streams", "config", "rules", "holds", "metrics")
 DEBUG_DESCRIPTION = """\
 Read the node-local debug socket of a running agent or server and print what it is doing.
 
@@ -57,6 +57,8 @@ views:
             and back, age, and who opened it
   config    the config in use, with its version (secret values shown as [redacted])
   rules     interception rules as applied in the kernel, next to the model (agent)
+  holds     requests held for sleeping routes (scale to zero), per Service: how many
+            and for how long, and how held requests ended (server)
   metrics   Prometheus text
 """
 

@@ -202,7 +202,7 @@ class Controller:
         # Scale to zero: servers' activity reports and wake requests; the leader's sleeps.
         self.sleeper = Sleeper(self.kube, self.caches["services"],
                                self.caches["endpointslices"], self.caches["pods"],
-                               settings=self.settings.sleeper)
+                               settings=self.settings.sleeper, metrics=self.metrics)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
                                          reports=self.sleeper.answer,
                                          signer=self.signer, metrics=self.metrics,

@@ -36,6 +36,7 @@ from typing import Any
 import trio
 
 from nodeagent.configstream.protocol import ACTIVITY, ReportError, parse_activity, parse_wake
+from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.wakeroutes import (
     LAST_REQUEST,
     REPLICAS_BEFORE_SLEEP,
@@ -100,6 +101,7 @@ class Sleeper:
     slices: Cache
     pods: Cache
     settings: SleeperSettings = field(default_factory=SleeperSettings)
+    metrics: ControllerMetrics | None = None
     clock: Callable[[], float] = time.time
     # The latest recompute's sleepable Services (wakeroutes.apply_wake) and whether the
     # feature is on (no ClusterTunnel switched it off).
@@ -201,6 +203,8 @@ class Sleeper:
                 continue  # another replica (or a user) wrote it: read it again
             self.scale_writes += 1
             self.wakes += 1
+            if self.metrics is not None:
+                self.metrics.scale_to_zero.labels("wake").inc()
             now = self.clock()
             log.info("waking a Service's workload", service=label,
                      workload=f"{workload[0]}/{workload[1]}", replicas=replicas,
@@ -356,6 +360,8 @@ class Sleeper:
             return  # changed meanwhile: the next pass decides again
         self.scale_writes += 1
         self.sleeps += 1
+        if self.metrics is not None:
+            self.metrics.scale_to_zero.labels("sleep").inc()
         log.info("put a Service's workload to sleep", service=label,
                  workload=f"{workload[0]}/{workload[1]}", replicas=replicas,
                  idle=f"{idle:.1f}s")

@@ -124,7 +124,8 @@ class Server:
         self.reloaders: dict[str, FileReloader[Any]] = {}
         # SIGHUP's last outcome (reload.ReloadOutcome.as_dict(); standalone only).
         self.last_reload: dict[str, Any] | None = None
-        self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats))
+        self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats,
+                                                self.holds))
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
             config.connect, routes=routes, open_stream=self.open_stream,

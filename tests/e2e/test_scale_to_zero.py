@@ -225,8 +225,11 @@ def test_idle_sleeps_then_a_held_request_wakes_it_to_its_count(sleepy: dict[str,
         f"/api/v1/namespaces/{NS}/events").json()["items"]
         if e["involvedObject"]["name"] == "web"]
     assert "Waking" in events and "Awake" in events, events
-    status = sleepy["servers"][0].status()["held_requests"]
+    server = sleepy["servers"][0]
+    status = server.status()["held_requests"]
     assert status["held"] >= 1 and status["forwarded"] >= 1 and status["timeouts"] == 0
+    assert server.metric("nodeagent_held_requests_ended_total", outcome="forwarded") >= 1
+    assert server.metric("nodeagent_wake_cold_start_seconds_count") >= 1
 
 
 def test_a_hundred_first_requests_through_two_servers_make_one_scale_patch(
@@ -276,6 +279,11 @@ def test_a_wake_that_takes_too_long_answers_504_naming_the_route(sleepy: dict[st
         # While it waits, the debug socket shows it held.
         server.wait_for(lambda s: s["held_requests"]["held_now"].get(
             f"{NS}/web", {}).get("requests") == 1, what="the request held")
+        shown = subprocess.run(
+            [sys.executable, "-m", "nodeagent", "debug", "holds", "--socket",
+             str(server.socket)], capture_output=True, text=True, timeout=20, check=True)
+        assert f"{NS}/web" in shown.stdout.split("\n")[1], shown.stdout
+        assert shown.stdout.split("\n")[1].split()[1] == "1", shown.stdout
         response = pending.result()
     assert response.status_code == 504, response.text
     assert "route shop/a" in response.text and "did not wake within 3s" in response.text

@@ -335,3 +335,26 @@ def test_controller_unreachable_then_back_and_leader_killed_mid_wake(
     new_c2.wait_for_log("leading", timeout=20)
     wait_for(lambda: state(api).get("state") == "awake", "the new leader marks it awake",
              timeout=20)
+
+
+@pytest.mark.slow
+def test_a_hundred_sleep_wake_cycles_with_concurrent_clients_fail_no_request(
+        sleepy: dict[str, Any]) -> None:
+    """The issue's soak: 100 cycles of sleep, then 10 concurrent first requests through
+    both servers; every one answered 200, one scale write to wake each time."""
+    api, ports = sleepy["api"], sleepy["http"]
+    annotate(api, SERVICES, {"nodeagent.io/idle-after": "1s"})
+    wait_for(lambda: all(get(p, 5).status_code == 200 for p in ports), "both serve",
+             timeout=30)
+    failures: list[str] = []
+    wakes = 0
+    for cycle in range(100):
+        asleep(sleepy)
+        api.http.delete("/_fake/requests")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
+            answers = list(pool.map(lambda i: get(ports[i % 2]), range(10)))
+        failures += [f"cycle {cycle}: {r.status_code} {r.text[:100]}" for r in answers
+                     if r.status_code != 200]
+        wakes += len(scale_writes(api))
+    print(f"\n100 cycles: {wakes} scale writes while waking, {len(failures)} failures")
+    assert failures == []

@@ -93,13 +93,15 @@ async def test_the_leader_sleeps_an_idle_workload_but_not_a_busy_one(
     got = fake_kube.get_object("deployments", "web", NS, group="apps")
     assert got is not None and got["spec"]["replicas"] == 2
     # Idle now: asleep after idle-after (1s), its count remembered, its state said.
+    def asleep() -> bool:
+        svc = fake_kube.get_object("services", "web", NS)
+        return svc is not None and read_state(svc).get("state") == "sleeping" and any(
+            e["reason"] == "Sleeping" for e in fake_kube.objects("events", namespace=NS))
+
     with trio.fail_after(10):
-        while not (got := fake_kube.get_object(  # noqa: ASYNC110
-                "deployments", "web", NS, group="apps")) or got["spec"]["replicas"] != 0:
+        while not asleep():  # noqa: ASYNC110
             await trio.sleep(0.05)
+    got = fake_kube.get_object("deployments", "web", NS, group="apps")
+    assert got is not None and got["spec"]["replicas"] == 0
     assert got["metadata"]["annotations"][REPLICAS_BEFORE_SLEEP] == "2"
-    svc = fake_kube.get_object("services", "web", NS)
-    assert svc is not None and read_state(svc)["state"] == "sleeping"
-    events = [e["reason"] for e in fake_kube.objects("events", namespace=NS)]
-    assert "Sleeping" in events
     assert leader.sleeps == 1 and scale_writes(fake_kube) == 1

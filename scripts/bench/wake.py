@@ -14,8 +14,10 @@ One HTTP front with `HeldRequests` (the server's), a trio upstream, over loopbac
   client's send to the upstream's receive. `--rounds` interleaved rounds; p50 and p99
   per round, median and min-max across rounds.
 - **memory per held request**: a child process opens `--held` connections, each sending
-  one request to the sleeping route; the front process's RSS grows by this much per
-  held request (the kernel's socket buffers not counted: they are not the process's).
+  one request to the sleeping route; the front process's Python heap (tracemalloc) grows
+  by this much per held request: its connection task, socket, parser and buffers (the
+  kernel's socket buffers not counted: they are not the process's). RSS growth is
+  printed beside it (only the first round grows the heap; later rounds reuse it).
 - **awake routes while holding**: p99 of 300 sequential requests to an awake route with
   no request held, then with `--held` held, interleaved `--rounds` times.
 
@@ -34,6 +36,7 @@ import os
 import resource
 import statistics
 import time
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +176,12 @@ def _hold_many(port: int, count: int, ready: Any, go: Any, result: Any) -> None:
     result.put(ok)
 
 
+def tracemalloc_start() -> int:
+    """Trace Python allocations from now on; the bytes traced so far (none)."""
+    tracemalloc.start()
+    return tracemalloc.get_traced_memory()[0]
+
+
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -232,18 +241,21 @@ async def main(args: argparse.Namespace) -> None:
         holds.routes_changed()
         ctx = multiprocessing.get_context("spawn")
         quiet, loaded = [], []
-        per_request = []
+        per_request: list[float] = []
+        rss_growth: list[float] = []
         for r in range(args.rounds):
             quiet.append(await awake_p99(port))
             gc.collect()
-            before = rss()
+            before, rss_before = tracemalloc_start(), rss()
             ready, go, result = ctx.Event(), ctx.Event(), ctx.Queue()
             child = ctx.Process(target=_hold_many, args=(port, args.held, ready, go, result))
             child.start()
             await trio.to_thread.run_sync(ready.wait)
             await until(lambda: sum(holds.pending.values()) >= args.held)
             gc.collect()
-            per_request.append((rss() - before) / args.held)
+            per_request.append((tracemalloc.get_traced_memory()[0] - before) / args.held)
+            tracemalloc.stop()
+            rss_growth.append((rss() - rss_before) / args.held)
             loaded.append(await awake_p99(port))
             current[0] = awake
             holds.routes_changed()
@@ -252,7 +264,9 @@ async def main(args: argparse.Namespace) -> None:
             await trio.to_thread.run_sync(child.join)
             current[0] = asleep
             holds.routes_changed()
-            print(f"  round {r + 1}: {args.held} held, RSS +{per_request[-1]:.0f} B each; "
+            print(f"  round {r + 1}: {args.held} held, Python heap +{per_request[-1]:.0f} B "
+                  f"each (RSS +{rss_growth[-1]:.0f} B each: the first round grows the heap, "
+                  f"later rounds reuse it); "
                   f"awake route p99 {quiet[-1] * 1e3:.2f} ms idle, {loaded[-1] * 1e3:.2f} ms "
                   f"holding; {ok}/{args.held} answered 200 after the wake")
         print(f"memory per held request, median (min-max): "

@@ -338,6 +338,7 @@ def test_controller_unreachable_then_back_and_leader_killed_mid_wake(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_a_hundred_sleep_wake_cycles_with_concurrent_clients_fail_no_request(
         sleepy: dict[str, Any]) -> None:
     """The issue's soak: 100 cycles of sleep, then 10 concurrent first requests through
@@ -356,5 +357,6 @@ def test_a_hundred_sleep_wake_cycles_with_concurrent_clients_fail_no_request(
         failures += [f"cycle {cycle}: {r.status_code} {r.text[:100]}" for r in answers
                      if r.status_code != 200]
         wakes += len(scale_writes(api))
+        print(f"cycle {cycle}: {len(failures)} failures so far", flush=True)
     print(f"\n100 cycles: {wakes} scale writes while waking, {len(failures)} failures")
     assert failures == []

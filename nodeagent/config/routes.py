@@ -142,6 +142,9 @@ class WakeRoute(Model):
     timeout: float = Field(default=120.0, gt=0, le=3600)
     max_pending: int = Field(default=1000, ge=0, le=1_000_000)
     failure: str = ""
+    # Browsers (GET/HEAD accepting text/html) get a small "starting" page that reloads
+    # itself (503 with Refresh) instead of a held request; the wake is asked all the same.
+    starting_page: bool = False
 
 
 class IngressRule(Model):

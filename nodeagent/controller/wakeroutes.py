@@ -7,8 +7,9 @@ A Service opts in with `nodeagent.io/idle-after: 15m` (a duration: `90s`, `15m`,
 or plain seconds). Optional: `nodeagent.io/wake-timeout` (default 2m: a held request gets
 504 after it), `nodeagent.io/max-pending` (default 1000 held requests per server, then
 503 with Retry-After) and `nodeagent.io/workload: deployment/NAME` or
-`statefulset/NAME` (default: the owner of the Service's pods). A bad value is a Problem
-on the Service, and the Service does not sleep.
+`statefulset/NAME` (default: the owner of the Service's pods) and
+`nodeagent.io/starting-page: "true"` (browsers get a page that reloads itself instead of
+a held request). A bad value is a Problem on the Service, and the Service does not sleep.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ IDLE_AFTER = "nodeagent.io/idle-after"
 WAKE_TIMEOUT = "nodeagent.io/wake-timeout"
 MAX_PENDING = "nodeagent.io/max-pending"
 WORKLOAD = "nodeagent.io/workload"
-SETTINGS_ANNOTATIONS = (IDLE_AFTER, WAKE_TIMEOUT, MAX_PENDING, WORKLOAD)
+STARTING_PAGE = "nodeagent.io/starting-page"
+SETTINGS_ANNOTATIONS = (IDLE_AFTER, WAKE_TIMEOUT, MAX_PENDING, WORKLOAD, STARTING_PAGE)
 # Written by the controller, on the Service: {"state", "since", "workload"} (JSON), and
 # the last request any server reported (RFC 3339); on the workload: the replica count it
 # had when it was put to sleep, which waking restores.
@@ -79,6 +81,7 @@ class WakeSettings:
     timeout: float
     max_pending: int
     workload: tuple[str, str] | None  # (plural, name) named by annotation
+    starting_page: bool = False
 
 
 def _meta(obj: Obj) -> Obj:
@@ -128,7 +131,10 @@ def wake_settings(service: Obj) -> WakeSettings | None:
         if plural is None or not name:
             raise SettingsError(f"{WORKLOAD} must be deployment/NAME or statefulset/NAME")
         workload = (plural, name)
-    return WakeSettings(idle_after, timeout, max_pending, workload)
+    page = str(annotations.get(STARTING_PAGE, "false")).lower()
+    if page not in ("true", "false"):
+        raise SettingsError(f"{STARTING_PAGE} must be \"true\" or \"false\"")
+    return WakeSettings(idle_after, timeout, max_pending, workload, page == "true")
 
 
 def selects(service: Obj, pod: Obj) -> bool:
@@ -246,7 +252,8 @@ def apply_wake(routes: IngressRoutes, rule_services: Mapping[int, tuple[str, str
         failure = failures[key] if not rule.backends else ""
         return rule.model_copy(update={"wake": WakeRoute(
             service=f"{key[0]}/{key[1]}", timeout=settings.timeout,
-            max_pending=settings.max_pending, failure=failure)})
+            max_pending=settings.max_pending, failure=failure,
+            starting_page=settings.starting_page)})
 
     rules = tuple(with_wake(rule, rule_services.get(i)) for i, rule in enumerate(routes.rules))
     default = routes.default_backend

@@ -43,6 +43,7 @@ connection's task (only a request body gets a second task, to stream both ways a
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -378,6 +379,9 @@ class HttpConnection:
         """A request for a sleeping route: held until it wakes (`holds.py`), then
         forwarded, or answered what holding came to (504, 503, 502)."""
         assert self.holds is not None and refusal.wake is not None
+        if refusal.wake.starting_page and _wants_html(req):
+            self.holds.poke(refusal.wake)
+            return await self._starting_page(refusal)
         deadline = trio.current_time() + refusal.wake.timeout
         creq, method, https = self.creq, req.method, self.scheme != "http"
         max_body = self.limits.max_body_bytes
@@ -403,6 +407,23 @@ class HttpConnection:
             return await self._forward_counted(req, outcome)
         assert type(outcome) is Refusal
         return await self._refuse(outcome, req)
+
+    async def _starting_page(self, refusal: Refusal) -> bool:
+        """503 with `Refresh`: a browser shows a small page and asks again shortly."""
+        body = _STARTING_PAGE % html.escape(refusal.route or "").encode()
+        headers = [
+            (b"content-type", b"text/html; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"refresh", b"2"),
+            (b"retry-after", b"2"),
+            (b"cache-control", b"no-store"),
+        ]
+        keep = self.keep and self.reader.done
+        if not keep:
+            headers.append((b"connection", b"close"))
+        self.stats.count_status(503)
+        await self._answer(503, b"Service Unavailable", headers, body)
+        return keep
 
     async def _forward_counted(self, req: RequestHead, route: Route) -> bool:
         """`_forward`, counted as activity of a route that sleeps when idle."""
@@ -760,6 +781,18 @@ class HttpConnection:
         self.started = True
         head = response_head(status, reason, headers)
         await self._send(head if self.head_request else head + body)
+
+
+_STARTING_PAGE = (
+    b"<!doctype html><html><head><meta charset=utf-8><title>Starting\xe2\x80\xa6</title>"
+    b"</head><body><p>%s is starting; this page reloads itself.</p></body></html>\n")
+
+
+def _wants_html(req: RequestHead) -> bool:
+    """A browser's navigation: GET or HEAD accepting text/html."""
+    if req.method not in (b"GET", b"HEAD"):
+        return False
+    return any(name == b"accept" and b"text/html" in value for name, value in req.headers)
 
 
 __all__ = ["HttpConnection"]

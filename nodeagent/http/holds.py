@@ -60,6 +60,8 @@ class HeldRequests:
         self.since: dict[str, float] = {}  # service → when its first held request came
         self.in_flight: dict[str, int] = {}  # service → forwarded requests not done
         self.last_request: dict[str, float] = {}  # service → clock of its last request
+        # service → until when it is wanted without a held request (starting pages)
+        self.poked: dict[str, float] = {}
         self.stats = HoldStats()
 
     # -- the route tables' owner --------------------------------------------------------
@@ -72,8 +74,26 @@ class HeldRequests:
     # -- whoever wakes Services ---------------------------------------------------------
 
     def wanted(self) -> dict[str, float]:
-        """Services with requests held now → since when (clock)."""
-        return {s: self.since[s] for s, n in self.pending.items() if n > 0}
+        """Services with requests held now, or a starting page shown lately → since when
+        (clock)."""
+        now = self._clock()
+        for service in [s for s, until in self.poked.items() if until <= now]:
+            del self.poked[service]
+        wanted = {s: now for s in self.poked}
+        wanted.update((s, self.since[s]) for s, n in self.pending.items() if n > 0)
+        return wanted
+
+    def poke(self, wake: WakeSpec) -> None:
+        """A starting page went out for `wake`'s route: wanted (woken) without a held
+        request, for as long as a held request would wait."""
+        service = wake.service
+        now = self._clock()
+        self.last_request[service] = now
+        fresh = service not in self.poked and not self.pending.get(service)
+        self.poked[service] = now + wake.timeout
+        if fresh:
+            self.wanted_changed.set()
+            self.wanted_changed = trio.Event()
 
     def activity(self) -> dict[str, tuple[float | None, int]]:
         """Service → (seconds since its last request or None, requests in flight), for

@@ -68,6 +68,7 @@ class WakeSpec:
     timeout: float  # a held request gets 504 after this many seconds
     max_pending: int  # held requests per Service; beyond, 503 with Retry-After
     failure: str = ""  # the workload fails to start: 502 with this reason
+    starting_page: bool = False  # browsers get a page that reloads itself, not a hold
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,8 @@ def _ingress_route(rule: IngressRule) -> Route:
     return Route(name=rule.name, tls_redirect=rule.tls_redirect, backends=tuple(
         Backend(node=b.node, host=b.target.host, port=b.target.port) for b in rule.backends),
         wake=None if wake is None else WakeSpec(wake.service, wake.timeout,
-                                                wake.max_pending, wake.failure))
+                                                wake.max_pending, wake.failure,
+                                                wake.starting_page))
 
 
 def build_ingress_table(ingress: IngressRoutes) -> tuple[RouteTable, list[str]]:

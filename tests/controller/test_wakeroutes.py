@@ -62,9 +62,12 @@ def test_settings_from_annotations_and_what_the_config_reads_of_them() -> None:
         900, 30, 5, ("statefulsets", "db"))
     for bad in ({"nodeagent.io/idle-after": "100ms"}, {"nodeagent.io/max-pending": "-1"},
                 {"nodeagent.io/max-pending": "many"}, {"nodeagent.io/wake-timeout": "2h"},
-                {"nodeagent.io/workload": "daemonset/x"}, {"nodeagent.io/workload": "web"}):
+                {"nodeagent.io/workload": "daemonset/x"}, {"nodeagent.io/workload": "web"},
+                {"nodeagent.io/starting-page": "maybe"}):
         with pytest.raises(SettingsError):
             wake_settings(sleepy(**bad))
+    page = wake_settings(sleepy(**{"nodeagent.io/starting-page": "true"}))
+    assert page is not None and page.starting_page and not got.starting_page
     # The controller's own state annotations do not feed the config.
     a, b = sleepy(), sleepy()
     b["metadata"]["annotations"]["nodeagent.io/scale-to-zero"] = '{"state":"sleeping"}'

@@ -113,3 +113,27 @@ async def test_a_held_request_whose_route_goes_away_gets_its_new_answer(
             f.set_routes([])  # the Ingress was deleted
             holds.routes_changed()
         assert answers[0].status_code == 404
+
+
+async def test_a_browser_gets_a_starting_page_that_reloads_and_the_wake_is_asked(
+        nursery: trio.Nursery) -> None:
+    holds = HeldRequests()
+    page = WakeSpec("shop/web", timeout=1.0, max_pending=3, starting_page=True)
+    async with running_front(asleep(page), holds=holds) as f, client() as c:
+        r = await c.get(f"{f.url}/", headers={"host": "a.test",
+                                               "accept": "text/html,*/*;q=0.8"})
+        assert r.status_code == 503 and r.headers["refresh"] == "2"
+        assert r.headers["content-type"].startswith("text/html")
+        assert "shop/a is starting" in r.text
+        assert set(holds.wanted()) == {"shop/web"} and holds.stats.held == 0
+        # Anything else (an API client, a POST) is held as usual.
+        async with trio.open_nursery() as inner:
+            answers: list[httpx.Response] = []
+
+            async def ask() -> None:
+                answers.append(await c.get(f"{f.url}/", headers={
+                    "host": "a.test", "accept": "application/json"}))
+
+            inner.start_soon(ask)
+            await held(holds, 1)
+        assert holds.stats.held == 1 and answers[0].status_code == 504

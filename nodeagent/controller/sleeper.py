@@ -128,9 +128,22 @@ class Sleeper:
                 return json_reply(200, {"state": "recorded"})
             service = parse_wake(body)
         except (ReportError, ValueError) as exc:
-            return json_reply(400, {"error": str(exc)[:200], "reason": "bad_report"})
+            return self._refused(server_id, 400, {"error": str(exc)[:200],
+                                                  "reason": "bad_report"})
         namespace, _, name = service.partition("/")
         status, doc = await self.wake((namespace, name), asked_by=server_id)
+        if status >= 400:
+            return self._refused(server_id, status, doc)
+        return json_reply(status, doc)
+
+    def _refused(self, server_id: str, status: int, doc: dict[str, Any]) -> Reply:
+        """A report or wake turned away: counted by reason, logged rate-limited."""
+        reason = str(doc.get("reason", "refused"))
+        if self.metrics is not None:
+            self.metrics.config(f"scale_to_zero_{reason}")
+        self._limited.warning(f"refused:{reason}", "scale-to-zero request refused",
+                              reason=reason, server=server_id,
+                              error=str(doc.get("error", ""))[:200])
         return json_reply(status, doc)
 
     def report(self, services: dict[str, tuple[float | None, int]]) -> None:

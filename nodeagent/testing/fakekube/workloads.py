@@ -16,6 +16,9 @@ Every Service with a selector that matches simulated pods gets one EndpointSlice
 resolved from the Service's `targetPort` against the pod template's container ports; the
 workload's status (replicas, readyReplicas, availableReplicas) follows.
 
+Each EndpointSlice write carries the wall-clock time it was made (`WRITTEN_AT`), for
+tests that time what follows an endpoint becoming ready.
+
 Per-workload knobs, as annotations on the Deployment or StatefulSet:
 - `sim.fakekube.nodeagent.io/start-delay: "2.5"` — seconds from creation to Ready.
 - `sim.fakekube.nodeagent.io/crash: "<message>"` — the container never starts: the pod
@@ -35,6 +38,7 @@ import hashlib
 import json
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +54,9 @@ from nodeagent.testing.fakekube.store import Store
 START_DELAY = "sim.fakekube.nodeagent.io/start-delay"
 CRASH = "sim.fakekube.nodeagent.io/crash"
 MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+# On each EndpointSlice the simulator writes: the wall-clock time (seconds, time.time())
+# of that write, so a test can time what follows an endpoint becoming ready.
+WRITTEN_AT = "sim.fakekube.nodeagent.io/written-at"
 SIMULATOR = "workloads.fakekube.nodeagent.io"
 WORKLOAD_KINDS = (("apps", "deployments"), ("apps", "statefulsets"))
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"
@@ -264,11 +271,14 @@ class WorkloadSimulator:
                              "ownerReferences": [_owner_ref("Service", service)]},
                 "addressType": "IPv4", "ports": ports, "endpoints": endpoints}
             if existing is None:
+                body["metadata"]["annotations"] = {WRITTEN_AT: f"{time.time():.6f}"}
                 self.store.create(slices_rt, "v1", ns, body)
             elif (existing.get("endpoints") or []) != endpoints or existing.get(
                     "ports") != ports:
                 updated = copy.deepcopy(existing)
                 updated["endpoints"], updated["ports"] = endpoints, ports
+                updated["metadata"].setdefault("annotations", {})[WRITTEN_AT] = \
+                    f"{time.time():.6f}"
                 self.store.update(slices_rt, "v1", ns, name, updated)
 
     # -- store helpers ----------------------------------------------------------------------

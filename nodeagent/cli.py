@@ -44,7 +44,8 @@ Config files are YAML; see examples/ and README.md.
 """
 
 
-DEBUG_VIEWS = ("status", "tunnels", "streams", "flows", "config", "rules", "metrics")
+DEBUG_VIEWS = ("status", "tunnels", "streams", "flows", "config", "rules", "holds",
+               "metrics")
 DEBUG_DESCRIPTION = """\
 Read the node-local debug socket of a running agent or server and print what it is doing.
 
@@ -62,6 +63,8 @@ views:
             agent: pods' intercepted UDP flows (client, original destination, rule, via)
   config    the config in use, with its version (secret values shown as [redacted])
   rules     interception rules as applied in the kernel, next to the model (agent)
+  holds     requests held for sleeping routes (scale to zero), per Service: how many
+            and for how long, and how held requests ended (server)
   metrics   Prometheus text
 """
 
@@ -317,6 +320,12 @@ def add_controller_parser(sub: Subcommands) -> None:
                             metavar="S", help="a connection must finish its TLS handshake "
                             "within this, and one without a client certificate must also "
                             "have sent its request (default 5)")
+    controller.add_argument("--min-awake-seconds", type=float, default=60.0, metavar="S",
+                            help="scale to zero: a woken workload stays up at least this "
+                            "long, whatever its idle-after (default 60)")
+    controller.add_argument("--activity-interval-seconds", type=float, default=10.0,
+                            metavar="S", help="scale to zero: how often servers report "
+                            "their sleepable routes' activity (default 10)")
 
 
 

@@ -81,6 +81,7 @@ from nodeagent.config.routes import (
     TokenEntry,
     TunnelListen,
     UdpMapping,
+    WakeRoute,
 )
 
 __all__ = [
@@ -131,6 +132,7 @@ __all__ = [
     "TokenEntry",
     "TunnelListen",
     "UdpMapping",
+    "WakeRoute",
     "format_errors",
     "intercept_model",
     "load_config",

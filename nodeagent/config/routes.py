@@ -158,6 +158,23 @@ class HttpListener(Model):
     routes: tuple[HttpRoute, ...] = ()
 
 
+class WakeRoute(Model):
+    """Scale to zero for the Service behind an Ingress rule (controller mode; the Service
+    opts in by annotation). With no backends, a request is held: the server asks the
+    controller to wake `service` and forwards when its endpoints arrive in a new config,
+    or answers 504 after `timeout`; over `max_pending` held requests, 503 with Retry-After.
+    `failure`: the controller sees the workload failing to start; held and new requests
+    get 502 with this reason instead of waiting."""
+
+    service: str  # "namespace/name"
+    timeout: float = Field(default=120.0, gt=0, le=3600)
+    max_pending: int = Field(default=1000, ge=0, le=1_000_000)
+    failure: str = ""
+    # Browsers (GET/HEAD accepting text/html) get a small "starting" page that reloads
+    # itself (503 with Refresh) instead of a held request; the wake is asked all the same.
+    starting_page: bool = False
+
+
 class IngressRule(Model):
     """One Ingress path (controller mode): requests for `host` + `path` are balanced across
     `backends`. No backends: 503."""
@@ -174,6 +191,7 @@ class IngressRule(Model):
     # What the backends speak (the Service port's appProtocol: kubernetes.io/h2c or grpc
     # → h2c).
     backend_protocol: Literal["h1", "h2c"] = "h1"
+    wake: WakeRoute | None = None  # its Service sleeps when idle (scale to zero)
 
 
 class IngressTls(Model):
@@ -247,6 +265,9 @@ class RoutesConfig(Model):
     # server's handshake so agents hold a tunnel to each (controller mode: the ready
     # endpoints of the server Service). None: not announced, agents hold one tunnel.
     replicas: int | None = Field(default=None, ge=1, le=64)
+    # Scale to zero: seconds between a server's reports of its routes' activity (last
+    # request, requests in flight) to the controller, for the routes with `wake`.
+    activity_interval: float = Field(default=10.0, gt=0, le=3600)
 
     def connect_node_for(self, host: str) -> str | None:
         """The node whose name or one of whose `connect_nodes` addresses is `host`."""

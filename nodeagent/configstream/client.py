@@ -267,3 +267,56 @@ def read_ca_file(path: Path) -> bytes:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"flags: --ca-file: {path}: {exc}") from None
     return ca_pem
+
+
+class PostError(Exception):
+    """A report to the controller failed (unreachable, TLS, HTTP): the caller retries."""
+
+
+async def post_json(*, open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str,
+                    path: str, body: bytes, tls: ssl.SSLContext | None,
+                    answer_within: float = 10.0) -> tuple[int, dict[str, Any]]:
+    """One POST to the controller on a connection of its own (a watch occupies the other):
+    (status, the JSON object answered). PostError for anything that is not an answer."""
+    try:
+        with trio.fail_after(answer_within):
+            stream: trio.abc.Stream = await open_stream()
+            if tls is not None:
+                stream = TLSStream(stream, tls, server_hostname=host)
+            async with stream:
+                if isinstance(stream, TLSStream):
+                    await stream.do_handshake()
+                conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_LINE)
+                request = h11.Request(method="POST", target=path, headers=[
+                    ("host", host), ("content-type", "application/json"),
+                    ("content-length", str(len(body))), ("connection", "close")])
+                await stream.send_all(conn.send(request) + conn.send(h11.Data(data=body))
+                                      + conn.send(h11.EndOfMessage()))
+                status = 0
+                data = b""
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        conn.receive_data(bytes(await stream.receive_some(65536)))
+                    elif isinstance(event, h11.Response):
+                        status = event.status_code
+                    elif isinstance(event, h11.Data):
+                        data += bytes(event.data)
+                        if len(data) > 65536:
+                            raise PostError("the controller's answer is too long")
+                    else:
+                        break
+    except PostError:
+        raise
+    except trio.TooSlowError:
+        raise PostError(f"no answer from the controller within {answer_within:g}s") from None
+    except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError,
+            ssl.SSLError) as exc:
+        raise PostError(_describe(exc)) from None
+    except Exception as exc:  # open_stream's own failure: the controller is unreachable
+        raise PostError(f"cannot reach the controller: {exc}") from None
+    try:
+        doc = parse_line(data) if data.strip() else {}
+    except LineError as exc:
+        raise PostError(f"controller answered {status}: {exc}") from None
+    return status, doc

@@ -21,7 +21,13 @@ from typing import Any, Literal, TypeVar
 import trio
 from pydantic import BaseModel
 
-from nodeagent.configstream.client import WatchStatus, controller_address, watch_config
+from nodeagent.configstream.client import (
+    PostError,
+    WatchStatus,
+    controller_address,
+    post_json,
+    watch_config,
+)
 from nodeagent.configstream.protocol import node_config_path, servers_config_path
 from nodeagent.ops.logs import StructuredLogger
 from nodeagent.trust import pki
@@ -73,6 +79,16 @@ class ControllerLink:
         identity = self.keeper.identity
         assert identity is not None, "the watch starts after the first certificate"
         return identity.client_context(ca=self.ca_pem())
+
+    async def post(self, path: str, body: bytes, *, answer_within: float = 10.0
+                   ) -> tuple[int, dict[str, Any]]:
+        """POST a report to the controller (a server's activity and wake requests),
+        presenting this link's certificate; PostError when there is no answer. Before
+        the first certificate: PostError too."""
+        if self.keeper.identity is None:
+            raise PostError("no certificate from the controller yet")
+        return await post_json(open_stream=self.open_stream, host=self.host, path=path,
+                               body=body, tls=self.watch_context(), answer_within=answer_within)
 
     async def run(self, model: type[M], apply: Callable[[M], Awaitable[None]], *,
                   running: dict[str, Any] | None = None, serve_before_identity: bool = False,

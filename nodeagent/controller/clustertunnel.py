@@ -104,6 +104,12 @@ class ClusterTunnelSpec(CrdModel):
         "Nodes come and go), and the servers carry them like a CONNECT. Unset: no such "
         "path; it must name at least one label.")
 
+    scale_to_zero: bool = Field(
+        default=True, description="Whether Services may opt in to scale to zero "
+        "(annotation nodeagent.io/idle-after): idle workloads are scaled to 0 and the next "
+        "request wakes them. false in any ClusterTunnel switches it off for the cluster: "
+        "sleeping workloads are woken and none is put to sleep.")
+
     @field_validator("server_url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:

@@ -4,6 +4,7 @@
     GET  /v1/config/nodes/{node}?after=N     an agent's NodeConfig
     GET  /v1/config/servers/{id}?after=N     the servers' RoutesConfig
     POST /v1/certificates                    how a client gets its certificate (signing.py)
+    POST /v1/servers/{id}/activity|wake      scale to zero: a server's reports (sleeper.py)
 
 Every connection is TLS with this replica's serving certificate (`servingtls`); a client
 certificate from the controller's CA is optional at the handshake and decides what the
@@ -63,6 +64,7 @@ from nodeagent.configstream.protocol import (
     NODES,
     config_line,
     parse_config_path,
+    parse_report_path,
 )
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.metrics import ControllerMetrics
@@ -180,6 +182,7 @@ class ConfigStreamServer:
                  tls: Callable[[], Awaitable[ssl.SSLContext]],
                  signer: Signer | None = None,
                  authorize: Callable[[Identity | None, str, str], bool] = may_read,
+                 reports: Callable[[str, str, bytes], Awaitable[Reply]] | None = None,
                  metrics: ControllerMetrics | None = None,
                  heartbeat: float = 60.0, request_timeout: float = 10.0,
                  limits: ConnectionLimits | None = None) -> None:
@@ -191,6 +194,7 @@ class ConfigStreamServer:
         self._tls = tls
         self._signer = signer
         self._authorize = authorize
+        self._reports = reports
         self.metrics = metrics or ControllerMetrics()
         self.heartbeat = heartbeat
         self.request_timeout = request_timeout
@@ -341,6 +345,9 @@ class ConfigStreamServer:
                      ) -> Reply | StreamingReply:
         if request.path == CERTIFICATES_PATH and self._signer is not None:
             return await self._signer(request, identity)
+        report = parse_report_path(request.path)
+        if report is not None and self._reports is not None:
+            return await self._report(identity, request, *report)
         watched = parse_config_path(request.path)
         if watched is None:
             return self._refuse(404, "not_found", "use /v1/config/nodes/NAME, "
@@ -362,6 +369,22 @@ class ConfigStreamServer:
         self.metrics.config("watching")
         return StreamingReply(self._watch(kind, name, after), headers=(
             ("cache-control", "no-store"), (HEARTBEAT_HEADER.decode(), f"{self.heartbeat:g}")))
+
+    async def _report(self, identity: Identity | None, request: Request, kind: str,
+                      server_id: str) -> Reply:
+        """A server's scale-to-zero report: only a server certificate may post one (a
+        node's agent, or anyone without a certificate, cannot wake or keep awake)."""
+        assert self._reports is not None
+        if request.method != "POST":
+            return self._refuse(405, "method_not_allowed", "report paths take POST")
+        if identity is None or identity.kind != "server":
+            who = "no client certificate" if identity is None else \
+                f"{identity.kind} {identity.name}"
+            key = f"forbidden:{identity.kind if identity else 'anonymous'}:{kind}"
+            return self._refuse(403, "forbidden", f"{who} may not post {request.path}",
+                                log_key=key, client=who)
+        self.metrics.config(f"report_{kind}")
+        return await self._reports(kind, server_id, request.body)
 
     def _refuse(self, status: int, reason: str, message: str, *, log_key: str | None = None,
                 **fields: Any) -> Reply:

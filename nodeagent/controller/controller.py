@@ -15,6 +15,7 @@ slow or failing API write therefore never delays config delivery.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 import time
@@ -43,6 +44,7 @@ from nodeagent.controller.inputs import (
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.servingtls import ServingTLS, service_names
 from nodeagent.controller.signing import REVIEW_RATE, CertificateSigner, SigningPolicy
+from nodeagent.controller.sleeper import Sleeper, SleeperSettings
 from nodeagent.controller.status import (
     WATCHERS_LABEL,
     Outcome,
@@ -50,6 +52,7 @@ from nodeagent.controller.status import (
     WatcherReports,
     public_addresses,
 )
+from nodeagent.controller.wakeroutes import apply_wake
 from nodeagent.kube import (
     CONFIGMAPS,
     ENDPOINTSLICES,
@@ -117,6 +120,7 @@ class ControllerSettings:
     server_workers: int = 1  # the servers' --workers: agents hold pods x workers tunnels
     heartbeat: float = 60.0  # seconds between a quiet config watch's heartbeat lines
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    sleeper: SleeperSettings = field(default_factory=SleeperSettings)  # scale to zero
 
 
 class LeaderWrites:
@@ -197,7 +201,12 @@ class Controller:
             denied_nodes=self._denied_nodes, review_rate=self.settings.token_review_rate,
             review_burst=max(1, math.ceil(self.settings.token_review_rate * 2.5)),
             trust_bundle=lambda: self.bootstrap.trust_pem, still_exists=self._still_exists)
+        # Scale to zero: servers' activity reports and wake requests; the leader's sleeps.
+        self.sleeper = Sleeper(self.kube, self.caches["services"],
+                               self.caches["endpointslices"], self.caches["pods"],
+                               settings=self.settings.sleeper, metrics=self.metrics)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
+                                         reports=self.sleeper.answer,
                                          signer=self.signer, metrics=self.metrics,
                                          heartbeat=self.settings.heartbeat,
                                          limits=self.settings.connection_limits)
@@ -268,6 +277,12 @@ class Controller:
             direct_namespaces=frozenset(n for t in tunnels
                                         for n in t.spec.direct_backend_namespaces),
             memo=self.translation_memo)
+        feature_on = all(t.spec.scale_to_zero for t in tunnels)
+        wake = apply_wake(translation.routes, dict(enumerate(translation.rule_services)),
+                          translation.default_service, services, c["pods"].list(),
+                          enabled=feature_on)
+        translation = dataclasses.replace(translation, routes=wake.routes)
+        self.sleeper.enabled, self.sleeper.feature_on = wake.enabled, feature_on
         self.metrics.refused(translation.refused_backends)
         for reason, count in sorted(translation.refused_backends.items()):
             self._refusals.warning(f"backend:{reason}", "Ingress backends refused",
@@ -283,8 +298,12 @@ class Controller:
             if key.startswith("node/") and key[5:] not in out.nodes and \
                     self.versions.update(key, NodeConfig()):
                 changed.append(key[5:])
-        servers_changed = self.versions.update("servers", out.routes)
-        problems = tunnel_problems + out.problems
+        routes = out.routes
+        if routes.activity_interval != self.settings.sleeper.activity_interval:
+            routes = routes.model_copy(update={
+                "activity_interval": self.settings.sleeper.activity_interval})
+        servers_changed = self.versions.update("servers", routes)
+        problems = tunnel_problems + out.problems + list(wake.problems)
         self.recomputes += 1
         if changed or servers_changed:
             self.stream.notify([*(f"node/{n}" for n in changed),
@@ -389,6 +408,7 @@ async def serve_controller(settings: ControllerSettings, *,
             if settings.freeze_gc:
                 nursery.start_soon(freeze_survivors_forever)
             nursery.start_soon(controller.watchers.publish)
+            nursery.start_soon(controller.sleeper.run, lambda: controller.is_leader)
             with bind_errors("--listen", format_address((settings.listen_host,
                                                          settings.listen_port))):
                 listeners = await nursery.start(controller.stream.run, settings.listen_host,

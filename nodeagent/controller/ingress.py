@@ -101,6 +101,10 @@ class IngressTranslation:
     # reason → backends refused now: endpoint addresses (`endpoint_refusal`'s codes,
     # off_node, nodeless), external_name Services, direct_not_allowed Ingresses
     refused_backends: dict[str, int] = field(default_factory=dict)
+    # The Service (namespace, name) of each rule of `routes.rules`, in order, and of the
+    # default backend: what scale to zero (`wakeroutes`) attaches its settings by.
+    rule_services: tuple[tuple[str, str], ...] = ()
+    default_service: tuple[str, str] | None = None
 
 
 @dataclass
@@ -117,7 +121,9 @@ class _Index:
 @dataclass
 class _Out:
     rules: list[IngressRule] = field(default_factory=list)
+    rule_services: list[tuple[str, str]] = field(default_factory=list)
     default: IngressRule | None = None
+    default_service: tuple[str, str] | None = None
     default_rank: str = ""
     tls: list[IngressTls] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
@@ -368,6 +374,7 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
         out.served.append(key)
         one = memo.translate(key, ingress, index)
         out.rules.extend(one.rules)
+        out.rule_services.extend(one.rule_services)
         out.tls.extend(one.tls)
         out.problems.extend(one.problems)
         out.refused.update(one.refused)
@@ -376,6 +383,7 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
             # The spec leaves two defaultBackends undefined; the oldest Ingress wins, as
             # for conflicting rules.
             out.default, out.default_rank = one.default, one.default_rank
+            out.default_service = one.default_service
         for node, targets in one.node_targets.items():
             out.node_targets.setdefault(node, set()).update(targets)
     memo.forget_except(seen)
@@ -385,7 +393,8 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                              tls=tuple(out.tls)),
         problems=tuple(out.problems),
         node_targets={n: frozenset(t) for n, t in out.node_targets.items()},
-        served=tuple(out.served), refused_backends=dict(out.refused))
+        served=tuple(out.served), refused_backends=dict(out.refused),
+        rule_services=tuple(out.rule_services), default_service=out.default_service)
 
 
 def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
@@ -417,6 +426,7 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
                 name=label, path="/", backends=backends, rank=rank,
                 backend_protocol=backend_protocol(namespace, default_backend, index))
             out.default_rank = rank
+            out.default_service = (namespace, _service_name(default_backend))
 
     for i, rule in enumerate(spec.get("rules") or []):
         host = rule.get("host") or None
@@ -445,6 +455,12 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
                 tls_redirect=redirect and host is not None and host in tls_hosts,
                 backend_protocol=backend_protocol(namespace, path.get("backend") or {},
                                                   index)))
+            out.rule_services.append((namespace, _service_name(path.get("backend") or {})))
+
+
+def _service_name(backend: Obj) -> str:
+    service = backend.get("service")
+    return str(service.get("name", "")) if isinstance(service, dict) else ""
 
 
 def _tls(ingress: Obj, index: _Index, out: _Out, problem: Any) -> set[str]:

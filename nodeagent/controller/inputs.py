@@ -25,6 +25,7 @@ from nodeagent.controller.bootstrap import (
 )
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.endpoints import pod_view
+from nodeagent.controller.wakeroutes import pod_failure_view, settings_view
 from nodeagent.kube import (
     ENDPOINTSLICES,
     INGRESSCLASSES,
@@ -62,9 +63,10 @@ def _node(obj: Obj) -> Any:
 
 
 def _service(obj: Obj) -> Any:
-    # Ports, type and externalName. The status (a LoadBalancer address) feeds only the
-    # Ingress status and the servers' certificate: see `leader_writes`.
-    return obj.get("spec")
+    # Ports, type and externalName, and the scale-to-zero settings (not the controller's
+    # own state annotations). The status (a LoadBalancer address) feeds only the Ingress
+    # status and the servers' certificate: see `leader_writes`.
+    return (obj.get("spec"), settings_view(obj))
 
 
 def _endpoint_slice(obj: Obj) -> Any:
@@ -92,9 +94,10 @@ def _cluster_tunnel(obj: Obj) -> Any:
 
 def _pod(obj: Obj) -> Any:
     # What an endpoint's targetRef is checked against (ingress.pod_view): uid, node, IPs,
-    # hostNetwork and its declared ports. Not phase, conditions or container statuses,
-    # which kubelets rewrite all the time.
-    return pod_view(obj)
+    # hostNetwork and its declared ports; and whether a container fails to start (scale
+    # to zero tells held requests why). Not phase, conditions or the rest of container
+    # statuses, which kubelets rewrite all the time.
+    return (pod_view(obj), pod_failure_view(obj))
 
 
 def _secret(obj: Obj) -> Any:

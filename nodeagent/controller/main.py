@@ -12,6 +12,7 @@ import trio
 from nodeagent.config import ConfigError, ListenAddress
 from nodeagent.controller.configserver import ConnectionLimits
 from nodeagent.controller.controller import ControllerSettings, serve_controller
+from nodeagent.controller.sleeper import SleeperSettings
 from nodeagent.kube import CredentialsError
 from nodeagent.ops.logs import get_logger
 
@@ -54,6 +55,12 @@ def run_controller(args: argparse.Namespace) -> int:
     if not 0.5 <= limits.anonymous_deadline <= 60:
         raise ConfigError(f"--anonymous-deadline-seconds {limits.anonymous_deadline:g}: "
                           f"give 0.5-60")
+    min_awake = getattr(args, "min_awake_seconds", 60.0)
+    if not 0 <= min_awake <= 86400:
+        raise ConfigError(f"--min-awake-seconds {min_awake:g}: give 0-86400")
+    activity_interval = getattr(args, "activity_interval_seconds", 10.0)
+    if not 0.1 <= activity_interval <= 3600:
+        raise ConfigError(f"--activity-interval-seconds {activity_interval:g}: give 0.1-3600")
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     settings = ControllerSettings(
         namespace=args.namespace, identity=identity, listen_host=listen.host,
@@ -62,7 +69,8 @@ def run_controller(args: argparse.Namespace) -> int:
         tls_names=tuple(getattr(args, "tls_name", None) or ()),
         certificate_validity=args.certificate_hours * 3600.0,
         token_review_rate=args.token_reviews_per_second, freeze_gc=True,
-        server_workers=server_workers, heartbeat=heartbeat, connection_limits=limits)
+        server_workers=server_workers, heartbeat=heartbeat, connection_limits=limits,
+        sleeper=SleeperSettings(min_awake=min_awake, activity_interval=activity_interval))
     try:
         trio.run(_serve_until_signalled, settings)
     except CredentialsError as exc:

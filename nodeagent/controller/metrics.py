@@ -75,6 +75,11 @@ class ControllerMetrics:
             "Services (external_name), and Ingresses whose direct-backends annotation the "
             "admin did not allow (direct_not_allowed)", ["reason"], registry=self.registry)
         self._refused_reasons: set[str] = set()
+        self.scale_to_zero = Counter(
+            "nodeagent_controller_scale_to_zero_total",
+            "Scale writes of sleepable workloads by this replica: sleep (the leader, to 0) "
+            "and wake (asked by a server, back to the remembered count)", ["action"],
+            registry=self.registry)
 
     def refused(self, counts: dict[str, int]) -> None:
         """The latest recompute's refused backends (reasons now absent read 0)."""
@@ -91,5 +96,6 @@ class ControllerMetrics:
         self.certificate_requests.labels(kind, outcome, reason).inc()
 
     def config(self, reason: str) -> None:
-        outcome = "watching" if reason == "watching" else "refused"
+        outcome = "watching" if reason == "watching" else (
+            "report" if reason.startswith("report_") else "refused")
         self.config_requests.labels(outcome, reason).inc()

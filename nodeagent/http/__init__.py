@@ -24,8 +24,17 @@ Nothing here knows about the tunnel: an upstream is any `trio.abc.HalfCloseableS
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.front import HttpFront, serve_http_connection
+from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
-from nodeagent.http.routetable import Backend, Match, PathType, Route, RouteSpec, RouteTable
+from nodeagent.http.routetable import (
+    Backend,
+    Match,
+    PathType,
+    Route,
+    RouteSpec,
+    RouteTable,
+    WakeSpec,
+)
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import CertStore, TlsConfig, context_from_pem
 from nodeagent.http.upstream import Opener
@@ -34,6 +43,7 @@ __all__ = [
     "Backend",
     "Balancer",
     "CertStore",
+    "HeldRequests",
     "HttpFront",
     "HttpStats",
     "Limits",
@@ -45,6 +55,7 @@ __all__ = [
     "RouteTable",
     "TlsConfig",
     "UpstreamUnavailable",
+    "WakeSpec",
     "context_from_pem",
     "serve_http_connection",
 ]

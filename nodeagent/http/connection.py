@@ -43,6 +43,7 @@ connection's task (only a request body gets a second task, to stream both ways a
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -70,6 +71,7 @@ from nodeagent.http.headers import (
     switch_response,
     upstream_headers,
 )
+from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
 from nodeagent.http.request import (
@@ -168,6 +170,7 @@ class HttpConnection:
         "closing",
         "creq",
         "head_request",
+        "holds",
         "http11",
         "keep",
         "limits",
@@ -197,9 +200,11 @@ class HttpConnection:
         access_log: bool,
         closing: GracefulClose | None = None,
         pool: H2Pool | None = None,
+        holds: HeldRequests | None = None,
     ) -> None:
         self.stream = stream
         self.pool = pool
+        self.holds = holds
         self.closing = closing if closing is not None else GracefulClose()
         self.table = table
         self.opener = opener
@@ -244,15 +249,16 @@ class HttpConnection:
                 # The request's steps: policy and route (no I/O), then forward with retry.
                 route = self._route(req)
                 if type(route) is Route:
-                    self.status = 0
-                    if route.backend_protocol == "h1":
-                        keep = await self._forward(req, route)
+                    if route.wake is None or self.holds is None:
+                        keep = await self._forward_route(req, route)
                     else:
-                        keep = await self._forward_h2c(req, route)
-                    self.stats.count_route(route.name, "h1", self.status)
+                        keep = await self._forward_counted(req, route)
                 else:
                     assert type(route) is Refusal
-                    keep = await self._refuse(route, req)
+                    if route.wake is not None and self.holds is not None:
+                        keep = await self._hold(req, route)
+                    else:
+                        keep = await self._refuse(route, req)
                 reader = self.reader
                 if not keep or not reader.done:
                     return
@@ -394,8 +400,84 @@ class HttpConnection:
         if refusal.code is not None:
             keep = await self._reject(refusal.code, refusal.status, refusal.reason, req)
         else:
-            keep = await self._error(refusal.status, refusal.reason, req)
+            keep = await self._error(refusal.status, refusal.reason, req,
+                                     retry_after=refusal.retry_after)
         return keep and not refusal.close
+
+    async def _hold(self, req: RequestHead, refusal: Refusal) -> bool:
+        """A request for a sleeping route: held until it wakes (`holds.py`), then
+        forwarded, or answered what holding came to (504, 503, 502)."""
+        assert self.holds is not None and refusal.wake is not None
+        if refusal.wake.starting_page and _wants_html(req):
+            self.holds.poke(refusal.wake)
+            return await self._starting_page(refusal)
+        deadline = trio.current_time() + refusal.wake.timeout
+        creq, method, https = self.creq, req.method, self.scheme != "http"
+        max_body = self.limits.max_body_bytes
+
+        def recheck() -> Route | Refusal:
+            return route_request(self.table(), method, creq, https=https, max_body=max_body)
+
+        outcome = await self.holds.hold(refusal, recheck)
+        # The servers' routes and the node's allow list reach the two on streams of their
+        # own: a woken backend may be in our table a moment before its agent lets us dial
+        # it. Dial before forwarding, and retry a refused dial until the wake deadline.
+        delay = 0.02
+        while type(outcome) is Route:
+            if outcome.backend_protocol != "h1":
+                break  # h2c: the shared connection pool dials, and retries, on its own
+            try:
+                await self._upstream(outcome)
+            except UpstreamFailed as exc:
+                if trio.current_time() + delay > deadline:
+                    return await self._error(exc.status, exc.reason, req)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                outcome = recheck()
+                continue
+            return await self._forward_counted(req, outcome)
+        if type(outcome) is Route:
+            return await self._forward_counted(req, outcome)
+        assert type(outcome) is Refusal
+        return await self._refuse(outcome, req)
+
+    async def _starting_page(self, refusal: Refusal) -> bool:
+        """503 with `Refresh`: a browser shows a small page and asks again shortly."""
+        body = _STARTING_PAGE % html.escape(refusal.route or "").encode()
+        headers = [
+            (b"content-type", b"text/html; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"refresh", b"2"),
+            (b"retry-after", b"2"),
+            (b"cache-control", b"no-store"),
+        ]
+        keep = self.keep and self.reader.done
+        if not keep:
+            headers.append((b"connection", b"close"))
+        self.stats.count_status(503)
+        await self._answer(503, b"Service Unavailable", headers, body)
+        return keep
+
+    async def _forward_route(self, req: RequestHead, route: Route) -> bool:
+        """Forward to the route's backends in the protocol they speak, counted per route."""
+        self.status = 0
+        if route.backend_protocol == "h1":
+            keep = await self._forward(req, route)
+        else:
+            keep = await self._forward_h2c(req, route)
+        self.stats.count_route(route.name, "h1", self.status)
+        return keep
+
+    async def _forward_counted(self, req: RequestHead, route: Route) -> bool:
+        """`_forward`, counted as activity of a route that sleeps when idle."""
+        holds, wake = self.holds, route.wake
+        if holds is None or wake is None:
+            return await self._forward_route(req, route)
+        holds.begin(wake)
+        try:
+            return await self._forward_route(req, route)
+        finally:
+            holds.end(wake)
 
     async def _forward(self, req: RequestHead, route: Route) -> bool:
         """Send the request to one of the route's backends and relay the response.
@@ -798,7 +880,8 @@ class HttpConnection:
         stats.refused(reason, status=status, client=self.client_addr.decode(), detail=detail)
         return await self._error(status, detail, req)
 
-    async def _error(self, status: int, reason: str, req: RequestHead | None = None) -> bool:
+    async def _error(self, status: int, reason: str, req: RequestHead | None = None, *,
+                     retry_after: int | None = None) -> bool:
         """A short text/plain answer; returns whether the connection can go on."""
         if self.started:
             return False  # a response (or an answer of ours) went out already: only close
@@ -810,6 +893,8 @@ class HttpConnection:
         ]
         if not keep:
             headers.append((b"connection", b"close"))
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
         self._count_status(status)
         if status >= 500 or status in (404, 503):
             log.info(
@@ -843,6 +928,18 @@ class HttpConnection:
         self.started = True
         head = response_head(status, reason, headers)
         await self._send(head if self.head_request else head + body)
+
+
+_STARTING_PAGE = (
+    b"<!doctype html><html><head><meta charset=utf-8><title>Starting\xe2\x80\xa6</title>"
+    b"</head><body><p>%s is starting; this page reloads itself.</p></body></html>\n")
+
+
+def _wants_html(req: RequestHead) -> bool:
+    """A browser's navigation: GET or HEAD accepting text/html."""
+    if req.method not in (b"GET", b"HEAD"):
+        return False
+    return any(name == b"accept" and b"text/html" in value for name, value in req.headers)
 
 
 __all__ = ["HttpConnection"]

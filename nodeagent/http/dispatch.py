@@ -6,21 +6,24 @@ reaching an upstream is tested without a socket: CONNECT (405, then close), a ta
 cannot be normalised (400, then close; see `paths`), a Host whose port is not one (400,
 then close; see `headers`), no route (404),
 a plain-HTTP request to a route that redirects to HTTPS (308), a route without ready
-backends (503), a declared body over the limit (413).
+backends (503; a sleeping route's 503 carries its `wake`, and the connection holds the
+request instead: `holds.py`), a sleeping route whose workload fails to start (502), a
+declared body over the limit (413).
 """
 
 from __future__ import annotations
 
 from nodeagent.http.headers import ClientRequest
 from nodeagent.http.paths import clip
-from nodeagent.http.routetable import Route, RouteTable, normalize_host
+from nodeagent.http.routetable import Route, RouteTable, WakeSpec, normalize_host
 from nodeagent.http.stats import RefusalReason
 
 
 class Refusal:
     """The answer to a request that goes to no upstream (see `route_request`)."""
 
-    __slots__ = ("close", "code", "location", "reason", "status")
+    __slots__ = ("close", "code", "location", "reason", "retry_after", "route", "status",
+                 "wake")
 
     def __init__(
         self,
@@ -30,6 +33,9 @@ class Refusal:
         location: str | None = None,
         close: bool = False,
         code: RefusalReason | None = None,
+        wake: WakeSpec | None = None,
+        route: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         self.status = status
         self.reason = reason
@@ -39,6 +45,12 @@ class Refusal:
         """For a 308: where the client should go instead."""
         self.close = close
         """Close the connection after answering, whatever the client asked."""
+        self.wake = wake
+        """Set: the route sleeps; hold the request until it wakes (holds.py)."""
+        self.route = route
+        """The route's name, when a route matched."""
+        self.retry_after = retry_after
+        """Seconds for a Retry-After header."""
 
     def __repr__(self) -> str:
         return f"Refusal({self.status}, {self.reason!r}, location={self.location!r})"
@@ -71,6 +83,13 @@ def route_request(
         location = f"https://{normalize_host(host)}{path}"
         return Refusal(308, f"redirect to {location}", location=location)
     if not route.backends:
+        wake = route.wake
+        if wake is not None:
+            if wake.failure:
+                return Refusal(502, f"route {route.name}: its backend fails to start: "
+                               f"{wake.failure}", route=route.name)
+            return Refusal(503, f"route {route.name} is asleep", wake=wake,
+                           route=route.name)
         return Refusal(503, f"route {route.name} has no ready backends")
     if max_body is not None and req.content_length > max_body:
         return Refusal(413, f"request body over {max_body} bytes", code="body_too_large")

@@ -31,6 +31,7 @@ from nodeagent.http.connection import GracefulClose, HttpConnection
 from nodeagent.http.h2connection import H2Connection
 from nodeagent.http.h2pool import Describe, H2Pool
 from nodeagent.http.h2session import PREFACE
+from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
 from nodeagent.http.routetable import RouteTable
 from nodeagent.http.stats import HttpStats
@@ -80,6 +81,7 @@ async def serve_http_connection(
     closing: GracefulClose | None = None,
     pool: H2Pool | None = None,
     h2: bool | None = None,
+    holds: HeldRequests | None = None,
 ) -> None:
     """Serve one client connection until it closes; closes `stream` (and upstreams) at the end.
 
@@ -95,7 +97,7 @@ async def serve_http_connection(
             await serve_http_connection(
                 stream, table=table, open_upstream=open_upstream, scheme=scheme,
                 client_addr=client_addr, limits=limits, stats=stats, balancer=balancer,
-                access_log=access_log, closing=closing, h2=h2,
+                access_log=access_log, closing=closing, h2=h2, holds=holds,
                 pool=H2Pool(nursery, open_upstream, limits))
             nursery.cancel_scope.cancel()
         return
@@ -127,6 +129,7 @@ async def serve_http_connection(
         access_log,
         closing,
         pool,
+        holds,
     ).run(initial, timed_out)
 
 
@@ -167,10 +170,12 @@ class HttpFront:
         stats: HttpStats | None = None,
         access_log: bool = False,
         describe_upstream: Describe | None = None,
+        holds: HeldRequests | None = None,
     ) -> None:
         self.describe_upstream = describe_upstream
         """How the shared h2c upstream streams show their h2 streams in the debug views."""
         self.table = table
+        self.holds = holds
         self.open_upstream = open_upstream
         self.tls = tls
         self.limits = limits or Limits()
@@ -320,6 +325,7 @@ class HttpFront:
                 closing=self.closing,
                 pool=self.pool,
                 h2=h2,
+                holds=self.holds,
             )
         except Exception as exc:
             # A bug here must cost one connection, not the listener and all its clients.

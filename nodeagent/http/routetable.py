@@ -63,8 +63,20 @@ class Backend:
 
 
 @dataclass(frozen=True, slots=True)
+class WakeSpec:
+    """A route whose Service sleeps when idle (scale to zero; `holds.py`)."""
+
+    service: str  # "namespace/name"
+    timeout: float  # a held request gets 504 after this many seconds
+    max_pending: int  # held requests per Service; beyond, 503 with Retry-After
+    failure: str = ""  # the workload fails to start: 502 with this reason
+    starting_page: bool = False  # browsers get a page that reloads itself, not a hold
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
-    """What a matching request is sent to. Empty `backends` answers 503."""
+    """What a matching request is sent to. Empty `backends` answers 503 (or, with
+    `wake`, holds the request until the route has backends)."""
 
     name: str
     backends: tuple[Backend, ...]
@@ -73,6 +85,7 @@ class Route:
     backend_protocol: BackendProtocol = "h1"
     """What the backends speak: HTTP/1.1 (a stream per client connection, kept alive), or
     h2c (one shared HTTP/2 connection per backend, each request balanced on its own)."""
+    wake: WakeSpec | None = None
 
 
 class PathType(enum.Enum):

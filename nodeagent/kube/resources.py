@@ -97,3 +97,6 @@ CUSTOMRESOURCEDEFINITIONS = Resource(
     "CustomResourceDefinition",
     namespaced=False,
 )
+DEPLOYMENTS = Resource("apps", "v1", "deployments", "Deployment", namespaced=True)
+STATEFULSETS = Resource("apps", "v1", "statefulsets", "StatefulSet", namespaced=True)
+REPLICASETS = Resource("apps", "v1", "replicasets", "ReplicaSet", namespaced=True)

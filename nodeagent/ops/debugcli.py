@@ -76,7 +76,23 @@ def render(what: str, doc: Any, *, as_json: bool) -> str:
         return render_flows(doc)
     if what == "status" and isinstance(doc, dict):
         return render_status(doc) + "\n"
+    if what == "holds" and isinstance(doc, dict):
+        return render_holds(doc)
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def render_holds(doc: dict[str, Any]) -> str:
+    """`nodeagent debug holds`: one row per Service with requests held now."""
+    rows = [f"{'SERVICE':<40} {'HELD':>6} {'WAITING':>9}"]
+    for service, held in sorted((doc.get("held_now") or {}).items()):
+        rows.append(f"{service:<40} {held.get('requests', 0):>6} "
+                    f"{held.get('waiting_seconds', 0):>8.1f}s")
+    if len(rows) == 1:
+        rows.append("(no request held)")
+    rows.append("")
+    rows.append(", ".join(f"{key} {doc.get(key, 0)}" for key in (
+        "held", "forwarded", "timeouts", "overflowed", "failed")) + " since start")
+    return "\n".join(rows) + "\n"
 
 
 def run_debug(what: str, socket: Path | None, *, as_json: bool, node: str | None = None,

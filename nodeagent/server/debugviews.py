@@ -13,8 +13,10 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from nodeagent.http.holds import COLD_START_BUCKETS, HeldRequests
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.metrics import counter, gauge
 from nodeagent.ops.streamviews import StreamNotes, stream_rows
@@ -90,9 +92,11 @@ def agent_rows(tunnel: TunnelServer) -> list[dict[str, Any]]:
     return agents
 
 
-def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats]
-                 ) -> Iterable[Metric]:
+def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats],
+                 holds: HeldRequests | None = None) -> Iterable[Metric]:
     """The metrics read from the tunnels and fronts at each scrape."""
+    if holds is not None:
+        yield from hold_metrics(holds)
     agents = gauge("nodeagent_agents_connected", "Agents with an open tunnel")
     agents.add_metric([], len(tunnel.sessions))
     yield agents
@@ -126,3 +130,29 @@ def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats]
             by_route.add_metric([name, route, protocol, result], count)
     yield http
     yield by_route
+
+
+def hold_metrics(holds: HeldRequests) -> Iterable[Metric]:
+    """Scale to zero: requests held now, how held requests ended, cold starts."""
+    now = gauge("nodeagent_held_requests", "Requests held now for a sleeping route, by "
+                "Service", ["service"])
+    for service, count in sorted(holds.pending.items()):
+        now.add_metric([service], count)
+    yield now
+    stats = holds.stats
+    ended = counter("nodeagent_held_requests_ended", "Held requests by how they ended: "
+                    "forwarded once the route woke, timeout (504), overflowed (503 over "
+                    "max-pending), failed (502: the workload fails to start)", ["outcome"])
+    for outcome, value in (("forwarded", stats.forwarded), ("timeout", stats.timeouts),
+                           ("overflowed", stats.overflowed), ("failed", stats.failed)):
+        ended.add_metric([outcome], value)
+    yield ended
+    cold = HistogramMetricFamily(
+        "nodeagent_wake_cold_start_seconds", "From a sleeping route's first held request "
+        "to each held request forwarded")
+    cumulative, buckets = 0, []
+    for bound, count in zip(COLD_START_BUCKETS, stats.cold_starts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", cumulative))
+    cold.add_metric([], buckets, stats.cold_start_sum)
+    yield cold

@@ -225,7 +225,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         front = HttpFront(table=tables.current_ingress_table, open_upstream=open_upstream,
                           tls=tls, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
-                          describe_upstream=server.stream_notes.describe)
+                          describe_upstream=server.stream_notes.describe,
+                          holds=server.holds)
         listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port)
                          .for_setting(name.replace("-", "_"), listen))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).
@@ -236,6 +237,7 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         "/tunnels": QueryRoute(lambda query: server.tunnels(_node_filter(query))),
         "/streams": QueryRoute(lambda query: server.streams(_node_filter(query))),
         "/flows": QueryRoute(lambda query: server.udp_mappings.flows(_node_filter(query))),
+        "/holds": server.holds.as_dict,
         # The running routes (the controller's, in controller mode) over the file's,
         # secrets redacted.
         "/config": lambda: redacted({

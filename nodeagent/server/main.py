@@ -51,6 +51,7 @@ from nodeagent.server.listeners import server_listeners
 from nodeagent.server.readiness import DEFAULT_READY_GRACE, ReadinessGate
 from nodeagent.server.reload import ServerReloader
 from nodeagent.server.server import Server
+from nodeagent.server.wakeclient import WakeClient
 from nodeagent.server.workers import (
     WorkerSlot,
     check_worker_config,
@@ -342,6 +343,9 @@ def run_server_cluster(args: argparse.Namespace) -> int:
                           log=log.bind(server=config.server_id))
     server.identity = link.keeper
     server.config_watch = link.status
+    wake_client = WakeClient(server.holds, link.post, config.server_id,
+                             lambda: server.routes.activity_interval,
+                             log.bind(server=config.server_id))
     state_dir: Path | None = getattr(args, "state_dir", None)
 
     async def apply(routes: RoutesConfig) -> None:
@@ -369,6 +373,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
             await nursery.start(functools.partial(
                 link.run, RoutesConfig, apply, running=running,
                 serve_before_identity=persisted is not None))
+            nursery.start_soon(wake_client.run)
             await serve_server(server, ssl_context, tls_source="flags",  # returns on SIGTERM/SIGINT
                                tls_fields=TLS_FLAGS, drain_seconds=args.drain_seconds,
                                shutdown_delay=args.shutdown_delay,

@@ -20,7 +20,14 @@ from nodeagent.config import (
     IngressRule,
     RoutesConfig,
 )
-from nodeagent.http.routetable import Backend, PathType, Route, RouteSpec, RouteTable
+from nodeagent.http.routetable import (
+    Backend,
+    PathType,
+    Route,
+    RouteSpec,
+    RouteTable,
+    WakeSpec,
+)
 from nodeagent.http.tls import CertStore, context_from_pem
 from nodeagent.ops.logs import StructuredLogger
 from nodeagent.runtime.gcpause import gc_paused
@@ -40,9 +47,13 @@ def build_route_table(listener: HttpListener) -> RouteTable:
 
 
 def _ingress_route(rule: IngressRule) -> Route:
+    wake = rule.wake
     return Route(name=rule.name, tls_redirect=rule.tls_redirect,
                  backend_protocol=rule.backend_protocol, backends=tuple(
-        Backend(node=b.node, host=b.target.host, port=b.target.port) for b in rule.backends))
+        Backend(node=b.node, host=b.target.host, port=b.target.port) for b in rule.backends),
+        wake=None if wake is None else WakeSpec(wake.service, wake.timeout,
+                                                wake.max_pending, wake.failure,
+                                                wake.starting_page))
 
 
 def build_ingress_table(ingress: IngressRoutes) -> tuple[RouteTable, list[str]]:

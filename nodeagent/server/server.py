@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from nodeagent import __version__
 from nodeagent.config import RoutesConfig, ServerConfig
 from nodeagent.configstream.client import WatchStatus
+from nodeagent.http.holds import HeldRequests
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
@@ -67,6 +68,8 @@ class Server:
         self.metrics = Metrics("server")
         self.log = log.bind(server=config.server_id)
         self.route_tables = RouteTables(config.routes(), self.log)
+        # Requests held for sleeping routes (scale to zero), shared by the Ingress fronts.
+        self.holds = HeldRequests()
         routes = self.route_tables.current
         self.metrics.config_version.set(self.routes.version)
         self.config_watch: WatchStatus | None = None
@@ -128,7 +131,8 @@ class Server:
         self.reloaders: dict[str, FileReloader[Any]] = {}
         # SIGHUP's last outcome (reload.ReloadOutcome.as_dict(); standalone only).
         self.last_reload: dict[str, Any] | None = None
-        self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats))
+        self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats,
+                                                self.holds))
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
             config.connect, routes=routes, open_stream=self.open_stream,
@@ -174,6 +178,7 @@ class Server:
             self.metrics.config_apply.labels("failed").observe(time.monotonic() - started)
             raise
         self.tunnel.replicas = routes.replicas  # announced from the next handshake on
+        self.holds.routes_changed()  # held requests look again: their route may be awake
         self.metrics.config_version.set(routes.version)
         self.log.info("routes applied", version=routes.version,
                       ingress_rules=len(routes.ingress.rules), certificates=certificates)
@@ -236,4 +241,5 @@ class Server:
             "last_reload": self.last_reload,
             "connect": self.connect.status() if self.connect else None,
             "dnat": self.dnat.status(),
+            "held_requests": self.holds.as_dict(),
         }

@@ -10,11 +10,17 @@ from nodeagent.config import NodeConfig
 from nodeagent.configstream.protocol import (
     HEARTBEAT_LINE,
     LineError,
+    activity_body,
     config_line,
     node_config_path,
+    parse_activity,
     parse_config_path,
     parse_line,
+    parse_report_path,
+    parse_wake,
+    report_path,
     servers_config_path,
+    wake_body,
 )
 
 
@@ -49,3 +55,33 @@ def test_the_heartbeat_is_an_empty_object() -> None:
 def test_a_line_that_is_not_an_object_is_refused(line: bytes) -> None:
     with pytest.raises(LineError):
         parse_line(line)
+
+
+def test_report_paths_and_bodies_round_trip() -> None:
+    assert parse_report_path(report_path("s1", "wake")) == ("wake", "s1")
+    assert parse_report_path(report_path("s1", "activity")) == ("activity", "s1")
+    for path in ("/v1/servers/s1/other", "/v1/servers//wake", "/v1/config/servers/s1",
+                 "/v1/servers/s1/wake/x"):
+        assert parse_report_path(path) is None
+    body = activity_body({"shop/web": (1.5, 0), "shop/api": (None, 3)})
+    assert parse_activity(body) == {"shop/web": (1.5, 0), "shop/api": (None, 3)}
+    assert parse_wake(wake_body("shop/web")) == "shop/web"
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"[]", b"{nope", b'{"services": []}', b'{"services": {"web": {}}}',
+    b'{"services": {"a/b/c": {}}}', b'{"services": {"a/b": 1}}',
+    b'{"services": {"a/b": {"idle": -1}}}', b'{"services": {"a/b": {"idle": "x"}}}',
+    b'{"services": {"a/b": {"in_flight": true}}}', b'{"services": {"a/b": {"in_flight": -2}}}',
+    b'{"services": {' + b",".join(b'"n/s%d": {}' % i for i in range(151)) + b"}}",
+])
+def test_bad_activity_reports_are_refused_with_a_clear_error(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_activity(body)
+
+
+@pytest.mark.parametrize("body", [b"", b"{}", b'{"service": 3}', b'{"service": "web"}',
+                                  b'{"service": "/web"}', b'{"service": "a/"}'])
+def test_bad_wake_requests_are_refused_with_a_clear_error(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_wake(body)

@@ -17,6 +17,7 @@ from nodeagent.configstream.client import WatchStatus, announced_idle_timeout, w
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.configserver import ConfigStreamServer, Identity, peer_identity
 from nodeagent.controller.servingtls import ServingTLS, service_names
+from nodeagent.ops.jsonhttp import Reply, json_reply
 from nodeagent.trust import pki
 from tunnel.backoff import Backoff
 
@@ -341,3 +342,29 @@ def test_per_address_caps_count_an_ipv4_address_or_an_ipv6_64() -> None:
     limits = ConnectionLimits(max_connections=10**6)
     assert limits.effective_max() == (10**6 if soft == resource.RLIM_INFINITY
                                       else max(1, min(10**6, soft - 128)))
+
+
+@pytest.mark.parametrize("who", ["node edge-1", "anonymous"])
+async def test_only_a_server_may_post_scale_to_zero_reports(nursery: trio.Nursery,
+                                                            who: str) -> None:
+    seen: list[tuple[str, str, bytes]] = []
+
+    async def reports(kind: str, server_id: str, body: bytes) -> Reply:
+        seen.append((kind, server_id, body))
+        return json_reply(202, {"state": "waking"})
+
+    dns, ips = service_names("nodeagent-controller", NS, ("127.0.0.1",))
+    server = ConfigStreamServer(ConfigVersions(), tls=ServingTLS(lambda: CA, dns, ips).context,
+                                reports=reports)
+    port = (await nursery.start(server.run, "127.0.0.1", 0))[0].socket.getsockname()[1]
+    contexts = {"node edge-1": node_context("edge-1"), "anonymous": ANONYMOUS}
+    for path in ("/v1/servers/s1/wake", "/v1/servers/s1/activity"):
+        status, body = await get(port, path, contexts[who], method="POST")
+        assert status == 403 and b'"reason":"forbidden"' in body, body
+    assert seen == [] and forbidden_count(server) == 2
+    status, body = await get(port, "/v1/servers/s1/wake", server_context("s1"),
+                             method="POST")
+    assert status == 202 and b"waking" in body
+    assert seen == [("wake", "s1", b"")]
+    status, _ = await get(port, "/v1/servers/s1/wake", server_context("s1"))
+    assert status == 405

@@ -10,8 +10,10 @@ conftest.py. `python -m nodeagent.testing.fakekube --port N` runs it as a separa
 applied workloads' flags) for the kubectl end-to-end test and `scripts/demo --cluster`.
 
 Known differences from kube-apiserver, in one place (each module says more):
-- Nothing runs: no scheduler, kubelet, Deployment/DaemonSet controller, garbage collector
-  or cloud load balancer; workload and Service status is written by whoever needs it.
+- Nothing runs by default: no scheduler, kubelet, Deployment/DaemonSet controller or cloud
+  load balancer; workload and Service status is written by whoever needs it. The optional
+  `workloads.WorkloadSimulator` (`--workloads`) stands in for the Deployment/StatefulSet,
+  kubelet and EndpointSlice controllers, roughly; the scale subresource is `scale.py`.
 - Types: only those nodeagent and its tests use (`registry.py`); no core v1 Endpoints and
   no events.k8s.io (kubectl describe reads core v1 Events, which are served).
 - Apply: server-side apply merges maps but replaces lists whole (`patch.py`).

@@ -1,7 +1,7 @@
 """Run the fake API server as its own process, for end-to-end tests with real processes.
 
     python -m nodeagent.testing.fakekube --port 0 --token admin --kubeconfig /tmp/kc \
-        [--tls] [--rbac]
+        [--tls] [--rbac] [--workloads --workload-start-delay S]
 
 Prints one JSON line on stdout once listening — {"url", "port", "kubeconfig"} — and serves
 until killed. Tests drive faults through the /_fake/ endpoints (see `control.py`).
@@ -18,6 +18,7 @@ import trio
 
 from nodeagent.testing.fakekube.server import FakeKube
 from nodeagent.testing.fakekube.store import DEFAULT_NAMESPACES
+from nodeagent.testing.fakekube.workloads import WorkloadSimulator
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,6 +36,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="auto-compact history beyond this many revisions")
     parser.add_argument("--namespace", action="append", default=[],
                         help="extra namespace to create (repeatable)")
+    parser.add_argument("--workloads", action="store_true",
+                        help="run the simulated workload controller (workloads.py)")
+    parser.add_argument("--workload-start-delay", type=float, default=1.0,
+                        help="seconds from a simulated pod's creation to Ready")
+    parser.add_argument("--workload-node", default="node-1",
+                        help="node of simulated pods whose template names none")
+    parser.add_argument("--workload-pod-ip", default="127.0.0.1",
+                        help="the address every simulated pod holds")
     args = parser.parse_args(argv)
 
     fake = FakeKube(token=args.token, tls=args.tls, bookmark_interval=args.bookmark_interval,
@@ -44,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(partial(fake.serve, host=args.host, port=args.port))
+            if args.workloads:
+                await nursery.start(WorkloadSimulator(
+                    fake.store, start_delay=args.workload_start_delay,
+                    node=args.workload_node, pod_ip=args.workload_pod_ip).run)
             if args.kubeconfig:
                 fake.write_kubeconfig(args.kubeconfig)
             print(json.dumps({"url": url, "port": fake.port, "kubeconfig": args.kubeconfig}),

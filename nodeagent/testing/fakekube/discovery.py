@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from nodeagent.testing.fakekube import scale
 from nodeagent.testing.fakekube.errors import no_such_resource
 from nodeagent.testing.fakekube.objects import Obj
 from nodeagent.testing.fakekube.registry import ResourceType
+from nodeagent.testing.fakekube.scale import has_scale
 
 SERVER_VERSION = {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fakekube",
                   "platform": "linux/amd64", "goVersion": "go1.22"}
@@ -52,6 +54,8 @@ def resource_list(types: Iterable[ResourceType], group: str, version: str) -> Ob
                 resources.append({"name": f"{rt.plural}/status", "singularName": "",
                                   "namespaced": rt.namespaced, "kind": rt.kind,
                                   "verbs": ["get", "patch", "update"]})
+            if has_scale(rt):
+                resources.append(scale.discovery_entry(rt))
     if not resources:
         raise no_such_resource()
     return {"kind": "APIResourceList", "apiVersion": "v1",

@@ -28,6 +28,7 @@ from nodeagent.testing.fakekube.reviews import (
     rules_review,
     token_review,
 )
+from nodeagent.testing.fakekube.scale import SCALE_VERBS, has_scale, serve_scale
 from nodeagent.testing.fakekube.store import Store
 from nodeagent.testing.fakekube.table import to_table, wants_table
 
@@ -99,6 +100,16 @@ class RestApi:
             raise no_such_resource()
         if not rt.namespaced and namespace is not None:
             raise no_such_resource()
+        if sub == "scale" and has_scale(rt) and name is not None:
+            verb = _verb(method, name, query)
+            if verb not in SCALE_VERBS:
+                raise ApiError(405, "MethodNotAllowed",
+                               "the server does not allow this method on the requested "
+                               "resource")
+            content_type = request.headers.get("content-type", "").split(";")[0].strip()
+            return json_response(200, serve_scale(
+                self._store, rt, version, namespace, name, verb or "", content_type,
+                request.body, query.get("fieldManager")))
         if sub not in (None, "status") or (sub == "status" and not rt.status):
             raise no_such_resource()
         verb = _verb(method, name, query)

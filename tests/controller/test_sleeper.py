@@ -1,0 +1,107 @@
+"""Scale to zero, the controller's writes, against the fake API server: waking writes the
+scale once however many replicas and requests ask at once; the leader's sleep records the
+count, scales to 0 and says so; nothing sleeps while a server reports requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from nodeagent.controller.sleeper import Sleeper, SleeperSettings
+from nodeagent.controller.wakeroutes import REPLICAS_BEFORE_SLEEP, read_state, wake_settings
+from nodeagent.kube import KubeClient, SharedInformers
+from nodeagent.kube.resources import ENDPOINTSLICES, PODS, SERVICES
+from nodeagent.testing.fakekube import FakeKube
+
+NS = "default"
+KEY = (NS, "web")
+
+
+def deployment(replicas: int, **annotations: str) -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "web", "namespace": NS, "annotations": annotations},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "web"}},
+                     "template": {"metadata": {"labels": {"app": "web"}},
+                                  "spec": {"containers": [{"name": "web", "image": "x"}]}}}}
+
+
+def service() -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {
+        "name": "web", "namespace": NS, "annotations": {
+            "nodeagent.io/idle-after": "1s", "nodeagent.io/workload": "deployment/web"}},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}
+
+
+async def sleepers(fake: FakeKube, kube: KubeClient, nursery: trio.Nursery, count: int,
+                   **settings: Any) -> list[Sleeper]:
+    informers = SharedInformers(kube)
+    caches = [informers.cache(r) for r in (SERVICES, ENDPOINTSLICES, PODS)]
+    await nursery.start(informers.run)
+    out = []
+    for _ in range(count):
+        sleeper = Sleeper(kube, *caches, settings=SleeperSettings(**settings))
+        got = wake_settings(service())
+        assert got is not None
+        sleeper.enabled = {KEY: got}
+        out.append(sleeper)
+    return out
+
+
+def scale_writes(fake: FakeKube) -> int:
+    return sum(1 for r in fake.requests if r.method in ("PUT", "PATCH") and r.status == 200
+               and r.path.endswith("/deployments/web/scale"))
+
+
+async def test_replicas_and_requests_waking_at_once_write_the_scale_once(
+        fake_kube: FakeKube, kube: KubeClient, nursery: trio.Nursery) -> None:
+    fake_kube.put_object(deployment(0, **{REPLICAS_BEFORE_SLEEP: "3"}))
+    fake_kube.put_object(service())
+    a, b = await sleepers(fake_kube, kube, nursery, 2)
+    answers: list[tuple[int, dict[str, Any]]] = []
+
+    async def ask(sleeper: Sleeper) -> None:
+        answers.append(await sleeper.wake(KEY, asked_by="s1"))
+
+    async with trio.open_nursery() as inner:
+        for sleeper in (a, b, a, b, a, b):
+            inner.start_soon(ask, sleeper)
+    assert [status for status, _ in answers] == [202] * 6, answers
+    assert scale_writes(fake_kube) == 1
+    got = fake_kube.get_object("deployments", "web", NS, group="apps")
+    assert got is not None and got["spec"]["replicas"] == 3
+    # Asked again once it is up: no write.
+    assert (await a.wake(KEY))[0] == 202 and scale_writes(fake_kube) == 1
+    # Not a sleepable Service: refused, nothing written.
+    status, doc = await a.wake((NS, "other"))
+    assert status == 404 and doc["reason"] == "not_sleepable"
+
+
+async def test_the_leader_sleeps_an_idle_workload_but_not_a_busy_one(
+        fake_kube: FakeKube, kube: KubeClient, nursery: trio.Nursery) -> None:
+    fake_kube.put_object(deployment(2))
+    fake_kube.put_object(service())
+    (leader,) = await sleepers(fake_kube, kube, nursery, 1, min_awake=0.0, tick=0.05,
+                               activity_interval=0.2)
+    # A server keeps reporting a request in flight: it stays up.
+    leader.report({f"{NS}/web": (0.0, 1)})
+    nursery.start_soon(leader.run, lambda: True)
+    with trio.move_on_after(0.3):
+        while True:
+            leader.report({f"{NS}/web": (0.0, 1)})
+            await trio.sleep(0.05)
+    got = fake_kube.get_object("deployments", "web", NS, group="apps")
+    assert got is not None and got["spec"]["replicas"] == 2
+    # Idle now: asleep after idle-after (1s), its count remembered, its state said.
+    def asleep() -> bool:
+        svc = fake_kube.get_object("services", "web", NS)
+        return svc is not None and read_state(svc).get("state") == "sleeping" and any(
+            e["reason"] == "Sleeping" for e in fake_kube.objects("events", namespace=NS))
+
+    with trio.fail_after(10):
+        while not asleep():  # noqa: ASYNC110
+            await trio.sleep(0.05)
+    got = fake_kube.get_object("deployments", "web", NS, group="apps")
+    assert got is not None and got["spec"]["replicas"] == 0
+    assert got["metadata"]["annotations"][REPLICAS_BEFORE_SLEEP] == "2"
+    assert leader.sleeps == 1 and scale_writes(fake_kube) == 1

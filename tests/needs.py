@@ -42,6 +42,7 @@ TOOLS: dict[str, str] = {
     "iperf3": "iperf3",
     "socat": "socat",
     "dnsperf": "dnsperf",
+    "dnsmasq": "dnsmasq-base",
 }
 
 NETNS = (ROOT, "ip", "sysctl")

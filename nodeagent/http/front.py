@@ -233,6 +233,8 @@ class HttpFront:
         close`; with `close_idle`, connections waiting for a next request close now."""
         if close_idle:
             self.closing.close_idle()
+            if self.pool is not None:
+                self.pool.drain()  # h2c upstreams close once their last stream ends
         else:
             self.closing.start()
 

@@ -5,16 +5,19 @@ real sockets, httpx clients, an h11 origin and an `h2` origin."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import ssl
 from typing import Any
 
 import hpack
 import httpx
 import hyperframe.frame as hf
+import pytest
 import trio
 import trustme
 
-from nodeagent.http import Backend, CertStore, Route, RouteSpec, TlsConfig
+from nodeagent.http import Backend, CertStore, Limits, Route, RouteSpec, TlsConfig
+from nodeagent.http.h2session import PREFACE
 from nodeagent.http.tls import context_from_pem
 from tests.http.helpers import H2Origin, RawH2, Upstream, running_front, start_tcp
 
@@ -212,3 +215,56 @@ async def test_a_backend_draining_with_goaway_finishes_its_calls(nursery: trio.N
             assert origin.goaways_sent == 1
             r = await c.get(f"{f.url}/after")
             assert r.status_code == 200 and r.json()["connection"] == 2
+
+
+async def test_bad_http2_input_ends_the_connection_cleanly(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    """Malformed HTTP/2 (a head without :path, an uppercase field name, a connection-
+    specific field, garbage frames, a preface cut short): GOAWAY or a close, counted as a
+    refusal, never a traceback; the front goes on serving."""
+    caplog.set_level(logging.INFO)
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    enc = hpack.Encoder()
+    good = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"app.test")]
+
+    def headers_frame(fields: list[tuple[bytes, bytes]]) -> bytes:
+        frame = hf.HeadersFrame(1)
+        frame.data = hpack.Encoder().encode(fields)
+        frame.flags.add("END_HEADERS")
+        frame.flags.add("END_STREAM")
+        return frame.serialize()
+
+    settings = PREFACE + hf.SettingsFrame(0).serialize()
+    attacks = [
+        settings + headers_frame(good),  # no :path
+        settings + headers_frame([*good, (b":path", b"/"), (b"X-Upper", b"1")]),
+        settings + headers_frame([*good, (b":path", b"/"), (b"connection", b"close")]),
+        settings + b"\x00\x00\x04\x08\x00\x00\x00\x00\x00" + b"\xff" * 4,  # bad WINDOW_UPDATE
+        # A frame announcing 16 MiB: refused once more than the largest allowed frame is
+        # in, not buffered to its end.
+        settings + b"\xff" * 9 + b"\x00" * 20_000,
+        PREFACE[:10],
+    ]
+    del enc
+    limits = Limits(header_timeout=1.0)
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        for data in attacks:
+            stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+            await stream.send_all(data)
+            with trio.fail_after(15):
+                got = b""
+                try:
+                    while chunk := await stream.receive_some(65536):
+                        got += chunk
+                except trio.BrokenResourceError:
+                    pass
+            await stream.aclose()
+        stats = f.front.stats
+        assert stats.refused_h2_protocol_error == 4, stats
+        assert stats.refused_h2_frame_too_large == 1, stats  # refused on its header
+        assert stats.refused_head_timeout == 1, stats  # the preface cut short
+        async with h2c_client() as c:
+            assert (await c.get(f"{f.url}/still")).json()["target"] == "/still"
+    for record in caplog.records:
+        assert record.exc_info is None and record.levelno < logging.ERROR, record.getMessage()

@@ -268,3 +268,24 @@ async def test_bad_http2_input_ends_the_connection_cleanly(
             assert (await c.get(f"{f.url}/still")).json()["target"] == "/still"
     for record in caplog.records:
         assert record.exc_info is None and record.levelno < logging.ERROR, record.getMessage()
+
+
+async def test_a_zero_window_stall_is_reset_after_the_idle_timeout(
+        nursery: trio.Nursery) -> None:
+    """A client that never opens its window holds one stream task and the windows, and
+    only until `idle_timeout`: then the stream is reset, counted, and the backend's stream
+    with it."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    limits = Limits(idle_timeout=1.0)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))],
+                             limits) as f:
+        client = await RawH2.connect(f.port)
+        sid = await client.request("/big?n=8388608")
+        with trio.fail_after(10):
+            while f.front.stats.refused_h2_window_stalled == 0:
+                await client.pump(0.2, grant=False)
+        await client.pump(0.5, grant=False)
+        assert client.body[sid] <= 65535 and sid not in client.ended
+        assert origin.resets_received == 1  # the backend's stream was reset too
+        await client.aclose()

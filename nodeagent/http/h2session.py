@@ -184,7 +184,7 @@ class H2Session:
         # a header announcing 16 MiB would have it buffer 16 MiB first. What it still holds
         # after a receive is at most one incomplete frame; more than the largest allowed
         # frame is an oversized one.
-        if self._pending_input() > self.conn.max_inbound_frame_size + 9:
+        if self.pending_input() > self.conn.max_inbound_frame_size + 9:
             self.goaway(h2.errors.ErrorCodes.FRAME_SIZE_ERROR)
             raise H2Refused("frame_too_large", "a frame over the announced frame size")
         out: list[H2Event] = []
@@ -223,7 +223,7 @@ class H2Session:
             # unknown frames: nothing to do.
         return out
 
-    def _pending_input(self) -> int:
+    def pending_input(self) -> int:
         """Bytes h2 holds of a frame not complete yet. Its frame buffer has no public size
         (`_data` in h2 4.2+, `data` before); tests/http/test_h2.py fails if this stops
         seeing it (an oversized frame would then wait for its last byte)."""

@@ -259,6 +259,10 @@ def test_requests_are_counted_per_route_by_protocol_and_grpc_status(
     method(grpc_channel, "Unary")(b"x", timeout=10)
     with pytest.raises(grpc.RpcError):
         method(grpc_channel, "Fail")(b"x", timeout=10)
+    deadline = time.monotonic() + 5
+    while count("public[1]", "grpc", "PERMISSION_DENIED") < denied + 1 and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
     assert count("public[1]", "grpc", "OK") == ok + 1
     assert count("public[1]", "grpc", "PERMISSION_DENIED") == denied + 1
     ch = channel(f"127.0.0.1:{site.http_port}", "gone.test")
@@ -270,7 +274,13 @@ def test_requests_are_counted_per_route_by_protocol_and_grpc_status(
     assert count("public[2]", "grpc", "UNAVAILABLE") >= 1
     h1 = count("public[0]", "h1", "2xx")
     curl("-H", "Host: app.test", f"http://127.0.0.1:{site.http_port}/")
-    curl("--http2-prior-knowledge", "-H", "Host: app.test", f"http://127.0.0.1:{site.http_port}/")
+    out = curl("--http2-prior-knowledge", "-H", "Host: app.test",
+               f"http://127.0.0.1:{site.http_port}/")
+    assert "path=/" in out.stdout, out
+    # Counted when the stream's task ends, just after the last frame went out.
+    deadline = time.monotonic() + 5
+    while count("public[0]", "h2", "2xx") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert count("public[0]", "h1", "2xx") == h1 + 1
     assert count("public[0]", "h2", "2xx") >= 1
 

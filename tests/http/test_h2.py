@@ -289,3 +289,30 @@ async def test_a_zero_window_stall_is_reset_after_the_idle_timeout(
         assert client.body[sid] <= 65535 and sid not in client.ended
         assert origin.resets_received == 1  # the backend's stream was reset too
         await client.aclose()
+
+
+async def test_a_slow_preface_or_frame_is_dropped_after_the_header_timeout(
+        nursery: trio.Nursery) -> None:
+    """Before its first request, or with a frame half-sent, an idle HTTP/2 connection gets
+    `header_timeout` (as an HTTP/1.1 head does), not `idle_timeout`."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    limits = Limits(header_timeout=0.5, idle_timeout=60)
+    head = hf.HeadersFrame(1)
+    head.data = hpack.Encoder().encode([(b":method", b"GET"), (b":scheme", b"http"),
+                                        (b":authority", b"a.test"), (b":path", b"/")])
+    head.flags.add("END_HEADERS")
+    head.flags.add("END_STREAM")
+    settings = PREFACE + hf.SettingsFrame(0).serialize()
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        for data in (settings, settings + head.serialize()[:12]):
+            stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+            await stream.send_all(data)
+            with trio.fail_after(10):  # idle_timeout would be 60 s
+                try:
+                    while await stream.receive_some(65536):
+                        pass
+                except trio.BrokenResourceError:
+                    pass
+            await stream.aclose()
+        assert f.front.stats.h2_connections == 2

@@ -79,6 +79,8 @@ def agent_rows(tunnel: TunnelServer) -> list[dict[str, Any]]:
         info = session.connection.info()
         agents.append({
             "node": node, "peer": info.peer,
+            # The agent's release, from its HELLO: what the version-skew policy is about.
+            "agent_version": session.connection.identity.get("agent_version"),
             "connected_seconds": round(time.time() - session.since, 1),
             "rtt_ms": round(info.rtt_seconds * 1000, 2) if info.rtt_seconds is not None
             else None,

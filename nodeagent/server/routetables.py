@@ -117,9 +117,10 @@ class RouteTables:
         served. ConfigError (and nothing changes) if the listeners would change."""
         old = self.routes
         if [m.model_dump() for m in routes.tcp] != [m.model_dump() for m in old.tcp] or \
+                [m.model_dump() for m in routes.udp] != [m.model_dump() for m in old.udp] or \
                 [h.listen for h in routes.http] != [h.listen for h in old.http]:
-            raise ConfigError("TCP mappings and HTTP listen addresses cannot change while "
-                              "running; restart the server for that")
+            raise ConfigError("TCP and UDP mappings and HTTP listen addresses cannot change "
+                              "while running; restart the server for that")
         tables = {i: build_route_table(h) for i, h in enumerate(routes.http)}
         ingress_table, refused = build_ingress_table(routes.ingress)
         certs, refused_certs = build_cert_store(routes.ingress)

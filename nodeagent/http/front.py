@@ -136,7 +136,8 @@ async def serve_http_connection(
 async def _sniff_preface(stream: trio.abc.Stream, limits: Limits) -> bytes | None:
     """The first bytes of a plaintext connection: enough to tell HTTP/2's preface from an
     HTTP/1.1 request (one read, more only while they are a strict prefix of the preface);
-    b"" when the client closed or broke, None when nothing came within `header_timeout`."""
+    b"" when the client closed or broke, None when they did not come within
+    `header_timeout` (answered 408 at once, as a head that does not arrive in time)."""
     data = b""
     with trio.move_on_after(limits.header_timeout):
         while True:
@@ -150,7 +151,7 @@ async def _sniff_preface(stream: trio.abc.Stream, limits: Limits) -> bytes | Non
             n = len(data)
             if n >= len(PREFACE) or data != PREFACE[:n]:
                 return data
-    return data or None
+    return None  # not even a whole preface (or request line start) in time: 408
 
 
 class HttpFront:
@@ -238,6 +239,8 @@ class HttpFront:
         close`; with `close_idle`, connections waiting for a next request close now."""
         if close_idle:
             self.closing.close_idle()
+            if self.pool is not None:
+                self.pool.drain()  # h2c upstreams close once their last stream ends
         else:
             self.closing.start()
 

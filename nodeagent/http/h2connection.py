@@ -83,11 +83,12 @@ class _Outcome:
     """How a stream's response went, filled as it goes: whether its head went out
     (`[0]`, errors can then only end it) and the gRPC status name seen."""
 
-    __slots__ = ("grpc", "started")
+    __slots__ = ("grpc", "started", "status")
 
     def __init__(self) -> None:
         self.started = False
         self.grpc = ""
+        self.status = 0
 
     def __getitem__(self, _: int) -> bool:
         return self.started
@@ -193,8 +194,12 @@ class H2Connection:
                 self._read_scope = scope
                 if not self.streams:
                     # Idle: wait for a next request at most idle_timeout, and not at all
-                    # once the front closes idle connections (drain).
-                    scope.deadline = trio.current_time() + limits.idle_timeout
+                    # once the front closes idle connections (drain). Before the first
+                    # request, or with a frame half-received, header_timeout, as for an
+                    # HTTP/1.1 head (a slow preface or frame holds a connection no longer).
+                    slow = self.last_taken == 0 or self.session.pending_input() > 0
+                    scope.deadline = trio.current_time() + (
+                        limits.header_timeout if slow else limits.idle_timeout)
                     closing.idle.add(scope)
                 try:
                     data = await self._receive()
@@ -346,6 +351,9 @@ class H2Connection:
         finally:
             # Per route, by protocol and result; a call the client cancelled counts as
             # CANCELLED (gRPC) or without a status (HTTP).
+            # The status sent, even when the task was cancelled after it (the client
+            # closed as soon as it had the whole response).
+            status = status or started.status
             if grpc:
                 stats.count_route(route.name, "grpc", status, started.grpc or "CANCELLED")
             else:
@@ -528,7 +536,7 @@ class H2Connection:
                 await wire.send_data(sid, cast(bytes, ev))
             elif t is ResponseStart:
                 start = cast(ResponseStart, ev)
-                status = start.status
+                status = started.status = start.status
                 self.stats.count_status(status)
                 started[0] = True
                 await wire.send_headers(sid, h2_response(status, start.headers), start.ended)

@@ -74,6 +74,9 @@ class H2Upstream:
         self.paths: dict[int, tuple[bytes, float]] = {}  # stream → (:path, opened at)
         self.closed = False
         self.goaway = False
+        self.closing = False
+        """The front drains: no new streams; the connection closes after its last."""
+        self._scope: trio.CancelScope = trio.CancelScope()
         self.requests = 0
         self._slot = trio.Event()
 
@@ -84,9 +87,12 @@ class H2Upstream:
         why = "closed by the backend"
         try:
             async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
                 await nursery.start(self.wire.run)
                 why = await self._read(task_status)
                 nursery.cancel_scope.cancel()
+            if self._scope.cancelled_caught and self.closing:
+                why = "closed: the front drains"
         finally:
             self.closed = True
             self.wire.broken = True
@@ -156,7 +162,15 @@ class H2Upstream:
 
     @property
     def usable(self) -> bool:
-        return not self.closed and not self.goaway and not self.wire.broken
+        return (not self.closed and not self.goaway and not self.closing
+                and not self.wire.broken)
+
+    def close_when_idle(self) -> None:
+        """No new streams; close now if none is in flight, else after the last one (a
+        server draining must not hold a tunnel stream open for an idle connection)."""
+        self.closing = True
+        if not self.inboxes:
+            self._scope.cancel()
 
     def _has_slot(self) -> bool:
         return len(self.inboxes) < min(self.max_streams, self.session.peer_max_streams)
@@ -186,6 +200,8 @@ class H2Upstream:
         self.paths.pop(sid, None)
         if self.inboxes.pop(sid, None) is not None:
             self._free_slot()
+            if self.closing and not self.inboxes:
+                self._scope.cancel()
 
     def streams_view(self) -> list[dict[str, object]]:
         """The h2 streams in flight on this connection (`nodeagent debug streams`)."""
@@ -338,6 +354,11 @@ class H2Pool:
         finally:
             if self.conns.get(conn.backend) is conn:
                 del self.conns[conn.backend]
+
+    def drain(self) -> None:
+        """The front drains: every connection closes once its streams in flight end."""
+        for conn in list(self.conns.values()):
+            conn.close_when_idle()
 
     def snapshot(self) -> list[dict[str, object]]:
         """The pool's connections for the debug views."""

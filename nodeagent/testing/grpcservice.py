@@ -7,13 +7,15 @@ cancelled, and which server answered.
 `ClientStream` answers the concatenated requests' length as decimal; `Bidi` echoes each
 message as it arrives; `Fail` aborts with PERMISSION_DENIED "nope: <request>"; `Hang`
 waits until the call is cancelled (its deadline or the client's cancel) and counts the
-cancellation in `GrpcEcho.cancelled`; `Who` answers the server's name.
+cancellation in `GrpcEcho.cancelled`; `Slow` answers after the request's number of
+seconds; `Who` answers the server's name.
 Needs the `grpcio` package (the test extra).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -67,6 +69,11 @@ class GrpcEcho:
         context.abort(grpc.StatusCode.PERMISSION_DENIED, "nope: " + request.decode())
         return b""
 
+    def slow(self, request: bytes, context: Any) -> bytes:
+        self._count()
+        time.sleep(float(request or b"1"))
+        return self.name.encode() + b":slow"
+
     def hang(self, request: bytes, context: Any) -> bytes:
         self._count()
         done = threading.Event()
@@ -85,6 +92,7 @@ class GrpcEcho:
             "Bidi": grpc.stream_stream_rpc_method_handler(self.bidi),
             "Fail": grpc.unary_unary_rpc_method_handler(self.fail),
             "Hang": grpc.unary_unary_rpc_method_handler(self.hang),
+            "Slow": grpc.unary_unary_rpc_method_handler(self.slow),
         }
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=OPTIONS)
         server.add_generic_rpc_handlers(

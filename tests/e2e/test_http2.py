@@ -6,6 +6,7 @@ as gRPC status, and each call balanced on its own across three endpoints on two 
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -258,6 +259,10 @@ def test_requests_are_counted_per_route_by_protocol_and_grpc_status(
     method(grpc_channel, "Unary")(b"x", timeout=10)
     with pytest.raises(grpc.RpcError):
         method(grpc_channel, "Fail")(b"x", timeout=10)
+    deadline = time.monotonic() + 5
+    while count("public[1]", "grpc", "PERMISSION_DENIED") < denied + 1 and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
     assert count("public[1]", "grpc", "OK") == ok + 1
     assert count("public[1]", "grpc", "PERMISSION_DENIED") == denied + 1
     ch = channel(f"127.0.0.1:{site.http_port}", "gone.test")
@@ -269,7 +274,9 @@ def test_requests_are_counted_per_route_by_protocol_and_grpc_status(
     assert count("public[2]", "grpc", "UNAVAILABLE") >= 1
     h1 = count("public[0]", "h1", "2xx")
     curl("-H", "Host: app.test", f"http://127.0.0.1:{site.http_port}/")
-    curl("--http2-prior-knowledge", "-H", "Host: app.test", f"http://127.0.0.1:{site.http_port}/")
+    out = curl("--http2-prior-knowledge", "-H", "Host: app.test",
+               f"http://127.0.0.1:{site.http_port}/")
+    assert "path=/" in out.stdout, out
     assert count("public[0]", "h1", "2xx") == h1 + 1
     # An h2 stream is counted when its handler ends, just after the client has the whole
     # answer: curl may exit first.
@@ -356,3 +363,42 @@ def test_h2_attacks_are_refused_with_bounded_cost(site: Site, kind: str, reason:
     out = curl("--http2-prior-knowledge", "-H", "Host: app.test",
                f"http://127.0.0.1:{site.http_port}/after-{kind}")
     assert f"path=/after-{kind}" in out.stdout, out
+
+
+def test_server_drain_lets_grpc_calls_in_flight_finish(tmp_path: Path, certs: Certs,
+                                                       upstream: Upstream) -> None:
+    """SIGTERM with gRPC calls in flight: the front sends GOAWAY, the calls finish with
+    their answers, the server exits well before its drain deadline (the idle shared h2c
+    connection does not hold it)."""
+    echo = GrpcEcho("d").start()
+    scfg = server_config(tmp_path, certs, upstream)
+    port = free_port()
+    scfg["http"] = [{"name": "public", "listen": _listen(port), "routes": [
+        {"node": "edge-1", "target": _listen(echo.port), "backend_protocol": "h2c"}]}]
+    server = NodeagentProcess("server", scfg, tmp_path, "server",
+                              extra_args=["--shutdown-delay", "0.5", "--drain-seconds", "20"]
+                              ).start()
+    agent = NodeagentProcess("agent", agent_config(tmp_path, certs, upstream, scfg["tunnel"],
+                                                   allow=[_listen(echo.port)]),
+                             tmp_path, "agent").start()
+    ch = channel(f"127.0.0.1:{port}", "grpc.test")
+    try:
+        server.wait_ready()
+        agent.wait_ready()
+        server.wait_for(lambda s: s["agents"], what="agent connected")
+        assert method(ch, "Unary")(b"x", timeout=10) == b"d:x"
+        calls = [method(ch, "Slow").future(b"2", timeout=30) for _ in range(3)]
+        threading.Event().wait(0.5)  # the calls reached the backend
+        started = time.monotonic()
+        server.signal(signal.SIGTERM)
+        assert [c.result() for c in calls] == [b"d:slow"] * 3
+        assert server.proc is not None
+        server.proc.wait(15)
+        assert time.monotonic() - started < 15
+    finally:
+        ch.close()
+        for proc in (server, agent):
+            proc.kill()
+        echo.stop()
+    for proc in (server, agent):
+        assert "Traceback" not in proc.logs(), proc.logs()

@@ -718,3 +718,52 @@ def test_every_role_in_controller_mode_exits_0_on_a_signal_without_a_traceback(
         assert "Traceback" not in proc.logs(), proc.logs()
         if proc.role == "agent":  # idle: its own config watch is no traffic to wait for
             assert "drained: nothing left in flight" in proc.logs(), proc.logs()
+
+
+def test_a_grpc_service_behind_an_ingress(cluster: dict[str, Any]) -> None:
+    """A Service port with `appProtocol: grpc` behind an Ingress: the controller carries
+    the backend protocol into the server's routes, and a stock grpcio client reaches the
+    service through the Ingress listener (h2c to the front, one shared h2c connection
+    to the pod through the tunnel), every kind of call and the statuses intact."""
+    import grpc
+
+    from nodeagent.testing.grpcservice import GrpcEcho, channel, method
+
+    api, port = cluster["api"], cluster["http"]
+    echo = GrpcEcho("pod").start()
+    ch = channel(f"127.0.0.1:{port}", "g.test")
+    try:
+        api.replace_status(NODES, "edge-1", None, {"addresses": [
+            {"type": "InternalIP", "address": "127.0.0.1"}]})
+        api.create(SERVICES, {"metadata": {"name": "greeter", "namespace": NS}, "spec": {
+            "ports": [{"name": "grpc", "port": 50051, "appProtocol": "grpc"}]}})
+        es = endpoint_slice(echo.port, [web_endpoint(api)])
+        es["metadata"] = {"name": "greeter-1", "namespace": NS,
+                          "labels": {"kubernetes.io/service-name": "greeter"}}
+        es["ports"][0]["name"] = "grpc"
+        api.create(ENDPOINTSLICES, es)
+        ing = ingress("g", "g.test", "/", service="greeter")
+        ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = {
+            "name": "grpc"}
+        api.create(INGRESSES, ing)
+        unary = method(ch, "Unary")
+
+        def served() -> bool:
+            try:
+                return bool(unary(b"hi", timeout=5) == b"pod:hi")
+            except grpc.RpcError:
+                return False
+
+        wait_for(served, "the gRPC route", timeout=20)
+        assert list(method(ch, "ServerStream", "unary_stream")(b"3", timeout=10)) == [
+            b"pod:0", b"pod:1", b"pod:2"]
+        assert list(method(ch, "Bidi", "stream_stream")(iter([b"a", b"b"]), timeout=10)) == [
+            b"a", b"b"]
+        with pytest.raises(grpc.RpcError) as info:
+            method(ch, "Fail")(b"k", timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        routes = cluster["server"].status()
+        assert routes["http"]["ingress-http"]["grpc_requests"] >= 4
+    finally:
+        ch.close()
+        echo.stop()

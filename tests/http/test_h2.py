@@ -5,16 +5,19 @@ real sockets, httpx clients, an h11 origin and an `h2` origin."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import ssl
 from typing import Any
 
 import hpack
 import httpx
 import hyperframe.frame as hf
+import pytest
 import trio
 import trustme
 
-from nodeagent.http import Backend, CertStore, Route, RouteSpec, TlsConfig
+from nodeagent.http import Backend, CertStore, Limits, Route, RouteSpec, TlsConfig
+from nodeagent.http.h2session import PREFACE
 from nodeagent.http.tls import context_from_pem
 from tests.http.helpers import H2Origin, RawH2, Upstream, running_front, start_tcp
 
@@ -212,3 +215,104 @@ async def test_a_backend_draining_with_goaway_finishes_its_calls(nursery: trio.N
             assert origin.goaways_sent == 1
             r = await c.get(f"{f.url}/after")
             assert r.status_code == 200 and r.json()["connection"] == 2
+
+
+async def test_bad_http2_input_ends_the_connection_cleanly(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    """Malformed HTTP/2 (a head without :path, an uppercase field name, a connection-
+    specific field, garbage frames, a preface cut short): GOAWAY or a close, counted as a
+    refusal, never a traceback; the front goes on serving."""
+    caplog.set_level(logging.INFO)
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    enc = hpack.Encoder()
+    good = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"app.test")]
+
+    def headers_frame(fields: list[tuple[bytes, bytes]]) -> bytes:
+        frame = hf.HeadersFrame(1)
+        frame.data = hpack.Encoder().encode(fields)
+        frame.flags.add("END_HEADERS")
+        frame.flags.add("END_STREAM")
+        return frame.serialize()
+
+    settings = PREFACE + hf.SettingsFrame(0).serialize()
+    attacks = [
+        settings + headers_frame(good),  # no :path
+        settings + headers_frame([*good, (b":path", b"/"), (b"X-Upper", b"1")]),
+        settings + headers_frame([*good, (b":path", b"/"), (b"connection", b"close")]),
+        settings + b"\x00\x00\x04\x08\x00\x00\x00\x00\x00" + b"\xff" * 4,  # bad WINDOW_UPDATE
+        # A frame announcing 16 MiB: refused once more than the largest allowed frame is
+        # in, not buffered to its end.
+        settings + b"\xff" * 9 + b"\x00" * 20_000,
+        PREFACE[:10],
+    ]
+    del enc
+    limits = Limits(header_timeout=1.0)
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        for data in attacks:
+            stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+            await stream.send_all(data)
+            with trio.fail_after(15):
+                got = b""
+                try:
+                    while chunk := await stream.receive_some(65536):
+                        got += chunk
+                except trio.BrokenResourceError:
+                    pass
+            await stream.aclose()
+        stats = f.front.stats
+        assert stats.refused_h2_protocol_error == 4, stats
+        assert stats.refused_h2_frame_too_large == 1, stats  # refused on its header
+        assert stats.refused_head_timeout == 1, stats  # the preface cut short
+        async with h2c_client() as c:
+            assert (await c.get(f"{f.url}/still")).json()["target"] == "/still"
+    for record in caplog.records:
+        assert record.exc_info is None and record.levelno < logging.ERROR, record.getMessage()
+
+
+async def test_a_zero_window_stall_is_reset_after_the_idle_timeout(
+        nursery: trio.Nursery) -> None:
+    """A client that never opens its window holds one stream task and the windows, and
+    only until `idle_timeout`: then the stream is reset, counted, and the backend's stream
+    with it."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    limits = Limits(idle_timeout=1.0)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))],
+                             limits) as f:
+        client = await RawH2.connect(f.port)
+        sid = await client.request("/big?n=8388608")
+        with trio.fail_after(10):
+            while f.front.stats.refused_h2_window_stalled == 0:
+                await client.pump(0.2, grant=False)
+        await client.pump(0.5, grant=False)
+        assert client.body[sid] <= 65535 and sid not in client.ended
+        assert origin.resets_received == 1  # the backend's stream was reset too
+        await client.aclose()
+
+
+async def test_a_slow_preface_or_frame_is_dropped_after_the_header_timeout(
+        nursery: trio.Nursery) -> None:
+    """Before its first request, or with a frame half-sent, an idle HTTP/2 connection gets
+    `header_timeout` (as an HTTP/1.1 head does), not `idle_timeout`."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    limits = Limits(header_timeout=0.5, idle_timeout=60)
+    head = hf.HeadersFrame(1)
+    head.data = hpack.Encoder().encode([(b":method", b"GET"), (b":scheme", b"http"),
+                                        (b":authority", b"a.test"), (b":path", b"/")])
+    head.flags.add("END_HEADERS")
+    head.flags.add("END_STREAM")
+    settings = PREFACE + hf.SettingsFrame(0).serialize()
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        for data in (settings, settings + head.serialize()[:12]):
+            stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+            await stream.send_all(data)
+            with trio.fail_after(10):  # idle_timeout would be 60 s
+                try:
+                    while await stream.receive_some(65536):
+                        pass
+                except trio.BrokenResourceError:
+                    pass
+            await stream.aclose()
+        assert f.front.stats.h2_connections == 2

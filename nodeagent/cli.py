@@ -1,7 +1,8 @@
 """The `nodeagent` command line: one program, one subcommand per role.
 
 Exit codes: 0 success, 1 a runtime failure (the demo saw no traffic, a debug socket is not
-there), 2 a usage or config error (nothing was started).
+there), 2 a usage or config error (nothing was started), 3 a setting this host cannot honour
+at start (a port in use, a missing capability: StartupFailed; nothing was started).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from pathlib import Path
 from typing import TypeAlias
 
 from nodeagent import __version__
-from nodeagent.config import ConfigError
+from nodeagent.config import ConfigError, StartupFailed
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
 
 DESCRIPTION = """\
 nodeagent connects Kubernetes nodes that sit behind NAT to a cloud side. Each node's
@@ -28,6 +29,7 @@ roles:
   nodeagent controller                      in a cluster: computes config from the Kubernetes API
 
 tools:
+  nodeagent certs ca|server|node|token      CA, certificates and tokens for standalone TLS
   nodeagent debug status|tunnels|streams    what a local agent or server is doing
   nodeagent demo                            server + agent + sample service on loopback
 """
@@ -42,7 +44,8 @@ Config files are YAML; see examples/ and README.md.
 """
 
 
-DEBUG_VIEWS = ("status", "tunnels", "streams", "config", "rules", "holds", "metrics")
+DEBUG_VIEWS = ("status", "tunnels", "streams", "flows", "config", "rules", "holds",
+               "metrics")
 DEBUG_DESCRIPTION = """\
 Read the node-local debug socket of a running agent or server and print what it is doing.
 
@@ -54,7 +57,10 @@ views:
   streams   each stream now open: id, direction (to-node: the server opened it, for an
             Ingress, a TCP mapping or a CONNECT client; from-node: the agent did, for
             intercepted pod traffic or the controller), target, bytes toward the target
-            and back, age, and who opened it
+            and back, age, and who opened it (a UDP flow is a stream to a udp:// target)
+  flows     server: each UDP mapping with its drops by reason, then each flow: client
+            address, node, target, state, datagrams and bytes each way, idle time, age;
+            agent: pods' intercepted UDP flows (client, original destination, rule, via)
   config    the config in use, with its version (secret values shown as [redacted])
   rules     interception rules as applied in the kernel, next to the model (agent)
   holds     requests held for sleeping routes (scale to zero), per Service: how many
@@ -112,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log lines as key=value text or JSON objects (default: text)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for add in (add_server_parser, add_agent_parser, add_controller_parser,
-                add_debug_parser, add_demo_parser):
+                add_certs_parser, add_debug_parser, add_demo_parser):
         add(sub)
     return parser
 
@@ -323,6 +329,123 @@ def add_controller_parser(sub: Subcommands) -> None:
 
 
 
+CERTS_DESCRIPTION = """\
+Make the files standalone TLS needs, in the current directory (--dir elsewhere). Keys and
+tokens are written mode 0600, certificates 0644; an existing file is never replaced
+without --force.
+
+  1. nodeagent certs ca                             ca.crt, ca.key (keep ca.key here)
+  2. nodeagent certs server --name HOST [--ip IP]   server.crt, server.key for the names
+                                                    and addresses agents dial
+  3. either a token per node (simplest):
+     nodeagent certs token NODE                     NODE.token, for the server and the node
+     or a client certificate per node (mutual TLS):
+     nodeagent certs node NODE                      NODE.crt, NODE.key for the node
+
+The server uses server.crt/server.key (tls.cert_file, tls.key_file) and, for mutual TLS,
+ca.crt as tls.client_ca_file; agents use ca.crt as tls.ca_file. A node certificate names
+its node only in its URI SAN nodeagent://node/NODE (with clientAuth usage), which is what
+the server reads; the CN is for people.
+"""
+
+CERTS_EPILOG = """\
+examples:
+  nodeagent certs ca --dir /etc/nodeagent/pki
+  nodeagent certs server --dir /etc/nodeagent/pki --name tunnel.example.com --ip 203.0.113.7
+  nodeagent certs node edge-1 --days 90
+  nodeagent certs token edge-2
+"""
+
+
+def add_certs_parser(sub: Subcommands) -> None:
+    """`nodeagent certs ca|server|node|token`: files for standalone TLS (trust/certfiles)."""
+    certs = sub.add_parser(
+        "certs", help="make a CA, server and node certificates, and tokens",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=CERTS_DESCRIPTION, epilog=CERTS_EPILOG)
+    kinds = certs.add_subparsers(dest="kind", metavar="KIND", parser_class=_Parser)
+    kinds.required = True
+
+    def common(parser: argparse.ArgumentParser, *, days: float | None) -> None:
+        parser.add_argument("--dir", type=Path, default=Path("."), metavar="DIR",
+                            help="where to write (and find ca.crt, ca.key); default: here")
+        parser.add_argument("--force", action="store_true",
+                            help="replace files that exist (a new CA key makes every "
+                                 "certificate of the old one useless)")
+        if days is not None:
+            parser.add_argument("--days", type=float, default=days, metavar="N",
+                                help=f"validity in days (default {days:g})")
+
+    def signed_by(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--ca", type=Path, metavar="FILE",
+                            help="the CA certificate (default DIR/ca.crt)")
+        parser.add_argument("--ca-key", type=Path, metavar="FILE",
+                            help="its key (default DIR/ca.key)")
+
+    ca = kinds.add_parser("ca", help="a CA: ca.crt and ca.key",
+                          description="A CA that signs the server's and the nodes' "
+                                      "certificates: ca.crt and ca.key (mode 0600).")
+    ca.add_argument("--name", default="nodeagent CA", metavar="CN",
+                    help="the CA's common name (default 'nodeagent CA')")
+    common(ca, days=3650)
+    server = kinds.add_parser(
+        "server", help="the tunnel server's certificate",
+        description="The tunnel server's certificate (serverAuth) for every name and "
+                    "address agents dial: server.crt, server.key (mode 0600).")
+    server.add_argument("--name", action="append", default=[], metavar="HOST",
+                        help="a DNS name agents dial (repeatable; *.domain for a wildcard)")
+    server.add_argument("--ip", action="append", default=[], metavar="ADDRESS",
+                        help="an IP address agents dial (repeatable)")
+    server.add_argument("--out", default="server", metavar="NAME",
+                        help="file names NAME.crt, NAME.key (default server)")
+    signed_by(server)
+    common(server, days=365)
+    node = kinds.add_parser(
+        "node", help="a node's client certificate (mutual TLS)",
+        description="A node's client certificate for mutual TLS: URI SAN "
+                    "nodeagent://node/NODE and clientAuth, which the server checks (the "
+                    "HELLO's node must match it): NODE.crt, NODE.key (mode 0600).")
+    node.add_argument("node", metavar="NODE", help="the node's name (a lower-case DNS name)")
+    signed_by(node)
+    common(node, days=365)
+    token = kinds.add_parser(
+        "token", help="a random token for a node",
+        description="A random token (128 bits as 32 hex characters) for one node: "
+                    "NODE.token (mode 0600); '*' makes shared.token, a token any node may "
+                    "present (a lab convenience).")
+    token.add_argument("node", metavar="NODE", help="the node the token registers")
+    common(token, days=None)
+
+
+def run_certs(args: argparse.Namespace) -> int:
+    from nodeagent.trust import certfiles
+
+    try:
+        if args.kind == "ca":
+            written = certfiles.make_ca(args.dir, name=args.name, days=args.days,
+                                        force=args.force)
+        elif args.kind == "server":
+            written = certfiles.make_server(args.dir, names=args.name, ips=args.ip,
+                                            out=args.out, ca_cert=args.ca,
+                                            ca_key=args.ca_key, days=args.days,
+                                            force=args.force)
+        elif args.kind == "node":
+            written = certfiles.make_node(args.dir, args.node, ca_cert=args.ca,
+                                          ca_key=args.ca_key, days=args.days,
+                                          force=args.force)
+        else:
+            written = certfiles.make_token(args.dir, args.node, force=args.force)
+    except certfiles.CertFilesError as exc:
+        print(f"nodeagent certs {args.kind}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"nodeagent certs {args.kind}: {exc.filename or args.dir}: {exc.strerror}",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    sys.stdout.write(written.report())
+    return EXIT_OK
+
+
 def add_debug_parser(sub: Subcommands) -> None:
     """`nodeagent debug VIEW`: read a running agent's or server's debug socket."""
     debug = sub.add_parser(
@@ -330,7 +453,7 @@ def add_debug_parser(sub: Subcommands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=DEBUG_DESCRIPTION, epilog=DEBUG_EPILOG)
     debug.add_argument("what", choices=DEBUG_VIEWS, metavar="VIEW",
-                       help="status | tunnels | streams | config | rules | metrics "
+                       help="status | tunnels | streams | flows | config | rules | metrics "
                             "(see above)")
     debug.add_argument("--socket", type=Path, default=None, metavar="PATH",
                        help="debug socket (default: the agent's, else the server's: "
@@ -368,6 +491,44 @@ def _watch_before_view(argv: Sequence[str]) -> list[str]:
             out.insert(i + 1, "2")
             break
     return out
+
+
+# Controller mode has no file: a setting is named by the flag that sets it.
+FLAG_FOR_SETTING = {
+    "tunnel": "--tunnel-listen", "ingress_http": "--ingress-http",
+    "ingress_https": "--ingress-https", "metrics_listen": "--metrics-listen",
+    "debug_socket": "--debug-socket", "connect.listen": "--connect-listen",
+    "connect.uds": "--connect-uds",
+}
+
+
+def _startup_failure(exc: BaseException) -> StartupFailed | None:
+    """The StartupFailed a role ended with, out of the exception groups of its nurseries
+    (with the cancellations it caused); None for anything else, which is a bug."""
+    if isinstance(exc, StartupFailed):
+        return exc
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    import trio
+
+    failed, rest = exc.split(StartupFailed)
+    if failed is None or (rest is not None and rest.split(trio.Cancelled)[1] is not None):
+        return None
+    first: BaseException = failed
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first if isinstance(first, StartupFailed) else None
+
+
+def _source(args: argparse.Namespace) -> str:
+    config = getattr(args, "config", None)
+    return str(config) if config is not None else "flags"
+
+
+def _setting(args: argparse.Namespace, failed: StartupFailed) -> str:
+    if getattr(args, "config", None) is None and failed.setting in FLAG_FOR_SETTING:
+        return f"{FLAG_FOR_SETTING[failed.setting]}: {failed.detail}"
+    return str(failed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "controller":
             from nodeagent.controller.main import run_controller
             return run_controller(args)
+        if args.command == "certs":
+            return run_certs(args)
         if args.command == "debug":
             from nodeagent.ops.debugcli import run_debug
             return run_debug(args.what, args.socket, as_json=args.json, node=args.node,
@@ -426,6 +589,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK
+    except (StartupFailed, BaseExceptionGroup) as exc:
+        failed = _startup_failure(exc)
+        if failed is None:
+            raise
+        print(f"nodeagent {args.command}: {_source(args)}: {_setting(args, failed)}",
+              file=sys.stderr)
+        return EXIT_STARTUP
     parser.error(f"unknown command {args.command}")
     return EXIT_USAGE
 

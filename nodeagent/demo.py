@@ -30,6 +30,7 @@ import httpx
 import trio
 import yaml
 
+from nodeagent.ops.debugcli import program_command
 from nodeagent.trust import pki
 
 NODE = "demo-node"
@@ -196,9 +197,10 @@ async def _with_stack(tmp: Path, token: str, service_port: int, seconds: float |
         ok = await _traffic(tmp, service_port, tcp_port, http_port)
         _say("\nthe stack keeps running; try it yourself:")
         _say(f"  curl -H 'Host: {HOST}' http://127.0.0.1:{http_port}/")
-        _say(f"  nodeagent debug status --socket {tmp / 'agent.sock'}")
-        _say(f"  nodeagent debug tunnels --socket {tmp / 'server.sock'}")
-        _say(f"  nodeagent debug streams --socket {tmp / 'agent.sock'} --watch")
+        nodeagent = program_command()
+        _say(f"  {nodeagent} debug status --socket {tmp / 'agent.sock'}")
+        _say(f"  {nodeagent} debug tunnels --socket {tmp / 'server.sock'}")
+        _say(f"  {nodeagent} debug streams --socket {tmp / 'agent.sock'} --watch")
         if seconds is None:
             _say("press Ctrl-C to stop")
             await trio.sleep_forever()

@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 from cryptography import x509
 
+from nodeagent.ops.debugcli import program_command
 from nodeagent.testing.fakekube.kubectl import KUBECTL
 from nodeagent.testing.fakekube.localcluster import (
     MANIFESTS,
@@ -125,8 +126,15 @@ class Demo:
                 {"apiVersion": "nodeagent.io/v1alpha1", "kind": "ClusterTunnel",
                  "metadata": {"name": "demo"},
                  "spec": {"serverUrl": tunnel_url, "allowedNodePorts": [10250]}})
+        # The kubelet's status: its address, and Ready (what `kubectl get nodes` shows).
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         k.ok("patch", "node", NODE, "--subresource=status", "--type=merge", "-p", json.dumps(
-            {"status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}}))
+            {"status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+                        "conditions": [{"type": "Ready", "status": "True",
+                                        "reason": "KubeletReady",
+                                        "message": "kubelet is posting ready status",
+                                        "lastHeartbeatTime": now,
+                                        "lastTransitionTime": now}]}}))
         # The sample backend's Pod, placed and started as the kubelet would: the endpoint
         # in hello.yaml names it, and the controller believes an endpoint only for a Pod
         # of the Service's namespace on that node holding that address.
@@ -244,7 +252,7 @@ Try it (in another terminal, from this checkout):
   kubectl apply -f {tmp}/hello.yaml
   curl -H 'Host: {HOST}' http://127.0.0.1:{http}/
   kubectl describe ingress hello
-  nodeagent debug --socket {tmp}/agent.sock status
+  {program_command()} debug --socket {tmp}/agent.sock status
 
 Ctrl-C stops everything."""
 

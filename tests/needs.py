@@ -34,8 +34,35 @@ TOOLS: dict[str, str] = {
     "ssh": "openssh-client",
     "sshuttle": "sshuttle",
     "wrk": "wrk",
-    # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py)
+    # a real HTTPS-proxy client for the CONNECT front (tests/e2e/test_connect.py), and an
+    # HTTP/2 client for the front (tests/e2e/test_http2.py)
     "curl": "curl",
+    # starting a process without a capability (tests/e2e/test_startup_errors.py)
+    "setpriv": "util-linux",
+    # the newcomer test: a clone, and namespaces of its own (tests/e2e/test_newcomer.py)
+    "git": "git",
+    "nsenter": "util-linux",
+    "unshare": "util-linux",
+    # real forward proxies an agent dials its server through (tests/e2e/test_proxy.py)
+    "tinyproxy": "tinyproxy",
+    "microsocks": "microsocks",
+    # h2load, the HTTP/2 load generator (scripts/bench/h2.py)
+    "h2load": "nghttp2-client",
+    # UDP through the tunnel: a real DNS client (tests/e2e/test_udp.py) and the UDP
+    # benchmark's load generators and baseline relay (scripts/bench/udp.py)
+    "dig": "dnsutils",
+    "iperf3": "iperf3",
+    "socat": "socat",
+    "dnsperf": "dnsperf",
+}
+
+# Tools only slow tests need (`scripts/test -m slow`): scripts/test installs them only
+# for a run that selects slow tests, so the default run (CI) never pulls in a container
+# engine. The image build and smoke test (tests/e2e/test_image.py, scripts/image.py).
+SLOW_TOOLS: dict[str, str] = {
+    "podman": "podman",
+    "runc": "runc",
+    "debootstrap": "debootstrap",
 }
 
 NETNS = (ROOT, "ip", "sysctl")
@@ -54,7 +81,8 @@ def unmet(needs: Iterable[str]) -> tuple[str, str] | None:
     installed"); `reason` is the skip reason, naming the package and what to do.
     """
     wanted = list(dict.fromkeys(needs))
-    unknown = [n for n in wanted if n != ROOT and n not in TOOLS]
+    packages = {**TOOLS, **SLOW_TOOLS}
+    unknown = [n for n in wanted if n != ROOT and n not in packages]
     if unknown:
         raise ValueError(f"needs({', '.join(unknown)}): not in tests/needs.py's TOOLS table")
     if ROOT in wanted and os.geteuid() != 0:
@@ -62,19 +90,21 @@ def unmet(needs: Iterable[str]) -> tuple[str, str] | None:
                             "run scripts/test as root")
     for tool in wanted:
         if tool != ROOT and shutil.which(tool) is None:
-            package = TOOLS[tool]
+            package = packages[tool]
             return (f"{package} not installed",
                     f"needs `{tool}` (Debian package {package}), which is not installed; "
                     f"{_hint()}")
     return None
 
 
-def missing_packages() -> list[str]:
-    """Debian packages of every tool in the table that is not on PATH, in table order."""
-    return list(dict.fromkeys(pkg for tool, pkg in TOOLS.items() if shutil.which(tool) is None))
+def missing_packages(slow: bool = False) -> list[str]:
+    """Debian packages of every tool in the table that is not on PATH, in table order;
+    with `slow`, the slow tests' tools too."""
+    table = {**TOOLS, **SLOW_TOOLS} if slow else TOOLS
+    return list(dict.fromkeys(pkg for tool, pkg in table.items() if shutil.which(tool) is None))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--missing-packages"]:
-        sys.exit("usage: python3 tests/needs.py --missing-packages")
-    print(" ".join(missing_packages()))
+    if sys.argv[1:] not in (["--missing-packages"], ["--missing-packages", "--slow"]):
+        sys.exit("usage: python3 tests/needs.py --missing-packages [--slow]")
+    print(" ".join(missing_packages(slow=sys.argv[2:] == ["--slow"])))

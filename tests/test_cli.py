@@ -234,3 +234,25 @@ def test_controller_mode_flags_set_the_servers_handshake_admission(tmp_path: Pat
     assert config.tunnel.url == "tls://0.0.0.0:9443"
     with pytest.raises(ConfigError, match="handshake_rate"):
         server_config_from_flags(build_parser().parse_args([*base, "--handshake-rate", "0"]))
+
+
+def test_a_startup_failure_is_found_inside_the_nurseries_groups() -> None:
+    """What a role's trio.run raises when a listener cannot bind: the failure inside
+    nested exception groups, beside the cancellations it caused; anything else there is
+    a bug and is not hidden."""
+    import argparse
+
+    import trio
+
+    from nodeagent.config import StartupFailed
+
+    failed = StartupFailed("metrics_listen", "cannot listen on 0.0.0.0:9090: in use")
+    cancelled = trio.Cancelled._create()  # type: ignore[attr-defined]
+    nested = BaseExceptionGroup("outer", [cancelled, BaseExceptionGroup("inner", [failed])])
+    assert cli._startup_failure(nested) is failed
+    assert cli._startup_failure(BaseExceptionGroup("x", [failed, ValueError()])) is None
+    flags = argparse.Namespace(config=None)
+    assert cli._setting(flags, failed) == "--metrics-listen: cannot listen on 0.0.0.0:9090: in use"
+    from_file = argparse.Namespace(config=Path("server.yaml"))
+    assert cli._setting(from_file, failed) == str(failed)
+    assert cli._source(from_file) == "server.yaml" and cli._source(flags) == "flags"

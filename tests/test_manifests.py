@@ -262,9 +262,12 @@ def test_controller_and_server_run_as_non_root() -> None:
 
 def test_containerfile_essentials() -> None:
     text = (ROOT / "Containerfile").read_text()
-    froms = re.findall(r"^FROM (\S+)", text, re.M)
-    assert len(froms) == 2, "multi-stage: build, then runtime"
-    assert all(re.search(r":\d+\.\d+\.\d+", image) for image in froms), "pinned bases"
+    base = re.search(r"^ARG BASE=(\S+)$", text, re.M)
+    assert base and re.search(r":\d+\.\d+\.\d+-slim", base.group(1)), "a pinned default base"
+    assert re.findall(r"^FROM (\S+)", text, re.M) == [
+        "${BASE}", "scratch", "${BASE}"], "wheel build, the wheels, then the runtime"
+    assert "--require-hashes -r requirements.lock" in text, "wheels from the lock"
+    assert "--require-hashes -r /wheels/requirements.lock" in text, "installed from the lock"
     assert re.search(r"^USER 65532", text, re.M), "non-root by default"
     assert not re.search(r"^ADD https?://", text, re.M)
     for package in ("nftables", "iptables", "iproute2"):
@@ -513,3 +516,25 @@ def test_the_control_plane_server_variant_serves_the_egress_selectors_socket() -
     assert security["capabilities"] == {"drop": ["ALL"]}
     assert security["allowPrivilegeEscalation"] is False
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_a_udp_cluster_tunnel_passes_the_crd_schema_and_the_model() -> None:
+    """Kubernetes' spelling (protocol: UDP), DNS by zone, udp egress: what the API server
+    accepts is what the controller parses."""
+    tunnel = {"apiVersion": "nodeagent.io/v1alpha1", "kind": "ClusterTunnel",
+              "metadata": {"name": "dns"},
+              "spec": {"egress": [{"cidr": "10.200.0.10/32", "ports": ["53"],
+                                   "protocol": "UDP"},
+                                  {"cidr": "10.200.0.0/24", "protocol": "udp"}],
+                       "intercept": {"mode": "tproxy", "rules": [{
+                           "name": "cloud-dns", "protocol": "UDP",
+                           "destinations": ["10.96.0.10/32"], "ports": [53],
+                           "dns_zones": ["svc.cloud.internal"],
+                           "dns_resolver": "10.200.0.10:53"}]}}}
+    schema = _crd_schema()
+    assert structural.prune(tunnel, schema, root=True) == tunnel
+    assert structural.validate(tunnel, schema, root=True) == []
+    spec = parse_cluster_tunnel(tunnel)
+    assert spec.intercept is not None
+    assert spec.intercept.rules[0].protocol == "udp"
+    assert spec.egress[0].protocol == "udp" and spec.egress[1].protocol == "udp"

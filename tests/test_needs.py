@@ -56,6 +56,21 @@ def test_the_script_lists_missing_packages_for_scripts_test(tmp_path: Path) -> N
     assert out == list(dict.fromkeys(needs.TOOLS.values()))
 
 
+def test_slow_tools_are_installed_only_for_a_slow_run(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert "podman" not in needs.missing_packages()
+    assert {"podman", "runc", "debootstrap"} <= set(needs.missing_packages(slow=True))
+    assert needs.unmet(["podman"]) == (
+        "podman not installed",
+        "needs `podman` (Debian package podman), which is not installed; "
+        "install it with the system's package manager")
+    out = subprocess.run([sys.executable, "tests/needs.py", "--missing-packages", "--slow"],
+                         cwd=REPO, capture_output=True, text=True,
+                         env={"PATH": str(tmp_path)}, check=True).stdout.split()
+    assert out[-3:] == ["podman", "runc", "debootstrap"]
+
+
 def test_tests_needing_missing_tools_are_skipped_and_summed_up(tmp_path: Path) -> None:
     """The netfilter tests on a machine without `ip` and `nft` (PATH holds nothing)."""
     result = pytest_run("-q", "tests/netfilter/test_detect.py", env={"PATH": str(tmp_path)})

@@ -49,6 +49,7 @@ from tunnel.endpoint import (
 )
 from tunnel.errors import end_label
 from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
+from tunnel.proxy import DIRECT, ProxyRules
 from tunnel.transports import DialError, Endpoint, TransportError
 
 # Dial failures that cost the server nothing (the kernel or a proxy answered for it).
@@ -162,8 +163,11 @@ class TunnelClient:
         connect_timeout: float = 10.0,
         direct: Sequence[Endpoint] = (),
         log: StructuredLogger | None = None,
+        proxy: ProxyRules = DIRECT,
     ) -> None:
         self.endpoint = endpoint
+        # Which forward proxy each address is dialed through (tunnel.proxy).
+        self.proxy = proxy
         self._hello = hello
         self._handler = handler
         # Read at every dial: replace it to present a renewed certificate from the next
@@ -379,7 +383,8 @@ class TunnelClient:
                 server_hostname=self.server_hostname,
                 connect_timeout=self._connect_timeout, socket_mark=self.socket_mark,
                 headers=tuple(self._headers()),
-                tcp_timeout=min(TCP_CONNECT_TIMEOUT, self._connect_timeout))
+                tcp_timeout=min(TCP_CONNECT_TIMEOUT, self._connect_timeout),
+                proxy=self.proxy.for_endpoint(dialer.endpoint))
         except TransportError as exc:
             self._failed(dialer, f"dial failed: {exc}", classify_dial_error(exc))
             return None

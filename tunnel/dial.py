@@ -2,7 +2,10 @@
 
 `dial()` runs the TCP connect (with SO_MARK), TLS and the WebSocket upgrade inside one
 timeout and turns every failure into a `DialError` with a short reason a caller can act
-on (retry, back off, report). Accepting is accept.py; the URLs are urls.py.
+on (retry, back off, report). Through a forward proxy (`proxy=`), the TCP connection goes
+to the proxy and the proxy's handshake (tunnel.proxy, sans-IO) opens the stream to the
+server inside the same deadline; TLS and the upgrade then run in that stream unchanged.
+Accepting is accept.py; the URLs are urls.py.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from collections.abc import Sequence
 
 import trio
 
+from tunnel.proxy import ProxyURL
+from tunnel.proxy.handshake import ProxyError, handshake_for
 from tunnel.tcp import SO_MARK, DialFailed, connect_tcp, format_address
 from tunnel.transports import (
     MAX_MESSAGE_SIZE,
@@ -42,6 +47,7 @@ async def dial(
     websocket_impl: str = "auto",
     max_message_size: int = MAX_MESSAGE_SIZE,
     tcp_timeout: float | None = None,
+    proxy: ProxyURL | None = None,
 ) -> Transport:
     """Connect to `endpoint` and return a ready transport.
 
@@ -50,12 +56,14 @@ async def dial(
     SYNs gives up then, instead of waiting for the kernel's SYN retries at 1, 3, 7 s).
     `socket_mark` sets SO_MARK on the socket before it connects. `headers` go on the
     WebSocket upgrade request (e.g. `("Authorization", "Bearer ...")`). TLS endpoints use
-    `ssl_context`, or the system's trust store if None.
+    `ssl_context`, or the system's trust store if None. `proxy`: dial through this HTTP
+    CONNECT or SOCKS5 proxy (tunnel.proxy.ProxyRules picks it for an endpoint).
 
     Raises DialError with `reason` one of: dns, refused, unreachable, timeout, reset (the
     connection cut during the TLS handshake), tls (TLS itself failed: certificate, alert),
-    http, unavailable (the upgrade answered 502/503/504: a proxy without a live server),
-    closed, mark.
+    http, unavailable (the upgrade answered 502/503/504, or the proxy could not reach the
+    server: a proxy without a live server), closed, mark, proxy_auth (the proxy refused
+    or wants credentials), proxy (the proxy refused otherwise or is not one).
     """
     endpoint = as_endpoint(endpoint)
     impl = choose_websocket_impl(websocket_impl)
@@ -71,7 +79,7 @@ async def dial(
             return await _dial(endpoint, ssl_context=ssl_context,
                                server_hostname=server_hostname, socket_mark=socket_mark,
                                headers=headers, impl=impl, max_message_size=max_message_size,
-                               tcp_timeout=tcp_timeout)
+                               tcp_timeout=tcp_timeout, proxy=proxy)
     except trio.TooSlowError:
         raise DialError(f"{endpoint}: no connection within {connect_timeout:g}s",
                         "timeout") from None
@@ -80,13 +88,16 @@ async def dial(
 async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
                 server_hostname: str | None, socket_mark: int | None,
                 headers: Sequence[tuple[str, str]], impl: WebSocketImpl,
-                max_message_size: int, tcp_timeout: float | None) -> Transport:
+                max_message_size: int, tcp_timeout: float | None,
+                proxy: ProxyURL | None) -> Transport:
     started = trio.current_time()
     connected: trio.SocketStream | None = None
+    via = f" through proxy {proxy}" if proxy is not None else ""
     with trio.move_on_after(tcp_timeout if tcp_timeout is not None else float("inf")):
-        connected = await _connect_tcp(endpoint, socket_mark)
+        connected = await _connect_tcp(endpoint, socket_mark, proxy)
     if connected is None:
-        raise DialError(f"{endpoint}: no TCP connection within {tcp_timeout:g}s", "timeout")
+        raise DialError(f"{endpoint}: no TCP connection{via} within {tcp_timeout:g}s",
+                        "timeout")
     sock_stream = connected
     connect_rtt = trio.current_time() - started
     stream: trio.abc.Stream = sock_stream
@@ -94,8 +105,14 @@ async def _dial(endpoint: Endpoint, *, ssl_context: ssl.SSLContext | None,
         try:
             address = format_address(sock_stream.socket.getpeername())
         except OSError as exc:  # reset between connect() and here (a server closing)
-            raise DialError(f"{endpoint}: the connection closed at once: {exc}",
+            raise DialError(f"{endpoint}: the connection{via} closed at once: {exc}",
                             "reset") from None
+        if proxy is not None:
+            # The peer is the server as far as the tunnel is concerned; the socket's
+            # address is the proxy's.
+            await _proxy_handshake(endpoint, sock_stream, proxy)
+            connect_rtt = trio.current_time() - started  # to the server, not the proxy
+            address = f"{format_address((endpoint.host, endpoint.port))} via {proxy.address}"
         certificate: bytes | None = None
         initial = b""
         if ssl_context is not None:
@@ -134,22 +151,52 @@ def _tls_dial_error(endpoint: Endpoint, exc: BaseException) -> DialError:
                      f"{describe_error(exc)}", "reset")
 
 
-async def _connect_tcp(endpoint: Endpoint, socket_mark: int | None) -> trio.SocketStream:
+async def _connect_tcp(endpoint: Endpoint, socket_mark: int | None,
+                       proxy: ProxyURL | None) -> trio.SocketStream:
     # dial() holds one deadline over TCP, TLS and the upgrade: no timeout of our own here.
+    host, port = (proxy.host, proxy.port) if proxy is not None else (endpoint.host,
+                                                                       endpoint.port)
+    # A proxy that cannot be reached is this node's network problem, said as such.
+    where = f"{endpoint}: proxy {proxy}" if proxy is not None else f"{endpoint}"
     try:
-        return await connect_tcp(endpoint.host, endpoint.port, connect_timeout=None,
-                                 mark=socket_mark)
+        return await connect_tcp(host, port, connect_timeout=None, mark=socket_mark)
     except DialFailed as exc:
         if exc.cause == "mark":
             raise DialError(f"{exc.message} on the tunnel socket", "mark") from None
         if exc.cause == "dns":
-            raise DialError(f"{endpoint}: {exc.message}", "dns") from None
+            raise DialError(f"{where}: {exc.message}", "dns") from None
         if exc.cause == "refused" and all(isinstance(e, ConnectionRefusedError)
                                           for _, e in exc.attempts):
             refused = ", ".join(address for address, _ in exc.attempts)
-            raise DialError(f"{endpoint}: connection refused by {refused}", "refused") from None
+            raise DialError(f"{where}: connection refused by {refused}", "refused") from None
         details = "; ".join(f"{a}: {describe_error(e)}" for a, e in exc.attempts)
-        raise DialError(f"{endpoint}: cannot connect: {details}", "unreachable") from None
+        raise DialError(f"{where}: cannot connect: {details}", "unreachable") from None
+
+
+# Bytes read at a time during a proxy handshake: its answers are small.
+_PROXY_READ_SIZE = 4096
+
+
+async def _proxy_handshake(endpoint: Endpoint, stream: trio.SocketStream,
+                           proxy: ProxyURL) -> None:
+    """Ask the proxy for a stream to the endpoint (tunnel.proxy's sans-IO handshake run
+    over the socket); raises DialError with the proxy's reason."""
+    handshake = handshake_for(proxy, endpoint.host, endpoint.port)
+    try:
+        while not handshake.done:
+            if out := handshake.data_to_send():
+                await stream.send_all(out)
+            handshake.receive_data(await stream.receive_some(_PROXY_READ_SIZE))
+    except ProxyError as exc:
+        raise DialError(f"{endpoint}: {exc}", exc.reason) from None
+    except (trio.BrokenResourceError, OSError) as exc:
+        raise DialError(f"{endpoint}: proxy {proxy} cut the connection: "
+                        f"{describe_error(exc)}", "reset") from None
+    if handshake.leftover:
+        # A proxy never speaks for the server before the client has (TLS, the tunnel's
+        # HELLO): bytes here mean it is not the proxy the URL says.
+        raise DialError(f"{endpoint}: proxy {proxy} sent {len(handshake.leftover)} bytes "
+                        f"after opening the stream, before the server could speak", "proxy")
 
 
 async def _confirm_tls13(endpoint: Endpoint, stream: TLSStream, connect_rtt: float) -> bytes:

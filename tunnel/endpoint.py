@@ -272,7 +272,12 @@ class TunnelConnection:
             await self._wait_for_space(high_water)
 
     def _dispatch(self, event: p.Event) -> None:
-        if isinstance(event, p.DataReceived):
+        if isinstance(event, p.DatagramReceived):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream.bytes_received += len(event.data)
+                stream.datagram_received(event.data)
+        elif isinstance(event, p.DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
                 stream.data_received(event.data)
@@ -354,8 +359,9 @@ class TunnelConnection:
                 self._core.refuse_stream(incoming.stream.stream_id, p.StreamReason.INTERNAL,
                                          "handler did not answer")
                 self._wake_writer()
-            with trio.CancelScope(shield=True):
-                await incoming.stream.aclose()
+            if not incoming.handed_over:
+                with trio.CancelScope(shield=True):
+                    await incoming.stream.aclose()
 
     async def _writer(self) -> None:
         """Send what the core queued, one write per wake-up: the writer runs after the
@@ -477,6 +483,8 @@ class TunnelConnection:
             raise self.end_reason or TunnelClosedError("connection not open")
         try:
             stream_id = self._core.open_stream(target, metadata)
+        except p.DatagramsUnsupported as exc:
+            raise StreamRefusedError(p.StreamReason.UNREACHABLE, str(exc)) from None
         except p.StreamLimitReached as exc:
             raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc)) from None
         except p.ConnectionDraining as exc:
@@ -534,6 +542,17 @@ class TunnelConnection:
         chunk = data[:window]
         self._core.send_data(stream_id, chunk)
         return len(chunk)
+
+    def send_datagram(self, stream_id: int, data: bytes | memoryview) -> str | None:
+        if self.end_reason is not None or not self._core.is_open:
+            return "closed"
+        try:
+            dropped = self._core.send_datagram(stream_id, data)
+        except p.StreamClosedError:
+            return "closed"
+        if dropped is None:
+            self._wake_writer()
+        return dropped
 
     def wait_for_window(self, stream: TunnelStream) -> bool:
         if not self._core.has_stream(stream.stream_id):

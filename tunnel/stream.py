@@ -54,6 +54,11 @@ class StreamCarrier(Protocol):
         """Queue FIN. Raises tunnel.protocol.LocalProtocolError if the stream cannot."""
         ...
 
+    def send_datagram(self, stream_id: int, data: bytes | memoryview) -> str | None:
+        """Queue one datagram on a flow and wake the writer; never waits. None, or why
+        it was dropped (too_large, queue_full, congested, closed)."""
+        ...
+
     def accept_stream(self, stream_id: int) -> None:
         """Queue ACCEPT for a stream the peer opened. Raises
         tunnel.protocol.ConnectionClosedError once the connection has ended."""
@@ -99,6 +104,15 @@ class DirectSink(Protocol):
     def on_reset(self, error: StreamResetError) -> None: ...
 
 
+class DatagramSink(Protocol):
+    """Takes a flow's datagrams as the connection's reader delivers them (tunnel/udp.py:
+    a UDP socket). It must deliver or drop each at once: datagrams are never buffered."""
+
+    def on_datagram(self, data: bytes) -> None: ...
+
+    def on_reset(self, error: StreamResetError) -> None: ...
+
+
 class TunnelStream(trio.abc.HalfCloseableStream):
     """One stream of a tunnel connection, usable like a TCP connection."""
 
@@ -112,6 +126,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         "_closed",
         "_conn",
         "_data_ready",
+        "_datagram_sink",
         "_eof",
         "_fin_sent",
         "_recv_guard",
@@ -142,6 +157,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._data_ready: trio.Event | None = None
         self._window_ready: trio.Event | None = None
         self._sink: DirectSink | None = None
+        self._datagram_sink: DatagramSink | None = None
         self._send_guard = _Guard("another task is already sending on this stream")
         self._recv_guard = _Guard("another task is already receiving on this stream")
         self.bytes_sent = 0
@@ -173,6 +189,11 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._buffered += len(data)
         self._wake_receiver()
 
+    def datagram_received(self, data: bytes) -> None:
+        """A datagram on this flow: to its sink, or dropped when there is none yet."""
+        if self._datagram_sink is not None and not self._closed:
+            self._datagram_sink.on_datagram(data)
+
     def eof_received(self) -> None:
         self._eof = True
         if self._sink is not None:
@@ -185,6 +206,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             self._reset = StreamResetError(reason, message)
         if self._sink is not None:
             self._sink.on_reset(self._reset)
+        if self._datagram_sink is not None:
+            self._datagram_sink.on_reset(self._reset)
         self._wake_receiver()
         self.window_opened()
 
@@ -210,6 +233,28 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             self._buffered -= len(data)
             return data
         return b"" if self._eof else None
+
+    # ---- flows (a udp target): datagrams instead of bytes
+
+    @property
+    def is_flow(self) -> bool:
+        return self.target.protocol == "udp"
+
+    def attach_datagram_sink(self, sink: DatagramSink | None) -> None:
+        """Deliver this flow's datagrams to `sink` from now on (None: drop them)."""
+        self._datagram_sink = sink
+        if sink is not None and self._reset is not None:
+            sink.on_reset(self._reset)
+
+    def send_datagram(self, data: bytes | memoryview) -> str | None:
+        """Send one datagram on this flow, now or never: None if it was queued, else why
+        it was dropped (too_large, queue_full, congested, closed). Never waits."""
+        if self._reset is not None or self._closed:
+            return "closed"
+        dropped = self._conn.send_datagram(self.stream_id, data)
+        if dropped is None:
+            self.bytes_sent += len(data)
+        return dropped
 
     def attach_sink(self, sink: DirectSink | None) -> None:
         """From now on incoming data, EOF and reset go to `sink` (None: back to
@@ -332,8 +377,13 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         await self.abort(p.StreamReason.CANCELLED, "closed by the local side")
 
     async def abort(self, reason: p.StreamReason, message: str) -> None:
+        self.abort_now(reason, message)
+        await trio.lowlevel.checkpoint()
+
+    def abort_now(self, reason: p.StreamReason, message: str) -> None:
+        """abort() without the checkpoint, for owners that are not tasks (a flow handed
+        to tunnel.udp.FlowPoller)."""
         if self._closed:
-            await trio.lowlevel.checkpoint()
             return
         self._closed = True
         if self._buffered:
@@ -346,7 +396,6 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             self._reset = StreamResetError(reason, message)
         self._wake_receiver()
         self.window_opened()
-        await trio.lowlevel.checkpoint()
 
     @property
     def reset_reason(self) -> StreamResetError | None:
@@ -378,6 +427,8 @@ class IncomingStream:
         self.connection = conn
         self.stream = stream
         self.answered = False
+        # Set by hand_over(): the handler's return does not close the stream.
+        self.handed_over = False
 
     @property
     def target(self) -> p.Target:
@@ -411,6 +462,14 @@ class IncomingStream:
         self.connection.forget(self.stream)
         self.stream.mark_closed()
         await self.connection.send_queued()
+
+    def hand_over(self) -> None:
+        """After accept(): another owner keeps the stream (e.g. a flow handed to
+        tunnel.udp.FlowPoller, which needs no task per flow), so the handler may return
+        without the stream being closed. That owner must close it."""
+        if not self.answered:
+            raise p.LocalProtocolError("hand_over() follows accept()")
+        self.handed_over = True
 
     def _answer(self) -> None:
         if self.answered:

@@ -47,12 +47,14 @@ from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
 from tunnel.tcp import connect_tcp
+from tunnel.udp import FlowCounters, FlowPoller, connect_udp, flow_idle_timeout
 from tunnel.urls import parse_endpoint
 
 if TYPE_CHECKING:  # controller mode only: it imports cryptography
     from nodeagent.trust.enrollment import IdentityKeeper
 
 log = get_logger("nodeagent.agent")
+
 
 
 class Agent:
@@ -95,7 +97,7 @@ class Agent:
                 config.reconnect.initial, config.reconnect.maximum,
                 unreachable_maximum=config.reconnect.unreachable_maximum,
                 retry_after_jitter=config.reconnect.retry_after_jitter),
-            log=self.log.bind(server=config.server))
+            log=self.log.bind(server=config.server), proxy=config.proxy_rules())
         self.client.set_replicas(self.node_config.server_replicas)
         # When each stream opened and for what (debug streams); streams this agent opens
         # go through open_stream, which also times their setup.
@@ -107,10 +109,21 @@ class Agent:
         if self.node_config.intercept is not None:
             self.interceptor = self._interceptor(self.node_config.intercept)
         self._nursery: trio.Nursery | None = None  # run()'s, while it runs
+        # The flows the server opens (UDP mappings), served by one task: an idle flow
+        # costs its socket and a small record, no task.
+        self.flow_poller = FlowPoller()
 
     def _interceptor(self, intercept: InterceptConfig) -> Interceptor:
+        def datagram_drop(reason: str, count: int) -> None:
+            self.metrics.datagram_drops.labels(reason).inc(count)
+
+        def datagram(direction: str, size: int) -> None:
+            self.metrics.datagrams.labels(direction).inc()
+            self.metrics.datagram_bytes.labels(direction).inc(size)
+
         interceptor = Interceptor(intercept, skip_mark=self.config.socket_mark,
-                                  open_tunnel=self.open_stream,
+                                  open_tunnel=self.open_stream, open_flow=self.open_stream,
+                                  on_datagram_drop=datagram_drop, on_datagram=datagram,
                                   dial_timeout=self.config.dial_timeout, node=self.config.node)
         interceptor.keep_rules_on_exit = self.config.keep_rules_on_exit
         return interceptor
@@ -153,6 +166,9 @@ class Agent:
 
     async def handle_stream(self, incoming: IncomingStream) -> None:
         target = incoming.target
+        if target.protocol == "udp":
+            await self.handle_flow(incoming)
+            return
         origin = incoming.metadata.get("origin", "")
         # A control-plane stream (the server's CONNECT front) is checked against this
         # node's control_plane rules, not its allow list: a compromised server cannot
@@ -208,6 +224,56 @@ class Agent:
                            target=str(target), origin=origin, sent=result.b_to_a,
                            received=result.a_to_b, error=result.error or "")
 
+    async def handle_flow(self, incoming: IncomingStream) -> None:
+        """A flow the server opened (a public UDP mapping): checked against the allow
+        list (udp rules only), joined to a connected UDP socket to the target until the
+        server resets it, it idles out or the target refuses."""
+        target = incoming.target
+        origin = incoming.metadata.get("origin", "")
+        self.stream_notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
+        if incoming.metadata.get(PURPOSE_KEY) == CONTROL_PLANE_PURPOSE or \
+                not self.node_config.allows(target.host, target.port, "udp"):
+            self._count("forbidden")
+            self._forbidden_log.warning(
+                "forbidden", "stream refused: target not allowed on this node",
+                reason="forbidden", stream=incoming.stream.stream_id, target=str(target),
+                origin=origin)
+            await incoming.refuse(p.StreamReason.FORBIDDEN,
+                                  f"{target} is not allowed on node {self.config.node}")
+            return
+        try:
+            sock = connect_udp(target.host, target.port, mark=self.config.socket_mark)
+        except StreamFailed as exc:
+            self._count(exc.outcome)
+            self.log.info("flow refused", stream=incoming.stream.stream_id,
+                          target=str(target), origin=origin, reason=exc.outcome,
+                          error=exc.message)
+            await incoming.refuse(exc.reason, exc.message)
+            return
+        try:
+            stream = await incoming.accept()
+        except BaseException:
+            sock.close()
+            raise
+        self._count("accepted")
+        self.flow_poller.add(stream, sock, idle_timeout=flow_idle_timeout(incoming.metadata),
+                       on_end=lambda counters: self._flow_ended(stream.stream_id, str(target),
+                                                                origin, counters))
+        incoming.hand_over()
+
+    def _flow_ended(self, stream_id: int, target: str, origin: str,
+                    counters: FlowCounters) -> None:
+        self.metrics.datagrams.labels("in").inc(counters.datagrams_in)
+        self.metrics.datagrams.labels("out").inc(counters.datagrams_out)
+        self.metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
+        self.metrics.datagram_bytes.labels("out").inc(counters.bytes_out)
+        for reason, count in counters.drops.items():
+            self.metrics.datagram_drops.labels(reason).inc(count)
+        if self.log.isEnabledFor(logging.DEBUG):
+            self.log.debug("flow finished", stream=stream_id, target=target,
+                           origin=origin, datagrams_in=counters.datagrams_in,
+                           datagrams_out=counters.datagrams_out, ended_by=counters.ended_by)
+
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
         self.metrics.streams.labels("inbound", outcome).inc()
@@ -256,6 +322,8 @@ class Agent:
             "tunnel": {
                 "state": self.client.status.state,
                 "server": self.config.server,
+                # "direct", or the proxy the tunnel is dialed through (password redacted)
+                "proxy": self.client.proxy.describe(),
                 "peer": info.peer if info else None,
                 "rtt_ms": round(info.rtt_seconds * 1000, 2) if info and info.rtt_seconds
                 is not None else None,
@@ -277,6 +345,8 @@ class Agent:
             "control_plane_streams": self.control_plane.as_list(),
             "intercepted_by_outcome": dict(self.interceptor.outcomes)
             if self.interceptor is not None else {},
+            "intercepted_udp_by_outcome": dict(self.interceptor.udp.outcomes)
+            if self.interceptor is not None and self.interceptor.udp is not None else {},
             # Controller mode: the config watch (controller URL, version applied, errors).
             "config_watch": self.config_watch.as_dict() if self.config_watch else None,
             "identity": self.identity.status() if self.identity else None,
@@ -335,6 +405,14 @@ class Agent:
                                     peer={"server_id": tunnel.server_id}))
         return {"role": "agent", "node": self.config.node, "streams": rows}
 
+    def flows(self) -> dict[str, Any]:
+        """`nodeagent debug flows`: pods' intercepted UDP flows (the flows the server
+        opens for its UDP mappings are streams to udp:// targets: `debug streams`)."""
+        udp = self.interceptor.udp if self.interceptor is not None else None
+        return {"role": "agent", "node": self.config.node,
+                "flows": udp.view() if udp is not None else [],
+                "drops": dict(udp.drops) if udp is not None else {}}
+
     def rules(self) -> dict[str, Any]:
         if self.interceptor is None:
             return {"intercept": "off"}
@@ -343,6 +421,7 @@ class Agent:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.flow_poller.run)
                 await nursery.start(self.client.run)
                 if self.interceptor is not None:
                     await nursery.start(self.interceptor.run)

@@ -23,11 +23,14 @@ from typing import Any
 import trio
 
 from netfilter.model import NetfilterError
+from netfilter.sockets import set_mark
 from nodeagent.agent.agent import Agent
 from nodeagent.config import (
     AgentConfig,
     ConfigError,
+    ConfigProblems,
     NodeConfig,
+    StartupFailed,
     load_config,
     parse_config,
     redacted,
@@ -90,11 +93,13 @@ def agent_listeners(agent: Agent) -> list[Listener]:
         "/rules": agent.rules,
         "/tunnels": agent.tunnels,
         "/streams": agent.streams,
-    }, registry=agent.metrics.registry)]
+        "/flows": agent.flows,
+    }, registry=agent.metrics.registry).for_setting("debug_socket", agent.config.debug_socket)]
     if agent.config.metrics_listen is not None:
         listeners.append(HealthServer(agent.metrics.registry, ready,
                                       host=agent.config.metrics_listen.host,
-                                      port=agent.config.metrics_listen.port))
+                                      port=agent.config.metrics_listen.port)
+                         .for_setting("metrics_listen", agent.config.metrics_listen))
     return listeners
 
 
@@ -178,18 +183,50 @@ def run_cleanup() -> int:
     return 0
 
 
+def check_socket_mark(mark: int) -> None:
+    """The agent marks every socket it opens (its netfilter rules skip that mark, so it
+    never intercepts itself): without CAP_NET_ADMIN every dial would fail, so say so once
+    at start instead of retrying for ever."""
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            set_mark(probe, mark)
+        except PermissionError:
+            raise StartupFailed(
+                "socket_mark", f"cannot mark the agent's sockets with {mark:#x} (SO_MARK "
+                "needs CAP_NET_ADMIN): run the agent as root or with CAP_NET_ADMIN, as the "
+                "DaemonSet does (capabilities: add: [NET_ADMIN])") from None
+
+
+# What to do when the host lacks the netfilter tools interception needs.
+NETFILTER_HINT = ("install the nftables package on the node (iptables on a host whose "
+                  "kube-proxy uses legacy iptables), or drop the intercept section")
+
+
 def run_agent(config_path: Path, *, check: bool = False) -> int:
     config = load_config(AgentConfig, config_path)
-    ssl_context = agent_ssl_context(config, str(config_path))
+    problems = ConfigProblems()  # the TLS files and the token file, both reported
+    ssl_context = None
+    with problems.check():
+        ssl_context = agent_ssl_context(config, str(config_path))
+    with problems.check():
+        try:
+            config.read_token()
+        except ConfigError as exc:  # token_file: unreadable, too short, not ASCII
+            raise ConfigError(f"{config_path}: token_file: {exc}") from None
+    problems.raise_any()
     try:
-        config.read_token()
-    except ConfigError as exc:  # token_file: unreadable or too short
-        raise ConfigError(f"{config_path}: token_file: {exc}") from None
-    agent = Agent(config, ssl_context=ssl_context)
+        agent = Agent(config, ssl_context=ssl_context)
+    except NetfilterError as exc:  # interception asked for, and this host cannot do it
+        print(f"nodeagent agent: {config_path}: intercept: {exc}; {NETFILTER_HINT}",
+              file=sys.stderr)
+        return 1
     if check:
         print(f"{config_path}: valid. node {config.node}, server {config.server}, "
-              f"{len(config.allow)} allow rule(s)")
+              f"{len(config.allow)} allow rule(s), {agent.client.proxy.describe()}")
         return 0
+    check_socket_mark(config.socket_mark)
     trio.run(serve_agent_reloading, agent, config_path)
     return 0
 
@@ -301,5 +338,6 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
             await serve_agent(agent)  # returns on SIGTERM/SIGINT
             nursery.cancel_scope.cancel()
 
+    check_socket_mark(config.socket_mark)
     trio.run(main)
     return 0

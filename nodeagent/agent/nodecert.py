@@ -30,6 +30,7 @@ from tunnel import protocol as p
 from tunnel.client import TunnelClient
 from tunnel.dial import dial
 from tunnel.endpoint import EndpointSettings, TunnelConnection
+from tunnel.proxy import DIRECT, ProxyRules
 from tunnel.transports import Endpoint
 
 
@@ -37,11 +38,14 @@ from tunnel.transports import Endpoint
 async def bootstrap_connection(endpoint: Endpoint, *, node: str,
                                ssl_context: ssl.SSLContext | None,
                                server_hostname: str | None, socket_mark: int | None,
-                               connect_timeout: float = 10.0
+                               connect_timeout: float = 10.0,
+                               proxy: ProxyRules = DIRECT,
                                ) -> AsyncIterator[TunnelConnection]:
-    """A tunnel connection that may only fetch credentials (see the module docstring)."""
+    """A tunnel connection that may only fetch credentials (see the module docstring);
+    through the same forward proxy as the tunnel, if any."""
     transport = await dial(endpoint, ssl_context=ssl_context, server_hostname=server_hostname,
-                           connect_timeout=connect_timeout, socket_mark=socket_mark)
+                           connect_timeout=connect_timeout, socket_mark=socket_mark,
+                           proxy=proxy.for_endpoint(endpoint))
     conn = TunnelConnection(transport, p.Role.DIALER, EndpointSettings(ping_interval=0), None)
     try:
         await conn.dial_handshake(p.Hello(identity={
@@ -82,7 +86,7 @@ def node_certificate_requester(
         async with bootstrap_connection(
                 client.endpoint, node=node, ssl_context=server_ca(),
                 server_hostname=client.server_hostname,
-                socket_mark=client.socket_mark) as boot:
+                socket_mark=client.socket_mark, proxy=client.proxy) as boot:
             return await request_certificate(
                 lambda: boot.open_stream(target), host=host, token=token(), kind="node",
                 key=key, ca_pem=ca_pem(), present=current())

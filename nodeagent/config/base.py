@@ -6,18 +6,23 @@ config dumps show."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -28,6 +33,7 @@ from tunnel.backoff import (
     DEFAULT_RETRY_AFTER_JITTER,
     DEFAULT_UNREACHABLE_MAXIMUM,
 )
+from tunnel.proxy import parse_proxy_url
 
 # Anchored with \Z, not $: `$` also matches before a final newline, so `re.match` would
 # take "edge-1\n". Use `fullmatch`; the \Z keeps a caller's `match` safe too.
@@ -59,7 +65,44 @@ M = TypeVar("M", bound="BaseModel")
 
 
 class ConfigError(Exception):
-    """Invalid configuration; the message names the source, the field and the problem."""
+    """Invalid configuration; the message names the source, the field and the problem
+    (one line each when there are several)."""
+
+
+class StartupFailed(Exception):
+    """A valid config this host cannot honour (a port in use, a missing capability): the
+    message is one line naming the setting and saying what to do, which the CLI prints
+    instead of a traceback (exit code 3)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+        self.detail = message
+
+
+class ConfigProblems:
+    """Runs independent checks of one config and raises their ConfigErrors together, so a
+    file with a missing certificate and a missing token file says both at once.
+
+        problems = ConfigProblems()
+        with problems.check():
+            context = load_tls(config)
+        problems.raise_any()
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as exc:
+            self.errors.append(str(exc))
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise ConfigError("\n".join(self.errors))
 
 
 class Model(BaseModel):
@@ -67,6 +110,20 @@ class Model(BaseModel):
 
 
 # ------------------------------------------------------------------ small types
+
+
+def _relative_to_file(value: Path, info: ValidationInfo) -> Path:
+    # A config file's relative paths name files beside it (as nginx, frp and systemd
+    # units do), so `--check` or the service runs the same from any directory. A document
+    # that is not a file (flags, the controller's config) has no base: paths stay as given.
+    base = info.context.get("base_dir") if isinstance(info.context, dict) else None
+    if base is None or value.is_absolute() or str(value) == "":
+        return value
+    return Path(base) / value
+
+
+# A path in a config document: relative to the file it is written in.
+ConfigPath = Annotated[Path, AfterValidator(_relative_to_file)]
 
 
 def _cidr_as_text(value: Any) -> Any:
@@ -78,6 +135,17 @@ def _cidr_as_text(value: Any) -> Any:
 
 
 Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, BeforeValidator(_cidr_as_text)]
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+# A transport protocol, lower-case inside; `TCP` and `UDP` (Kubernetes' spelling, as in
+# a Service's ports) are accepted too, so the CRD schema lists both spellings.
+TransportProtocol = Annotated[
+    Literal["tcp", "udp"], BeforeValidator(_lower),
+    WithJsonSchema({"type": "string", "enum": ["tcp", "udp", "TCP", "UDP"]})]
 
 
 def _split_host_port(text: str) -> tuple[str, str]:
@@ -195,14 +263,47 @@ class PortRange(Model):
         return self.first <= port <= self.last
 
 
+MIN_TOKEN_LENGTH = 16
+_BOM = "\ufeff"
+
+
+def token_text(raw: str) -> str:
+    """A token as written (inline or in a file) to the token compared: the same rule for
+    both, on the agent and the server. Surrounding whitespace goes (a file's final newline,
+    a pasted space), and so does a leading UTF-8 byte-order mark: editors (Notepad) add
+    one invisibly, and kept it would make the token silently never match a copy written
+    without it. What remains must be printable ASCII (it travels in an HTTP header on
+    wss://) of at least 16 characters; ValueError says what is wrong otherwise, never
+    what the token is."""
+    value = raw.removeprefix(_BOM).strip()
+    if len(value) < MIN_TOKEN_LENGTH:
+        raise ValueError(f"token is shorter than {MIN_TOKEN_LENGTH} characters")
+    bad = next((c for c in value if not " " < c < "\x7f"), None)
+    if bad is not None:
+        raise ValueError(f"token holds a character that is not printable ASCII "
+                         f"(U+{ord(bad):04X}); write it as letters, digits and punctuation")
+    return value
+
+
+def _inline_token(value: Any) -> Any:
+    return token_text(value) if isinstance(value, str) else value
+
+
+# An inline `token:`: read by the same rule as a token file.
+InlineToken = Annotated[str, BeforeValidator(_inline_token)]
+
+
 def _read_secret(path: Path) -> str:
     try:
-        value = path.read_text().strip()
+        raw = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    if len(value) < 16:
-        raise ConfigError(f"{path}: token is shorter than 16 characters")
-    return value
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; a token is printable ASCII") from None
+    try:
+        return token_text(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 class Keepalive(Model):
@@ -231,31 +332,75 @@ def _check_tunnel_url(url: str) -> str:
     return url
 
 
+# pydantic's messages speak of Python types ("Input should be a valid tuple"); a config
+# file has YAML's: text, numbers, true/false, lists and mappings.
+_TYPE_MESSAGES = {
+    "tuple_type": "should be a list", "list_type": "should be a list",
+    "set_type": "should be a list", "frozen_set_type": "should be a list",
+    "dict_type": "should be a mapping (key: value)",
+    "model_type": "should be a mapping (key: value)",
+    "model_attributes_type": "should be a mapping (key: value)",
+    "int_type": "should be a whole number", "int_parsing": "should be a whole number",
+    "int_from_float": "should be a whole number",
+    "float_type": "should be a number", "float_parsing": "should be a number",
+    "bool_type": "should be true or false", "bool_parsing": "should be true or false",
+    "string_type": "should be text", "path_type": "should be a path (text)",
+    "none_required": "should be empty (null)",
+}
+_YAML_TYPES = {str: "text", int: "a number", float: "a number", bool: "true/false",
+               list: "a list", dict: "a mapping", type(None): "empty"}
+
+
+def _message(err: Any) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown field (typo?)"
+    if kind == "missing":
+        return "required field is missing"
+    if kind in _TYPE_MESSAGES:
+        got = _YAML_TYPES.get(type(err.get("input")))
+        return _TYPE_MESSAGES[kind] + (f", not {got}" if got else "")
+    message: str = err["msg"].removeprefix("Value error, ")
+    # "Input should be greater than 0", "String should have at least 16 characters".
+    for subject in ("Input ", "String ", "List ", "Tuple ", "Dictionary "):
+        if message.startswith(subject + "should"):
+            return message.removeprefix(subject)
+    return message
+
+
 def format_errors(source: str, exc: ValidationError) -> str:
-    """pydantic errors as one line per field: `source: field.path: problem`."""
+    """pydantic errors as one line per problem: `source: field.path: problem`, in a
+    config file's words. A check that found several problems raises them as lines of one
+    message; each becomes a line of its own."""
     lines = []
     for err in exc.errors():
         loc = ""
         for part in err["loc"]:
             loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            message = "unknown field (typo?)"
-        elif err["type"] == "missing":
-            message = "required field is missing"
-        lines.append(f"{source}: {loc or '(top level)'}: {message}")
+        for message in _message(err).splitlines():
+            lines.append(f"{source}: {loc or '(top level)'}: {message}")
     return "\n".join(lines)
 
 
-def parse_config(model: type[M], doc: Any, source: str) -> M:
-    """Validate a parsed document; raises ConfigError naming every bad field."""
+def raise_problems(problems: list[str]) -> None:
+    """For a model validator that checks several things: every problem found, at once
+    (format_errors gives each its line)."""
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def parse_config(model: type[M], doc: Any, source: str, *, base_dir: Path | None = None
+                 ) -> M:
+    """Validate a parsed document; raises ConfigError naming every bad field. `base_dir`:
+    the directory of the file the document was read from; relative paths in it
+    (ConfigPath fields) are taken from there."""
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, "
                           f"got {type(doc).__name__}")
     try:
-        return model.model_validate(doc)
+        return model.model_validate(doc, context={"base_dir": base_dir})
     except ValidationError as exc:
         raise ConfigError(format_errors(source, exc)) from None
 
@@ -275,7 +420,9 @@ def load_config(model: type[M], path: Path) -> M:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
-    return parse_config(model, doc, str(path))
+    # absolute(), not resolve(): a file reached through a symlink (a mounted ConfigMap's
+    # ..data/) names its neighbours in the directory it was opened from.
+    return parse_config(model, doc, str(path), base_dir=path.absolute().parent)
 
 
 # Fields whose values are secrets wherever they appear in a config document.
@@ -283,14 +430,27 @@ SECRET_FIELDS = frozenset({"key_pem", "token"})
 
 
 REDACTED = "[redacted]"
+# Fields holding a URL that may carry a password (user:password@host).
+URL_FIELDS = frozenset({"proxy"})
+
+
+def _redacted_url(value: Any) -> Any:
+    if not isinstance(value, str) or value.strip().lower() == "direct":
+        return value
+    try:
+        return str(parse_proxy_url(value))  # its password as [redacted]
+    except ValueError:
+        return REDACTED  # not a URL we can read: hide it all
 
 
 def redacted(doc: Any) -> Any:
     """A JSON config document with every secret value replaced (as Envoy's config_dump
     does): what the debug socket and `nodeagent debug config` show, so a dump pasted
-    into a ticket leaks no private key or token. File paths to secrets stay visible."""
+    into a ticket leaks no private key or token. File paths to secrets stay visible; a
+    proxy URL keeps all but its password."""
     if isinstance(doc, dict):
         return {key: REDACTED if key in SECRET_FIELDS and value is not None
+                else _redacted_url(value) if key in URL_FIELDS
                 else redacted(value) for key, value in doc.items()}
     if isinstance(doc, list):
         return [redacted(value) for value in doc]

@@ -11,11 +11,10 @@ anything wider than what the node's own config allows."""
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from nodeagent.config.base import ListenAddress, Model, PortRange
+from nodeagent.config.base import ConfigPath, ListenAddress, Model, PortRange
 
 # Stream metadata key and value that mark a stream the CONNECT front opened.
 PURPOSE_KEY = "purpose"
@@ -63,9 +62,9 @@ class ConnectTls(Model):
     """The TCP listener's TLS: its certificate, and the CA whose client certificates it
     accepts (always required: an unauthenticated client never gets a byte through)."""
 
-    cert_file: Path | None = None  # None: the tunnel's certificate (tls.cert_file)
-    key_file: Path | None = None
-    client_ca_file: Path
+    cert_file: ConfigPath | None = None  # None: the tunnel's certificate (tls.cert_file)
+    key_file: ConfigPath | None = None
+    client_ca_file: ConfigPath
     # Which of that CA's client certificates may use the front: its subject CN is one of
     # `allowed_subjects`, or one of its O is in `allowed_organizations`. The cluster's CA
     # also signs every kubelet's client certificate (CN system:node:<name>, O
@@ -94,7 +93,7 @@ class ConnectFrontConfig(Model):
 
     # A Unix socket (kube-apiserver's `transport.uds`): whoever may open the file is
     # trusted, so its mode and owner are the authentication.
-    uds: Path | None = None
+    uds: ConfigPath | None = None
     uds_mode: int = Field(default=0o600, ge=0, le=0o777)
     uds_owner: int | None = None  # uid; None: the server's own
     uds_group: int | None = None  # gid; with uds_mode 0o660 lets a group in

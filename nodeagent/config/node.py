@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -18,7 +19,6 @@ from pydantic import (
 from netfilter.model import (
     InterceptModel,
     InterceptRule,
-    InvalidRule,
     Mode,
     NetfilterError,
     ProxyPorts,
@@ -29,41 +29,55 @@ from nodeagent.config.base import (
     DEFAULT_AGENT_SOCKET,
     DEFAULT_SOCKET_MARK,
     DNS_NAME,
+    MIN_TOKEN_LENGTH,
     Cidr,
+    ConfigError,
+    ConfigPath,
+    HostPort,
+    InlineToken,
     Keepalive,
     ListenAddress,
     Model,
     PortRange,
     Reconnect,
+    TransportProtocol,
     _check_host,
     _check_tunnel_url,
     _read_secret,
     _split_host_port,
+    raise_problems,
 )
+from tunnel.proxy import DIRECT, ProxyRules, parse_proxy_url
 
 
 class AllowRule(Model):
     """A target the server may ask this agent to dial. String form: `10.0.0.0/8:80-443`,
-    `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`."""
+    `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`; TCP unless prefixed
+    `udp/` (`udp/10.96.0.10:53`; `tcp/` is allowed too). A rule allows one protocol."""
 
     cidr: Cidr | None = None
     host: str | None = None
     ports: tuple[PortRange, ...] = ()  # empty: any port
-    protocol: Literal["tcp", "udp"] = "tcp"
+    protocol: TransportProtocol = "tcp"
 
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
+        protocol = "tcp"
+        for prefix in ("udp/", "tcp/"):
+            if value.lower().startswith(prefix):
+                protocol, value = prefix[:3], value[len(prefix):]
         where, port = _split_host_port(value)
         ports: list[str] = [] if port == "*" else [port]
         try:
-            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports}
+            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports,
+                    "protocol": protocol}
         except ValueError as exc:
             if "/" in where:
                 raise ValueError(f"{where!r} is not a valid CIDR: {exc}") from None
-        return {"host": where, "ports": ports}
+        return {"host": where, "ports": ports, "protocol": protocol}
 
     @field_validator("host")
     @classmethod
@@ -94,9 +108,9 @@ class AllowRule(Model):
 class ClientTls(Model):
     """How the agent verifies the server and (for mutual TLS) proves itself."""
 
-    ca_file: Path | None = None  # None: the system trust store
-    cert_file: Path | None = None
-    key_file: Path | None = None
+    ca_file: ConfigPath | None = None  # None: the system trust store
+    cert_file: ConfigPath | None = None
+    key_file: ConfigPath | None = None
     server_name: str | None = None  # SNI / verification name if not the URL's host
     insecure_skip_verify: bool = False
 
@@ -111,7 +125,7 @@ class InterceptRuleConfig(Model):
     """Connections from pods (or the node itself) to catch and carry elsewhere."""
 
     name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]*$")
-    protocol: Literal["tcp", "udp"] = "tcp"
+    protocol: TransportProtocol = "tcp"
     destinations: tuple[str, ...] = Field(min_length=1)
     ports: tuple[int | str, ...] = ()  # empty: every port
     source_interfaces: tuple[str, ...] = ()
@@ -121,6 +135,43 @@ class InterceptRuleConfig(Model):
     # tunnel: the server dials the destination (egress allow list) or relays it to the
     # node that owns it; direct: the agent dials it itself, marked so it is not caught.
     via: Literal["tunnel", "direct"] = "tunnel"
+    # DNS by zone (a udp rule catching pods' DNS, like `sshuttle --dns`): queries for
+    # names in these zones go through the tunnel to `dns_resolver` (a cloud-side
+    # resolver, reached as egress); every other query goes directly where the pod sent
+    # it. Answers come back from the address the pod asked either way.
+    dns_zones: tuple[str, ...] = Field(default=(), max_length=64)
+    # The zones' resolver, `ip:port` (`10.200.0.10:53`): reached through the tunnel as
+    # egress, so the server's egress rules must allow it for udp.
+    dns_resolver: Annotated[HostPort, WithJsonSchema(
+        {"type": "string", "description": "ip:port of the zones' resolver"})] | None = None
+
+    @field_validator("dns_zones")
+    @classmethod
+    def _zones(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        zones = []
+        for zone in v:
+            name = zone.lower().strip(".")
+            if not DNS_NAME.fullmatch(name):
+                raise ValueError(f"{zone!r} is not a DNS zone (e.g. cloud.internal)")
+            zones.append(name + ".")
+        return tuple(zones)
+
+    @model_validator(mode="after")
+    def _dns(self) -> InterceptRuleConfig:
+        if (self.dns_resolver is None) != (not self.dns_zones):
+            raise ValueError("dns_zones and dns_resolver go together")
+        if self.dns_zones:
+            if self.protocol != "udp":
+                raise ValueError("dns_zones needs protocol udp")
+            if self.via != "tunnel":
+                raise ValueError("dns_zones sends its zones through the tunnel: via must "
+                                 "be tunnel (the other queries go direct anyway)")
+            assert self.dns_resolver is not None
+            try:
+                ipaddress.ip_address(self.dns_resolver.host)
+            except ValueError:
+                raise ValueError("dns_resolver must be an IP address and port") from None
+        return self
 
 
 class InterceptConfig(Model):
@@ -149,12 +200,6 @@ def intercept_model(config: InterceptConfig, *, skip_mark: int,
     """The intercept section as the netfilter package's model, validated. Raises NetfilterError (its
     InvalidRule names the rule) for overlapping or invalid CIDRs, bad ports, unknown
     interfaces (when `interfaces` is given)."""
-    for rule in config.rules:
-        if rule.protocol != "tcp":
-            # The rule model and both backends render udp, but the agent has no UDP relay
-            # yet: a udp rule would divert datagrams to a port nobody serves.
-            raise InvalidRule(rule.name, "protocol udp is not supported by the agent yet; "
-                                         "intercept rules are tcp only")
     rules = tuple(
         InterceptRule.parse(
             rule.name, rule.protocol, rule.destinations, ports=rule.ports,
@@ -164,7 +209,10 @@ def intercept_model(config: InterceptConfig, *, skip_mark: int,
     )
     model = InterceptModel(
         rules=rules,
-        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port),
+        # UDP on the same port number: the agent's TPROXY UDP sockets (udp needs tproxy
+        # mode; the netfilter model says so by rule name).
+        proxy_ports=ProxyPorts(tcp4=config.proxy_port, tcp6=config.proxy_port,
+                               udp4=config.proxy_port, udp6=config.proxy_port),
         mode=Mode(config.mode),
         exclude=parse_cidrs("(global)", "exclude", config.exclude),
         skip_mark=skip_mark,
@@ -203,10 +251,16 @@ class AgentConfig(NodeConfig):
     # Server replicas this agent also dials at their own addresses, one tunnel each,
     # besides those it reaches through `server` (the public address).
     direct_servers: tuple[str, ...] = ()
-    token: str | None = Field(default=None, min_length=16)
-    token_file: Path | None = None
+    token: InlineToken | None = Field(default=None, min_length=MIN_TOKEN_LENGTH)
+    token_file: ConfigPath | None = None
     tls: ClientTls = ClientTls()
-    debug_socket: Path = Path(DEFAULT_AGENT_SOCKET)
+    # A forward proxy for the tunnel (branch offices often reach the internet only through
+    # one): `http://[user:password@]host:port` (HTTP CONNECT, Basic auth) or
+    # `socks5://[user:password@]host:port`. `direct`: no proxy, whatever the environment
+    # says. Unset: HTTPS_PROXY (tls://, wss://), HTTP_PROXY (tcp://, ws://) and NO_PROXY,
+    # read as kubelet reads them. The password never appears in logs or status.
+    proxy: str | None = None
+    debug_socket: ConfigPath = Path(DEFAULT_AGENT_SOCKET)
     metrics_listen: ListenAddress | None = None
     socket_mark: int = Field(default=DEFAULT_SOCKET_MARK, ge=1, le=0xFFFFFFFF)
     dial_timeout: float = Field(default=5.0, gt=0, le=300)
@@ -217,7 +271,7 @@ class AgentConfig(NodeConfig):
     # Controller mode: the projected ServiceAccount token (audience nodeagent) that proves
     # this pod to the controller, which signs the node's certificate for it. It goes only
     # to the controller, inside TLS end to end: never to the server.
-    identity_token_file: Path | None = None
+    identity_token_file: ConfigPath | None = None
     # Controller mode: URL of the controller's config stream (http://host:port), reached
     # through the tunnel. Set, the controller's NodeConfig replaces the file's.
     controller: str | None = None
@@ -241,6 +295,13 @@ class AgentConfig(NodeConfig):
     def _server(cls, v: str) -> str:
         return _check_tunnel_url(v)
 
+    @field_validator("proxy")
+    @classmethod
+    def _proxy(cls, v: str | None) -> str | None:
+        if v is not None and v.strip().lower() != "direct":
+            parse_proxy_url(v)  # the message never repeats the URL: it may hold a password
+        return v
+
     @field_validator("direct_servers")
     @classmethod
     def _direct_servers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -250,26 +311,40 @@ class AgentConfig(NodeConfig):
 
     @model_validator(mode="after")
     def _credentials(self) -> AgentConfig:
+        problems = []  # every one at once
         if self.token is not None and self.token_file is not None:
-            raise ValueError("give token or token_file, not both")
+            problems.append("give token or token_file, not both")
         if self.identity_token_file is not None:
             if self.controller is None:
-                raise ValueError("identity_token_file needs controller (it proves this pod "
-                                 "to the controller, which signs the node's certificate)")
+                problems.append("identity_token_file needs controller (it proves this pod "
+                                "to the controller, which signs the node's certificate)")
             if self.token is not None or self.token_file is not None:
-                raise ValueError("with identity_token_file the node's certificate is its "
-                                 "only credential: drop token and token_file")
+                problems.append("with identity_token_file the node's certificate is its "
+                                "only credential: drop token and token_file")
         elif self.token is None and self.token_file is None and self.tls.cert_file is None:
-            raise ValueError("no credentials: set token, token_file, or tls.cert_file "
-                             "(mutual TLS)")
+            problems.append("no credentials: set token, token_file, or tls.cert_file "
+                            "(mutual TLS)")
         clear = [u for u in (self.server, *self.direct_servers)
                  if u.startswith(("tcp://", "ws://"))]
         if clear and not self.insecure and (
                 self.token is not None or self.token_file is not None):
-            raise ValueError(f"server {clear[0]}: the token would cross the network in "
-                             f"clear; use tls:// or wss://, or set insecure: true (a lab "
-                             f"on one host)")
+            problems.append(f"server {clear[0]}: the token would cross the network in "
+                            f"clear; use tls:// or wss://, or set insecure: true (a lab "
+                            f"on one host)")
+        raise_problems(problems)
         return self
+
+    def proxy_rules(self, environ: dict[str, str] | None = None) -> ProxyRules:
+        """Which proxy each server address is dialed through: the `proxy` field, else the
+        environment (`environ`, default os.environ). ConfigError for an invalid variable."""
+        if self.proxy is not None:
+            if self.proxy.strip().lower() == "direct":
+                return DIRECT
+            return ProxyRules(explicit=parse_proxy_url(self.proxy))
+        try:
+            return ProxyRules.from_environment(environ)
+        except ValueError as exc:
+            raise ConfigError(f"environment: {exc}") from None
 
     def read_token(self) -> str | None:
         if self.token is not None:

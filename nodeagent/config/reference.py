@@ -80,9 +80,16 @@ the same models arrive from the controller instead. Examples:
 [`examples/agent.yaml`](../examples/agent.yaml).
 
 - Unknown fields are refused (a typo is an error, not ignored). An invalid file prints
-  one line per bad field (`agent.yaml: allow[0].ports[0]: port '99999' out of range
-  1-65535`) and the process exits 2 with nothing started; `--check` validates a file,
-  prints a summary and exits.
+  one line per bad field, all of them at once (`agent.yaml: allow[0].ports[0]: port
+  '99999' out of range 1-65535`), and the process exits 2 with nothing started; the files
+  it names (certificates, keys, token files) are checked next, again all at once.
+  `--check` validates a file and those files, prints a summary and exits.
+- Relative paths (`cert_file: server.crt`) are relative to the directory of the config
+  file, wherever the process is started from.
+- A token, inline (`token:`) or in a file (`token_file:`), is read the same way on both
+  sides: surrounding whitespace and a leading UTF-8 byte-order mark (which some editors
+  add invisibly) are dropped; what remains must be at least 16 printable ASCII
+  characters.
 - Each file has two parts. *What the process does* (the server's routes, the agent's
   allow list and interception) is re-read on `SIGHUP`, and an invalid new file is
   refused while the running config stays; in controller mode the controller sends this

@@ -29,13 +29,17 @@ from nodeagent.config.addresses import IPAddress, addresses_meant
 from nodeagent.config.base import (
     DEFAULT_SERVER_SOCKET,
     DNS_NAME,
+    MIN_TOKEN_LENGTH,
     Cidr,
+    ConfigPath,
     HostPort,
+    InlineToken,
     Keepalive,
     ListenAddress,
     Model,
     _check_tunnel_url,
     _read_secret,
+    raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
 from nodeagent.config.node import (
@@ -45,9 +49,9 @@ from tunnel.limits import DEFAULT_HANDSHAKE_BURST, DEFAULT_HANDSHAKE_RATE
 
 
 class ServerTls(Model):
-    cert_file: Path
-    key_file: Path
-    client_ca_file: Path | None = None  # set: agents may (or must) present certificates
+    cert_file: ConfigPath
+    key_file: ConfigPath
+    client_ca_file: ConfigPath | None = None  # set: agents may (or must) present certificates
     require_client_cert: bool = False
 
     @model_validator(mode="after")
@@ -62,8 +66,8 @@ class TokenEntry(Model):
     convenient for a lab, weaker: any holder can claim any node)."""
 
     node: str
-    token: str | None = Field(default=None, min_length=16)
-    token_file: Path | None = None
+    token: InlineToken | None = Field(default=None, min_length=MIN_TOKEN_LENGTH)
+    token_file: ConfigPath | None = None
 
     @field_validator("node")
     @classmethod
@@ -99,12 +103,36 @@ class TcpMapping(Model):
     target: HostPort
 
 
+class UdpMapping(Model):
+    """A public UDP port on the server that leads to a target through a node: each client
+    address (host and port) becomes a flow, replies go back to it (docs/udp.md)."""
+
+    name: str | None = None
+    listen: ListenAddress
+    node: str
+    target: HostPort
+    # A flow with no datagram either way for this long ends (DNS: a few seconds).
+    idle_timeout: float = Field(default=60.0, gt=0, le=3600)
+    # Flows at once through this mapping's node (all its UDP mappings on this server):
+    # beyond, a new client's datagrams are dropped (flow_limit).
+    max_flows: int = Field(default=10_000, ge=1, le=1_000_000)
+    # Flows at once from one client IP, whatever its ports (client_flow_limit). Behind a
+    # NAT or a load balancer that hides client addresses, raise it.
+    max_flows_per_client: int = Field(default=64, ge=1, le=1_000_000)
+    # Anti-amplification (as QUIC's, RFC 9000 8.1): until a client has sent a second
+    # datagram on its flow, replies toward it stop at this many times the bytes it sent.
+    amplification_factor: float = Field(default=3.0, ge=1, le=100)
+
+
 class HttpRoute(Model):
     host: str | None = None  # exact or "*.example.com"; None: any host
     path: str = "/"
     path_type: Literal["Prefix", "Exact", "ImplementationSpecific"] = "Prefix"
     node: str | None = None
     target: HostPort
+    # What the target speaks: h1 (HTTP/1.1) or h2c (HTTP/2 without TLS, prior knowledge;
+    # gRPC servers): h2c backends get one shared HTTP/2 connection, each request balanced.
+    backend_protocol: Literal["h1", "h2c"] = "h1"
 
     @field_validator("host")
     @classmethod
@@ -160,6 +188,9 @@ class IngressRule(Model):
     # controller uses creationTimestamp, so the oldest Ingress wins).
     rank: str = ""
     tls_redirect: bool = False  # answer plain HTTP with 308 to https://
+    # What the backends speak (the Service port's appProtocol: kubernetes.io/h2c or grpc
+    # → h2c).
+    backend_protocol: Literal["h1", "h2c"] = "h1"
     wake: WakeRoute | None = None  # its Service sleeps when idle (scale to zero)
 
 
@@ -204,6 +235,7 @@ class RoutesConfig(Model):
 
     version: int = Field(default=0, ge=0)
     tcp: tuple[TcpMapping, ...] = ()
+    udp: tuple[UdpMapping, ...] = ()
     http: tuple[HttpListener, ...] = ()
     # Destinations the server dials itself for streams agents open (intercepted traffic),
     # for every node; `scopes` add egress for some nodes only.
@@ -335,16 +367,27 @@ class RoutesConfig(Model):
         return self.check_egress(node, host, port, protocol) is None
 
     @model_validator(mode="after")
-    def _unique_ports(self) -> RoutesConfig:
-        seen: dict[tuple[str, int], str] = {}
+    def _consistent(self) -> RoutesConfig:
+        # One validator for the whole model, which subclasses extend through problems():
+        # pydantic stops at the first validator that raises, and a file should hear of
+        # every problem at once.
+        raise_problems(self.problems())
+        return self
+
+    def problems(self) -> list[str]:
+        """What is wrong across fields (each field alone being valid)."""
+        problems = []
+        seen: dict[tuple[str, str, int], str] = {}
         listens = [(f"tcp[{i}]", m.listen) for i, m in enumerate(self.tcp)]
         listens += [(f"http[{i}]", h.listen) for i, h in enumerate(self.http)]
+        # UDP ports are their own space: tcp :53 and udp :53 may both be mapped.
+        listens += [(f"udp[{i}]", m.listen) for i, m in enumerate(self.udp)]
         for where, addr in listens:
-            key = (addr.host, addr.port)
+            key = ("udp" if where.startswith("udp") else "tcp", addr.host, addr.port)
             if addr.port and key in seen:
-                raise ValueError(f"{where} listens on {addr}, already used by {seen[key]}")
-            seen[key] = where
-        return self
+                problems.append(f"{where} listens on {addr}, already used by {seen[key]}")
+            seen.setdefault(key, where)
+        return problems
 
 
 # ------------------------------------------------------------------ process settings
@@ -389,7 +432,7 @@ class ServerConfig(RoutesConfig):
     tunnel: TunnelListen = TunnelListen()
     tls: ServerTls | None = None
     tokens: tuple[TokenEntry, ...] = ()
-    debug_socket: Path = Path(DEFAULT_SERVER_SOCKET)
+    debug_socket: ConfigPath = Path(DEFAULT_SERVER_SOCKET)
     metrics_listen: ListenAddress | None = None
     dial_timeout: float = Field(default=10.0, gt=0, le=300)
     keepalive: Keepalive = Keepalive()
@@ -403,25 +446,26 @@ class ServerConfig(RoutesConfig):
     # The CONNECT front for the control plane: off unless connect.uds or connect.listen.
     connect: ConnectFrontConfig = ConnectFrontConfig()
 
-    @model_validator(mode="after")
-    def _secure(self) -> ServerConfig:
+    def problems(self) -> list[str]:
+        problems = super().problems()
         scheme = self.tunnel.url.split("://")[0]
         if scheme in ("tls", "wss") and self.tls is None:
-            raise ValueError(f"tunnel {self.tunnel.url} needs a tls section (cert_file, key_file)")
+            problems.append(f"tunnel {self.tunnel.url} needs a tls section (cert_file, "
+                            "key_file)")
         if not self.tokens and (self.tls is None or self.tls.client_ca_file is None):
-            raise ValueError("no way to authenticate agents: add tokens, or "
-                             "tls.client_ca_file for mutual TLS")
+            problems.append("no way to authenticate agents: add tokens, or "
+                            "tls.client_ca_file for mutual TLS")
         if scheme in ("tcp", "ws") and self.tokens and not self.tunnel.insecure:
-            raise ValueError(f"tunnel {self.tunnel.url}: agents' tokens would cross the "
-                             f"network in clear; use tls:// or wss://, or set "
-                             f"tunnel.insecure: true (a lab on one host)")
+            problems.append(f"tunnel {self.tunnel.url}: agents' tokens would cross the "
+                            f"network in clear; use tls:// or wss://, or set "
+                            f"tunnel.insecure: true (a lab on one host)")
         if (self.replicas or 1) > 1 and self.server_id == "nodeagent-server":
-            raise ValueError("replicas > 1 needs a distinct server_id per replica (agents "
-                             "tell replicas apart by it)")
-        return self
+            problems.append("replicas > 1 needs a distinct server_id per replica (agents "
+                            "tell replicas apart by it)")
+        return problems
 
     def routes(self) -> RoutesConfig:
-        return RoutesConfig(version=self.version, tcp=self.tcp, http=self.http,
+        return RoutesConfig(version=self.version, tcp=self.tcp, udp=self.udp, http=self.http,
                             egress=self.egress, scopes=self.scopes,
                             protected=self.protected, node_cidrs=self.node_cidrs,
                             ingress=self.ingress, nodes=self.nodes,

@@ -71,10 +71,12 @@ from nodeagent.kube import (
     load_credentials,
 )
 from nodeagent.ops.health import HealthServer
+from nodeagent.ops.listener import bind_errors
 from nodeagent.ops.logs import get_logger
 from nodeagent.runtime.gcfreeze import freeze_survivors_forever
 from nodeagent.runtime.gcpause import gc_paused
 from tunnel.log import RateLimitedLog
+from tunnel.tcp import format_address
 
 log = get_logger("nodeagent.controller")
 
@@ -407,13 +409,16 @@ async def serve_controller(settings: ControllerSettings, *,
                 nursery.start_soon(freeze_survivors_forever)
             nursery.start_soon(controller.watchers.publish)
             nursery.start_soon(controller.sleeper.run, lambda: controller.is_leader)
-            listeners = await nursery.start(controller.stream.run, settings.listen_host,
-                                            settings.listen_port)
+            with bind_errors("--listen", format_address((settings.listen_host,
+                                                         settings.listen_port))):
+                listeners = await nursery.start(controller.stream.run, settings.listen_host,
+                                                settings.listen_port)
             controller.listen_port = listeners[0].socket.getsockname()[1]
             if settings.metrics_listen is not None:
                 # Ready once the caches have synced (informers.run returned from start).
                 health = HealthServer(controller.metrics.registry, lambda: None)
-                await nursery.start(health.run, *settings.metrics_listen)
+                with bind_errors("--metrics-listen", format_address(settings.metrics_listen)):
+                    await nursery.start(health.run, *settings.metrics_listen)
             log.info("controller ready", identity=settings.identity,
                      config_stream=f"{settings.listen_host}:{controller.listen_port}")
             task_status.started(controller)

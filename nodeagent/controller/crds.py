@@ -30,7 +30,10 @@ from nodeagent.controller.clustertunnel import (
 from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, Conflict, KubeClient, NotFound
 from nodeagent.ops.logs import get_logger
 
-CRD_REVISION = 5  # 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts; 5: scaleToZero
+# 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts; 5: wide printer columns;
+# 6: protocol TCP/UDP spellings, intercept rules' dns_zones and dns_resolver;
+# 7: scaleToZero
+CRD_REVISION = 7
 log = get_logger("nodeagent.crds")
 
 # Models whose Python side accepts a scalar short form: their schema is that form.
@@ -128,6 +131,12 @@ def crd_manifests() -> list[dict[str, Any]]:
                     {"name": "Ready", "type": "string",
                      "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    # -o wide: how many nodes it covers (Nodes counts those connected),
+                    # and why it is (not) Ready.
+                    {"name": "Covered", "type": "integer", "priority": 1,
+                     "jsonPath": ".status.nodesCovered"},
+                    {"name": "Reason", "type": "string", "priority": 1,
+                     "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
                 ],
                 "schema": {"openAPIV3Schema": {
                     "type": "object",

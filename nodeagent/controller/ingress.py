@@ -49,7 +49,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -422,7 +422,9 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
         backends = _backends(namespace, default_backend, index, out, problem,
                              where="defaultBackend", direct=direct)
         if backends is not None:
-            out.default = IngressRule(name=label, path="/", backends=backends, rank=rank)
+            out.default = IngressRule(
+                name=label, path="/", backends=backends, rank=rank,
+                backend_protocol=backend_protocol(namespace, default_backend, index))
             out.default_rank = rank
             out.default_service = (namespace, _service_name(default_backend))
 
@@ -450,7 +452,9 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
             out.rules.append(IngressRule(
                 name=label, host=host, path=path_text, path_type=path_type,
                 backends=backends, rank=rank,
-                tls_redirect=redirect and host is not None and host in tls_hosts))
+                tls_redirect=redirect and host is not None and host in tls_hosts,
+                backend_protocol=backend_protocol(namespace, path.get("backend") or {},
+                                                  index)))
             out.rule_services.append((namespace, _service_name(path.get("backend") or {})))
 
 
@@ -603,6 +607,26 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
                 (item.target.host, item.target.port))
     return tuple(sorted(set(chosen), key=lambda b: (b.node or "", b.target.host,
                                                     b.target.port)))
+
+
+H2C_APP_PROTOCOLS = frozenset({"kubernetes.io/h2c", "grpc"})
+"""Service port `appProtocol` values whose backends get HTTP/2 with prior knowledge
+(KEP-3726's `kubernetes.io/h2c`, and `grpc`, which is HTTP/2 by definition)."""
+
+
+def backend_protocol(namespace: str, backend: Obj, index: _Index) -> Literal["h1", "h2c"]:
+    """What an Ingress backend's Service port speaks, from its `appProtocol`: "h2c" for
+    `kubernetes.io/h2c` and `grpc`, "h1" otherwise (unset, `http`, anything else)."""
+    service_ref = backend.get("service")
+    if not isinstance(service_ref, dict):
+        return "h1"
+    service = index.services.get((namespace, service_ref.get("name", "")))
+    port_ref = service_ref.get("port") or {}
+    for port in ((service or {}).get("spec") or {}).get("ports") or []:
+        if ("number" in port_ref and port.get("port") == port_ref["number"]) or (
+                "name" in port_ref and port.get("name") == port_ref["name"]):
+            return "h2c" if port.get("appProtocol") in H2C_APP_PROTOCOLS else "h1"
+    return "h1"
 
 
 def _slice_port(es: Obj, svc_port: Obj) -> int | None:

@@ -1,8 +1,16 @@
 """The public HTTP front: Host/path routing (Ingress semantics) and the HTTP/1.1 proxy.
 
 One job per module:
-- `front`: the listener (`HttpFront`), TLS by SNI, one task per client connection;
-- `connection`: one client connection's request loop (read, route, forward, relay, repeat);
+- `front`: the listener (`HttpFront`), TLS by SNI, one task per client connection, which
+  protocol it speaks (ALPN, or the h2c preface on plaintext);
+- `connection`: one HTTP/1.1 client connection's request loop (read, route, forward, relay,
+  repeat);
+- `h2connection`: one HTTP/2 client connection (a task per stream, the same routing),
+  on `h2session` (the `h2` state machine with the front's settings and limits, sans-IO)
+  and `h2wire` (writes and flow control from many tasks); `h2heads`: h2 heads to and from
+  the HTTP/1.1 view, pure; `grpcstatus`: gRPC deadlines and the front's own gRPC answers;
+- `exchange`: one request's exchange with a backend, HTTP/1.1 or h2c; `h2pool`: the shared
+  h2c connections to backends (one per endpoint), each request balanced on its own;
 - `headers`: the header policy both ways, pure (hop-by-hop, X-Forwarded-*, Host, framing);
 - `dispatch`: the route step, pure (a `Route`, or the 404/405/308/503/413 answered here);
 - `upstream`: the connection's upstream and dialing a route's backends;

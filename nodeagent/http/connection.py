@@ -51,6 +51,7 @@ import trio
 
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.dispatch import Refusal, route_request
+from nodeagent.http.exchange import ResponseEnd, ResponseStart
 from nodeagent.http.h1 import (
     NEED_DATA,
     ResponseHead,
@@ -59,6 +60,8 @@ from nodeagent.http.h1 import (
     encode_last_chunk,
     serialize_request,
 )
+from nodeagent.http.h2heads import h2_request, reason_phrase
+from nodeagent.http.h2pool import H2cExchange, H2Pool, open_h2c_exchange
 from nodeagent.http.headers import (
     ClientRequest,
     frame_response,
@@ -134,18 +137,25 @@ class GracefulClose:
     ends and are then reset under the client (measured: 6 failed requests per rollout
     with keep-alive clients)."""
 
-    __slots__ = ("idle", "idle_closed", "started")
+    __slots__ = ("idle", "idle_closed", "on_start", "started")
 
     def __init__(self) -> None:
         self.started = False
         self.idle_closed = False
         self.idle: set[trio.CancelScope] = set()  # keep-alive waits, cancelled on close_idle
+        self.on_start: set[Callable[[], None]] = set()
+        """Called once at `start()`: HTTP/2 connections send GOAWAY at once (a long gRPC
+        stream may never give them a response to say `connection: close` on)."""
 
     def start(self) -> None:
-        self.started = True
+        if not self.started:
+            self.started = True
+            for callback in list(self.on_start):
+                callback()
 
     def close_idle(self) -> None:
-        self.started = self.idle_closed = True
+        self.start()
+        self.idle_closed = True
         for scope in self.idle:
             scope.cancel()
 
@@ -165,10 +175,12 @@ class HttpConnection:
         "keep",
         "limits",
         "opener",
+        "pool",
         "reader",
         "scheme",
         "started",
         "stats",
+        "status",
         "stream",
         "table",
         "up",
@@ -187,9 +199,11 @@ class HttpConnection:
         balancer: Balancer,
         access_log: bool,
         closing: GracefulClose | None = None,
+        pool: H2Pool | None = None,
         holds: HeldRequests | None = None,
     ) -> None:
         self.stream = stream
+        self.pool = pool
         self.holds = holds
         self.closing = closing if closing is not None else GracefulClose()
         self.table = table
@@ -205,17 +219,28 @@ class HttpConnection:
         self.up: Upstream | None = None
         self.creq: ClientRequest  # the request being served, as `read_request` read it
         self.started = False  # the final response head went out: errors can only close
+        self.status = 0  # the status answered to the request being served
         self.keep = True  # the client connection may serve another request
         self.http11 = True
         self.head_request = False
 
     # -- the loop -------------------------------------------------------------------------
 
-    async def run(self) -> None:
+    async def run(self, initial: bytes = b"", timed_out: bool = False) -> None:
+        """Serve requests until the connection ends. `initial`: bytes the front already
+        read (sniffing for HTTP/2's preface); `timed_out`: none came within the header
+        timeout, answer 408 at once."""
         graceful = True
         try:
+            if timed_out:
+                await self._reject(
+                    "head_timeout", 408, "timed out waiting for the request headers"
+                )
+                return
             first = True
-            pending = 0  # bytes of the next request already received
+            pending = len(initial)  # bytes of the next request already received
+            if initial:
+                self.reader.feed(initial)
             while True:
                 req = await self._read_request(first, pending)
                 if req is None:
@@ -224,10 +249,14 @@ class HttpConnection:
                 # The request's steps: policy and route (no I/O), then forward with retry.
                 route = self._route(req)
                 if type(route) is Route:
-                    if route.wake is None or self.holds is None:
+                    self.status = 0
+                    if route.wake is not None and self.holds is not None:
+                        keep = await self._forward_counted(req, route)
+                    elif route.backend_protocol == "h1":
                         keep = await self._forward(req, route)
                     else:
-                        keep = await self._forward_counted(req, route)
+                        keep = await self._forward_h2c(req, route)
+                    self.stats.count_route(route.name, "h1", self.status)
                 else:
                     assert type(route) is Refusal
                     if route.wake is not None and self.holds is not None:
@@ -365,6 +394,10 @@ class HttpConnection:
             max_body=self.limits.max_body_bytes,
         )
 
+    def _count_status(self, status: int) -> None:
+        self.status = status
+        self.stats.count_status(status)
+
     async def _refuse(self, refusal: Refusal, req: RequestHead) -> bool:
         if refusal.location is not None:
             return await self._redirect(refusal.location)
@@ -397,6 +430,8 @@ class HttpConnection:
         # every 100 ms (a refused dial is a stream opened and refused in the tunnel).
         delay = 0.01
         while type(outcome) is Route:
+            if outcome.backend_protocol != "h1":
+                break  # an h2c backend's pool dials (and fails) on its own terms
             try:
                 await self._upstream(outcome)
             except UpstreamFailed as exc:
@@ -406,6 +441,8 @@ class HttpConnection:
                 delay = min(delay * 1.5, 0.1)
                 outcome = recheck()
                 continue
+            return await self._forward_counted(req, outcome)
+        if type(outcome) is Route:
             return await self._forward_counted(req, outcome)
         assert type(outcome) is Refusal
         return await self._refuse(outcome, req)
@@ -423,18 +460,19 @@ class HttpConnection:
         keep = self.keep and self.reader.done
         if not keep:
             headers.append((b"connection", b"close"))
-        self.stats.count_status(503)
+        self._count_status(503)
         await self._answer(503, b"Service Unavailable", headers, body)
         return keep
 
     async def _forward_counted(self, req: RequestHead, route: Route) -> bool:
         """`_forward`, counted as activity of a route that sleeps when idle."""
+        forward = self._forward if route.backend_protocol == "h1" else self._forward_h2c
         holds, wake = self.holds, route.wake
         if holds is None or wake is None:
-            return await self._forward(req, route)
+            return await forward(req, route)
         holds.begin(wake)
         try:
-            return await self._forward(req, route)
+            return await forward(req, route)
         finally:
             holds.end(wake)
 
@@ -520,6 +558,117 @@ class HttpConnection:
             )
         return self.keep and status != 101
 
+    async def _forward_h2c(self, req: RequestHead, route: Route) -> bool:
+        """The request to an h2c backend (a stream on its shared connection, balanced for
+        this request alone), the response back as HTTP/1.1 (`h2heads`: trailers become
+        chunked trailers)."""
+        creq = self.creq
+        if self.pool is None or creq.upgrade is not None:
+            return await self._error(502, "this backend speaks h2c: no protocol upgrades", req)
+        headers = h2_request(
+            req.method,
+            creq.target,
+            upstream_headers(
+                creq, default_host=route.backends[0].host, client=self.client_addr,
+                proto=self.xfp,
+            ),
+            te_trailers=False,
+        )
+        try:
+            first_body = self.reader.next()
+        except BadRequest as exc:
+            return await self._reject(
+                exc.reason, 400, f"malformed request body: {clip(str(exc))}", req
+            )
+        has_body = type(first_body) is not EndOfRequest
+        try:
+            exchange = await open_h2c_exchange(
+                route, self.pool, self.balancer, self.limits, self.stats, headers, not has_body
+            )
+        except UpstreamFailed as exc:
+            return await self._error(exc.status, exc.reason, req)
+        body_state: list[BaseException | None] = [None]
+        status = 0
+        try:
+            if has_body:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump_body, exchange, first_body, body_state,
+                                       nursery)
+                    try:
+                        status = await self._relay_h2c(exchange)
+                    except UpstreamFailed as exc:
+                        body_state[0] = exc
+                    nursery.cancel_scope.cancel()
+                if body_state[0] is not None:
+                    raise body_state[0]
+            else:
+                status = await self._relay_h2c(exchange)
+            await exchange.finish()
+        except (UpstreamFailed, _BodyTooLarge, _BadBody, _SlowBody) as exc:
+            with trio.CancelScope(shield=True):
+                await exchange.abort()
+            if self.started:
+                return False
+            if isinstance(exc, UpstreamFailed):
+                self.stats.upstream_errors += 1
+                return await self._error(exc.status, exc.reason, req)
+            if isinstance(exc, _BodyTooLarge):
+                max_body = self.limits.max_body_bytes
+                return await self._reject(
+                    "body_too_large", 413, f"request body over {max_body} bytes", req
+                )
+            if isinstance(exc, _SlowBody):
+                return await self._reject("slow_body", 408, str(exc), req)
+            return await self._reject(
+                exc.reason, 400, f"malformed request body: {clip(str(exc))}",
+                req,
+            )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await exchange.abort()
+            raise
+        return self.keep and self.reader.done and status != 0
+
+    async def _relay_h2c(self, exchange: H2cExchange) -> int:
+        """An h2c backend's response → the HTTP/1.1 client."""
+        limits = self.limits
+        status = 0
+        chunked = False
+        ev: ResponseStart | bytes | ResponseEnd | None = None
+        with trio.move_on_after(limits.response_timeout):
+            ev = await exchange.receive()
+        if ev is None:
+            self.stats.timeouts += 1
+            raise UpstreamFailed(
+                504, f"upstream {exchange.backend} timed out after {limits.response_timeout:g}s"
+            )
+        while True:
+            t = type(ev)
+            if t is bytes:
+                await self._send(encode_chunk(cast(bytes, ev)) if chunked else cast(bytes, ev))
+            elif t is ResponseStart:
+                start = cast(ResponseStart, ev)
+                status = start.status
+                head, chunked, self.keep = frame_response(
+                    status,
+                    reason_phrase(status),
+                    start.headers,
+                    length=0 if start.ended else start.length,
+                    head_request=self.head_request,
+                    http11=self.http11,
+                    keep_alive=self.keep,
+                )
+                self._count_status(status)
+                self.started = True
+                await self._send(head)
+                if start.ended:
+                    return status
+            else:
+                if chunked:
+                    await self._send(encode_last_chunk(cast(ResponseEnd, ev).trailers))
+                return status
+            ev = await exchange.receive()
+
     async def _upstream(self, route: Route) -> tuple[Upstream, bool]:
         """An upstream for `route` and whether it is a kept-alive one."""
         held = self.up
@@ -553,11 +702,10 @@ class HttpConnection:
             status = await self._relay_response(up, upgrade, reused)
         else:
             await up.send(req.head, stale=reused)
+            up.chunked = req.chunked
             body_state: list[BaseException | None] = [None]
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    self._pump_body, up, req.chunked, first_body, body_state, nursery
-                )
+                nursery.start_soon(self._pump_body, up, first_body, body_state, nursery)
                 status = await self._relay_response(up, upgrade, reused)
                 nursery.cancel_scope.cancel()
             if body_state[0] is not None:
@@ -571,8 +719,7 @@ class HttpConnection:
 
     async def _pump_body(
         self,
-        up: Upstream,
-        chunked: bool,
+        sink: Upstream | H2cExchange,
         event: Any,
         state: list[BaseException | None],
         nursery: trio.Nursery,
@@ -605,17 +752,12 @@ class HttpConnection:
                     raise _SlowBody(f"no request body data for {idle:g}s")
                 t = type(event)
                 if t is bytes:
-                    data = event
-                    seen += len(data)
+                    seen += len(event)
                     if max_body is not None and seen > max_body:
                         raise _BodyTooLarge()
-                    if chunked:
-                        data = encode_chunk(data)
-                    await up.send(data)
+                    await sink.send_body(event)
                 elif t is EndOfRequest:
-                    if chunked:
-                        await up.send(encode_last_chunk(event.trailers))
-                    up.request_done = True
+                    await sink.end_body(event.trailers)
                     return
                 else:  # CLOSED: the client went away mid-body
                     raise _ClientGone()
@@ -677,7 +819,7 @@ class HttpConnection:
                             raise UpstreamFailed(
                                 502, f"upstream {up.backend} switched protocols unasked"
                             )
-                        self.stats.count_status(101)
+                        self._count_status(101)
                         self.started = True
                         out.append(switch_response(event.reason, event.headers))
                         await self._send(b"".join(out))
@@ -694,7 +836,7 @@ class HttpConnection:
                     )
                     out.append(head)
                     if status >= 200:
-                        self.stats.count_status(status)
+                        self._count_status(status)
                         timeout = limits.idle_timeout
                         self.started = True
                 else:  # END
@@ -750,7 +892,7 @@ class HttpConnection:
             headers.append((b"connection", b"close"))
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
-        self.stats.count_status(status)
+        self._count_status(status)
         if status >= 500 or status in (404, 503):
             log.info(
                 "request failed",
@@ -772,7 +914,7 @@ class HttpConnection:
         keep = self.keep and self.reader.done
         if not keep:
             headers.append((b"connection", b"close"))
-        self.stats.count_status(308)
+        self._count_status(308)
         await self._answer(308, b"Permanent Redirect", headers, body)
         return keep
 

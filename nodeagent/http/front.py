@@ -6,6 +6,11 @@ SNI, see `tls`) when configured, and serves each connection in a task of its own
 usable on any stream (tests and embedders call it directly). A bug in serving one
 connection costs that connection, never the listener.
 
+Which protocol a connection speaks: on TLS, ALPN (`h2` offered before `http/1.1`); on
+plaintext, the first bytes (HTTP/2's connection preface is h2c with prior knowledge,
+anything else HTTP/1.1), so one port serves both. HTTP/2 connections are served by
+`h2connection`, HTTP/1.1 ones by `connection`; both route through the same `dispatch`.
+
 Connection caps (`Limits.max_connections`, `max_connections_per_client`) are checked on
 accept, before TLS or any parsing: over a cap, a plain-HTTP connection gets a fixed 503
 (no request is read) and a TLS one is closed before its handshake (which would cost more
@@ -23,6 +28,9 @@ import trio
 
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.connection import GracefulClose, HttpConnection
+from nodeagent.http.h2connection import H2Connection
+from nodeagent.http.h2pool import Describe, H2Pool
+from nodeagent.http.h2session import PREFACE
 from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
 from nodeagent.http.routetable import RouteTable
@@ -71,14 +79,45 @@ async def serve_http_connection(
     balancer: Balancer | None = None,
     access_log: bool = False,
     closing: GracefulClose | None = None,
+    pool: H2Pool | None = None,
+    h2: bool | None = None,
     holds: HeldRequests | None = None,
 ) -> None:
     """Serve one client connection until it closes; closes `stream` (and upstreams) at the end.
 
     `table` is called for every request, so the owner swaps routes by changing what it
-    returns. Never raises for anything a client or upstream does; cancellation propagates.
+    returns. `h2`: True, the connection speaks HTTP/2 (ALPN chose it); False, HTTP/1.1
+    only; None, HTTP/1.1 or h2c with prior knowledge, told apart by the first bytes.
+    `pool`: the h2c backends' shared connections (one for this connection alone if
+    None). Never raises for anything a client or upstream does; cancellation propagates.
     """
     limits = limits or Limits()
+    if pool is None:
+        async with trio.open_nursery() as nursery:
+            await serve_http_connection(
+                stream, table=table, open_upstream=open_upstream, scheme=scheme,
+                client_addr=client_addr, limits=limits, stats=stats, balancer=balancer,
+                access_log=access_log, closing=closing, h2=h2,
+                pool=H2Pool(nursery, open_upstream, limits), holds=holds)
+            nursery.cancel_scope.cancel()
+        return
+    stats = stats if stats is not None else HttpStats()
+    balancer = balancer if balancer is not None else Balancer(limits.failed_backend_cooldown)
+    closing = closing if closing is not None else GracefulClose()
+    initial = b""
+    timed_out = False
+    if h2 is None:
+        sniffed = await _sniff_preface(stream, limits)
+        if sniffed is None:
+            timed_out = True
+        else:
+            initial = sniffed
+            h2 = initial.startswith(PREFACE)
+    if h2:
+        await H2Connection(stream, table, open_upstream, scheme, client_addr, limits, stats,
+                           balancer, pool, access_log, closing, initial,
+                           holds=holds).run()
+        return
     await HttpConnection(
         stream,
         table,
@@ -86,12 +125,33 @@ async def serve_http_connection(
         scheme,
         client_addr,
         limits,
-        stats if stats is not None else HttpStats(),
-        balancer if balancer is not None else Balancer(limits.failed_backend_cooldown),
+        stats,
+        balancer,
         access_log,
         closing,
+        pool,
         holds,
-    ).run()
+    ).run(initial, timed_out)
+
+
+async def _sniff_preface(stream: trio.abc.Stream, limits: Limits) -> bytes | None:
+    """The first bytes of a plaintext connection: enough to tell HTTP/2's preface from an
+    HTTP/1.1 request (one read, more only while they are a strict prefix of the preface);
+    b"" when the client closed or broke, None when nothing came within `header_timeout`."""
+    data = b""
+    with trio.move_on_after(limits.header_timeout):
+        while True:
+            try:
+                chunk = await stream.receive_some(limits.read_size)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return data
+            if not chunk:
+                return data
+            data += chunk
+            n = len(data)
+            if n >= len(PREFACE) or data != PREFACE[:n]:
+                return data
+    return data or None
 
 
 class HttpFront:
@@ -110,8 +170,11 @@ class HttpFront:
         limits: Limits | None = None,
         stats: HttpStats | None = None,
         access_log: bool = False,
+        describe_upstream: Describe | None = None,
         holds: HeldRequests | None = None,
     ) -> None:
+        self.describe_upstream = describe_upstream
+        """How the shared h2c upstream streams show their h2 streams in the debug views."""
         self.table = table
         self.holds = holds
         self.open_upstream = open_upstream
@@ -122,6 +185,7 @@ class HttpFront:
         self.access_log = access_log
         self._ssl_context = tls.server_context() if tls is not None else None
         self._scope: trio.CancelScope | None = None
+        self.pool: H2Pool | None = None
         # drain(): keep-alive connections close after their current request.
         self.closing = GracefulClose()
         self.listeners: list[trio.SocketListener] = []
@@ -153,6 +217,9 @@ class HttpFront:
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
+                # The h2c backends' shared connections live as long as the front.
+                self.pool = H2Pool(nursery, self.open_upstream, self.limits,
+                                   describe=self.describe_upstream)
                 await nursery.start(
                     functools.partial(
                         trio.serve_listeners, self._handle, listeners, handler_nursery=nursery
@@ -223,6 +290,7 @@ class HttpFront:
         try:
             conn_stream: trio.abc.Stream = stream
             scheme = "http"
+            h2: bool | None = None  # plaintext: h2c prior knowledge or HTTP/1.1
             if self._ssl_context is not None and self.tls is not None:
                 ssl_stream = trio.SSLStream(
                     stream, self._ssl_context, server_side=True, https_compatible=True
@@ -244,6 +312,7 @@ class HttpFront:
                     return
                 conn_stream = ssl_stream
                 scheme = "https"
+                h2 = ssl_stream.selected_alpn_protocol() == "h2"
             await serve_http_connection(
                 conn_stream,
                 table=self.table,
@@ -255,6 +324,8 @@ class HttpFront:
                 balancer=self.balancer,
                 access_log=self.access_log,
                 closing=self.closing,
+                pool=self.pool,
+                h2=h2,
                 holds=self.holds,
             )
         except Exception as exc:

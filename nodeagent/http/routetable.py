@@ -38,10 +38,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from nodeagent.config.httprules import check_rule_host, check_rule_path
 from nodeagent.runtime.gcpause import gc_paused
+
+BackendProtocol = Literal["h1", "h2c"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +82,11 @@ class Route:
     backends: tuple[Backend, ...]
     tls_redirect: bool = False
     """Answer plain-HTTP requests with a 308 to the https:// URL (Ingress with TLS)."""
+    backend_protocol: BackendProtocol = "h1"
+    """What the backends speak: HTTP/1.1 (a stream per client connection, kept alive), or
+    h2c (one shared HTTP/2 connection per backend, each request balanced on its own)."""
     wake: WakeSpec | None = None
+    """Set: the route's Service sleeps when idle; with no backends, requests are held."""
 
 
 class PathType(enum.Enum):

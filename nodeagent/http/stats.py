@@ -7,7 +7,8 @@ reason: a flood of one kind is one line a minute, with how many were suppressed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections import Counter
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from nodeagent.ops.logs import get_logger
@@ -25,7 +26,17 @@ RefusalReason = Literal[
     "bad_host",
     "body_too_large",
     "slow_body",
+    "h2_protocol_error",
+    "h2_rapid_reset",
+    "h2_control_flood",
+    "h2_too_many_streams",
+    "h2_flow_control",
+    "h2_header_list_too_large",
+    "h2_frame_too_large",
+    "h2_window_stalled",
 ]
+
+_CLASSES = ("none", "1xx", "2xx", "3xx", "4xx", "5xx", "none")
 
 _refusal_log = RateLimitedLog(get_logger("nodeagent.http"), period=60.0)
 
@@ -77,6 +88,41 @@ class HttpStats:
     refused_slow_body: int = 0
     """408: a body under `min_body_rate`, or stalled for `idle_timeout`."""
 
+    h2_connections: int = 0
+    """Client connections served as HTTP/2 (ALPN h2, or h2c with prior knowledge)."""
+    h2_requests: int = 0
+    """Requests on HTTP/2 client connections (also counted in `requests`)."""
+    grpc_requests: int = 0
+    """Requests with content-type application/grpc (also counted in `h2_requests`)."""
+    h2_client_resets: int = 0
+    """Streams a client reset while the front served them (gRPC cancellations)."""
+    refused_h2_protocol_error: int = 0
+    """HTTP/2 connections ended with GOAWAY for a protocol error (`h2` refused a frame)."""
+    refused_h2_rapid_reset: int = 0
+    """HTTP/2 connections ended for resetting streams faster than they finish
+    (CVE-2023-44487)."""
+    refused_h2_control_flood: int = 0
+    """HTTP/2 connections ended for a PING or SETTINGS flood."""
+    refused_h2_too_many_streams: int = 0
+    """HTTP/2 connections ended for opening streams over the announced limit."""
+    refused_h2_flow_control: int = 0
+    """HTTP/2 connections ended for sending beyond the window they were given."""
+    refused_h2_header_list_too_large: int = 0
+    """HTTP/2 connections ended for a header list (HPACK-decoded) over the limit."""
+    refused_h2_frame_too_large: int = 0
+    """HTTP/2 connections ended for a frame over the announced frame size."""
+    refused_h2_window_stalled: int = 0
+    """HTTP/2 streams reset because the client kept their window shut for `idle_timeout`."""
+
+    by_route: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    """Requests that reached a route, by (route, protocol, result): protocol `h1`, `h2`
+    or `grpc`; result the status class (`2xx`...) or, for gRPC, the grpc-status name
+    (`OK`, `UNAVAILABLE`...). Exported as `nodeagent_http_route_requests`; its size is
+    bounded by the routes configured (protocols and results are fixed sets)."""
+
+    def count_route(self, route: str, protocol: str, status: int, grpc: str = "") -> None:
+        self.by_route[route, protocol, grpc or _CLASSES[min(status // 100, 6)]] += 1
+
     def count_status(self, status: int) -> None:
         if status < 200:
             self.responses_1xx += 1
@@ -101,7 +147,8 @@ class HttpStats:
         )
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The plain counters (not `by_route`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "by_route"}
 
 
 __all__ = ["HttpStats", "RefusalReason"]

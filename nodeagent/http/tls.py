@@ -28,7 +28,7 @@ def context_from_pem(cert_chain_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
     """
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.set_alpn_protocols(["http/1.1"])
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
     # The ssl module only loads key material from files: use a private temporary directory.
     with tempfile.TemporaryDirectory(prefix="nodeagent-tls-") as tmp:
         cert_path = os.path.join(tmp, "tls.crt")
@@ -96,7 +96,7 @@ class TlsConfig:
         """The listener's context: no certificate of its own, it defers to the store."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.set_alpn_protocols(["http/1.1"])
+        ctx.set_alpn_protocols(["h2", "http/1.1"])
         store = self.certs
 
         def select(

@@ -15,7 +15,7 @@ import trio
 
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.errors import UpstreamUnavailable
-from nodeagent.http.h1 import ResponseParser
+from nodeagent.http.h1 import ResponseParser, encode_chunk, encode_last_chunk
 from nodeagent.http.limits import Limits
 from nodeagent.http.routetable import Backend, Route
 from nodeagent.http.stats import HttpStats
@@ -54,7 +54,7 @@ class UpstreamRequest:
 class Upstream:
     """One upstream stream of a client connection, reused across its requests."""
 
-    __slots__ = ("backend", "parser", "request_done", "stream")
+    __slots__ = ("backend", "chunked", "parser", "request_done", "stream")
 
     def __init__(
         self, backend: Backend, stream: trio.abc.HalfCloseableStream, max_head: int
@@ -64,6 +64,17 @@ class Upstream:
         self.parser = ResponseParser(max_head)
         self.request_done = False
         """The whole request (head and body) was sent: one condition for reuse."""
+        self.chunked = False
+        """The request in progress has a chunked body."""
+
+    async def send_body(self, data: bytes) -> None:
+        """A piece of the request body, framed as the request's head said."""
+        await self.send(encode_chunk(data) if self.chunked else data)
+
+    async def end_body(self, trailers: list[tuple[bytes, bytes]]) -> None:
+        if self.chunked:
+            await self.send(encode_last_chunk(trailers))
+        self.request_done = True
 
     async def send(self, data: bytes, stale: bool = False) -> None:
         try:

@@ -40,8 +40,9 @@ class DebugUnavailable(Exception):
     """The debug socket could not be read; the message is meant for the user as is."""
 
 
-class DebugSocketInUse(Exception):
-    """Another live process already serves this socket path."""
+class DebugSocketInUse(OSError):
+    """Another live process already serves this socket path, or a file that is no socket
+    is there (an OSError: Listener.start says it in one line, as for a port in use)."""
 
 
 class DebugServer(Listener):
@@ -71,8 +72,8 @@ class DebugServer(Listener):
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise DebugSocketInUse(
-                f"{self.path} exists and is not a socket: remove it or pick another path"
-            )
+                errno.EEXIST, "a file that is not a socket is there: remove it or choose "
+                              "another path")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.settimeout(1.0)
@@ -86,7 +87,9 @@ class DebugServer(Listener):
             pass  # e.g. a timeout: something holds it; refuse below
         finally:
             probe.close()
-        raise DebugSocketInUse(f"another process is serving {self.path}")
+        raise DebugSocketInUse(
+            errno.EADDRINUSE, "another process is serving it (a second agent or server on "
+                              "this host?): stop it, or choose another path")
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]]
                   = trio.TASK_STATUS_IGNORED) -> None:

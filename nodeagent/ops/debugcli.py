@@ -8,6 +8,9 @@ one line on stderr and exit 1.
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -17,10 +20,10 @@ from urllib.parse import quote
 
 from nodeagent.config import DEFAULT_AGENT_SOCKET, DEFAULT_SERVER_SOCKET
 from nodeagent.ops.debug import DebugUnavailable, fetch_debug
-from nodeagent.ops.render import render_status, render_streams, render_tunnels
+from nodeagent.ops.render import render_flows, render_status, render_streams, render_tunnels
 
 # Views that take `--node` (a server's: every node's rows, or one node's).
-NODE_VIEWS = ("tunnels", "streams")
+NODE_VIEWS = ("tunnels", "streams", "flows")
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (any ANSI terminal)
 
 
@@ -29,6 +32,22 @@ def _default_socket() -> Path:
         if Path(candidate).exists():
             return Path(candidate)
     return Path(DEFAULT_AGENT_SOCKET)
+
+
+def program_command(path: str | None = None) -> str:
+    """How to type this program in a shell so that it runs this very installation: what
+    the demos print. `nodeagent` when PATH finds the script beside this interpreter (an
+    activated venv, pipx); else that script's full path (a venv not activated, e.g.
+    `scripts/demo`'s `.venv`); else `python -m nodeagent` with this interpreter. `path`:
+    the PATH to look in (default the environment's)."""
+    here = Path(sys.executable).parent / "nodeagent"
+    found = shutil.which("nodeagent", path=path if path is not None
+                         else os.environ.get("PATH", os.defpath))
+    if found is not None and here.exists() and Path(found).resolve() == here.resolve():
+        return "nodeagent"
+    if here.exists() and os.access(here, os.X_OK):
+        return shlex.quote(str(here))
+    return f"{shlex.quote(sys.executable)} -m nodeagent"
 
 
 def route_for(what: str, node: str | None) -> str:
@@ -53,6 +72,8 @@ def render(what: str, doc: Any, *, as_json: bool) -> str:
         return render_tunnels(doc)
     if what == "streams" and isinstance(doc, dict):
         return render_streams(doc)
+    if what == "flows" and isinstance(doc, dict):
+        return render_flows(doc)
     if what == "status" and isinstance(doc, dict):
         return render_status(doc) + "\n"
     if what == "holds" and isinstance(doc, dict):

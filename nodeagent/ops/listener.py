@@ -10,19 +10,108 @@ listener is one subclass and the code that runs the role does not change (the sh
 mitmproxy's `proxy/mode_servers.py` ServerInstance).
 
 Clients a role runs (the config watch, the tunnel's dialer) are not listeners.
+
+A listener that cannot start (the port is taken, a privileged port, a directory it may not
+write) raises `ListenerFailed`: one line naming the setting, the address, the reason and
+what to do, which the CLI prints instead of a traceback.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
-from typing import Any, ClassVar
+import contextlib
+import errno
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar, Self
 
 import trio
+
+from nodeagent.config import StartupFailed
+
+
+def _advice(error: OSError, address: str) -> str:
+    """What an error binding `address` means and what to do about it, in a few words."""
+    port = address.rpartition(":")[2]
+    unix = ":" not in address or address.startswith(("/", "unix:"))
+    code = error.errno
+    if unix and code in (errno.EADDRINUSE, errno.EEXIST) and error.strerror:
+        return error.strerror  # DebugSocketInUse's own words
+    if code == errno.EADDRINUSE:
+        if unix:
+            return "address already in use: remove the file if nothing serves it, or " \
+                   "choose another path"
+        return (f"address already in use: another process listens there (`ss -ltnp "
+                f"'sport = :{port}'` shows which); stop it or choose another port")
+    if code in (errno.EACCES, errno.EPERM):
+        if not unix and port.isdigit() and int(port) < 1024:
+            return (f"permission denied: port {port} is below 1024, which needs root or "
+                    "CAP_NET_BIND_SERVICE; grant it, or choose a port above 1023")
+        return "permission denied: this user may not create it there; choose another " \
+               "path, or run as a user that may"
+    if code == errno.EADDRNOTAVAIL:
+        return "address not available: no interface of this host has that address; " \
+               "use one it has, or 0.0.0.0 for all"
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return "no such directory: create it, or choose another path"
+    if code == errno.EROFS:
+        return "read-only file system: choose a writable path"
+    return (error.strerror or str(error)).lower()
+
+
+class ListenerFailed(StartupFailed):
+    """A listener could not bind: `setting` (the config field, `tcp[0].listen`) and
+    `address` (what it tried) name it."""
+
+    def __init__(self, setting: str, address: str, error: OSError | str) -> None:
+        why = error if isinstance(error, str) else _advice(error, address)
+        super().__init__(setting, f"cannot listen on {address}: {why}")
+        self.address = address
+
+
+def _bind_failure(exc: BaseException) -> ListenerFailed | OSError | None:
+    """The one reason a listener did not start, out of the exception groups its nurseries
+    wrap it in; None if `exc` is anything else (a bug: the traceback is wanted)."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        elif not isinstance(e, trio.Cancelled):
+            leaves.append(e)
+
+    walk(exc)
+    if len(leaves) == 1 and isinstance(leaves[0], ListenerFailed | OSError):
+        return leaves[0]
+    return None
+
+
+@contextlib.contextmanager
+def bind_errors(setting: str, address: object) -> Iterator[None]:
+    """Around the start of one of a listener's sockets when it has several (the CONNECT
+    front's Unix socket and TCP port): a failure to bind names that socket's setting."""
+    try:
+        yield
+    except BaseException as exc:
+        failure = _bind_failure(exc)
+        if isinstance(failure, OSError):
+            raise ListenerFailed(setting, str(address), failure) from None
+        raise
 
 
 class Listener(abc.ABC):
     """One listening socket (or set of sockets) of one kind, and what it serves."""
+
+    setting = ""
+    """The config field that asked for it (`tcp[0].listen`, `debug_socket`), for errors."""
+    bind_address = ""
+    """What it binds, as the setting says it (`0.0.0.0:8080`, a socket path)."""
+
+    def for_setting(self, setting: str, address: object) -> Self:
+        """Name the config field and the address this listener binds, for the one line
+        said when it cannot."""
+        self.setting, self.bind_address = setting, str(address)
+        return self
 
     kind: ClassVar[str]
     """What this listener is ("tunnel", "http", "connect", "debug", ...)."""
@@ -41,8 +130,18 @@ class Listener(abc.ABC):
         cancelled. Everything it serves lives in nurseries inside this call."""
 
     async def start(self, nursery: trio.Nursery) -> list[str]:
-        """Run in `nursery`; returns the addresses once listening."""
-        addresses: list[str] = await nursery.start(self._run_until_stopped)
+        """Run in `nursery`; returns the addresses once listening. Raises ListenerFailed
+        if it cannot bind."""
+        try:
+            addresses: list[str] = await nursery.start(self._run_until_stopped)
+        except BaseException as exc:
+            failure = _bind_failure(exc)
+            if isinstance(failure, ListenerFailed):
+                raise failure from None
+            if failure is None:
+                raise
+            raise ListenerFailed(self.setting or self.name, self.bind_address or self.name,
+                                 failure) from None
         return addresses
 
     async def _run_until_stopped(self, *, task_status: trio.TaskStatus[list[str]]

@@ -41,6 +41,19 @@ class Metrics:
         self.stream_bytes = Counter(
             "nodeagent_stream_bytes_total", "Payload bytes carried by streams",
             ["direction"], registry=self.registry)
+        # UDP flows (public UDP mappings, intercepted UDP): datagrams carried and dropped.
+        self.datagrams = Counter(
+            "nodeagent_udp_datagrams_total",
+            "UDP datagrams carried by flows, by direction (in: toward the target, out: "
+            "back to the client)", ["direction"], registry=self.registry)
+        self.datagram_bytes = Counter(
+            "nodeagent_udp_bytes_total", "UDP payload bytes carried by flows, by direction",
+            ["direction"], registry=self.registry)
+        self.datagram_drops = Counter(
+            "nodeagent_udp_drops_total",
+            "UDP datagrams dropped, by reason (queue_full, congested, too_large, "
+            "socket_full, refused, forbidden, flow_limit, client_flow_limit, "
+            "amplification, unreachable, closed, ...)", ["reason"], registry=self.registry)
         self.bad_input = Counter(
             "nodeagent_bad_input_total",
             "Malformed or refused input from peers (protocol errors, bad HTTP, bad config)",

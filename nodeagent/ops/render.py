@@ -165,7 +165,17 @@ def render_tunnels(doc: Mapping[str, Any]) -> str:
                 f"{doc.get('replicas')} server(s) held; connects {doc.get('connects')}, "
                 f"reconnects: {_counts(doc.get('reconnects'))}")
         columns = [("server_id", "SERVER"), ("address", "ADDRESS"), *_TUNNEL_COLUMNS]
-    return f"{head}\n\n{render_table(rows, columns)}\n"
+    out = f"{head}\n\n{render_table(rows, columns)}\n"
+    for row in rows:
+        inner = row.get("h2_streams")
+        if inner is None:
+            continue
+        out += (f"\nstream {row.get('id')} ({row.get('target')}) carries an h2c connection: "
+                f"{len(inner)} h2 stream(s)\n")
+        for h2s in inner:
+            out += (f"  h2 stream {h2s.get('stream')}  {h2s.get('path')}  "
+                    f"{h2s.get('age_seconds')}s\n")
+    return out
 
 
 def render_streams(doc: Mapping[str, Any]) -> str:
@@ -184,4 +194,39 @@ def render_streams(doc: Mapping[str, Any]) -> str:
                ("state", "STATE"), ("bytes_to_target", "TO TARGET"),
                ("bytes_from_target", "FROM TARGET"), ("age_seconds", "AGE"),
                ("opened_by", "OPENED BY")]
-    return f"{head}\n\n{render_table(rows, columns)}\n"
+    out = f"{head}\n\n{render_table(rows, columns)}\n"
+    for row in rows:
+        inner = row.get("h2_streams")
+        if inner is None:
+            continue
+        out += (f"\nstream {row.get('id')} ({row.get('target')}) carries an h2c connection: "
+                f"{len(inner)} h2 stream(s)\n")
+        for h2s in inner:
+            out += (f"  h2 stream {h2s.get('stream')}  {h2s.get('path')}  "
+                    f"{h2s.get('age_seconds')}s\n")
+    return out
+
+
+def render_flows(doc: Mapping[str, Any]) -> str:
+    """`nodeagent debug flows` (a server): each UDP mapping with its drops by reason, then
+    a row per flow (one per client address). In: from the client; out: back to it."""
+    rows = doc.get("flows") or []
+    if doc.get("role") == "agent":
+        head = (f"agent {doc.get('node')}: {len(rows)} intercepted UDP flow(s); drops: "
+                f"{_counts(doc.get('drops'))}")
+        agent_columns: list[str | tuple[str, str]] = [
+            ("client", "CLIENT"), ("destination", "DESTINATION"), ("rule", "RULE"),
+            ("via", "VIA"), ("state", "STATE"), ("datagrams_in", "IN"),
+            ("datagrams_out", "OUT"), ("idle_seconds", "IDLE")]
+        return f"{head}\n\n{render_table(rows, agent_columns)}\n"
+    mappings = doc.get("mappings") or []
+    lines = [f"{len(mappings)} UDP mapping(s), {len(rows)} flow(s)"]
+    for m in mappings:
+        lines.append(f"  {m.get('mapping')} -> node {m.get('node')}: {m.get('flows')} "
+                     f"flow(s); drops: {_counts(m.get('drops'))}")
+    columns: list[str | tuple[str, str]] = [
+        ("mapping", "MAPPING"), ("client", "CLIENT"), ("node", "NODE"),
+        ("target", "TARGET"), ("state", "STATE"), ("datagrams_in", "IN"),
+        ("datagrams_out", "OUT"), ("bytes_in", "BYTES IN"), ("bytes_out", "BYTES OUT"),
+        ("idle_seconds", "IDLE"), ("age_seconds", "AGE")]
+    return "\n".join(lines) + f"\n\n{render_table(rows, columns)}\n"

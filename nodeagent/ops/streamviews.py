@@ -113,6 +113,9 @@ def direction(stream_id: int) -> str:
 class StreamNote:
     opened: float  # time.monotonic()
     opened_by: str
+    inner: Callable[[], list[dict[str, Any]]] | None = None
+    """For a stream that carries a protocol with streams of its own (an h2c upstream
+    connection): those streams now, read when the debug view asks."""
 
 
 class StreamNotes:
@@ -127,6 +130,14 @@ class StreamNotes:
         when = opened if opened is not None else (
             existing.opened if existing is not None else time.monotonic())
         self._notes[stream] = StreamNote(when, opened_by)
+
+    def describe(self, stream: Any, inner: Callable[[], list[dict[str, Any]]]) -> None:
+        """Show what `stream` carries inside (`inner()`, read per debug request)."""
+        existing = self._notes.get(stream)
+        if existing is None:
+            self._notes[stream] = StreamNote(time.monotonic(), "-", inner)
+        else:
+            existing.inner = inner
 
     def get(self, stream: Any) -> StreamNote | None:
         return self._notes.get(stream)
@@ -181,6 +192,8 @@ def stream_rows(connection: TunnelStreams, notes: StreamNotes, *,
             "age_seconds": round(now - (note.opened if note is not None
                                         else stream.opened_at), 1),
         })
+        if note is not None and note.inner is not None:
+            rows[-1]["h2_streams"] = note.inner()
     return rows
 
 

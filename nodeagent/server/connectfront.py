@@ -48,7 +48,7 @@ from nodeagent.config import (
     ConnectFrontConfig,
     RoutesConfig,
 )
-from nodeagent.ops.listener import Listener, socket_address
+from nodeagent.ops.listener import Listener, bind_errors, socket_address
 from nodeagent.ops.streamviews import LiveStreams
 from nodeagent.server.connect import (
     REASONS,
@@ -118,9 +118,11 @@ class ConnectFront(Listener):
                   = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             if self.config.uds is not None:
-                await nursery.start(self._serve_uds, self.config.uds)
+                with bind_errors("connect.uds", self.config.uds):
+                    await nursery.start(self._serve_uds, self.config.uds)
             if self.config.listen is not None:
-                await nursery.start(self._serve_tls)
+                with bind_errors("connect.listen", self.config.listen):
+                    await nursery.start(self._serve_tls)
             self.log.info("CONNECT front listening", addresses=",".join(self.addresses))
             task_status.started(list(self.addresses))
 

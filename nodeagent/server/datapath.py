@@ -33,6 +33,7 @@ from tunnel.endpoint import StreamRefusedError
 from tunnel.errors import StreamFailed
 from tunnel.stream import TunnelStream
 from tunnel.tcp import DialFailed, connect_tcp
+from tunnel.udp import connect_udp
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
@@ -113,6 +114,31 @@ class DataPath:
                                     f"node {node} names its range", target=str(target),
                                     origin=origin)
 
+    def flow_for_agent(self, node: str, owner: str | None, target: p.Target,
+                       origin: str) -> socket.socket:
+        """The destination of a flow (udp) `node`'s agent opened: egress only, decided
+        exactly as for TCP (the node's egress rules for udp, the protected floor), to an
+        address (names are not resolved for UDP). A connected UDP socket; raises
+        StreamFailed (FORBIDDEN when policy refuses)."""
+        routes = self._routes()
+        if owner is not None and owner != node:
+            raise self._refusals.forbid(
+                "relay_not_allowed", node, f"{target} belongs to node {owner}; UDP is not "
+                f"relayed between nodes", target=str(target), origin=origin)
+        why = routes.check_egress(node, target.host, target.port, "udp")
+        if why is None and routes.address_protected(node, target.host, target.port, "udp"):
+            why = "protected"
+        if why == "not_allowed":
+            raise self._refusals.forbid("egress_not_allowed", node,
+                                        f"{target} is not in node {node}'s egress allow list",
+                                        target=str(target), origin=origin)
+        if why is not None:
+            raise self._refusals.forbid(
+                "egress_protected", node, f"{target} is protected (loopback, link-local, "
+                f"the API server or the Service range) and no egress rule of node {node} "
+                f"names its range", target=str(target), origin=origin)
+        return connect_udp(target.host, target.port)
+
     async def open_for_bootstrap(self, claimed_node: str,
                                  target: p.Target) -> trio.abc.HalfCloseableStream:
         """The destination of a bootstrap connection's stream: the controller (whose
@@ -145,6 +171,17 @@ class DataPath:
             return await connect_tcp(host, port, connect_timeout=self.dial_timeout)
         with trio.move_on_after(self.dial_timeout) as scope:
             return await self._open_stream(node, p.Target(host, port), {"origin": origin})
+        assert scope.cancelled_caught
+        raise StreamRefusedError(p.StreamReason.TIMEOUT,
+                                 f"node {node} did not answer within {self.dial_timeout}s")
+
+    async def open_flow(self, node: str, target: p.Target, origin: str,
+                        idle_timeout: float) -> TunnelStream:
+        """A flow (udp target) through `node`'s tunnel, within the dial timeout; the
+        agent learns the idle timeout from the metadata. Raises StreamFailed."""
+        metadata = {"origin": origin, "idle": f"{idle_timeout:g}"}
+        with trio.move_on_after(self.dial_timeout) as scope:
+            return await self._open_stream(node, target, metadata)
         assert scope.cancelled_caught
         raise StreamRefusedError(p.StreamReason.TIMEOUT,
                                  f"node {node} did not answer within {self.dial_timeout}s")

@@ -81,6 +81,8 @@ def agent_rows(tunnel: TunnelServer) -> list[dict[str, Any]]:
         info = session.connection.info()
         agents.append({
             "node": node, "peer": info.peer,
+            # The agent's release, from its HELLO: what the version-skew policy is about.
+            "agent_version": session.connection.identity.get("agent_version"),
             "connected_seconds": round(time.time() - session.since, 1),
             "rtt_ms": round(info.rtt_seconds * 1000, 2) if info.rtt_seconds is not None
             else None,
@@ -116,10 +118,18 @@ def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats],
     yield disconnects
     http = gauge("nodeagent_http_front", "HTTP front counters by listener",
                  ["listener", "counter"])
+    by_route = counter(
+        "nodeagent_http_route_requests",
+        "Requests that reached a route, by listener, route, client protocol (h1, h2, grpc) "
+        "and result (status class, or the gRPC status name)",
+        labels=["listener", "route", "protocol", "result"])
     for name, stats in http_stats.items():
         for field_name, value in stats.as_dict().items():
             http.add_metric([name, field_name], value)
+        for (route, protocol, result), count in sorted(stats.by_route.items()):
+            by_route.add_metric([name, route, protocol, result], count)
     yield http
+    yield by_route
 
 
 def hold_metrics(holds: HeldRequests) -> Iterable[Metric]:

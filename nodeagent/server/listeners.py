@@ -1,7 +1,8 @@
 """Every kind of listener the server role runs, and the one list of them a server starts.
 
 `server_listeners(server, ...)` turns a server's config into its listeners, in start
-order: the tunnel (where agents dial in), each TCP mapping, each HTTP listener, the
+order: the tunnel (where agents dial in), each TCP mapping, each UDP mapping, each HTTP
+listener, the
 Ingress listeners, the CONNECT front, the debug socket and the health listener. Each is a
 `nodeagent.ops.listener.Listener`; `serve_server` starts, drains and stops them through
 `Listeners` without knowing their kinds. The DNAT path has no socket of its own: its
@@ -11,13 +12,14 @@ streams arrive through the tunnel listener (openers.AgentStreams).
 from __future__ import annotations
 
 import functools
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
 
-from nodeagent.config import HostPort, TcpMapping, redacted
+from nodeagent.config import HostPort, TcpMapping, UdpMapping, redacted
 from nodeagent.http import HttpFront, HttpStats
 from nodeagent.http.limits import Limits
 from nodeagent.http.tls import TlsConfig
@@ -27,9 +29,12 @@ from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.listener import Listener, socket_address
 from nodeagent.server.server import Server
 from nodeagent.server.tcpmappings import TcpMappingRelay
+from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.accept import serve
 from tunnel.listeners import open_tcp_listeners
+from tunnel.tcp import format_address
 from tunnel.transports import Transport
+from tunnel.udp import SHARED_BUFFER, size_buffers
 from tunnel.urls import parse_endpoint
 
 
@@ -94,6 +99,54 @@ class TcpMappingListener(Listener):
         return {"node": self.mapping.node, "target": str(self.mapping.target)}
 
 
+class UdpMappingListener(Listener):
+    """A UDP mapping's public port: each client address a flow to its node's target."""
+
+    kind = "udp"
+
+    def __init__(self, name: str, mapping: UdpMapping, relay: UdpMappingRelay, *,
+                 reuse_port: bool) -> None:
+        super().__init__(name)
+        self.mapping = mapping
+        self._relay = relay
+        self._reuse_port = reuse_port
+
+    async def run(self, *, task_status: trio.TaskStatus[list[str]]
+                  = trio.TASK_STATUS_IGNORED) -> None:
+        listen = self.mapping.listen
+        sock = bind_udp(listen.host, listen.port, reuse_port=self._reuse_port)
+        try:
+            host, port = sock.getsockname()[:2]
+            self.addresses = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+            task_status.started(self.addresses)
+            await self._relay.serve(self.name, self.mapping, sock)
+        finally:
+            sock.close()
+
+    def details(self) -> dict[str, Any]:
+        return {"node": self.mapping.node, "target": str(self.mapping.target),
+                "idle_timeout": self.mapping.idle_timeout}
+
+
+def bind_udp(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    """A non-blocking UDP socket bound to host:port (SO_REUSEPORT for workers: the
+    kernel hashes each client address to one worker, so its flow stays there)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        size_buffers(sock, SHARED_BUFFER)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class HttpFrontListener(Listener):
     """An HTTP (or HTTPS) front on one listen address: requests routed by Host and path
     into streams. On drain, keep-alive connections finish their current request."""
@@ -135,12 +188,19 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
     of several workers sharing the public ports; `runs_connect_front`: this process runs
     the CONNECT front (one worker only)."""
     config = server.config
+    endpoint = parse_endpoint(config.tunnel.url)
     listeners: list[Listener] = [TunnelListener(
         config.tunnel.url, server.tunnel.handle_transport, ssl_context=tunnel_context,
-        reuse_port=reuse_port)]
+        reuse_port=reuse_port).for_setting("tunnel", format_address((endpoint.host,
+                                                                     endpoint.port)))]
     for index, mapping in enumerate(config.tcp):
-        listeners.append(TcpMappingListener(f"tcp:{mapping.name or index}", mapping,
-                                            server.tcp_mappings, reuse_port=reuse_port))
+        listeners.append(TcpMappingListener(
+            f"tcp:{mapping.name or index}", mapping, server.tcp_mappings,
+            reuse_port=reuse_port).for_setting(f"tcp[{index}].listen", mapping.listen))
+    for index, udp in enumerate(config.udp):
+        listeners.append(UdpMappingListener(
+            f"udp:{udp.name or index}", udp, server.udp_mappings,
+            reuse_port=reuse_port).for_setting(f"udp[{index}].listen", udp.listen))
     wanted = config.http_limits
     limits = Limits(max_connections=wanted.max_connections,
                     max_connections_per_client=wanted.max_connections_per_client,
@@ -152,8 +212,10 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         name = f"http:{http.name or index}"
         front = HttpFront(table=functools.partial(tables.http_table, index),
                           open_upstream=open_upstream, limits=limits,
-                          stats=server.http_stats.setdefault(name, HttpStats()))
-        listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port))
+                          stats=server.http_stats.setdefault(name, HttpStats()),
+                          describe_upstream=server.stream_notes.describe)
+        listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port)
+                         .for_setting(f"http[{index}].listen", http.listen))
     # The Ingress listeners: routes (and certificates) swap under them on every update.
     for name, listen, tls in (("ingress-http", config.ingress_http, None),
                               ("ingress-https", config.ingress_https,
@@ -163,8 +225,10 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         front = HttpFront(table=tables.current_ingress_table, open_upstream=open_upstream,
                           tls=tls, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
+                          describe_upstream=server.stream_notes.describe,
                           holds=server.holds)
-        listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port))
+        listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port)
+                         .for_setting(name.replace("-", "_"), listen))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).
     if server.connect is not None and runs_connect_front:
         listeners.append(server.connect)
@@ -172,15 +236,17 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         "/status": server.status,
         "/tunnels": QueryRoute(lambda query: server.tunnels(_node_filter(query))),
         "/streams": QueryRoute(lambda query: server.streams(_node_filter(query))),
+        "/flows": QueryRoute(lambda query: server.udp_mappings.flows(_node_filter(query))),
         "/holds": server.holds.as_dict,
         # The running routes (the controller's, in controller mode) over the file's,
         # secrets redacted.
         "/config": lambda: redacted({
             **server.config.model_dump(mode="json"),
             **server.routes.model_dump(mode="json")}),
-    }, registry=server.metrics.registry))
+    }, registry=server.metrics.registry).for_setting("debug_socket", config.debug_socket))
     if config.metrics_listen is not None:
         listeners.append(HealthServer(server.metrics.registry, server.not_ready,
                                       host=config.metrics_listen.host,
-                                      port=config.metrics_listen.port))
+                                      port=config.metrics_listen.port)
+                         .for_setting("metrics_listen", config.metrics_listen))
     return listeners

@@ -32,6 +32,7 @@ import trio
 
 from nodeagent.config import (
     ConfigError,
+    ConfigProblems,
     RoutesConfig,
     ServerConfig,
     load_config,
@@ -128,13 +129,17 @@ def server_ssl_context(config: ServerConfig, source: str = "config",
 
 
 def check_token_files(config: ServerConfig, source: str) -> None:
-    """Read every tokens[].token_file now, so an unreadable one names its field."""
+    """Read every tokens[].token_file now, so an unreadable one names its field (all of
+    them at once)."""
+    problems = ConfigProblems()
     for index, entry in enumerate(config.tokens):
         if entry.token_file is not None:
-            try:
-                entry.read()
-            except ConfigError as exc:
-                raise ConfigError(f"{source}: tokens[{index}].token_file: {exc}") from None
+            with problems.check():
+                try:
+                    entry.read()
+                except ConfigError as exc:
+                    raise ConfigError(f"{source}: tokens[{index}].token_file: {exc}") from None
+    problems.raise_any()
 
 
 def start_reloaders(server: Server, nursery: trio.Nursery,
@@ -265,10 +270,17 @@ def run_server(config_path: Path, *, check: bool = False, drain_seconds: float =
     """Standalone mode: the only server process, or worker `slot` of `workers` (their
     parent: workers.run_parent)."""
     config = load_config(ServerConfig, config_path)
-    check_worker_config(config, workers, str(config_path))
-    ssl_context = server_ssl_context(config, str(config_path))
-    check_token_files(config, str(config_path))
-    # Reads the token files: errors surface before anything listens.
+    # The files it names, each checked whatever the others' fate: every problem at once,
+    # before anything listens.
+    problems = ConfigProblems()
+    with problems.check():
+        check_worker_config(config, workers, str(config_path))
+    ssl_context = None
+    with problems.check():
+        ssl_context = server_ssl_context(config, str(config_path))
+    with problems.check():
+        check_token_files(config, str(config_path))
+    problems.raise_any()
     server = Server(slot.config(config) if slot is not None else config)
     if check:
         print(f"{config_path}: valid. tunnel {config.tunnel.url}, {len(config.tokens)} "

@@ -36,6 +36,7 @@ from tunnel import protocol as p
 from tunnel.endpoint import IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.relay import relay_incoming
+from tunnel.udp import FlowCounters, bridge_flow, flow_idle_timeout
 
 
 class StreamOutcomes:
@@ -60,7 +61,9 @@ class AgentStreams:
 
     def __init__(self, *, datapath: DataPath, dnat: DnatPath,
                  routes: Callable[[], RoutesConfig], notes: StreamNotes,
-                 outcomes: StreamOutcomes, refusals: PolicyRefusals) -> None:
+                 outcomes: StreamOutcomes, refusals: PolicyRefusals,
+                 on_flow_done: Callable[[FlowCounters], None] | None = None) -> None:
+        self._on_flow_done = on_flow_done
         self._datapath = datapath
         self._dnat = dnat
         self._routes = routes
@@ -86,6 +89,9 @@ class AgentStreams:
             return
         origin = incoming.metadata.get("origin", "")
         owner = routes.node_for_address(target.host)
+        if target.protocol == "udp":
+            await self._handle_agent_flow(node, owner, incoming, origin)
+            return
         via = "relay" if owner is not None and owner != node else "egress"
         open_agent_destination = functools.partial(
             self._datapath.open_for_agent, node, owner, target, origin)
@@ -93,6 +99,28 @@ class AgentStreams:
                                        on_accepted=lambda: self._outcomes.inbound(via))
         if relayed.failure is not None:
             self._outcomes.inbound(relayed.failure.outcome)
+
+    async def _handle_agent_flow(self, node: str, owner: str | None,
+                                 incoming: IncomingStream, origin: str) -> None:
+        """A flow (UDP) an agent opened for intercepted pod traffic: sent from the cloud
+        side where the egress policy allows, joined to a connected UDP socket until idle
+        or reset."""
+        try:
+            sock = self._datapath.flow_for_agent(node, owner, incoming.target, origin)
+        except StreamFailed as exc:
+            await incoming.refuse(exc.reason, exc.message)
+            self._outcomes.inbound(exc.outcome)
+            return
+        try:
+            stream = await incoming.accept()
+        except BaseException:
+            sock.close()
+            raise
+        self._outcomes.inbound("egress")
+        counters = await bridge_flow(stream, sock,
+                                     idle_timeout=flow_idle_timeout(incoming.metadata))
+        if self._on_flow_done is not None:
+            self._on_flow_done(counters)
 
     async def handle_bootstrap_stream(self, claimed_node: str,
                                       incoming: IncomingStream) -> None:

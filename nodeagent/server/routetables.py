@@ -40,14 +40,16 @@ def build_route_table(listener: HttpListener) -> RouteTable:
         backend = Backend(node=route.node, host=route.target.host, port=route.target.port)
         name = f"{listener.name or 'http'}[{index}]"
         specs.append(RouteSpec(host=route.host, path=route.path,
-                               route=Route(name=name, backends=(backend,)),
+                               route=Route(name=name, backends=(backend,),
+                                           backend_protocol=route.backend_protocol),
                                path_type=_path_type(route.path_type)))
     return RouteTable.build(specs)
 
 
 def _ingress_route(rule: IngressRule) -> Route:
     wake = rule.wake
-    return Route(name=rule.name, tls_redirect=rule.tls_redirect, backends=tuple(
+    return Route(name=rule.name, tls_redirect=rule.tls_redirect,
+                 backend_protocol=rule.backend_protocol, backends=tuple(
         Backend(node=b.node, host=b.target.host, port=b.target.port) for b in rule.backends),
         wake=None if wake is None else WakeSpec(wake.service, wake.timeout,
                                                 wake.max_pending, wake.failure,
@@ -126,9 +128,10 @@ class RouteTables:
         served. ConfigError (and nothing changes) if the listeners would change."""
         old = self.routes
         if [m.model_dump() for m in routes.tcp] != [m.model_dump() for m in old.tcp] or \
+                [m.model_dump() for m in routes.udp] != [m.model_dump() for m in old.udp] or \
                 [h.listen for h in routes.http] != [h.listen for h in old.http]:
-            raise ConfigError("TCP mappings and HTTP listen addresses cannot change while "
-                              "running; restart the server for that")
+            raise ConfigError("TCP and UDP mappings and HTTP listen addresses cannot change "
+                              "while running; restart the server for that")
         tables = {i: build_route_table(h) for i, h in enumerate(routes.http)}
         ingress_table, refused = build_ingress_table(routes.ingress)
         certs, refused_certs = build_cert_store(routes.ingress)

@@ -7,6 +7,7 @@ answers for the whole (readiness, route updates, status).
 - `datapath.DataPath`: what a stream may reach and the DNS-safe dialing;
 - `openers`: the streams agents open and the HTTP fronts' upstreams, counted by outcome;
 - `tcpmappings.TcpMappingRelay`: public TCP ports spliced into streams;
+- `udpmappings.UdpMappingRelay`: public UDP ports, each client address a flow;
 - `connectfront.ConnectFront` and `dnat.DnatPath`: the control plane's ways to nodes;
 - `debugviews`: the debug socket's views and the live metrics.
 
@@ -41,9 +42,11 @@ from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
 from nodeagent.server.refusals import PolicyRefusals
 from nodeagent.server.routetables import RouteTables
 from nodeagent.server.tcpmappings import TcpMappingRelay
+from nodeagent.server.udpmappings import UdpMappingRelay
 from nodeagent.trust.filewatch import FileReloader
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.server import HandshakeAdmission, TunnelServer
+from tunnel.udp import FlowCounters
 
 if TYPE_CHECKING:
     from nodeagent.trust.enrollment import IdentityKeeper  # controller mode: cryptography
@@ -110,13 +113,17 @@ class Server:
                              registry=self.metrics.registry, log=self.log)
         self.agent_streams = AgentStreams(
             datapath=self.datapath, dnat=self.dnat, routes=routes,
-            notes=self.stream_notes, outcomes=self.outcomes, refusals=self.refusals)
+            notes=self.stream_notes, outcomes=self.outcomes, refusals=self.refusals,
+            on_flow_done=self._count_flow)
         self.http_backends = HttpBackends(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             direct_backends=config.controller is not None)
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             stream_bytes=self.metrics.stream_bytes, log=self.log)
+        self.udp_mappings = UdpMappingRelay(
+            datapath=self.datapath, notes=self.stream_notes, metrics=self.metrics,
+            log=self.log)
         # Its listeners (listeners.server_listeners), set by serve_server, for status.
         self.listeners = Listeners()
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
@@ -134,6 +141,16 @@ class Server:
         ) if config.connect.enabled else None
         # /readyz: replaced by serve_server when the listeners are up (its grace from then).
         self.ready_gate = ReadinessGate(started=time.monotonic())
+
+    def _count_flow(self, counters: FlowCounters) -> None:
+        """An agent's flow (intercepted UDP, sent from here) ended: its datagrams."""
+        metrics = self.metrics
+        metrics.datagrams.labels("in").inc(counters.datagrams_in)
+        metrics.datagrams.labels("out").inc(counters.datagrams_out)
+        metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
+        metrics.datagram_bytes.labels("out").inc(counters.bytes_out)
+        for reason, count in counters.drops.items():
+            metrics.datagram_drops.labels(reason).inc(count)
 
     @property
     def routes(self) -> RoutesConfig:

@@ -50,6 +50,7 @@ log = get_logger("nodeagent.server.workers")
 
 MAX_WORKERS = 16
 EXIT_USAGE = 2  # nodeagent.cli: a usage or config error
+EXIT_STARTUP = 3  # nodeagent.cli: a port in use, a missing capability
 RESTART_INITIAL = 0.5
 RESTART_MAXIMUM = 30.0
 RESTART_RESET_AFTER = 60.0  # a worker that ran this long restarts at the initial delay
@@ -218,11 +219,14 @@ class Supervisor:
             if self.stopping:
                 log.info("worker exited", worker=worker.index, code=code)
                 return
-            if code == EXIT_USAGE and worker.starts == 1:
-                # Its config is invalid (it said why): restarting would not help.
-                log.error("worker found the config invalid; stopping the server",
-                          worker=worker.index)
-                self.exit_code = EXIT_USAGE
+            if code in (EXIT_USAGE, EXIT_STARTUP) and worker.starts == 1:
+                # Its config is invalid, or this host cannot honour it (a port in use): it
+                # said why in one line, and restarting would say it again.
+                log.error("worker found the config invalid; stopping the server"
+                          if code == EXIT_USAGE else "worker could not start (a setting "
+                          "this host cannot honour); stopping the server",
+                          worker=worker.index, code=code)
+                self.exit_code = code
                 self._stop_all(signal.SIGTERM)
                 return
             if trio.current_time() - started >= RESTART_RESET_AFTER:

@@ -41,21 +41,47 @@ def test_agent_config_loads_with_defaults() -> None:
     assert not cfg.allows("127.0.0.1", 8080, "udp")
 
 
+def test_udp_allow_rules_allow_udp_only_and_take_either_spelling() -> None:
+    cfg = AgentConfig.model_validate(agent(allow=[
+        "udp/10.96.0.10:53", "UDP/[fd00::10]:53", {"cidr": "10.1.0.0/16", "protocol": "UDP"},
+        "tcp/10.2.0.1:80"]))
+    assert cfg.allows("10.96.0.10", 53, "udp") and not cfg.allows("10.96.0.10", 53, "tcp")
+    assert cfg.allows("fd00::10", 53, "udp")
+    assert cfg.allows("10.1.2.3", 9999, "udp") and not cfg.allows("10.1.2.3", 9999, "tcp")
+    assert cfg.allows("10.2.0.1", 80, "tcp") and not cfg.allows("10.2.0.1", 80, "udp")
+
+
 @pytest.mark.parametrize("doc,message", [
     (agent(allow=["127.0.0.1:70000"]), "allow[0].ports[0]: port '70000' out of range"),
     (agent(allow=["10.0.0.1/8:80"]), "allow[0]: '10.0.0.1/8' is not a valid CIDR"),
     (agent(allow=["127.0.0.1:90-80"]), "allow[0].ports[0]: port range 90-80 is reversed"),
     (agent(node="Edge_1"), "node: 'Edge_1' is not a valid node name"),
     (agent(server="http://x"), "server: 'http://x': use tls://"),
-    (agent(token="short"), "token: String should have at least 16 characters"),
+    (agent(token="short"), "token: token is shorter than 16 characters"),
     (agent(colour="blue"), "colour: unknown field (typo?)"),
     ({"node": "a", "server": "tls://s:1"}, "no credentials"),
-    (agent(keepalive={"interval": -1}), "keepalive.interval: Input should be greater than 0"),
+    (agent(keepalive={"interval": -1}), "keepalive.interval: should be greater than 0"),
     (agent(allow=[{"cidr": 5, "ports": [80]}]), "allow[0].cidr: 5 is not a CIDR"),
     ({"server": "tls://s:1", "token": TOKEN}, "node: required field is missing"),
     (agent(intercept={"rules": [{"name": "dns", "protocol": "udp", "ports": [53],
                                  "destinations": ["10.0.0.0/8"]}]}),
-     "intercept rule 'dns': protocol udp is not supported by the agent yet"),
+     "intercept rule 'dns': UDP interception needs mode tproxy"),
+    (agent(allow=["udp/10.0.0.0/8:99999"]), "allow[0].ports[0]: port '99999' out of range"),
+    (agent(allow=[{"cidr": "10.0.0.0/8", "protocol": "sctp"}]), "allow[0].protocol"),
+    (agent(intercept={"mode": "tproxy", "rules": [{
+        "name": "dns", "protocol": "udp", "destinations": ["10.0.0.10/32"],
+        "dns_zones": ["cloud.internal"]}]}), "dns_zones and dns_resolver go together"),
+    (agent(intercept={"mode": "tproxy", "rules": [{
+        "name": "dns", "destinations": ["10.0.0.10/32"], "dns_zones": ["cloud.internal"],
+        "dns_resolver": "10.0.0.2:53"}]}), "dns_zones needs protocol udp"),
+    (agent(intercept={"mode": "tproxy", "rules": [{
+        "name": "dns", "protocol": "udp", "destinations": ["10.0.0.10/32"],
+        "dns_zones": ["not a zone"], "dns_resolver": "10.0.0.2:53"}]}),
+     "'not a zone' is not a DNS zone"),
+    (agent(intercept={"mode": "tproxy", "rules": [{
+        "name": "dns", "protocol": "udp", "destinations": ["10.0.0.10/32"],
+        "dns_zones": ["cloud.internal"], "dns_resolver": "resolver.local:53"}]}),
+     "dns_resolver must be an IP address"),
     (agent(intercept={"rules": [{"name": "a", "destinations": ["10.0.0.0/8", "10.1.0.0/16"]}]}),
      "intercept: intercept rule 'a': destinations: 10.1.0.0/16 overlaps 10.0.0.0/8"),
     (agent(intercept={"rules": [{"name": "p", "destinations": ["10.0.0.0/8"],

@@ -67,6 +67,33 @@ def test_nodes_allow_their_ingress_backends_and_the_tunnels_node_ports() -> None
     assert [r.host for r in out.routes.ingress.rules] == ["shop.test"]
 
 
+def test_udp_intercept_rules_dns_zones_and_udp_egress_reach_agents_and_servers() -> None:
+    """A ClusterTunnel with Kubernetes' spelling (protocol: UDP): the node gets the udp
+    intercept rule with its DNS zones, the servers get the udp egress for that node only
+    (a udp rule allows UDP, not TCP)."""
+    tunnels, problems = parse_tunnels([tunnel("default", {
+        "nodeSelector": {"edge": "true"},
+        "egress": [{"cidr": "10.200.0.10/32", "ports": ["53"], "protocol": "UDP"},
+                   "udp/10.200.0.0/24:5000-5010"],
+        "intercept": {"mode": "tproxy", "rules": [{
+            "name": "cloud-dns", "protocol": "UDP", "destinations": ["10.96.0.10/32"],
+            "ports": [53], "dns_zones": ["svc.cloud.internal"],
+            "dns_resolver": "10.200.0.10:53"}]}})])
+    assert problems == []
+    out = run([node("edge-1", "192.168.1.10", {"edge": "true"}), node("cloud-1", "10.0.0.4")],
+              tunnels)
+    intercept = out.nodes["edge-1"].intercept
+    assert intercept is not None
+    (rule,) = intercept.rules
+    assert rule.protocol == "udp" and rule.dns_zones == ("svc.cloud.internal.",)
+    assert str(rule.dns_resolver) == "10.200.0.10:53"
+    routes = out.routes
+    assert routes.check_egress("edge-1", "10.200.0.10", 53, "udp") is None
+    assert routes.check_egress("edge-1", "10.200.0.10", 53, "tcp") == "not_allowed"
+    assert routes.check_egress("edge-1", "10.200.0.7", 5005, "udp") is None
+    assert routes.check_egress("cloud-1", "10.200.0.10", 53, "udp") == "not_allowed"
+
+
 def test_invalid_and_overlapping_tunnels_are_problems() -> None:
     tunnels, problems = parse_tunnels([
         tunnel("old", {}), tunnel("young", {}, created="2026-06-01T00:00:00Z"),

@@ -146,6 +146,27 @@ def test_service_port_by_name_and_the_endpoint_slice_target_port() -> None:
     assert t.routes.rules[0].backends[0].target.port == 3000
 
 
+def test_service_port_app_protocol_sets_the_backend_protocol() -> None:
+    """appProtocol kubernetes.io/h2c or grpc: the routes' backends get HTTP/2 (h2c); any
+    other value, or none, HTTP/1.1. Per Service port, by number or name."""
+    svc = service(ports=[{"name": "http", "port": 80, "targetPort": 8080},
+                         {"name": "grpc", "port": 81, "targetPort": 8080,
+                          "appProtocol": "grpc"},
+                         {"name": "h2c", "port": 82, "targetPort": 8080,
+                          "appProtocol": "kubernetes.io/h2c"},
+                         {"name": "ws", "port": 83, "targetPort": 8080,
+                          "appProtocol": "kubernetes.io/ws"}])
+    slices = [slice_("web", endpoint("10.1.0.5"), port_name=name)
+              for name in ("http", "grpc", "h2c", "ws")]
+    rules = [rule(f"{host}.test", path("/", port=port)) for host, port in
+             (("a", 80), ("b", "grpc"), ("c", 82), ("d", "ws"))]
+    t = translate([ingress("a", rules, default=path("/", port=81)["backend"])], [svc], slices)
+    assert {r.host: r.backend_protocol for r in t.routes.rules} == {
+        "a.test": "h1", "b.test": "h2c", "c.test": "h2c", "d.test": "h1"}
+    assert t.routes.default_backend is not None
+    assert t.routes.default_backend.backend_protocol == "h2c"
+
+
 DIRECT = {"nodeagent.io/allow-direct-backends": "true"}
 
 

@@ -1,6 +1,6 @@
 """`scripts/demo --cluster` as a user runs it: start it, wait for its instructions, run each
-printed command word for word (the `export`, then kubectl, curl and `nodeagent debug` from
-PATH), and stop it with Ctrl-C."""
+printed command word for word (the `export`, then kubectl, curl and `nodeagent debug` as
+printed, from a PATH without the venv), and stop it with Ctrl-C."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from nodeagent.testing.fakekube.kubectl import needs_kubectl
+from tests.e2e.test_demo import path_without_venv
 
 pytestmark = [pytest.mark.needs("root"), needs_kubectl,
               pytest.mark.skipif(not os.access("/usr/bin/curl", os.X_OK), reason="no curl")]
@@ -50,7 +50,7 @@ def test_cluster_demo_steps_work_word_for_word(tmp_path: Path) -> None:
         assert steps[0].startswith("export KUBECONFIG="), steps
         env = {**os.environ, "KUBECONFIG": steps[0].partition("=")[2],
                "HOME": str(tmp_path), "KUBECACHEDIR": str(tmp_path / "kubecache"),
-               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+               "PATH": path_without_venv()}
         results: dict[str, str] = {}
         for step in steps[1:]:
             argv = shlex.split(step)
@@ -62,9 +62,12 @@ def test_cluster_demo_steps_work_word_for_word(tmp_path: Path) -> None:
             assert done.returncode == 0, f"{step}: {done.stdout}{done.stderr}"
             results[argv[0] + " " + argv[1]] = done.stdout
         assert re.search(r"clustertunnel.nodeagent.io/demo\s", results["kubectl get"]), results
+        # The demo plays the kubelet, which reports its node Ready.
+        assert re.search(r"^node/demo-node\s+Ready\s", results["kubectl get"], re.M), results
         assert "hello from the sample backend on demo-node" in results["curl -H"], results
         assert re.search(r"^Ingress Class:\s+nodeagent$", results["kubectl describe"], re.M)
-        assert "demo-node" in results["nodeagent debug"], results["nodeagent debug"]
+        debug = next(out for step, out in results.items() if step.endswith(" debug"))
+        assert "demo-node" in debug, results
 
         # The README's Kubernetes section, word for word, against the demo: the install
         # again (nothing changes) and the example ClusterTunnel (it covers no demo node).

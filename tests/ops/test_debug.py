@@ -121,7 +121,7 @@ async def test_socket_file_lifecycle(sock_path: Path) -> None:
     assert not sock_path.exists()
 
     sock_path.write_text("not a socket")
-    with pytest.raises(DebugSocketInUse, match="is not a socket"):
+    with pytest.raises(DebugSocketInUse, match="a file that is not a socket is there"):
         await DebugServer(sock_path, {}).run()
     assert sock_path.read_text() == "not a socket"
 
@@ -181,3 +181,28 @@ def test_render_status() -> None:
         "s1      connected   1.5 ms        2\n"
         "s2      connected  20.0 ms       10\n"
     )
+
+
+def test_the_printed_program_command_runs_this_installation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the demos print: `nodeagent` only when PATH finds this installation's script;
+    else the script's path (a venv not activated); else `python -m nodeagent`."""
+    import shutil
+    import sys
+
+    from nodeagent.ops.debugcli import program_command
+
+    here = Path(sys.executable).parent
+    assert program_command(path=str(here)) == "nodeagent"
+    # Another `nodeagent` first on PATH is not this installation.
+    other = tmp_path / "nodeagent"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    assert program_command(path=f"{tmp_path}:{here}") == str(here / "nodeagent")
+    assert program_command(path="/nonexistent") == str(here / "nodeagent")
+    assert shutil.which("nodeagent", path=str(here))  # the venv has the script
+    # An interpreter with no script beside it (a system Python running a checkout).
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setattr(sys, "executable", str(bare / "python3"))
+    assert program_command(path=str(here)) == f"{bare / 'python3'} -m nodeagent"

@@ -40,3 +40,26 @@ def test_an_update_that_moves_a_listener_changes_nothing() -> None:
         server.apply_routes(moved)
     assert backend_of(functools.partial(server.route_tables.http_table, 0)) == \
         "127.0.0.1:3000"
+
+
+def test_the_backend_protocol_reaches_the_route() -> None:
+    """A file's `backend_protocol` and an Ingress rule's become the `Route`'s, which the
+    front reads per request to choose HTTP/1.1 or the shared h2c connection."""
+    from nodeagent.config import HttpListener, IngressRoutes, IngressRule
+    from nodeagent.server.routetables import build_ingress_table, build_route_table
+
+    listener = HttpListener.model_validate({"listen": "127.0.0.1:0", "routes": [
+        {"host": "g.test", "target": "127.0.0.1:9", "backend_protocol": "h2c"},
+        {"host": "w.test", "target": "127.0.0.1:9"}]})
+    table = build_route_table(listener)
+    assert table.lookup("g.test", "/").route.backend_protocol == "h2c"  # type: ignore[union-attr]
+    assert table.lookup("w.test", "/").route.backend_protocol == "h1"  # type: ignore[union-attr]
+    ingress = IngressRoutes(rules=(IngressRule.model_validate(
+        {"name": "ns/g", "host": "g.test", "backend_protocol": "h2c",
+         "backends": [{"node": "edge-1", "target": "10.1.0.5:50051"}]}),))
+    itable, refused = build_ingress_table(ingress)
+    assert not refused
+    assert itable.lookup("g.test", "/x").route.backend_protocol == "h2c"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="backend_protocol"):
+        HttpListener.model_validate({"listen": "127.0.0.1:0", "routes": [
+            {"target": "127.0.0.1:9", "backend_protocol": "h3"}]})

@@ -177,6 +177,12 @@ async def test_get_crd_prints_its_printer_columns(kubeconfig: tuple[FakeKube, Pa
     assert rows[1][:5] == ["default", "wss://nodeagent.example.com:8443/tunnel", "3", "17",
                            "True"]
     assert rows[1][5].endswith("s")
+    # -o wide adds the columns of priority 1.
+    rows = table((await kubectl(path, "get", "ct", "-o", "wide")).stdout)
+    assert rows[0] == ["NAME", "SERVER", "NODES", "VERSION", "READY", "AGE", "COVERED",
+                       "REASON"]
+    assert rows[1][:5] == ["default", "wss://nodeagent.example.com:8443/tunnel", "3", "17",
+                           "True"] and rows[1][6:] == ["4", "Serving"]
     rows = table((await kubectl(path, "get", "crd")).stdout)
     assert rows[0] == ["NAME", "CREATED", "AT"]
     assert rows[1][0] == "clustertunnels.nodeagent.io" and rows[1][1].endswith("Z")
@@ -243,3 +249,57 @@ async def test_openapi_v3_documents(kubeconfig: tuple[FakeKube, Path]) -> None:
         for schema in schemas.values():
             assert "$defs" not in json.dumps(schema)
         assert (await api.get("/openapi/v3/apis/nosuch.io/v1")).status_code == 404
+
+
+async def test_auth_can_i_list(rbac_kubeconfig: tuple[FakeKube, Path]) -> None:
+    """`kubectl auth can-i --list` (a SelfSubjectRulesReview): the rules that apply to the
+    user in the namespace, cluster-wide ones and the namespace's own."""
+    _, path = rbac_kubeconfig
+    result = await kubectl(path, "apply", "-k", str(MANIFESTS), "--validate=false")
+    assert result.returncode == 0, result.stderr.decode()
+    as_controller = "--as=system:serviceaccount:nodeagent:nodeagent-controller"
+    listed = await kubectl(path, "auth", "can-i", "--list", "-n", "nodeagent", as_controller)
+    assert listed.returncode == 0, listed.stderr.decode()
+    rows = {(line.split()[0], line.split()[-1])
+            for line in listed.stdout.decode().splitlines()[1:]}
+    assert ("tokenreviews.authentication.k8s.io", "[create]") in rows, rows  # cluster-wide
+    assert any(r[0] == "leases.coordination.k8s.io" for r in rows), rows  # the namespace's
+    elsewhere = await kubectl(path, "auth", "can-i", "--list", "-n", "default",
+                              as_controller)
+    assert not any(line.startswith("leases.coordination.k8s.io")
+                   for line in elsewhere.stdout.decode().splitlines()), elsewhere.stdout
+    admin = await kubectl(path, "auth", "can-i", "--list")
+    assert admin.returncode == 0 and "*.*" in admin.stdout.decode(), admin.stdout
+
+
+async def test_strict_field_validation_refuses_unknown_fields_of_a_custom_object(
+        kubeconfig: tuple[FakeKube, Path], tmp_path: Path) -> None:
+    """As a real API server does for a structural schema: with fieldValidation=Strict
+    (kubectl's default when the server declares the parameter, and --validate=strict) an
+    unknown field of a ClusterTunnel is a 400 naming it, on create and on apply's patch;
+    with --validate=false it is pruned."""
+    fake, path = kubeconfig
+    result = await kubectl(path, "apply", "-k", str(MANIFESTS))
+    assert result.returncode == 0, result.stderr.decode()
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("apiVersion: nodeagent.io/v1alpha1\nkind: ClusterTunnel\n"
+                    "metadata: {name: typo}\n"
+                    "spec: {serverUrl: 'wss://t.example.com/tunnel', allowedNodeport: [22],"
+                    " intercept: {bogus: 1}}\n")
+    message = ('ClusterTunnel in version "v1alpha1" cannot be handled as a ClusterTunnel: '
+               'strict decoding error: unknown field "spec.allowedNodeport", unknown field '
+               '"spec.intercept.bogus"')
+    for args in (("create", "-f", str(typo)), ("apply", "--validate=strict", "-f", str(typo))):
+        refused = await kubectl(path, *args)
+        assert refused.returncode == 1, refused.stdout.decode()
+        assert message in refused.stderr.decode(), refused.stderr.decode()
+    assert fake.get_object("clustertunnels", "typo", group="nodeagent.io") is None
+    # Without validation the API server prunes what its schema does not declare; a later
+    # apply of the typo (a merge patch) is refused the same way.
+    pruned = await kubectl(path, "apply", "--validate=false", "-f", str(typo))
+    assert pruned.returncode == 0, pruned.stderr.decode()
+    stored = fake.get_object("clustertunnels", "typo", group="nodeagent.io")
+    assert stored is not None and "allowedNodeport" not in stored["spec"]
+    typo.write_text(typo.read_text().replace("[22]", "[2222]"))
+    patched = await kubectl(path, "apply", "-f", str(typo))
+    assert patched.returncode == 1 and "strict decoding error" in patched.stderr.decode()

@@ -311,7 +311,8 @@ async def test_a_connection_reset_before_the_dial_looks_at_it_is_a_dial_error(
     (retried as unreachable), never an exception out of the agent."""
     import tunnel.dial
 
-    async def reset_at_once(endpoint: Endpoint, socket_mark: int | None) -> trio.SocketStream:
+    async def reset_at_once(endpoint: Endpoint, socket_mark: int | None,
+                            proxy: object) -> trio.SocketStream:
         return trio.SocketStream(trio.socket.socket())  # never connected: ENOTCONN
 
     monkeypatch.setattr(tunnel.dial, "_connect_tcp", reset_at_once)

@@ -72,7 +72,8 @@ def test_handshake_exchanges_identity_settings_and_version() -> None:
     (ev,) = a.receive_data(d.data_to_send())
     assert isinstance(ev, HelloReceived)
     assert ev.hello.identity == {"node": "edge-1", "token": "t"}
-    assert ev.hello.features == ("udp",)
+    # The core adds the features it implements itself (DATAGRAM frames).
+    assert ev.hello.features == ("udp", "datagram")
     assert ev.hello.settings.max_streams == 7
     assert not a.is_open  # the acceptor decides first
     a.accept_handshake(Hello(identity={"server": "s"}))

@@ -60,6 +60,7 @@ frames = st.builds(
     st.one_of(
         st.binary(max_size=64),
         st.just(b'{"host":"h","port":80}'),
+        st.just(b'{"proto":"udp","host":"h","port":53}'),
         st.just(struct.pack("!I", 1024)),
         st.just(bytes([StreamReason.REFUSED]) + b"no"),
         st.just(b"\x00" * 8),
@@ -103,6 +104,7 @@ def _feed(conn: Connection, chunks: list[bytes], split: int) -> None:
 def test_random_input_after_handshake_never_crashes(chunks: list[bytes], split: int) -> None:
     pair = handshake(acceptor_settings=SETTINGS, receive_budget=BUDGET)
     pair.dialer.open_stream(Target("h", 1))
+    pair.dialer.open_stream(Target("h", 53, "udp"))  # a flow: DATAGRAM frames meet one
     pair.pump()
     _feed(pair.acceptor, chunks, split)
 

@@ -42,12 +42,15 @@ from tunnel.protocol.state import LIVE_STATES, TRANSITIONS_BY_EVENT
 S = StreamState
 E = StreamEvent
 T = Target("127.0.0.1", 8080)
+# Datagram cells run on a flow (a stream whose target is udp): DATAGRAM is for flows only.
+U = Target("127.0.0.1", 53, "udp")
+DATAGRAM_EVENTS = {StreamEvent.SEND_DATAGRAM, StreamEvent.RECV_DATAGRAM}
 # Small stream windows for the dialer (the side under test), so that acknowledging a
 # few bytes is enough to send a WINDOW.
 DIALER = Settings(initial_stream_window=8)
 OPEN_PAYLOAD = b'{"proto":"tcp","host":"h","port":1,"meta":{}}'
 
-SEND_ACTIONS = {E.SEND_ACCEPT, E.SEND_REFUSE, E.SEND_DATA, E.SEND_FIN}
+SEND_ACTIONS = {E.SEND_ACCEPT, E.SEND_REFUSE, E.SEND_DATA, E.SEND_FIN, E.SEND_DATAGRAM}
 QUIET_WHEN_MISSING = {E.SEND_RST, E.SEND_WINDOW, E.RECV_GOAWAY}
 # open_stream() picks a fresh id itself, so it can only ever meet an IDLE one.
 NOT_EXPRESSIBLE = {(state, E.SEND_OPEN) for state in S if state is not S.IDLE}
@@ -63,6 +66,7 @@ RECEIVED_FRAMES: dict[StreamEvent, Callable[[int], bytes]] = {
     E.RECV_REFUSE: lambda sid: frame(FrameType.REFUSE, sid, bytes([StreamReason.REFUSED])),
     E.RECV_DATA: lambda sid: frame(FrameType.DATA, sid, b"x"),
     E.RECV_FIN: lambda sid: frame(FrameType.DATA, sid, b"x", FLAG_FIN),
+    E.RECV_DATAGRAM: lambda sid: frame(FrameType.DATAGRAM, sid, b"dgram"),
     E.RECV_WINDOW: lambda sid: frame(FrameType.WINDOW, sid, struct.pack("!I", 1)),
     E.RECV_RST: lambda sid: frame(FrameType.RST, sid, bytes([StreamReason.CANCELLED])),
     # A drain that refuses every stream the dialer opened from `sid` on.
@@ -81,16 +85,16 @@ def frames_for(data: bytes, stream_id: int) -> list[tuple[int, int]]:
     return found
 
 
-def stream_in(pair: Pair, state: StreamState) -> int:
+def stream_in(pair: Pair, state: StreamState, target: Target = T) -> int:
     """Bring one stream of pair.dialer to `state`; returns its id."""
     d, a = pair.dialer, pair.acceptor
     if state is S.IDLE:
         return 2  # the acceptor's first id: the dialer has not seen it
     if state is S.OPEN_RECEIVED:
-        sid = a.open_stream(T)
+        sid = a.open_stream(target)
         pair.pump()
         return sid
-    sid = d.open_stream(T)
+    sid = d.open_stream(target)
     pair.pump()
     if state is S.OPEN_SENT:
         return sid
@@ -132,6 +136,8 @@ def act(conn: Connection, event: StreamEvent, sid: int) -> list[Event]:
         conn.acknowledge_received_data(sid, DIALER.initial_stream_window // 2)
     elif event is E.SEND_RST:
         conn.reset_stream(sid)
+    elif event is E.SEND_DATAGRAM:
+        assert conn.send_datagram(sid, b"dgram") is None
     else:
         return conn.receive_data(RECEIVED_FRAMES[event](sid))
     return []
@@ -159,7 +165,8 @@ def test_every_cell_of_the_table(state: StreamState, event: StreamEvent) -> None
     d = pair.dialer
     if event is E.SEND_WINDOW:
         give_dialer_unread_bytes(pair, DIALER.initial_stream_window // 2)
-    sid = 1 if event is E.SEND_OPEN else stream_in(pair, state)
+    target = U if event in DATAGRAM_EVENTS else T
+    sid = 1 if event is E.SEND_OPEN else stream_in(pair, state, target)
     assert d.stream_state(sid) is state
     d.data_to_send()
     expected = STREAM_TRANSITIONS[state].get(event)
@@ -207,7 +214,9 @@ def test_open_stream_always_takes_an_idle_id() -> None:
 LOCAL_IDS = (1, 3, 5)
 REMOTE_IDS = (2, 4, 6)
 # SEND_WINDOW needs unread data and credit bookkeeping; the cell test covers it.
-RANDOM_EVENTS = [e for e in E if e is not E.SEND_WINDOW]
+# The datagram events need flows (tests/tunnel/test_protocol_datagram.py); the cell test
+# covers each of them.
+RANDOM_EVENTS = [e for e in E if e is not E.SEND_WINDOW and e not in DATAGRAM_EVENTS]
 
 
 @settings(max_examples=500, deadline=None)

@@ -23,6 +23,7 @@ from tunnel.protocol.connection import Connection, ConnectionStats
 from tunnel.protocol.errors import (
     ConnectionClosedError,
     ConnectionDraining,
+    DatagramsUnsupported,
     ErrorCode,
     FlowControlBlocked,
     LocalProtocolError,
@@ -34,6 +35,7 @@ from tunnel.protocol.errors import (
 )
 from tunnel.protocol.events import (
     ConnectionTerminated,
+    DatagramReceived,
     DataReceived,
     Event,
     GoAwayReceived,
@@ -54,6 +56,7 @@ from tunnel.protocol.state import (
     StreamState,
 )
 from tunnel.protocol.wire import (
+    FEATURE_DATAGRAM,
     FEATURE_RETRY_AFTER,
     FLAG_ACK,
     FLAG_FIN,
@@ -65,6 +68,7 @@ from tunnel.protocol.wire import (
     IDENTITY_REPLICAS,
     IDENTITY_SERVER,
     MAGIC,
+    MAX_DATAGRAM,
     MAX_HELD_SERVERS,
     MAX_HOST_LENGTH,
     MAX_MESSAGE_BYTES,
@@ -85,6 +89,7 @@ from tunnel.protocol.wire import (
 )
 
 __all__ = [
+    "FEATURE_DATAGRAM",
     "FEATURE_RETRY_AFTER",
     "FLAG_ACK",
     "FLAG_FIN",
@@ -96,6 +101,7 @@ __all__ = [
     "IDENTITY_REPLICAS",
     "IDENTITY_SERVER",
     "MAGIC",
+    "MAX_DATAGRAM",
     "MAX_HELD_SERVERS",
     "MAX_HOST_LENGTH",
     "MAX_MESSAGE_BYTES",
@@ -113,6 +119,8 @@ __all__ = [
     "ConnectionStats",
     "ConnectionTerminated",
     "DataReceived",
+    "DatagramReceived",
+    "DatagramsUnsupported",
     "ErrorCode",
     "Event",
     "FlowControlBlocked",

@@ -20,11 +20,13 @@ stream table (state.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
 
 from tunnel.protocol.errors import (
     ConnectionClosedError,
     ConnectionDraining,
+    DatagramsUnsupported,
     ErrorCode,
     FlowControlBlocked,
     LocalProtocolError,
@@ -35,6 +37,7 @@ from tunnel.protocol.errors import (
 )
 from tunnel.protocol.events import (
     ConnectionTerminated,
+    DatagramReceived,
     DataReceived,
     Event,
     GoAwayReceived,
@@ -62,6 +65,7 @@ from tunnel.protocol.state import (
     unexpected_frame,
 )
 from tunnel.protocol.wire import (
+    FEATURE_DATAGRAM,
     FEATURE_RETRY_AFTER,
     FLAG_ACK,
     FLAG_FIN,
@@ -69,6 +73,7 @@ from tunnel.protocol.wire import (
     HANDSHAKE_FRAME_LIMIT,
     HEADER,
     HEADER_SIZE,
+    MAX_DATAGRAM,
     MAX_RETRY_AFTER,
     MAX_VERSION,
     MAX_WINDOW,
@@ -95,6 +100,13 @@ _ON_RECV_FIN = TRANSITIONS_BY_EVENT[StreamEvent.RECV_FIN]
 _ON_SEND_DATA = TRANSITIONS_BY_EVENT[StreamEvent.SEND_DATA]
 _ON_SEND_FIN = TRANSITIONS_BY_EVENT[StreamEvent.SEND_FIN]
 _ON_SEND_WINDOW = TRANSITIONS_BY_EVENT[StreamEvent.SEND_WINDOW]
+_ON_SEND_DATAGRAM = TRANSITIONS_BY_EVENT[StreamEvent.SEND_DATAGRAM]
+
+# Datagrams a flow may hold while the connection has no credit for them (per flow, and
+# for the whole connection): beyond, `send_datagram()` drops and counts. One full-size
+# datagram always fits a flow's queue.
+DATAGRAM_QUEUE_PER_FLOW = 256 * 1024
+DATAGRAM_QUEUE_TOTAL = 4 * 1024 * 1024
 _CLOSED = StreamState.CLOSED
 
 
@@ -108,6 +120,10 @@ class ConnectionStats:
     streams_opened_remote: int = 0
     streams_refused_over_limit: int = 0
     streams_refused_draining: int = 0
+    datagrams_sent: int = 0
+    datagrams_received: int = 0
+    # Datagrams send_datagram() dropped, by reason: too_large, queue_full, congested.
+    datagrams_dropped: Counter[str] = field(default_factory=Counter)
 
 
 class Connection:
@@ -120,6 +136,8 @@ class Connection:
         settings: Settings | None = None,
         *,
         receive_budget: int | None = None,
+        datagram_queue_per_flow: int = DATAGRAM_QUEUE_PER_FLOW,
+        datagram_queue_total: int = DATAGRAM_QUEUE_TOTAL,
     ) -> None:
         self.role = role
         self.local_settings = settings or Settings()
@@ -151,6 +169,13 @@ class Connection:
         self._inbuf = bytearray()
         self._out: list[bytes | memoryview] = []
         self._out_size = 0
+
+        # Flows with queued datagrams, served round robin as connection credit returns:
+        # one flow's burst waits behind one datagram of each other flow, not all of it.
+        self._datagram_ready: deque[StreamRecord] = deque()
+        self._datagram_queued = 0
+        self.datagram_queue_per_flow = datagram_queue_per_flow
+        self.datagram_queue_total = datagram_queue_total
 
     # ---------------------------------------------------------------- introspection
 
@@ -201,6 +226,17 @@ class Connection:
             return 0
         return min(stream.send_window, self._conn_send_window)
 
+    @property
+    def peer_carries_datagrams(self) -> bool:
+        """Whether the peer announced FEATURE_DATAGRAM (flows may be opened to it)."""
+        hello = self.remote_hello
+        return hello is not None and FEATURE_DATAGRAM in hello.features
+
+    @property
+    def datagrams_queued(self) -> int:
+        """Bytes of datagrams waiting for connection credit, all flows together."""
+        return self._datagram_queued
+
     def can_open_stream(self) -> bool:
         return (
             self.state is ConnectionState.OPEN
@@ -231,6 +267,8 @@ class Connection:
         self.state = ConnectionState.CLOSED
         self._streams.clear()
         self._inbuf = bytearray()
+        self._datagram_ready.clear()
+        self._datagram_queued = 0
 
     def _require_open(self) -> None:
         if self.state is ConnectionState.CLOSED:
@@ -244,9 +282,17 @@ class Connection:
 
     def _set_state(self, stream: StreamRecord, state: StreamState) -> None:
         if state is _CLOSED:
-            del self._streams[stream.id]
+            self._forget(stream)
         else:
             stream.state = state
+
+    def _forget(self, stream: StreamRecord) -> None:
+        """The stream is closed: drop its record and any datagrams it still queued."""
+        del self._streams[stream.id]
+        if stream.queue is not None:
+            self._datagram_queued -= stream.queued_bytes
+            stream.queue = None
+            stream.queued_bytes = 0
 
     # ---------------------------------------------------------------- local actions
 
@@ -304,9 +350,12 @@ class Connection:
         self._enter_closed()
 
     def _send_hello(self, hello: Hello) -> None:
-        if hello.settings != self.local_settings:
+        # Every core carries flows; the feature tells the peer it may send DATAGRAM.
+        features = hello.features if FEATURE_DATAGRAM in hello.features else (
+            *hello.features, FEATURE_DATAGRAM)
+        if hello.settings != self.local_settings or features != hello.features:
             hello = Hello(settings=self.local_settings, identity=hello.identity,
-                          features=hello.features, min_version=hello.min_version,
+                          features=features, min_version=hello.min_version,
                           max_version=hello.max_version)
         payload = hello.encode()
         if len(payload) > HANDSHAKE_FRAME_LIMIT:
@@ -324,6 +373,9 @@ class Connection:
             raise StreamLimitReached(
                 f"peer allows {self.remote_settings.max_streams} concurrent streams")
         target.validate()
+        flow = target.protocol == "udp"
+        if flow and not self.peer_carries_datagrams:
+            raise DatagramsUnsupported("the peer does not carry UDP (no datagram feature)")
         payload = encode_open(target, metadata or {})
         if len(payload) > self.remote_settings.max_open_size:
             raise LocalProtocolError(
@@ -336,7 +388,7 @@ class Connection:
         self._streams[stream_id] = StreamRecord(
             id=stream_id, local=True, state=state,
             send_window=self.remote_settings.initial_stream_window,
-            recv_window=self.local_settings.initial_stream_window,
+            recv_window=self.local_settings.initial_stream_window, datagram=flow,
         )
         self.stats.streams_opened_local += 1
         self._emit(FrameType.OPEN, 0, stream_id, payload)
@@ -396,9 +448,76 @@ class Connection:
             if last:
                 break
         if state is _CLOSED:
-            del self._streams[stream_id]
+            self._forget(stream)
         else:
             stream.state = state
+
+    def send_datagram(self, stream_id: int, data: bytes | bytearray | memoryview,
+                      ) -> str | None:
+        """Queue one datagram on a flow; returns None, or why it was dropped (counted in
+        stats.datagrams_dropped): "too_large" (beyond the peer's frame size), "queue_full"
+        (this flow's queue), "congested" (every flow's queue together). It goes out at
+        once while the connection has credit; otherwise it waits in its flow's queue,
+        and the queues are served round robin as credit returns. Datagrams are not
+        stream flow-controlled: the connection window alone bounds what is in flight."""
+        self._require_open()
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise StreamClosedError(stream_id)
+        if stream.state not in _ON_SEND_DATAGRAM:
+            if stream.state is StreamState.HALF_CLOSED_LOCAL:
+                raise LocalProtocolError(f"stream {stream_id} already sent FIN")
+            raise LocalProtocolError(f"stream {stream_id} is not accepted yet")
+        if not stream.datagram:
+            raise LocalProtocolError(f"stream {stream_id} is not a flow (its target is tcp)")
+        size = len(data)
+        if size > MAX_DATAGRAM or size > self.remote_settings.max_frame_size:
+            return self._drop_datagram("too_large")
+        payload = bytes(data)  # a datagram is small: one copy, the caller may reuse data
+        if stream.queue is None and size <= self._conn_send_window:
+            self._emit_datagram(stream_id, payload)
+            return None
+        if stream.queued_bytes + size > self.datagram_queue_per_flow:
+            return self._drop_datagram("queue_full")
+        if self._datagram_queued + size > self.datagram_queue_total:
+            return self._drop_datagram("congested")
+        if stream.queue is None:
+            stream.queue = deque()
+            self._datagram_ready.append(stream)
+        stream.queue.append(payload)
+        stream.queued_bytes += size
+        self._datagram_queued += size
+        return None
+
+    def _drop_datagram(self, reason: str) -> str:
+        self.stats.datagrams_dropped[reason] += 1
+        return reason
+
+    def _emit_datagram(self, stream_id: int, payload: bytes) -> None:
+        self._conn_send_window -= len(payload)
+        self.stats.datagrams_sent += 1
+        self._emit(FrameType.DATAGRAM, 0, stream_id, payload)
+
+    def _flush_datagrams(self) -> None:
+        """Send queued datagrams while the connection has credit, one per flow per round."""
+        ready = self._datagram_ready
+        while ready:
+            stream = ready[0]
+            queue = stream.queue
+            if queue is None:  # closed since it queued (_forget emptied it)
+                ready.popleft()
+                continue
+            if len(queue[0]) > self._conn_send_window:
+                return
+            ready.popleft()
+            payload = queue.popleft()
+            stream.queued_bytes -= len(payload)
+            self._datagram_queued -= len(payload)
+            self._emit_datagram(stream.id, payload)
+            if queue:
+                ready.append(stream)
+            else:
+                stream.queue = None
 
     def end_stream(self, stream_id: int) -> None:
         """Half-close: we send no more data on this stream (FIN)."""
@@ -542,6 +661,8 @@ class Connection:
             self._on_data(flags, stream_id, payload, events)
         elif ftype == FrameType.WINDOW:
             self._on_window(stream_id, payload, events)
+        elif ftype == FrameType.DATAGRAM:
+            self._on_datagram(stream_id, payload, events)
         elif ftype == FrameType.OPEN:
             self._on_open(stream_id, payload, events)
         elif ftype == FrameType.ACCEPT:
@@ -647,6 +768,7 @@ class Connection:
             id=stream_id, local=False, state=state,
             send_window=self.remote_settings.initial_stream_window,
             recv_window=self.local_settings.initial_stream_window,
+            datagram=target.protocol == "udp",
         )
         self.stats.streams_opened_remote += 1
         events.append(StreamOpened(stream_id, target, meta))
@@ -694,9 +816,23 @@ class Connection:
         if fin:
             events.append(StreamEnded(stream_id))
             if state is _CLOSED:
-                del self._streams[stream_id]
+                self._forget(stream)
                 return
         stream.state = state
+
+    def _on_datagram(self, stream_id: int, payload: memoryview,
+                     events: list[Event]) -> None:
+        self._check_stream_id(stream_id)
+        # Connection credit, as DATA; owed back at once (never `unacked`): the app
+        # delivers the datagram now or drops it, so it holds no memory a peer could grow.
+        self._credit.received(len(payload))
+        stream, _ = self._received(stream_id, StreamEvent.RECV_DATAGRAM)
+        if stream is None:
+            return  # reset by us while it was in flight
+        if not stream.datagram:
+            raise RemoteProtocolError(f"DATAGRAM on stream {stream_id}, which is not a flow")
+        self.stats.datagrams_received += 1
+        events.append(DatagramReceived(stream_id, bytes(payload)))
 
     def _on_window(self, stream_id: int, payload: memoryview, events: list[Event]) -> None:
         increment = decode_window(payload)
@@ -705,6 +841,8 @@ class Connection:
             if self._conn_send_window > MAX_WINDOW:
                 raise RemoteProtocolError("connection window overflow",
                                           ErrorCode.FLOW_CONTROL_ERROR)
+            if self._datagram_ready:
+                self._flush_datagrams()
             events.append(WindowUpdated(0))
             return
         stream, _ = self._received(stream_id, StreamEvent.RECV_WINDOW)

@@ -88,6 +88,10 @@ class StreamLimitReached(LocalProtocolError):
     """The peer's max_streams is reached; open again when a stream has ended."""
 
 
+class DatagramsUnsupported(LocalProtocolError):
+    """The peer did not announce FEATURE_DATAGRAM: no flow (udp target) can be opened."""
+
+
 class ConnectionDraining(LocalProtocolError):
     """A GOAWAY was sent or received: no new streams on this connection."""
 

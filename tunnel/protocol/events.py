@@ -66,6 +66,15 @@ class DataReceived(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class DatagramReceived(Event):
+    """One whole datagram on a flow. Nothing to acknowledge: its connection credit is
+    returned as it arrives, so the app delivers it now or drops it (never buffers)."""
+
+    stream_id: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class StreamEnded(Event):
     """The peer half-closed the stream (FIN): it will send no more data."""
 

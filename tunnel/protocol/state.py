@@ -23,6 +23,7 @@ lookup per frame and no call; everything else may use `next_stream_state()`.
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,10 @@ class StreamEvent(enum.Enum):
     RECV_WINDOW = "recv WINDOW"
     SEND_RST = "send RST"
     RECV_RST = "recv RST"
+    # A DATAGRAM frame: one datagram on a flow (a stream whose target is udp). It
+    # never changes the state; it is allowed exactly where DATA is.
+    SEND_DATAGRAM = "send DATAGRAM"
+    RECV_DATAGRAM = "recv DATAGRAM"
     # A draining GOAWAY whose last stream id is below a stream we opened: the peer will
     # never process it, so it counts as refused.
     RECV_GOAWAY = "recv GOAWAY"
@@ -105,6 +110,8 @@ STREAM_TRANSITIONS: dict[StreamState, dict[StreamEvent, StreamState]] = {
     _S.OPEN: {
         _E.SEND_DATA: _S.OPEN,
         _E.RECV_DATA: _S.OPEN,
+        _E.SEND_DATAGRAM: _S.OPEN,
+        _E.RECV_DATAGRAM: _S.OPEN,
         _E.SEND_FIN: _S.HALF_CLOSED_LOCAL,
         _E.RECV_FIN: _S.HALF_CLOSED_REMOTE,
         _E.SEND_WINDOW: _S.OPEN,
@@ -115,6 +122,7 @@ STREAM_TRANSITIONS: dict[StreamState, dict[StreamEvent, StreamState]] = {
     },
     _S.HALF_CLOSED_LOCAL: {
         _E.RECV_DATA: _S.HALF_CLOSED_LOCAL,
+        _E.RECV_DATAGRAM: _S.HALF_CLOSED_LOCAL,
         _E.RECV_FIN: _S.CLOSED,
         _E.SEND_WINDOW: _S.HALF_CLOSED_LOCAL,
         _E.RECV_WINDOW: _S.HALF_CLOSED_LOCAL,
@@ -124,6 +132,7 @@ STREAM_TRANSITIONS: dict[StreamState, dict[StreamEvent, StreamState]] = {
     },
     _S.HALF_CLOSED_REMOTE: {
         _E.SEND_DATA: _S.HALF_CLOSED_REMOTE,
+        _E.SEND_DATAGRAM: _S.HALF_CLOSED_REMOTE,
         _E.SEND_FIN: _S.CLOSED,
         _E.RECV_WINDOW: _S.HALF_CLOSED_REMOTE,
         _E.SEND_RST: _S.CLOSED,
@@ -136,6 +145,7 @@ STREAM_TRANSITIONS: dict[StreamState, dict[StreamEvent, StreamState]] = {
         _E.RECV_REFUSE: _S.CLOSED,
         _E.RECV_DATA: _S.CLOSED,
         _E.RECV_FIN: _S.CLOSED,
+        _E.RECV_DATAGRAM: _S.CLOSED,
         _E.RECV_WINDOW: _S.CLOSED,
         _E.RECV_RST: _S.CLOSED,
     },
@@ -168,6 +178,10 @@ class StreamRecord:
     send_window: int
     recv_window: int
     pending_credit: int = 0  # consumed bytes not yet returned to the peer as WINDOW
+    datagram: bool = False  # a flow: its target is udp, its payload DATAGRAM frames
+    # Datagrams waiting for connection credit (flows only; None while there are none).
+    queue: collections.deque[bytes] | None = None
+    queued_bytes: int = 0
 
 
 class StreamTable(dict[int, StreamRecord]):
@@ -210,6 +224,7 @@ _FRAME_NAMES = {
     StreamEvent.RECV_REFUSE: "ACCEPT/REFUSE",
     StreamEvent.RECV_DATA: "DATA",
     StreamEvent.RECV_FIN: "DATA",
+    StreamEvent.RECV_DATAGRAM: "DATAGRAM",
     StreamEvent.RECV_WINDOW: "WINDOW",
     StreamEvent.RECV_RST: "RST",
 }
@@ -222,8 +237,8 @@ def unexpected_frame(event: StreamEvent, state: StreamState, stream_id: int) -> 
         return RemoteProtocolError(f"{frame} for stream {stream_id}, which was never opened")
     if event is StreamEvent.RECV_OPEN:
         return RemoteProtocolError(f"OPEN reuses stream id {stream_id} (ids must increase)")
-    if frame == "DATA":
+    if frame in ("DATA", "DATAGRAM"):
         if state is StreamState.HALF_CLOSED_REMOTE:
-            return RemoteProtocolError(f"DATA on stream {stream_id} after FIN")
-        return RemoteProtocolError(f"DATA on stream {stream_id} before it was accepted")
+            return RemoteProtocolError(f"{frame} on stream {stream_id} after FIN")
+        return RemoteProtocolError(f"{frame} on stream {stream_id} before it was accepted")
     return RemoteProtocolError(f"{frame} for stream {stream_id} not awaiting one")

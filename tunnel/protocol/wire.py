@@ -9,7 +9,9 @@ Every frame is a 9-byte header followed by its payload::
 Frames: HELLO (handshake, stream 0), OPEN / ACCEPT / REFUSE (stream set-up), DATA (with
 the FIN flag for half-close), WINDOW (credit; stream 0 is the connection), RST (abort one
 stream), PING (with ACK), GOAWAY (drain or terminate the connection; a handshake refusal
-may carry a retry-after with FLAG_RETRY_AFTER, to dialers that announce the feature).
+may carry a retry-after with FLAG_RETRY_AFTER, to dialers that announce the feature),
+DATAGRAM (one whole UDP datagram on a flow: a stream whose OPEN names a udp target; only
+between peers that both announce FEATURE_DATAGRAM; see docs/udp.md).
 
 This module owns the bytes: constants and limits of the format, the values that travel in
 frames (`Settings`, `Hello`, `Target`) and the encode/decode functions of each payload.
@@ -58,6 +60,7 @@ class FrameType(enum.IntEnum):
     RST = 6
     PING = 7
     GOAWAY = 8
+    DATAGRAM = 9
 
 
 FLAG_FIN = 0x1  # DATA: the sender will send no more on this stream
@@ -68,6 +71,13 @@ FLAG_ACK = 0x1  # PING: this is the answer
 FLAG_RETRY_AFTER = 0x2
 FEATURE_RETRY_AFTER = "retry-after"
 MAX_RETRY_AFTER = 3600.0  # seconds: longer is a mistake, not a policy
+
+# Flows (UDP) in DATAGRAM frames. A peer that does not announce the feature would end the
+# connection on the unknown frame type, so no flow is opened towards it.
+FEATURE_DATAGRAM = "datagram"
+# The largest UDP payload (IPv6 without jumbograms: 65,535 - 8; IPv4's is 65,507). It fits
+# the default max_frame_size (64 KiB); a peer announcing less gets smaller ones only.
+MAX_DATAGRAM = 65_527
 
 # Several server replicas (identity keys; an older peer ignores keys it does not know).
 # The acceptor's HELLO: who it is and how many replicas serve the same public address, so

@@ -33,6 +33,7 @@ from nodeagent.agent.intercept.rules import (
     choose_backend,
     remove_other_backend_leftovers,
 )
+from nodeagent.agent.intercept.udpproxy import OpenFlow, UdpInterceptor
 from nodeagent.config import InterceptConfig, intercept_model
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from tunnel import protocol as p
@@ -50,9 +51,12 @@ class Interceptor:
     """Owns the node's interception: rules in the kernel, listeners, connections."""
 
     def __init__(self, config: InterceptConfig, *, skip_mark: int, open_tunnel: OpenTunnel,
+                 open_flow: OpenFlow | None = None,
                  dial_timeout: float = 5.0, node: str = "",
                  backend: Backend | None = None, netns: str | None = None,
-                 logger: StructuredLogger | None = None) -> None:
+                 logger: StructuredLogger | None = None,
+                 on_datagram_drop: Callable[[str, int], None] | None = None,
+                 on_datagram: Callable[[str, int], None] | None = None) -> None:
         self.config = config
         self.skip_mark = skip_mark
         self._open_tunnel = open_tunnel
@@ -78,6 +82,14 @@ class Interceptor:
         self._idle = trio.Event()
         self._accept_scope: trio.CancelScope | None = None
         self._listeners_open: list[trio.SocketListener] = []
+        # Pods' UDP (tproxy udp rules), on the same port number as TCP.
+        self.udp: UdpInterceptor | None = None
+        if open_flow is not None:
+            self.udp = UdpInterceptor(
+                config.proxy_port, open_flow=open_flow,
+                rule_for=lambda host, port: self._rule_for(host, port, "udp"),
+                skip_mark=skip_mark, log=self.log, on_drop=on_datagram_drop,
+                on_carried=on_datagram)
 
     # ------------------------------------------------------------------ rules
 
@@ -146,6 +158,13 @@ class Interceptor:
         the rules (unless `keep_rules_on_exit`)."""
         listeners = self._listeners()
         self._listeners_open = listeners
+        if self.udp is not None:
+            try:
+                self.udp.open_sockets()
+            except BaseException:
+                for listener in listeners:
+                    await listener.aclose()
+                raise
         try:
             from netfilter.routing import list_interfaces
             interfaces = await trio.to_thread.run_sync(list_interfaces, self._netns)
@@ -165,6 +184,8 @@ class Interceptor:
                           backend=type(self.backend).__name__, why=self.backend_reason)
             async with trio.open_nursery() as connections:
                 await connections.start(self._accept, listeners, connections)
+                if self.udp is not None:
+                    await connections.start(self.udp.run)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -222,9 +243,9 @@ class Interceptor:
             listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         return listeners
 
-    def _rule_for(self, host: str, port: int) -> ActiveRule | None:
+    def _rule_for(self, host: str, port: int, protocol: str = "tcp") -> ActiveRule | None:
         for rule in self._rules:
-            if rule.matches(host, port):
+            if rule.protocol == protocol and rule.matches(host, port):
                 return rule
         return None
 

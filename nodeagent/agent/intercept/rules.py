@@ -16,6 +16,7 @@ from typing import Protocol
 from netfilter.model import (
     InterceptModel,
     InterceptRule,
+    NetfilterError,
 )
 from nodeagent.config import InterceptRuleConfig
 
@@ -35,6 +36,11 @@ def choose_backend(name: str, netns: str | None = None) -> tuple[Backend, str]:
     from netfilter.detect import detect_backend
     from netfilter.iptables import IptablesBackend
     from netfilter.nftables import NftablesBackend
+    # A backend named explicitly whose tool is missing: said now, in one line, not as a
+    # failed rule transaction once the agent runs.
+    tool = {"iptables": "iptables-legacy-restore", "nftables": "nft"}.get(name)
+    if tool is not None and shutil.which(tool) is None:
+        raise NetfilterError(f"intercept.backend is {name}, but {tool} is not installed")
     if name == "iptables":
         return IptablesBackend(netns), "intercept.backend is iptables"
     if name == "nftables":
@@ -72,6 +78,9 @@ class ActiveRule:
     exclude: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     ports: tuple[tuple[int, int], ...]
     via: str
+    # DNS by zone (udp): queries for these zones go to dns_resolver through the tunnel.
+    dns_zones: tuple[str, ...] = ()
+    dns_resolver: tuple[str, int] | None = None
 
     def matches(self, host: str, port: int) -> bool:
         address = ipaddress.ip_address(host)
@@ -86,7 +95,9 @@ def active_rule(config: InterceptRuleConfig, rule: InterceptRule) -> ActiveRule:
     return ActiveRule(
         name=rule.name, protocol=rule.protocol.value, networks=rule.destinations,
         exclude=rule.exclude, ports=tuple((r.first, r.last) for r in rule.ports),
-        via=config.via)
+        via=config.via, dns_zones=config.dns_zones,
+        dns_resolver=(config.dns_resolver.host, config.dns_resolver.port)
+        if config.dns_resolver is not None else None)
 
 
 def remove_all(netns: str | None = None) -> list[str]:

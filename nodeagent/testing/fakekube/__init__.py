@@ -18,10 +18,10 @@ Known differences from kube-apiserver, in one place (each module says more):
   no events.k8s.io (kubectl describe reads core v1 Events, which are served).
 - Apply: server-side apply merges maps but replaces lists whole (`patch.py`).
 - CRD schemas: no CEL rules, formats or ratcheting (`schema.py`).
-- OpenAPI: v3 only; `fieldValidation=Strict` does not reject unknown fields of built-in
-  kinds (`openapi.py`).
+- OpenAPI: v3 only; `fieldValidation=Strict` rejects unknown fields of custom objects
+  only, not of built-in kinds, and Warn sends no warning (`openapi.py`).
 - RBAC: aggregated ClusterRoles are not aggregated (no admin/edit/view), no escalation
-  check, no SelfSubjectRulesReview (`rbac.py`).
+  check (`rbac.py`).
 - Tables: watches are not served as Tables; only the listed types have their own columns
   (`table.py`).
 - Authentication: bearer tokens from the fake's own table (ServiceAccount tokens with

@@ -89,6 +89,20 @@ def admit_custom(rt: ResourceType, obj: Obj) -> Obj:
     return dict(defaulted)
 
 
+def check_unknown_fields(rt: ResourceType, version: str, doc: Any) -> None:
+    """`fieldValidation=Strict` on a custom object (a create, an update, or a merge or
+    apply patch): a field its structural schema does not declare is a 400, as the API
+    server's strict decoding says it, instead of being pruned."""
+    schema = rt.schemas.get(version) or rt.schemas.get(rt.versions[0])
+    if not schema or not isinstance(doc, dict):
+        return
+    unknown = schemas.unknown_fields(doc, schema, root=True)
+    if unknown:
+        fields = ", ".join(f'unknown field "{field}"' for field in unknown)
+        raise bad_request(f'{rt.kind} in version "{version}" cannot be handled as a '
+                          f"{rt.kind}: strict decoding error: {fields}")
+
+
 def admit(rt: ResourceType, obj: Obj, old: Obj | None, cluster_ips: ClusterIPs) -> None:
     """Defaulting and validation the real API server applies to these types."""
     name = obj["metadata"].get("name", "")

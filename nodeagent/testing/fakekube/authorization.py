@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nodeagent.testing.fakekube.errors import bad_request
+from nodeagent.testing.fakekube.objects import Obj
 from nodeagent.testing.fakekube.rbac import (
     AUTHENTICATED,
     MASTERS,
@@ -40,6 +41,14 @@ class Authorizer:
         if MASTERS in attrs.user.groups or not self.rbac:
             return Decision(True)
         return self._rbac.authorize(attrs)
+
+    def rules(self, user: UserInfo, namespace: str) -> tuple[list[Obj], list[str]]:
+        """What `user` may do in `namespace` (SelfSubjectRulesReview): everything for
+        system:masters or without RBAC, else the RBAC rules that apply."""
+        if MASTERS in user.groups or not self.rbac:
+            return [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"]},
+                    {"verbs": ["*"], "nonResourceURLs": ["*"]}], []
+        return self._rbac.rules(user, namespace)
 
     def authorize(self, attrs: RequestAttributes) -> None:
         """Raises 403 Forbidden unless the chain allows and no test denies."""

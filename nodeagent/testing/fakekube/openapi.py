@@ -11,10 +11,10 @@ parameter: that is how kubectl decides the server validates fields itself, so `k
 apply` (validation on, the default) sends `fieldValidation=Strict` instead of validating
 client-side, and `kubectl explain` reads the schemas.
 
-Differences from a real cluster: the fake accepts `fieldValidation=Strict` but does not
-reject unknown fields of built-in kinds (CRD objects are pruned to their schema, as
-always); operations carry no request/response details beyond the kind's schema; there is
-no OpenAPI v2 (`/openapi/v2`), which kubectl 1.32 needs only when v3 is missing.
+Differences from a real cluster: `fieldValidation=Strict` rejects unknown fields of CRD
+objects (admission.check_unknown_fields) but not of built-in kinds (only Strict: Warn and
+Ignore prune silently); operations carry no request/response details beyond the kind's
+schema; there is no OpenAPI v2 (`/openapi/v2`), which kubectl 1.32 needs only when v3 is missing.
 """
 
 from __future__ import annotations

@@ -240,6 +240,25 @@ class RbacAuthorizer:
             return None
         return list(candidates[0].get("rules") or [])
 
+    def rules(self, user: UserInfo, namespace: str) -> tuple[list[Obj], list[str]]:
+        """Every rule that applies to `user` in `namespace` (cluster-wide bindings, then
+        the namespace's), and the errors met (a binding to a missing role), as a
+        SelfSubjectRulesReview reports them."""
+        errors: list[str] = []
+        rules: list[Obj] = []
+        for binding in self._objects_of("clusterrolebindings"):
+            if any(_subject_applies(s, user, "") for s in binding.get("subjects") or []):
+                rules += self._role_rules(binding.get("roleRef") or {}, "", errors) or []
+        if namespace:
+            for binding in self._objects_of("rolebindings"):
+                if binding["metadata"].get("namespace") != namespace or not any(
+                        _subject_applies(s, user, namespace)
+                        for s in binding.get("subjects") or []):
+                    continue
+                rules += self._role_rules(binding.get("roleRef") or {}, namespace,
+                                          errors) or []
+        return rules, errors
+
     def authorize(self, attrs: RequestAttributes) -> Decision:
         errors: list[str] = []
         for binding in self._objects_of("clusterrolebindings"):

@@ -110,6 +110,8 @@ def builtin_types() -> list[ResourceType]:
         _t(RBAC, "v1", "clusterrolebindings", "ClusterRoleBinding", False),
         _t(AUTHZ, "v1", "selfsubjectaccessreviews", "SelfSubjectAccessReview", False,
            verbs=frozenset({"create"}), stored=False),
+        _t(AUTHZ, "v1", "selfsubjectrulesreviews", "SelfSubjectRulesReview", False,
+           verbs=frozenset({"create"}), stored=False),
         _t(AUTHZ, "v1", "subjectaccessreviews", "SubjectAccessReview", False,
            verbs=frozenset({"create"}), stored=False),
         _t(AUTHZ, "v1", "localsubjectaccessreviews", "LocalSubjectAccessReview", True,

@@ -16,12 +16,18 @@ from typing import Any
 from urllib.parse import unquote
 
 from nodeagent.testing.fakekube import discovery, openapi
+from nodeagent.testing.fakekube.admission import check_unknown_fields
 from nodeagent.testing.fakekube.authentication import Authenticator
 from nodeagent.testing.fakekube.connection import Request, Response, json_response
 from nodeagent.testing.fakekube.errors import ApiError, bad_request, no_such_resource
 from nodeagent.testing.fakekube.rbac import Decision, RequestAttributes, UserInfo
 from nodeagent.testing.fakekube.registry import ResourceType
-from nodeagent.testing.fakekube.reviews import access_review, token_review
+from nodeagent.testing.fakekube.reviews import (
+    RulesOf,
+    access_review,
+    rules_review,
+    token_review,
+)
 from nodeagent.testing.fakekube.scale import SCALE_VERBS, has_scale, serve_scale
 from nodeagent.testing.fakekube.store import Store
 from nodeagent.testing.fakekube.table import to_table, wants_table
@@ -37,10 +43,12 @@ class WatchRequest:
 
 class RestApi:
     def __init__(self, store: Store, authenticator: Authenticator,
-                 decide: Callable[[RequestAttributes], Decision]) -> None:
+                 decide: Callable[[RequestAttributes], Decision],
+                 rules_of: RulesOf | None = None) -> None:
         self._store = store
         self._authenticator = authenticator
         self._decide = decide
+        self._rules_of = rules_of
 
     def route(self, request: Request, user: UserInfo, server_address: str
               ) -> Response | WatchRequest:
@@ -117,6 +125,10 @@ class RestApi:
               ) -> Response:
         store, query, headers, body = self._store, request.query, request.headers, request.body
         field_manager = query.get("fieldManager")
+        if rt.custom and query.get("fieldValidation") == "Strict" and verb in (
+                "create", "update", "patch"):
+            check_unknown_fields(rt, version, _patch_document(request) if verb == "patch"
+                                 else _body(body))
         table = verb in ("list", "get") and wants_table(headers.get("accept", ""))
         if verb == "list":
             listed = store.list(
@@ -135,6 +147,9 @@ class RestApi:
             doc = _body(body)
             if rt.key == ("authentication.k8s.io", "tokenreviews"):
                 return json_response(201, token_review(doc, self._authenticator))
+            if rt.key == ("authorization.k8s.io", "selfsubjectrulesreviews"):
+                assert self._rules_of is not None
+                return json_response(201, rules_review(doc, user, self._rules_of))
             if rt.group == "authorization.k8s.io":
                 return json_response(201, access_review(rt, doc, user, namespace,
                                                         self._decide))
@@ -185,6 +200,21 @@ def query_int(value: str | None) -> int | None:
         return int(value)
     except ValueError:
         raise bad_request(f"invalid integer {value!r}") from None
+
+
+def _patch_document(request: Request) -> Any:
+    """A merge or apply patch as the partial object it is (None for a JSON patch, a list
+    of operations, which names no fields to check)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    if content_type not in ("application/merge-patch+json", "application/apply-patch+yaml",
+                            "application/strategic-merge-patch+json"):
+        return None
+    try:
+        import yaml  # apply patches may be YAML; JSON is YAML too
+
+        return yaml.safe_load(request.body)
+    except yaml.YAMLError:
+        return None
 
 
 def _body(body: bytes) -> Any:

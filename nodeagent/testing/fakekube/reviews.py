@@ -1,6 +1,7 @@
 """The review APIs a client posts to ask the server a question: TokenReview (who is this
-token?) and Self/Local/SubjectAccessReview (may this user do that?). Nothing is stored;
-the answers come from the same authenticator and authorizer requests meet."""
+token?), Self/Local/SubjectAccessReview (may this user do that?) and
+SelfSubjectRulesReview (what may I do here? `kubectl auth can-i --list`). Nothing is
+stored; the answers come from the same authenticator and authorizer requests meet."""
 
 from __future__ import annotations
 
@@ -96,3 +97,37 @@ def access_review(rt: ResourceType, review: Any, user: UserInfo, namespace: str 
         meta["namespace"] = namespace
     return {"kind": rt.kind, "apiVersion": "authorization.k8s.io/v1", "metadata": meta,
             "spec": spec, "status": status}
+
+
+# (user, namespace) -> (the rules that apply, errors met while collecting them)
+RulesOf = Callable[[UserInfo, str], tuple[list[Obj], list[str]]]
+
+
+def rules_review(review: Any, user: UserInfo, rules_of: RulesOf) -> Obj:
+    """SelfSubjectRulesReview: the requesting user's rules in spec.namespace, split into
+    resource and non-resource rules as the API server reports them."""
+    if not isinstance(review, dict):
+        raise bad_request("the body of the request was in an unknown format")
+    spec: Obj = review["spec"] if isinstance(review.get("spec"), dict) else {}
+    namespace = spec.get("namespace", "")
+    if not isinstance(namespace, str):
+        namespace = ""
+    rules, errors = rules_of(user, namespace)
+    resource_rules, non_resource_rules = [], []
+    for rule in rules:
+        if rule.get("nonResourceURLs"):
+            non_resource_rules.append({"verbs": list(rule.get("verbs") or []),
+                                       "nonResourceURLs": list(rule["nonResourceURLs"])})
+        else:
+            entry: Obj = {"verbs": list(rule.get("verbs") or []),
+                          "apiGroups": list(rule.get("apiGroups") or []),
+                          "resources": list(rule.get("resources") or [])}
+            if rule.get("resourceNames"):
+                entry["resourceNames"] = list(rule["resourceNames"])
+            resource_rules.append(entry)
+    status: Obj = {"resourceRules": resource_rules, "nonResourceRules": non_resource_rules,
+                   "incomplete": bool(errors)}
+    if errors:
+        status["evaluationError"] = ", ".join(errors)
+    return {"kind": "SelfSubjectRulesReview", "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": None}, "spec": spec, "status": status}

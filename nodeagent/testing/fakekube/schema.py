@@ -65,6 +65,33 @@ def prune(value: Any, schema: Schema | None, *, root: bool = False) -> Any:
     return value
 
 
+def unknown_fields(value: Any, schema: Schema | None, path: str = "", *,
+                   root: bool = False) -> list[str]:
+    """The fields `prune` would drop, as `spec.a.b` paths: what `fieldValidation=Strict`
+    refuses instead of dropping."""
+    if schema is None:
+        return []
+    found: list[str] = []
+    if isinstance(value, dict):
+        props: dict[str, Schema] = schema.get("properties") or {}
+        additional = schema.get("additionalProperties")
+        preserve = schema.get("x-kubernetes-preserve-unknown-fields", False)
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if root and key in ("apiVersion", "kind", "metadata"):
+                continue
+            if key in props:
+                found += unknown_fields(item, props[key], where)
+            elif isinstance(additional, dict):
+                found += unknown_fields(item, additional, where)
+            elif not (additional is True or preserve):
+                found.append(where)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            found += unknown_fields(item, schema["items"], f"{path}[{index}]")
+    return found
+
+
 def default(value: Any, schema: Schema | None) -> Any:
     """Fill `default`s of absent properties, recursively."""
     if schema is None:

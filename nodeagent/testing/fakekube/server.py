@@ -86,7 +86,8 @@ class FakeKube:
         self.gone_as_http_status = gone_as_http_status
         self.requests: list[RecordedRequest] = []
         self.watches = OpenWatches()
-        self.rest = RestApi(self.store, self.authenticator, self.authorizer.decide)
+        self.rest = RestApi(self.store, self.authenticator, self.authorizer.decide,
+                            self.authorizer.rules)
         self.host = "127.0.0.1"
         self.port = 0
         self._tmp: tempfile.TemporaryDirectory[str] | None = None

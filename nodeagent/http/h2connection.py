@@ -1,0 +1,600 @@
+"""One HTTP/2 client connection of the front (ALPN `h2`, or h2c with prior knowledge).
+
+`H2Connection.run` reads the client's bytes into an `h2session.H2Session` and acts on its
+events: each request stream gets a task of its own in the connection's nursery, with an
+`Inbox` for its body and a cancel scope the client's RST_STREAM cancels. A request goes
+through the same steps as on HTTP/1.1: the head is read by the same policy
+(`h2heads.h1_view`, then `headers.read_request`), routed by the same `dispatch.route_request`
+(404/405/308/503/413 answered here), then forwarded through an `exchange.Exchange`:
+
+- an HTTP/1.1 backend gets the request translated (`h1.serialize_request`; a body without
+  Content-Length goes chunked, request trailers as chunked trailers) on an upstream stream
+  of its own; finished upstreams are kept for the connection's next requests to the same
+  backend, as the HTTP/1.1 front keeps its one;
+- an h2c backend gets a stream on its shared connection (`h2pool`), each request balanced
+  on its own.
+
+gRPC (`content-type: application/grpc`): `grpc-timeout` bounds the call (then
+DEADLINE_EXCEEDED), trailers pass end to end, and every answer the front makes itself is a
+trailers-only gRPC status, not a text page (`grpcstatus`). A client's RST_STREAM cancels
+the stream's task, which resets the backend's stream (h2c) or closes its upstream stream
+(HTTP/1.1); the client's own window is given back only as its data is forwarded, so an
+upload to a slow backend costs at most the stream window.
+
+Drain (`GracefulClose`): once the front drains, the connection sends GOAWAY naming the last
+stream it took and refuses later ones (REFUSED_STREAM, safe to retry elsewhere); streams in
+flight finish, then the connection closes. Protocol errors and abuse (`H2Refused`) end the
+connection with h2's GOAWAY, counted as refusals (`h2_<reason>`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import h2.errors
+import trio
+
+from nodeagent.http import grpcstatus
+from nodeagent.http.balancer import Balancer
+from nodeagent.http.connection import GracefulClose
+from nodeagent.http.dispatch import Refusal, route_request
+from nodeagent.http.exchange import Exchange, H1Exchange, ResponseEnd, ResponseStart
+from nodeagent.http.h1 import serialize_request
+from nodeagent.http.h2heads import H2Request, h1_view, h2_request, h2_response, reason_phrase
+from nodeagent.http.h2pool import H2Pool, open_h2c_exchange
+from nodeagent.http.h2session import (
+    DataIn,
+    EndIn,
+    GoawayIn,
+    H2Refused,
+    H2Session,
+    H2Settings,
+    Headers,
+    HeadersIn,
+    ResetIn,
+    TrailersIn,
+    WindowIn,
+)
+from nodeagent.http.h2wire import H2Wire, Inbox, StreamGone, WindowStalled
+from nodeagent.http.headers import ClientRequest, read_request, upstream_headers
+from nodeagent.http.holds import HeldRequests
+from nodeagent.http.limits import Limits
+from nodeagent.http.paths import clip
+from nodeagent.http.routetable import Route, RouteTable
+from nodeagent.http.stats import HttpStats
+from nodeagent.http.upstream import Opener, Upstream, UpstreamFailed, dial_upstream
+from nodeagent.ops.logs import get_logger
+
+log = get_logger("nodeagent.http")
+
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+_KEEP_UPSTREAMS = 16  # idle HTTP/1.1 upstreams kept per client connection
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _SlowBody(Exception):
+    pass
+
+
+class _Outcome:
+    """How a stream's response went, filled as it goes: whether its head went out
+    (`[0]`, errors can then only end it) and the gRPC status name seen."""
+
+    __slots__ = ("grpc", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.grpc = ""
+
+    def __getitem__(self, _: int) -> bool:
+        return self.started
+
+    def __setitem__(self, _: int, value: bool) -> None:
+        self.started = value
+
+
+class _ClientStream:
+    __slots__ = ("inbox", "scope")
+
+    def __init__(self) -> None:
+        self.inbox = Inbox()
+        self.scope = trio.CancelScope()
+
+
+class H2Connection:
+    """One HTTP/2 client connection; see the module docstring."""
+
+    def __init__(self, stream: trio.abc.Stream, table: Callable[[], RouteTable],
+                 opener: Opener, scheme: str, client_addr: str, limits: Limits,
+                 stats: HttpStats, balancer: Balancer, pool: H2Pool, access_log: bool,
+                 closing: GracefulClose, initial: bytes = b"",
+                 settings: H2Settings | None = None,
+                 holds: HeldRequests | None = None) -> None:
+        self.stream = stream
+        self.holds = holds  # requests held for sleeping routes (scale to zero)
+        self.table = table
+        self.opener = opener
+        self.scheme = scheme
+        self.https = scheme != "http"
+        self.xfp = scheme.encode("ascii")
+        self.client_addr = client_addr
+        self.client = client_addr.encode("ascii", "replace")
+        self.limits = limits
+        self.stats = stats
+        self.balancer = balancer
+        self.pool = pool
+        self.access_log = access_log
+        self.closing = closing
+        self.initial = initial
+        settings = settings or H2Settings(max_header_list_size=limits.max_header_bytes)
+        self.session = H2Session(client_side=False, settings=settings)
+        self.wire = H2Wire(self.session, stream, stall_timeout=limits.idle_timeout)
+        self.streams: dict[int, _ClientStream] = {}
+        self.idle_upstreams: list[Upstream] = []
+        self.goaway_sent = False
+        self.peer_gone = False
+        self._nursery: trio.Nursery | None = None
+        self._read_scope: trio.CancelScope | None = None
+        self.last_taken = 0
+        """The highest stream id served: what GOAWAY names."""
+
+    # -- the connection ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        stats = self.stats
+        stats.h2_connections += 1
+        self.closing.on_start.add(self._drain)
+        refused: H2Refused | None = None
+        try:
+            self.session.start()
+            if self.closing.started:
+                self._goaway()
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.wire.run)
+                # Caught here, in the nursery's own task: raised out of it, they would
+                # come wrapped in an ExceptionGroup.
+                try:
+                    await self.wire.flush()
+                    if self.initial:
+                        await self._received(self.initial)
+                    await self._read_loop()
+                except H2Refused as exc:
+                    refused = exc
+                except StreamGone:
+                    pass
+                nursery.cancel_scope.cancel()
+            if refused is not None:
+                stats.refused(f"h2_{refused.reason}", status=0,  # type: ignore[arg-type]
+                              client=self.client_addr, detail=clip(str(refused), 200))
+                await self.wire.flush()  # h2's GOAWAY, written directly: the writer is gone
+        except StreamGone:
+            pass
+        finally:
+            self.closing.on_start.discard(self._drain)
+            for up in self.idle_upstreams:
+                await trio.aclose_forcefully(up.stream)
+            self.idle_upstreams.clear()
+            await trio.aclose_forcefully(self.stream)
+
+    async def _read_loop(self) -> None:
+        limits = self.limits
+        closing = self.closing
+        while True:
+            if not self.streams:
+                if self.goaway_sent or self.peer_gone:
+                    return
+                if closing.idle_closed:
+                    self._goaway()
+                    await self.wire.flush()
+                    return
+            with trio.CancelScope() as scope:
+                self._read_scope = scope
+                if not self.streams:
+                    # Idle: wait for a next request at most idle_timeout, and not at all
+                    # once the front closes idle connections (drain).
+                    scope.deadline = trio.current_time() + limits.idle_timeout
+                    closing.idle.add(scope)
+                try:
+                    data = await self._receive()
+                finally:
+                    closing.idle.discard(scope)
+                    self._read_scope = None
+            if scope.cancelled_caught:
+                if closing.started and not self.goaway_sent:
+                    self._goaway()  # the front drains: streams in flight finish
+                    await self.wire.flush()
+                if self.streams:
+                    continue
+                self._goaway()
+                await self.wire.flush()
+                return
+            if not data:
+                return
+            await self._received(data)
+
+    def _stream_ended(self) -> None:
+        """The last stream in flight ended: the reader goes idle (or closes, draining)."""
+        scope = self._read_scope
+        if scope is None or self.streams:
+            return
+        if self.goaway_sent or self.peer_gone or self.closing.idle_closed:
+            scope.cancel()
+        else:
+            scope.deadline = trio.current_time() + self.limits.idle_timeout
+            self.closing.idle.add(scope)
+
+    async def _receive(self) -> bytes:
+        try:
+            return cast(bytes, await self.stream.receive_some(self.limits.read_size))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return b""
+
+    def _goaway(self) -> None:
+        """GOAWAY naming the last stream taken: the client may retry later ones elsewhere."""
+        if not self.goaway_sent:
+            self.goaway_sent = True
+            self.session.graceful_goaway(self.last_taken)
+
+    def _drain(self) -> None:
+        """The front drains (`GracefulClose.start`): wake the reader to send GOAWAY now."""
+        scope = self._read_scope
+        if scope is not None:
+            scope.cancel()
+
+    async def _received(self, data: bytes) -> None:
+        events = self.session.receive(data)  # H2Refused ends the connection
+        streams = self.streams
+        for ev in events:
+            t = type(ev)
+            if t is HeadersIn:
+                head = cast(HeadersIn, ev)
+                if head.stream_id in streams:
+                    continue  # h2 reports trailers apart; a second head cannot happen
+                if self.goaway_sent or self.closing.started:
+                    # Drain: this stream was not taken; the client retries it elsewhere.
+                    self._goaway()
+                    self.session.reset(head.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+                    continue
+                state = streams[head.stream_id] = _ClientStream()
+                self.last_taken = head.stream_id
+                assert self._nursery is not None
+                self._nursery.start_soon(self._stream_task, head, state)
+            elif t is WindowIn:
+                self.wire.wake(cast(WindowIn, ev).stream_id)
+            elif t is ResetIn:
+                state_or_none = streams.get(cast(ResetIn, ev).stream_id)
+                if state_or_none is not None:
+                    self.stats.h2_client_resets += 1
+                    state_or_none.scope.cancel()
+            elif t is GoawayIn:
+                self.peer_gone = True
+            else:
+                sid = cast(DataIn | TrailersIn | EndIn, ev).stream_id
+                found = streams.get(sid)
+                if found is not None:
+                    found.inbox.put(ev)
+                elif t is DataIn:
+                    self.session.acknowledge(sid, cast(DataIn, ev).flow_length)
+        await self.wire.flush()
+
+    # -- one stream -------------------------------------------------------------------------
+
+    async def _stream_task(self, head: HeadersIn, state: _ClientStream) -> None:
+        sid = head.stream_id
+        try:
+            with state.scope:
+                await self._serve(sid, head, state.inbox)
+        except StreamGone:
+            pass  # the client reset the stream or the connection broke
+        finally:
+            self.streams.pop(sid, None)
+            if self.closing.started and not self.goaway_sent:
+                self._goaway()
+                try:
+                    with trio.CancelScope(shield=True):
+                        await self.wire.flush()
+                except StreamGone:
+                    pass
+            self._stream_ended()
+
+    async def _serve(self, sid: int, head: HeadersIn, inbox: Inbox) -> None:
+        stats = self.stats
+        stats.requests += 1
+        stats.h2_requests += 1
+        req = h1_view(head.headers)
+        grpc = req.grpc
+        if grpc:
+            stats.grpc_requests += 1
+        creq = read_request(b"1.1", req.target, req.fields)
+        has_body = not head.ended
+        if has_body and creq.content_length < 0:
+            creq.chunked = True  # an HTTP/1.1 upstream gets it chunked
+        routed = route_request(self.table(), req.method, creq, https=self.https,
+                               max_body=self.limits.max_body_bytes)
+        if type(routed) is Refusal and routed.wake is not None and self.holds is not None:
+            # A sleeping route: held until it wakes, as on HTTP/1.1 (holds.py).
+            routed = await self.holds.hold(routed, lambda: route_request(
+                self.table(), req.method, creq, https=self.https,
+                max_body=self.limits.max_body_bytes))
+        if type(routed) is not Route:
+            refusal = cast(Refusal, routed)
+            if refusal.code is not None:
+                stats.refused(refusal.code, status=refusal.status, client=self.client_addr,
+                              detail=refusal.reason)
+            await self._answer(sid, req, refusal.status, refusal.reason, refusal.location)
+            return
+        route = routed
+        timeout = None
+        if grpc:
+            for name, value in req.fields:
+                if name == b"grpc-timeout":
+                    timeout = grpcstatus.parse_timeout(value)
+        started = _Outcome()
+        status = 0
+        try:
+            with trio.move_on_after(timeout if timeout is not None else float("inf")
+                                    ) as deadline:
+                if route.wake is not None and self.holds is not None:
+                    self.holds.begin(route.wake)  # activity: it keeps the Service awake
+                    try:
+                        status = await self._forward(sid, req, creq, route, has_body, inbox,
+                                                     started)
+                    finally:
+                        self.holds.end(route.wake)
+                else:
+                    status = await self._forward(sid, req, creq, route, has_body, inbox,
+                                                 started)
+            if deadline.cancelled_caught:
+                stats.timeouts += 1
+                started.grpc = "DEADLINE_EXCEEDED"
+                message = f"deadline of {timeout:g}s exceeded at the front"
+                if started[0]:
+                    await self.wire.send_headers(sid, grpcstatus.status_trailers(
+                        grpcstatus.DEADLINE_EXCEEDED, message), end=True)
+                else:
+                    await self.wire.send_headers(sid, grpcstatus.trailers_only(
+                        grpcstatus.DEADLINE_EXCEEDED, message, req.content_type), end=True)
+                return
+        finally:
+            # Per route, by protocol and result; a call the client cancelled counts as
+            # CANCELLED (gRPC) or without a status (HTTP).
+            if grpc:
+                stats.count_route(route.name, "grpc", status, started.grpc or "CANCELLED")
+            else:
+                stats.count_route(route.name, "h2", status)
+        if self.access_log:
+            log.info("request routed", host=clip(creq.host.decode("latin-1")),
+                     path=clip(creq.target.decode("latin-1")), status=status, protocol="h2")
+
+    async def _forward(self, sid: int, req: H2Request, creq: ClientRequest, route: Route,
+                       has_body: bool, inbox: Inbox, started: _Outcome) -> int:
+        fields = upstream_headers(creq, default_host=route.backends[0].host,
+                                  client=self.client, proto=self.xfp)
+        limits = self.limits
+        exchange: Exchange | None = None
+        try:
+            if route.backend_protocol == "h2c":
+                headers = h2_request(req.method, creq.target, fields,
+                                     te_trailers=req.te_trailers)
+                exchange = await open_h2c_exchange(route, self.pool, self.balancer, limits,
+                                                   self.stats, headers, not has_body)
+            else:
+                exchange = await self._h1_exchange(
+                    route, serialize_request(req.method, creq.target, fields), req.method,
+                    creq.chunked, has_body)
+            if has_body:
+                status = await self._exchange_with_body(sid, req, exchange, inbox, started)
+            else:
+                status = await self._relay(sid, req, exchange, started)
+            exchange = None
+        except (UpstreamFailed, _BodyTooLarge, _SlowBody, WindowStalled) as exc:
+            if exchange is not None:
+                with trio.CancelScope(shield=True):
+                    await exchange.abort()
+                exchange = None
+            if isinstance(exc, UpstreamFailed):
+                self.stats.upstream_errors += 1
+                status, reason = exc.status, exc.reason
+            elif isinstance(exc, _BodyTooLarge):
+                status, reason = 413, f"request body over {limits.max_body_bytes} bytes"
+                self.stats.refused("body_too_large", status=413, client=self.client_addr,
+                                   detail=reason)
+            elif isinstance(exc, _SlowBody):
+                status, reason = 408, f"no request body data for {limits.idle_timeout:g}s"
+                self.stats.refused("slow_body", status=408, client=self.client_addr,
+                                   detail=reason)
+            else:
+                self.stats.refused("h2_window_stalled", status=0, client=self.client_addr,
+                                   detail=str(exc))
+                await self.wire.reset(sid, h2.errors.ErrorCodes.CANCEL)
+                return 0
+            if req.grpc:
+                started.grpc = grpcstatus.NAMES[grpcstatus.code_for_http(status)]
+            if not started[0]:
+                await self._answer(sid, req, status, reason)
+            elif req.grpc:
+                await self.wire.send_headers(sid, grpcstatus.status_trailers(
+                    grpcstatus.code_for_http(status), reason), end=True)
+            else:
+                await self.wire.reset(sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            return status
+        finally:
+            if exchange is not None:
+                # Cancelled (client reset, deadline) or failed while relaying.
+                with trio.CancelScope(shield=True):
+                    await exchange.abort()
+        return status
+
+    async def _h1_exchange(self, route: Route, head: bytes, method: bytes, chunked: bool,
+                           has_body: bool) -> H1Exchange:
+        """An HTTP/1.1 upstream: a kept one for a backend of the route, else a new one; a
+        kept one found closed is replaced once for a request that can be replayed."""
+        replayable = not has_body and method in _IDEMPOTENT
+        for _ in (0, 1):
+            up = self._take_upstream(route)
+            reused = up is not None
+            if up is None:
+                up = await dial_upstream(route, self.opener, self.balancer, self.limits,
+                                         self.stats, self.client_addr)
+            else:
+                self.stats.upstream_reuses += 1
+            exchange = H1Exchange(up, chunked=chunked, head_request=method == b"HEAD",
+                                  reused=reused, read_size=self.limits.read_size)
+            try:
+                await exchange.start(head, not has_body)
+                return exchange
+            except UpstreamFailed as exc:
+                await exchange.abort()
+                if not (exc.stale and replayable):
+                    raise
+        raise UpstreamFailed(502, "upstream closed the connection")
+
+    def _take_upstream(self, route: Route) -> Upstream | None:
+        ups = self.idle_upstreams
+        for i, up in enumerate(ups):
+            if up.backend in route.backends:
+                return ups.pop(i)
+        return None
+
+    async def _exchange_with_body(self, sid: int, req: H2Request, exchange: Exchange,
+                                  inbox: Inbox, started: _Outcome) -> int:
+        """Request body and response at the same time (gRPC streams both ways). The first
+        failure of either side ends both; a response that ends before the request body
+        tells the client to stop sending (RST_STREAM NO_ERROR, RFC 9113 §8.1)."""
+        errors: list[Exception] = []
+        pumped = [False]
+        status = 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pump_body, sid, inbox, exchange, req.grpc, errors,
+                               pumped, nursery)
+            try:
+                status = await self._relay(sid, req, exchange, started)
+            except (UpstreamFailed, _BodyTooLarge, _SlowBody, StreamGone) as exc:
+                errors.append(exc)
+            nursery.cancel_scope.cancel()
+        if errors:
+            raise errors[0]
+        if not pumped[0]:
+            await self.wire.reset(sid, h2.errors.ErrorCodes.NO_ERROR)
+        return status
+
+    async def _pump_body(self, sid: int, inbox: Inbox, exchange: Exchange, grpc: bool,
+                         errors: list[Exception], pumped: list[bool],
+                         nursery: trio.Nursery) -> None:
+        """Client request body → backend; the client's window comes back as it goes."""
+        max_body = self.limits.max_body_bytes
+        idle = float("inf") if grpc else self.limits.idle_timeout
+        seen = 0
+        trailers: Headers = []
+        try:
+            while True:
+                ev: object = None
+                with trio.move_on_after(idle):
+                    ev = await inbox.get()
+                if ev is None:
+                    raise _SlowBody()
+                t = type(ev)
+                if t is DataIn:
+                    data = cast(DataIn, ev)
+                    seen += len(data.data)
+                    if max_body is not None and seen > max_body:
+                        raise _BodyTooLarge()
+                    if data.data:
+                        await exchange.send_body(data.data)
+                    await self.wire.acknowledge(sid, data.flow_length)
+                elif t is TrailersIn:
+                    trailers = cast(TrailersIn, ev).trailers
+                elif t is EndIn:
+                    await exchange.end_body(trailers)
+                    pumped[0] = True
+                    return
+        except UpstreamFailed:
+            # The backend stopped reading the body: it may have answered already (an early
+            # error response, RFC 9112 §9.6), which the relay still delivers; if it did not,
+            # the relay fails on its own.
+            return
+        except (_BodyTooLarge, _SlowBody, StreamGone) as exc:
+            errors.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async def _relay(self, sid: int, req: H2Request, exchange: Exchange,
+                     started: _Outcome) -> int:
+        """Backend response → client, within the client's windows."""
+        wire = self.wire
+        status = 0
+        head_timeout = None if req.grpc else self.limits.response_timeout
+        if head_timeout is not None:
+            with trio.move_on_after(head_timeout):
+                first = await exchange.receive()
+                head_timeout = None
+            if head_timeout is not None:
+                self.stats.timeouts += 1
+                raise UpstreamFailed(504, f"upstream {exchange.backend} timed out after "
+                                          f"{self.limits.response_timeout:g}s")
+        else:
+            first = await exchange.receive()
+        ev: ResponseStart | bytes | ResponseEnd = first
+        while True:
+            t = type(ev)
+            if t is bytes:
+                await wire.send_data(sid, cast(bytes, ev))
+            elif t is ResponseStart:
+                start = cast(ResponseStart, ev)
+                status = start.status
+                self.stats.count_status(status)
+                started[0] = True
+                await wire.send_headers(sid, h2_response(status, start.headers), start.ended)
+                if start.ended:
+                    if req.grpc:
+                        started.grpc = grpcstatus.name_of(start.headers)
+                    break
+            else:
+                trailers = cast(ResponseEnd, ev).trailers
+                if req.grpc:
+                    started.grpc = grpcstatus.name_of(trailers)
+                if trailers:
+                    await wire.send_headers(sid, trailers, end=True)
+                else:
+                    await wire.send_data(sid, b"", end=True)
+                break
+            ev = await exchange.receive()
+        if await exchange.finish() and isinstance(exchange, H1Exchange):
+            if len(self.idle_upstreams) < _KEEP_UPSTREAMS:
+                self.idle_upstreams.append(exchange.up)
+            else:
+                await trio.aclose_forcefully(exchange.up.stream)
+        return status
+
+    # -- answers made here ------------------------------------------------------------------
+
+    async def _answer(self, sid: int, req: H2Request, status: int, reason: str,
+                      location: str | None = None) -> None:
+        """The front's own answer: a gRPC status to gRPC, a short text to the others."""
+        self.stats.count_status(status)
+        if status >= 500 or status in (404, 503):
+            log.info("request failed", status=status, reason=clip(reason, 200),
+                     client=self.client_addr, method=req.method.decode("latin-1"),
+                     protocol="h2")
+        if req.grpc:
+            await self.wire.send_headers(sid, grpcstatus.trailers_only(
+                grpcstatus.code_for_http(status), reason, req.content_type), end=True)
+            return
+        body = f"{status} {reason_phrase(status).decode()}: {reason}\n".encode()
+        headers: Headers = [(b":status", b"%d" % status),
+                            (b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", b"%d" % len(body))]
+        if location is not None:
+            headers.append((b"location", location.encode("latin-1")))
+        if req.method == b"HEAD":
+            await self.wire.send_headers(sid, headers, end=True)
+        else:
+            await self.wire.send_headers(sid, headers)
+            await self.wire.send_data(sid, body, end=True)
+
+
+__all__ = ["H2Connection"]

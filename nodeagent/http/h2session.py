@@ -1,0 +1,360 @@
+"""HTTP/2 sessions without I/O: the `h2` library's state machine with the front's settings and
+limits, its events reduced to the few the trio shells act on.
+
+`H2Session` wraps one `h2.connection.H2Connection` (the server side of a client's connection,
+or the client side of an upstream h2c connection): `receive(bytes)` returns a list of
+`H2Event`s, the `send_*` methods queue frames, `data_to_send()` gives the bytes to write.
+Nothing here does I/O or reads a clock: tests drive a session against an `h2` peer in memory.
+
+Framing, HPACK, stream states and flow-control accounting are `h2`'s; this module adds:
+- the settings the front announces (`H2Settings`: concurrent streams, windows, header list
+  size) and the connection window opened beyond the protocol's 64 KiB at start;
+- limits `h2` does not have, counted where it has none: a client resetting streams faster
+  than it lets them finish (rapid reset, CVE-2023-44487), PING and SETTINGS floods. Over a
+  limit the session queues GOAWAY(ENHANCE_YOUR_CALM) and raises `H2Refused`;
+- a graceful GOAWAY (`graceful_goaway`), which `h2` lacks: its GOAWAY closes the
+  connection with its streams;
+- any protocol error `h2` raises (bad frames, HPACK bombs over the header list size,
+  CONTINUATION floods, flow-control violations, too many streams) becomes `H2Refused` with
+  `h2`'s GOAWAY already queued: the shell writes it and closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import hyperframe.frame
+
+Headers = list[tuple[bytes, bytes]]
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+"""The client connection preface (RFC 9113 §3.4): prior-knowledge h2c starts with it."""
+
+
+class H2Refused(Exception):
+    """The peer broke the protocol or a limit; GOAWAY is queued, the connection must close.
+    `reason` is the counter's name (`HttpStats.h2_refused_<reason>`)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class H2Settings:
+    """What a session announces and enforces. Memory a peer can make us hold per connection
+    is bounded by `connection_window` (request bodies not yet forwarded) plus the header
+    list size per stream being decoded."""
+
+    max_concurrent_streams: int = 100
+    stream_window: int = 1024 * 1024
+    """Initial window per stream: unforwarded body bytes one stream may have buffered."""
+    connection_window: int = 8 * 1024 * 1024
+    """Window of the whole connection: unforwarded body bytes of all its streams."""
+    max_header_list_size: int = 64 * 1024
+    max_frame_size: int = 16384
+    max_client_resets: int = 200
+    """Streams a client may reset before their response ended, beyond the half of its
+    streams that may end that way: over it, GOAWAY (rapid reset)."""
+    max_control_frames: int = 1000
+    """PING and SETTINGS frames a peer may send beyond one per stream it opened."""
+
+
+@dataclass(slots=True)
+class HeadersIn:
+    """A request head (server side) or a final response head (client side); pseudo-header
+    fields included, names lowercased, as `h2` validated them."""
+
+    stream_id: int
+    headers: Headers
+    ended: bool
+
+
+@dataclass(slots=True)
+class DataIn:
+    stream_id: int
+    data: bytes
+    flow_length: int
+    """Window it used (padding included): give it back with `acknowledge` once forwarded."""
+
+
+@dataclass(slots=True)
+class TrailersIn:
+    stream_id: int
+    trailers: Headers
+
+
+@dataclass(slots=True)
+class EndIn:
+    """The peer finished its side of the stream (END_STREAM)."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class ResetIn:
+    stream_id: int
+    code: int
+
+
+@dataclass(slots=True)
+class WindowIn:
+    """Send window opened: on `stream_id`, or on every stream when 0."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class GoawayIn:
+    last_stream_id: int
+    code: int
+
+
+H2Event = HeadersIn | DataIn | TrailersIn | EndIn | ResetIn | WindowIn | GoawayIn
+
+
+class H2Session:
+    """One HTTP/2 connection's state, server or client side; see the module docstring."""
+
+    def __init__(self, *, client_side: bool, settings: H2Settings | None = None) -> None:
+        self.settings = settings = settings or H2Settings()
+        self.client_side = client_side
+        config = h2.config.H2Configuration(
+            client_side=client_side, header_encoding=None, validate_inbound_headers=True,
+            normalize_inbound_headers=True, validate_outbound_headers=False,
+            normalize_outbound_headers=False)
+        conn = self.conn = h2.connection.H2Connection(config=config)
+        codes = h2.settings.SettingCodes
+        values = {
+            codes.MAX_CONCURRENT_STREAMS: settings.max_concurrent_streams,
+            codes.INITIAL_WINDOW_SIZE: settings.stream_window,
+            codes.MAX_HEADER_LIST_SIZE: settings.max_header_list_size,
+            codes.MAX_FRAME_SIZE: settings.max_frame_size,
+        }
+        if client_side:
+            values[codes.ENABLE_PUSH] = 0
+        conn.local_settings = h2.settings.Settings(client=client_side, initial_values=values)
+        conn.decoder.max_header_list_size = settings.max_header_list_size
+        conn.max_inbound_frame_size = settings.max_frame_size
+        self.streams_opened = 0
+        """Streams the peer opened (server side) or we opened (client side)."""
+        self.resets_received = 0
+        self.early_resets = 0
+        """Streams the peer reset while they were open (server side)."""
+        self.control_frames = 0
+        """PING and SETTINGS frames received."""
+        self.goaway_received = False
+        self._out = b""  # frames queued ahead of h2's (a graceful GOAWAY)
+        self._in = b""  # client side: the start of a frame not complete yet
+
+    def start(self) -> None:
+        """Queue the preface and SETTINGS, and open the connection window."""
+        conn = self.conn
+        conn.initiate_connection()
+        extra = self.settings.connection_window - 65535
+        if extra > 0:
+            conn.increment_flow_control_window(extra)
+
+    def data_to_send(self) -> bytes:
+        if self._out:
+            out, self._out = self._out + self.conn.data_to_send(), b""
+            return out
+        return bytes(self.conn.data_to_send())
+
+    # -- input -----------------------------------------------------------------------------
+
+    def receive(self, data: bytes) -> list[H2Event]:
+        """Feed bytes from the peer; the events they made. Raises `H2Refused` (GOAWAY queued)."""
+        goaways: list[GoawayIn] = []
+        if self.client_side:
+            data = self._take_goaways(data, goaways)
+        try:
+            events = self.conn.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            # h2 queued a GOAWAY with the fitting code already (frame size, flow control,
+            # HPACK, too many streams, CONTINUATION backlog...).
+            raise H2Refused(_reason_of(exc), str(exc) or type(exc).__name__) from None
+        out: list[H2Event] = []
+        out.extend(goaways)
+        ev_ = h2.events
+        for ev in events:
+            if isinstance(ev, ev_.DataReceived):
+                out.append(DataIn(ev.stream_id or 0, ev.data or b"",
+                                  ev.flow_controlled_length or 0))
+            elif isinstance(ev, ev_.RequestReceived | ev_.ResponseReceived):
+                self.streams_opened += not self.client_side
+                out.append(HeadersIn(ev.stream_id or 0, list(ev.headers or ()),
+                                     ev.stream_ended is not None))
+            elif isinstance(ev, ev_.StreamEnded):
+                out.append(EndIn(ev.stream_id or 0))
+            elif isinstance(ev, ev_.TrailersReceived):
+                out.append(TrailersIn(ev.stream_id or 0, list(ev.headers or ())))
+            elif isinstance(ev, ev_.StreamReset):
+                if ev.remote_reset:
+                    self.resets_received += 1
+                    out.append(ResetIn(ev.stream_id or 0, int(ev.error_code or 0)))
+                    if not self.client_side:
+                        self.early_resets += 1
+                        self._check_resets()
+            elif isinstance(ev, ev_.WindowUpdated):
+                out.append(WindowIn(ev.stream_id or 0))
+            elif isinstance(ev, ev_.RemoteSettingsChanged):
+                self._control_frame()
+                out.append(WindowIn(0))  # window size or stream limits may have grown
+            elif isinstance(ev, ev_.PingReceived):
+                self._control_frame()
+            elif isinstance(ev, ev_.ConnectionTerminated):
+                self.goaway_received = True
+                out.append(GoawayIn(ev.last_stream_id or 0, int(ev.error_code or 0)))
+            # InformationalResponseReceived (1xx), PingAck, SettingsAcknowledged, priority,
+            # unknown frames: nothing to do.
+        return out
+
+    def _take_goaways(self, data: bytes, goaways: list[GoawayIn]) -> bytes:
+        """The bytes for `h2` without the peer's GOAWAY frames, which become `GoawayIn`s.
+
+        `h2` closes the whole connection on a GOAWAY and then refuses the frames of the
+        streams still in flight, which a server that drains (a gRPC backend rolling out)
+        goes on answering. Frames are read by hyperframe, h2's own framing layer; only
+        whole frames go to `h2` (the rest waits for more bytes). Client side only: that
+        is where a graceful GOAWAY with streams in flight comes from in practice."""
+        buf = self._in + data if self._in else data
+        if len(buf) < 9:
+            self._in = bytes(buf)
+            return b""
+        parts: list[bytes] = []
+        start = pos = 0
+        end = len(buf)
+        view = memoryview(buf)
+        while pos + 9 <= end:
+            frame, length = hyperframe.frame.Frame.parse_frame_header(view[pos:pos + 9])
+            if length > self.conn.max_inbound_frame_size:
+                pos = end  # not held here: h2 refuses it (FRAME_SIZE_ERROR)
+                break
+            if pos + 9 + length > end:
+                break
+            if isinstance(frame, hyperframe.frame.GoAwayFrame):
+                frame.parse_body(view[pos + 9:pos + 9 + length])
+                goaways.append(GoawayIn(frame.last_stream_id, frame.error_code))
+                self.goaway_received = True
+                parts.append(bytes(view[start:pos]))
+                start = pos + 9 + length
+            pos += 9 + length
+        parts.append(bytes(view[start:pos]))
+        self._in = bytes(view[pos:])
+        return b"".join(parts)
+
+    def _check_resets(self) -> None:
+        s = self.settings
+        if self.early_resets > s.max_client_resets + self.streams_opened // 2:
+            self.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            raise H2Refused("rapid_reset", f"{self.early_resets} streams reset by the client "
+                                           f"of {self.streams_opened} it opened")
+
+    def _control_frame(self) -> None:
+        self.control_frames += 1
+        if self.control_frames > self.settings.max_control_frames + self.streams_opened:
+            self.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            raise H2Refused("control_flood", f"{self.control_frames} PING/SETTINGS frames")
+
+    # -- output ----------------------------------------------------------------------------
+
+    def goaway(self, code: int = 0, last_stream_id: int | None = None) -> None:
+        """Queue GOAWAY and close the connection: nothing more is sent or accepted."""
+        try:
+            self.conn.close_connection(code, last_stream_id=last_stream_id)
+        except h2.exceptions.ProtocolError:
+            pass  # already closed
+
+    def graceful_goaway(self, last_stream_id: int) -> None:
+        """Queue GOAWAY(NO_ERROR) naming the last stream served, and keep the connection
+        open for the streams up to it (a drain). `h2` has no such call: its GOAWAY closes
+        the connection at once, in-flight streams included; the frame is made by
+        hyperframe (h2's own framing layer) and queued after what `h2` queued so far."""
+        frame = hyperframe.frame.GoAwayFrame(0)
+        frame.last_stream_id = last_stream_id
+        frame.error_code = 0
+        self._out += self.conn.data_to_send() + frame.serialize()
+
+    def send_headers(self, stream_id: int, headers: Headers, end: bool = False) -> None:
+        self.conn.send_headers(stream_id, headers, end_stream=end)
+
+    def send_data(self, stream_id: int, data: bytes, end: bool = False) -> None:
+        self.conn.send_data(stream_id, data, end_stream=end)
+
+    def end_stream(self, stream_id: int) -> None:
+        self.conn.end_stream(stream_id)
+
+    def reset(self, stream_id: int, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
+        """Reset a stream; quiet when it is already closed."""
+        try:
+            self.conn.reset_stream(stream_id, code)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+
+    def acknowledge(self, stream_id: int, flow_length: int) -> None:
+        """Give back `flow_length` bytes of window (the data was forwarded)."""
+        if flow_length:
+            try:
+                self.conn.acknowledge_received_data(flow_length, stream_id)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                # The stream is gone: only the connection window comes back.
+                self.conn.increment_flow_control_window(flow_length)
+
+    def send_window(self, stream_id: int) -> int:
+        """Bytes we may send on `stream_id` now (the smaller of its and the connection's)."""
+        try:
+            return min(self.conn.local_flow_control_window(stream_id),
+                       self.conn.max_outbound_frame_size)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
+            return -1
+
+    def next_stream_id(self) -> int:
+        return self.conn.get_next_available_stream_id()
+
+    @property
+    def open_outbound(self) -> int:
+        return self.conn.open_outbound_streams
+
+    @property
+    def peer_max_streams(self) -> int:
+        return int(self.conn.remote_settings.max_concurrent_streams)
+
+    @property
+    def last_peer_stream(self) -> int:
+        return int(self.conn.highest_inbound_stream_id)
+
+
+def _reason_of(exc: h2.exceptions.ProtocolError) -> str:
+    if isinstance(exc, h2.exceptions.TooManyStreamsError):
+        return "too_many_streams"
+    if isinstance(exc, h2.exceptions.FlowControlError):
+        return "flow_control"
+    if isinstance(exc, h2.exceptions.DenialOfServiceError):
+        return "header_list_too_large"
+    if isinstance(exc, h2.exceptions.FrameTooLargeError):
+        return "frame_too_large"
+    return "protocol_error"
+
+
+__all__ = [
+    "PREFACE",
+    "DataIn",
+    "EndIn",
+    "GoawayIn",
+    "H2Event",
+    "H2Refused",
+    "H2Session",
+    "H2Settings",
+    "Headers",
+    "HeadersIn",
+    "ResetIn",
+    "TrailersIn",
+    "WindowIn",
+]

@@ -1,0 +1,209 @@
+"""The trio side of one HTTP/2 connection's writes, shared by the front's client connections
+(`h2connection`) and the upstream h2c connections (`h2pool`).
+
+Many stream tasks write to one connection: each queues frames on the `H2Session` and then
+`flush()`es, which wakes the connection's one writer task (`run`): it sends whatever the
+session has queued, in rounds, so frames leave in the order they were queued, many
+streams' frames share one write, and a stream task cancelled mid-write cannot cut a frame.
+`send_data` honours flow control: it sends
+what the stream's and the connection's windows allow and waits for the peer to open them
+(`wake`, called by the connection's reader on WINDOW_UPDATE and SETTINGS), at most
+`stall_timeout` at a time — a peer that never reads (a zero-window stall) costs one stream
+task until then, not unbounded buffering: nothing is queued beyond the window.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import trio
+
+from nodeagent.http.h2session import H2Event, H2Session, Headers
+
+
+class StreamGone(Exception):
+    """The stream was reset or closed, or the connection failed, while we wrote to it."""
+
+
+class WindowStalled(StreamGone):
+    """The peer kept a window shut for longer than the stall timeout."""
+
+
+class H2Wire:
+    """Writes to one HTTP/2 connection from many tasks; see the module docstring."""
+
+    def __init__(self, session: H2Session, stream: trio.abc.Stream, *,
+                 stall_timeout: float) -> None:
+        self.session = session
+        self.stream = stream
+        self.stall_timeout = stall_timeout
+        self._windows: dict[int, trio.Event] = {}
+        self._kick = trio.Event()  # the writer has rounds to send
+        self._next_done = trio.Event()  # set when the next round has been sent
+        self._running = False
+        self.broken = False
+        """The transport failed: every write from now on raises StreamGone."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """The connection's one writer: each round sends everything queued so far in one
+        `send_all`. Stream tasks never write themselves: a stream task cancelled (its
+        client reset it, a deadline) while writing would cut a frame in half and break
+        every other stream of the connection."""
+        self._running = True
+        task_status.started()
+        try:
+            while not self.broken:
+                await self._kick.wait()
+                self._kick = trio.Event()
+                done, self._next_done = self._next_done, trio.Event()
+                data = self.session.data_to_send()
+                if data:
+                    try:
+                        await self.stream.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError,
+                            OSError):
+                        self.broken = True
+                        self.wake(0)
+                done.set()
+        finally:
+            self._running = False
+            self._next_done.set()
+
+    async def flush(self) -> None:
+        """Have what the session queued sent, and wait until it is on its way (the
+        backpressure of a peer that stops reading TCP). With the writer running (`run`),
+        many tasks' frames leave in one write; without it (before it starts, after it
+        ends: a last GOAWAY), the caller writes."""
+        if self.broken:
+            raise StreamGone("connection closed")
+        if self._running:
+            done = self._next_done
+            self._kick.set()
+            await done.wait()
+            if self.broken:
+                raise StreamGone("connection broke")
+            return
+        data = self.session.data_to_send()
+        if data:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.broken = True
+                self.wake(0)
+                raise StreamGone("connection broke") from exc
+
+    def wake(self, stream_id: int) -> None:
+        """A window opened (0: the connection's, or the connection ended): wake its writers."""
+        if stream_id == 0:
+            windows, self._windows = self._windows, {}
+            for event in windows.values():
+                event.set()
+        else:
+            waiting = self._windows.get(stream_id)
+            if waiting is not None:
+                del self._windows[stream_id]
+                waiting.set()
+
+    async def send_headers(self, stream_id: int, headers: Headers, end: bool = False) -> None:
+        try:
+            self.session.send_headers(stream_id, headers, end)
+        except Exception as exc:  # h2's StreamClosedError / ProtocolError: the stream is gone
+            raise StreamGone(str(exc)) from exc
+        await self.flush()
+
+    async def send_data(self, stream_id: int, data: bytes, end: bool = False) -> None:
+        """Send `data` as the windows allow: every frame they allow is queued, then one
+        flush (a write per frame cost a syscall per 16 KiB)."""
+        session = self.session
+        view = memoryview(data)
+        while True:
+            if self.broken:
+                raise StreamGone("connection closed")
+            window = session.send_window(stream_id)
+            if window < 0:
+                raise StreamGone("stream closed")
+            if window == 0 and view:
+                # Register before flushing: a WINDOW_UPDATE read while the flush yields
+                # must find the event to set, or the wake-up is lost.
+                event = self._windows.get(stream_id)
+                if event is None:
+                    event = self._windows[stream_id] = trio.Event()
+                await self.flush()
+                with trio.move_on_after(self.stall_timeout):
+                    await event.wait()
+                    continue
+                raise WindowStalled(f"window shut for {self.stall_timeout:g}s")
+            piece = view[:window]
+            view = view[window:]
+            last = not view
+            try:
+                session.send_data(stream_id, bytes(piece), end and last)
+            except Exception as exc:  # the stream closed under us
+                raise StreamGone(str(exc)) from exc
+            if last:
+                await self.flush()
+                return
+
+    async def end_stream(self, stream_id: int) -> None:
+        try:
+            self.session.end_stream(stream_id)
+        except Exception as exc:
+            raise StreamGone(str(exc)) from exc
+        await self.flush()
+
+    async def reset(self, stream_id: int, code: int) -> None:
+        """Reset a stream (quiet when it is already gone or the connection broke)."""
+        self.session.reset(stream_id, code)
+        self.wake(stream_id)
+        try:
+            await self.flush()
+        except StreamGone:
+            pass
+
+    async def acknowledge(self, stream_id: int, flow_length: int) -> None:
+        self.session.acknowledge(stream_id, flow_length)
+        try:
+            await self.flush()
+        except StreamGone:
+            pass
+
+
+
+
+class Inbox:
+    """What the connection's reader received for one stream, in order, until the stream's
+    task takes it. Bounded by the stream's receive window: the reader never acknowledges
+    data, the task does once it forwarded it (`H2Wire.acknowledge`)."""
+
+    __slots__ = ("_event", "error", "items")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[H2Event] = collections.deque()
+        self._event: trio.Event | None = None
+        self.error: Exception | None = None
+
+    def put(self, item: H2Event) -> None:
+        self.items.append(item)
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    def fail(self, error: Exception) -> None:
+        """Nothing more will come: `get` raises `error` once the items are taken."""
+        if self.error is None:
+            self.error = error
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def get(self) -> H2Event:
+        while not self.items:
+            if self.error is not None:
+                raise self.error
+            event = self._event = trio.Event()
+            await event.wait()
+        return self.items.popleft()
+
+
+__all__ = ["H2Wire", "Inbox", "StreamGone", "WindowStalled"]

@@ -1,0 +1,264 @@
+"""HTTP/2 and gRPC through the front and the tunnel, against HTTP/1.1 and an L4 TCP path in
+the same run, and how one client connection's gRPC calls spread over three endpoints.
+
+A real `nodeagent server` and `nodeagent agent` on loopback (TLS tunnel); on the "node": a
+trio HTTP/1.1 server answering every request with 1 KiB, and three grpcio servers (bytes
+in and out, `nodeagent.testing.grpcservice`). Three measurements, interleaved over
+--rounds rounds (median, min-max):
+
+  h2 / h1     h2load, 16 connections x 10 concurrent streams (h2c prior knowledge), against
+              h2load --h1 with 16 connections (HTTP/1.1 keep-alive, one request at a time),
+              both through the same front and tunnel to the same 1 KiB backend (HTTP/1.1):
+              req/s and p99 (from h2load's per-request log), and the ratio; and h2load
+              16 x 10 to an h2c backend (nghttpd serving 1 KiB: every request on one shared
+              upstream connection)
+  grpc / L4   grpcio unary calls/s, small messages, --grpc-inflight calls in flight on one
+              channel, through an h2c route (the front balances each call) against the same
+              service through a TCP mapping (L4: the tunnel carries the client's own h2)
+  balance     --balance-calls calls of one channel through a route with three endpoints:
+              each endpoint's share
+
+Not a test: timings move with the machine; read the ratios. Needs root (the agent marks its
+sockets), h2load (Debian nghttp2-client), nghttpd (nghttp2-server) and grpcio (the test
+extra). From the repository root:
+
+    sudo .venv/bin/python -m scripts.bench.h2 [--rounds 3] [--seconds 5]
+
+Prints a table and writes bench-results/h2-DATE-TIME.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from nodeagent.testing.grpcservice import GrpcEcho, channel, method
+from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.standalone import free_port
+from nodeagent.trust import pki
+from scripts import ROOT
+
+TOKEN = "bench-token-0123456789abcdef"
+BODY = b"x" * 1024
+RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n"
+            % len(BODY) + BODY)
+
+
+async def _h1_conn(stream: trio.SocketStream) -> None:
+    buf = b""
+    try:
+        while data := await stream.receive_some(65536):
+            buf += data
+            n = buf.count(b"\r\n\r\n")
+            if n:
+                buf = buf[buf.rfind(b"\r\n\r\n") + 4:]
+                await stream.send_all(RESPONSE * n)
+    except trio.BrokenResourceError:
+        pass
+
+
+def _run_h1_backend(port: int) -> None:
+    trio.run(functools.partial(trio.serve_tcp, _h1_conn, port, host="127.0.0.1"))
+
+
+def h2load(url: str, *, h1: bool, seconds: float, log: Path) -> dict[str, float]:
+    """req/s, and p50/p99 ms from the per-request log."""
+    args = ["h2load", "-c16", "-t1", f"-D{seconds:g}", "--warm-up-time=1",
+            f"--log-file={log}"]
+    args += ["--h1", "-m1"] if h1 else ["-m10"]
+    out = subprocess.run([*args, url], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
+    if m is None:
+        raise RuntimeError(f"h2load printed no req/s:\n{out}")
+    ok = re.search(r"(\d+) succeeded, (\d+) failed", out)
+    durations = sorted(int(line.split("\t")[2]) for line in log.read_text().splitlines()
+                       if line.count("\t") >= 2)
+    log.unlink()
+    def pct(p: float) -> float:
+        return durations[min(len(durations) - 1, int(len(durations) * p))] / 1000.0
+    return {"req_per_sec": float(m.group(1)), "p50_ms": pct(0.50), "p99_ms": pct(0.99),
+            "failed": float(ok.group(2)) if ok else -1.0}
+
+
+def grpc_rate(address: str, authority: str | None, seconds: float, inflight: int) -> float:
+    """Unary calls/s of one channel keeping `inflight` calls in flight."""
+    ch = channel(address, authority)
+    unary = method(ch, "Unary")
+    for _ in range(50):
+        unary(b"warm", timeout=10)
+    done = 0
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+    finished = threading.Event()
+    running = [0]
+
+    def launch() -> None:
+        future = unary.future(b"ping", timeout=30)
+        future.add_done_callback(on_done)
+
+    def on_done(future: Any) -> None:
+        nonlocal done
+        future.result()
+        with lock:
+            done += 1
+            if time.perf_counter() < stop:
+                launch()
+                return
+            running[0] -= 1
+            if running[0] == 0:
+                finished.set()
+
+    start = time.perf_counter()
+    running[0] = inflight
+    for _ in range(inflight):
+        launch()
+    finished.wait(seconds + 30)
+    elapsed = time.perf_counter() - start
+    ch.close()
+    return done / elapsed
+
+
+def balance(address: str, authority: str, calls: int) -> dict[str, int]:
+    ch = channel(address, authority)
+    who = method(ch, "Who")
+    counts: dict[str, int] = {}
+    for _ in range(calls):
+        name = who(b"", timeout=10).decode()
+        counts[name] = counts.get(name, 0) + 1
+    ch.close()
+    return counts
+
+
+def summary(values: list[float]) -> str:
+    return (f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+            if max(values) >= 10 else
+            f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.h2", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--grpc-inflight", type=int, default=16)
+    parser.add_argument("--balance-calls", type=int, default=3000)
+    args = parser.parse_args()
+    for tool, package in (("h2load", "nghttp2-client"), ("nghttpd", "nghttp2-server")):
+        if shutil.which(tool) is None and shutil.which(tool, path="/usr/sbin") is None:
+            print(f"needs {tool}: apt-get install -y {package}", file=sys.stderr)
+            return 2
+
+    work = Path(tempfile.mkdtemp(prefix="bench-h2-"))
+    ca = pki.create_ca("bench")
+    ca.write(work / "ca.crt", work / "ca.key")
+    pki.issue_server_certificate(ca, ["localhost"], ["127.0.0.1"]).write(
+        work / "server.crt", work / "server.key")
+    h1_port = free_port()
+    h1_backend = multiprocessing.Process(target=_run_h1_backend, args=(h1_port,), daemon=True)
+    h1_backend.start()
+    echoes = [GrpcEcho(f"g{i}").start() for i in range(3)]
+    htdocs = work / "htdocs"
+    htdocs.mkdir()
+    (htdocs / "bench").write_bytes(BODY)
+    h2c_port = free_port()
+    nghttpd = subprocess.Popen([shutil.which("nghttpd") or "/usr/sbin/nghttpd", "--no-tls",
+                                "-a", "127.0.0.1", "-d", str(htdocs), str(h2c_port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tunnel, web, web_h2c, grpc_front, balanced, l4 = (free_port() for _ in range(6))
+    target = [f"127.0.0.1:{e.port}" for e in echoes]
+    server = NodeagentProcess("server", {
+        "tunnel": f"tls://127.0.0.1:{tunnel}",
+        "tls": {"cert_file": str(work / "server.crt"), "key_file": str(work / "server.key")},
+        "tokens": [{"node": "edge-1", "token": TOKEN}],
+        "http": [
+            {"name": "web", "listen": f"127.0.0.1:{web}", "routes": [
+                {"node": "edge-1", "target": f"127.0.0.1:{h1_port}"}]},
+            {"name": "web-h2c", "listen": f"127.0.0.1:{web_h2c}", "routes": [
+                {"node": "edge-1", "target": f"127.0.0.1:{h2c_port}",
+                 "backend_protocol": "h2c"}]},
+            {"name": "grpc", "listen": f"127.0.0.1:{grpc_front}", "routes": [
+                {"node": "edge-1", "target": target[0], "backend_protocol": "h2c"}]},
+        ],
+        "tcp": [{"name": "grpc-l4", "listen": f"127.0.0.1:{l4}", "node": "edge-1",
+                 "target": target[0]}],
+        "ingress_http": f"127.0.0.1:{balanced}",
+        "ingress": {"rules": [{"name": "bench/grpc", "host": "balanced.test",
+                               "backend_protocol": "h2c", "backends": [
+                                   {"node": "edge-1", "target": t} for t in target]}]},
+        "debug_socket": str(work / "server.sock"),
+    }, work, "server").start()
+    agent = NodeagentProcess("agent", {
+        "node": "edge-1", "server": f"tls://127.0.0.1:{tunnel}", "token": TOKEN,
+        "tls": {"ca_file": str(work / "ca.crt")},
+        "allow": [f"127.0.0.1:{h1_port}", f"127.0.0.1:{h2c_port}", *target],
+        "debug_socket": str(work / "agent.sock"),
+    }, work, "agent")
+    rows: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        rows.setdefault(name, []).append(value)
+
+    try:
+        server.wait_ready()
+        agent.start().wait_ready()
+        server.wait_for(lambda s: s["agents"], what="agent connected")
+        url = f"http://127.0.0.1:{web}/bench"
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
+            h2 = h2load(url, h1=False, seconds=args.seconds, log=work / "h2.log")
+            h1 = h2load(url, h1=True, seconds=args.seconds, log=work / "h1.log")
+            add("h2 req/s", h2["req_per_sec"])
+            add("h2 p99 ms", h2["p99_ms"])
+            add("h2 failed", h2["failed"])
+            add("h1 req/s", h1["req_per_sec"])
+            add("h1 p99 ms", h1["p99_ms"])
+            add("h2/h1 ratio", h2["req_per_sec"] / h1["req_per_sec"])
+            h2c = h2load(f"http://127.0.0.1:{web_h2c}/bench", h1=False, seconds=args.seconds,
+                         log=work / "h2c.log")
+            add("h2 -> h2c backend req/s", h2c["req_per_sec"])
+            add("h2 -> h2c backend p99 ms", h2c["p99_ms"])
+            add("h2 -> h2c backend failed", h2c["failed"])
+            add("h2 -> h2c / h1 ratio", h2c["req_per_sec"] / h1["req_per_sec"])
+            via_front = grpc_rate(f"127.0.0.1:{grpc_front}", None, args.seconds,
+                                  args.grpc_inflight)
+            via_l4 = grpc_rate(f"127.0.0.1:{l4}", None, args.seconds, args.grpc_inflight)
+            add("grpc calls/s via the front", via_front)
+            add("grpc calls/s via L4 (TCP mapping)", via_l4)
+            add("grpc front/L4 ratio", via_front / via_l4)
+            shares = balance(f"127.0.0.1:{balanced}", "balanced.test", args.balance_calls)
+            for name in ("g0", "g1", "g2"):
+                add(f"balance share {name} %", 100.0 * shares.get(name, 0) / args.balance_calls)
+        cpu = {p.name: p.status().get("uptime_seconds") for p in (server, agent)}
+    finally:
+        for proc in (server, agent):
+            proc.kill()
+        for echo in echoes:
+            echo.stop()
+        h1_backend.kill()
+        nghttpd.kill()
+    print(f"\n{'measure':38} median (min-max) over {args.rounds} rounds")
+    for name, values in rows.items():
+        print(f"{name:38} {summary(values)}")
+    out = ROOT / "bench-results" / time.strftime("h2-%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "uptime": cpu}, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

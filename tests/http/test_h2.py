@@ -1,0 +1,214 @@
+"""The HTTP front speaking HTTP/2: h2c prior knowledge and ALPN h2 on the same ports as
+HTTP/1.1, translation to HTTP/1.1 backends and from HTTP/1.1 clients to h2c backends, with
+real sockets, httpx clients, an h11 origin and an `h2` origin."""
+
+from __future__ import annotations
+
+import hashlib
+import ssl
+from typing import Any
+
+import hpack
+import httpx
+import hyperframe.frame as hf
+import trio
+import trustme
+
+from nodeagent.http import Backend, CertStore, Route, RouteSpec, TlsConfig
+from nodeagent.http.tls import context_from_pem
+from tests.http.helpers import H2Origin, RawH2, Upstream, running_front, start_tcp
+
+
+def client(**kwargs: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(trust_env=False, timeout=10, **kwargs)
+
+
+def h2c_client(**kwargs: Any) -> httpx.AsyncClient:
+    """HTTP/2 with prior knowledge (no Upgrade dance): what gRPC clients do on plaintext."""
+    return client(http1=False, http2=True, **kwargs)
+
+
+def route_to(port: int, name: str = "r", protocol: str = "h1", ports: tuple[int, ...] = ()
+             ) -> Route:
+    return Route(name, tuple(Backend(None, "127.0.0.1", p) for p in (port, *ports)),
+                 backend_protocol=protocol)  # type: ignore[arg-type]
+
+
+async def test_h2c_prior_knowledge_and_http11_on_one_port(nursery: trio.Nursery) -> None:
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    async with running_front([RouteSpec("app.test", "/", route_to(port))]) as f:
+        async with h2c_client() as c:
+            r = await c.get(f"{f.url}/a?x=1", headers={"host": "app.test",
+                                                       "cookie": "a=1", "x-custom": "yes"})
+            assert r.http_version == "HTTP/2" and r.status_code == 200
+            doc = r.json()
+            assert doc["target"] == "/a?x=1"
+            headers = dict(doc["headers"])
+            assert headers["host"] == "app.test" and headers["x-custom"] == "yes"
+            assert headers["x-forwarded-proto"] == "http"
+            assert "keep-alive" not in r.headers and "x-secret-hop" not in r.headers
+            # Request bodies without a length go chunked to the HTTP/1.1 origin.
+            body = b"y" * 300_000
+            async def pieces() -> Any:
+                yield body[:100_000]
+                yield body[100_000:]
+
+            r = await c.post(f"{f.url}/post", content=pieces(),
+                             headers={"host": "app.test"})
+            assert r.json()["body_length"] == len(body)
+            assert r.json()["body_sha256"] == hashlib.sha256(body).hexdigest()
+            r = await c.get(f"{f.url}/big?n=3000000", headers={"host": "app.test"})
+            assert len(r.content) == 3_000_000
+            r = await c.get(f"{f.url}/", headers={"host": "nope.test"})
+            assert r.status_code == 404 and r.text.startswith("404 Not Found: no route")
+        async with client() as c:
+            r = await c.get(f"{f.url}/h1", headers={"host": "app.test"})
+            assert r.http_version == "HTTP/1.1" and r.json()["target"] == "/h1"
+        stats = f.front.stats
+        assert stats.h2_connections == 1 and stats.h2_requests == 4
+        # One h2 client connection's requests share kept HTTP/1.1 upstreams.
+        assert stats.upstream_reuses >= 2
+
+
+async def test_alpn_h2_on_tls(nursery: trio.Nursery) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("app.test")
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    ctx = context_from_pem(cert.private_key_and_cert_chain_pem.bytes(),
+                           cert.private_key_pem.bytes())
+    tls = TlsConfig(certs=CertStore({"app.test": ctx}))
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    async with running_front([RouteSpec("app.test", "/", route_to(port))], tls=tls) as f:
+        transport = httpx.AsyncHTTPTransport(verify=client_ctx, http2=True)
+        async with client(transport=transport) as c:
+            r = await c.get(f"https://127.0.0.1:{f.port}/tls",
+                            headers={"host": "app.test"}, extensions={"sni_hostname": "app.test"})
+            assert r.http_version == "HTTP/2" and r.json()["target"] == "/tls"
+            assert dict(r.json()["headers"])["x-forwarded-proto"] == "https"
+        transport = httpx.AsyncHTTPTransport(verify=client_ctx, http2=False)
+        async with client(transport=transport) as c:
+            r = await c.get(f"https://127.0.0.1:{f.port}/tls1",
+                            headers={"host": "app.test"}, extensions={"sni_hostname": "app.test"})
+            assert r.http_version == "HTTP/1.1" and r.json()["target"] == "/tls1"
+
+
+async def test_h2c_backend_from_h2_and_http11_clients(nursery: trio.Nursery) -> None:
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        async with h2c_client() as c:
+            for i in range(5):
+                r = await c.post(f"{f.url}/p{i}", content=b"abc" * i)
+                assert r.http_version == "HTTP/2" and r.json()["target"] == f"/p{i}"
+                assert r.json()["body_length"] == 3 * i
+            r = await c.get(f"{f.url}/big?n=5000000")
+            assert len(r.content) == 5_000_000
+        async with client() as c:
+            r = await c.post(f"{f.url}/from-h1", content=b"hello")
+            assert r.http_version == "HTTP/1.1" and r.status_code == 200
+            doc = r.json()
+            assert doc["target"] == "/from-h1" and doc["body_length"] == 5
+            assert dict(doc["headers"])[":authority"] == f"127.0.0.1:{f.port}"
+            r = await c.get(f"{f.url}/big?n=1000000")
+            assert len(r.content) == 1_000_000
+            r = await c.get(f"{f.url}/reset")
+            assert r.status_code == 502
+        # Every request on one shared h2c connection.
+        assert origin.connections == 1
+        assert [d["connection"] for d in origin.requests] == [1] * len(origin.requests)
+
+
+async def test_a_lost_h2c_connection_fails_only_its_requests(nursery: trio.Nursery) -> None:
+    """Two backends, one call in flight on each; one backend's connection dies: its call
+    fails (502), the other's completes, and the next call to it dials a new connection."""
+    a, b = H2Origin("a"), H2Origin("b")
+    pa, pb = await start_tcp(nursery, a.handle), await start_tcp(nursery, b.handle)
+    route = route_to(pa, protocol="h2c", ports=(pb,))
+    async with running_front([RouteSpec(None, "/", route)]) as f, h2c_client() as c:
+        results: dict[str, Any] = {}
+
+        async def call(key: str) -> None:
+            results[key] = await c.get(f"{f.url}/slow")
+
+        async with trio.open_nursery() as calls:
+            calls.start_soon(call, "first")
+            calls.start_soon(call, "second")
+            with trio.fail_after(5):
+                while a.open_streams + b.open_streams < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            await a.drop()
+        statuses = sorted((r.status_code, r.json()["upstream"] if r.status_code == 200
+                           else r.text) for r in results.values())
+        assert statuses[0] == (200, "b"), statuses
+        assert statuses[1][0] == 502 and "h2c" in statuses[1][1], statuses
+        r1, r2 = await c.get(f"{f.url}/x"), await c.get(f"{f.url}/y")
+        assert {r1.json()["upstream"], r2.json()["upstream"]} == {"a", "b"}
+        assert a.connections == 2 and b.connections == 1
+
+
+async def test_a_slow_reader_costs_the_windows_not_the_response(nursery: trio.Nursery) -> None:
+    """A client that never opens its window gets 64 KiB; the backend's h2c stream stops at
+    the front's 1 MiB stream window: 8 MiB asked, about 1 MiB moved. Granting the window
+    moves the rest."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        sid = await client.request("/big?n=8388608")
+        await client.pump(2.0, grant=False)
+        assert client.status[sid] == 200
+        assert client.body[sid] <= 65535
+        assert origin.body_bytes_sent <= 1024 * 1024 + 65535, origin.body_bytes_sent
+        with trio.fail_after(60):
+            while sid not in client.ended:
+                await client.pump(1.0, grant=True)
+        assert client.body[sid] == 8 * 1024 * 1024
+        await client.aclose()
+
+
+async def test_drain_sends_goaway_and_calls_in_flight_finish(nursery: trio.Nursery) -> None:
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        first = await client.request("/slow")
+        second = await client.request("/slow")
+        with trio.fail_after(5):
+            while origin.open_streams < 2:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        f.front.drain(close_idle=False)
+        await client.pump(0.3, grant=True)
+        assert client.goaway == second  # GOAWAY at once, naming the last stream taken
+        # A stream the client opened before it read the GOAWAY: refused, never served (h2
+        # itself no longer sends after GOAWAY, so the frame is written by hand).
+        late = second + 2
+        frame = hf.HeadersFrame(late)
+        frame.data = hpack.Encoder().encode([(b":method", b"GET"), (b":scheme", b"http"),
+                                             (b":authority", b"app.test"), (b":path", b"/late")])
+        frame.flags.add("END_HEADERS")
+        frame.flags.add("END_STREAM")
+        await client.stream.send_all(frame.serialize())
+        with trio.fail_after(10):
+            while not client.closed:
+                await client.pump(1.0, grant=True)
+        assert client.status[first] == client.status[second] == 200
+        assert {first, second} <= client.ended and late not in client.status
+        assert client.refused == {late: 7}  # REFUSED_STREAM: safe to retry elsewhere
+        assert "/late" not in [d["target"] for d in origin.requests]
+
+
+async def test_a_backend_draining_with_goaway_finishes_its_calls(nursery: trio.Nursery) -> None:
+    """An h2c backend that drains (GOAWAY naming the streams it will still answer) has its
+    calls in flight answered; the next call dials a new connection."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        async with h2c_client() as c:
+            r = await c.get(f"{f.url}/goaway")
+            assert r.status_code == 200 and r.json()["target"] == "/goaway"
+            assert origin.goaways_sent == 1
+            r = await c.get(f"{f.url}/after")
+            assert r.status_code == 200 and r.json()["connection"] == 2

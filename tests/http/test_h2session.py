@@ -1,0 +1,209 @@
+"""The HTTP/2 session without sockets: an `h2` client connection and `H2Session` trade
+bytes in memory. Each attack of record ends the connection with GOAWAY, and the test
+counts what the session spent (streams opened, bytes buffered, frames handled)."""
+
+from __future__ import annotations
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import hpack
+import hyperframe.frame as hf
+import pytest
+
+from nodeagent.http import grpcstatus
+from nodeagent.http.h2heads import h1_view, h2_request, is_grpc, split_response
+from nodeagent.http.h2session import (
+    DataIn,
+    EndIn,
+    H2Refused,
+    H2Session,
+    H2Settings,
+    HeadersIn,
+    ResetIn,
+    TrailersIn,
+)
+
+REQUEST = [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"app.test"),
+           (b":path", b"/svc/Call"), (b"content-type", b"application/grpc"),
+           (b"te", b"trailers")]
+
+
+def pair(settings: H2Settings | None = None) -> tuple[h2.connection.H2Connection, H2Session]:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
+                                                                  header_encoding=None))
+    server = H2Session(client_side=False, settings=settings)
+    client.initiate_connection()
+    server.start()
+    server.receive(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive(client.data_to_send())  # the SETTINGS ack
+    return client, server
+
+
+def goaway_code(client: h2.connection.H2Connection, data: bytes) -> int | None:
+    for ev in client.receive_data(data):
+        if isinstance(ev, h2.events.ConnectionTerminated):
+            return int(ev.error_code or 0)
+    return None
+
+
+def test_a_request_with_body_and_trailers_then_the_response() -> None:
+    client, server = pair()
+    client.send_headers(1, REQUEST)
+    client.send_data(1, b"\x00\x00\x00\x00\x02hi")
+    client.send_headers(1, [(b"x-end", b"1")], end_stream=True)
+    events = server.receive(client.data_to_send())
+    assert [type(e) for e in events] == [HeadersIn, DataIn, TrailersIn, EndIn]
+    head = events[0]
+    assert isinstance(head, HeadersIn) and head.headers[:4] == REQUEST[:4] and not head.ended
+    data = events[1]
+    assert isinstance(data, DataIn) and data.flow_length == 7
+    server.acknowledge(1, data.flow_length)
+    server.send_headers(1, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    server.send_data(1, b"\x00\x00\x00\x00\x00")
+    server.send_headers(1, grpcstatus.status_trailers(grpcstatus.OK, ""), end=True)
+    got = client.receive_data(server.data_to_send())
+    kinds = [type(e).__name__ for e in got]
+    assert "ResponseReceived" in kinds and "TrailersReceived" in kinds and "StreamEnded" in kinds
+
+
+def test_the_request_head_as_the_http11_policy_reads_it() -> None:
+    req = h1_view([*REQUEST, (b"cookie", b"a=1"), (b"cookie", b"b=2"), (b"host", b"other")])
+    assert req.method == b"POST" and req.target == b"/svc/Call" and req.grpc
+    assert req.fields[0] == (b"host", b"app.test") and req.te_trailers
+    assert (b"cookie", b"a=1; b=2") in req.fields
+    assert not any(n == b"te" or n.startswith(b":") for n, _ in req.fields)
+    up = h2_request(b"POST", b"/x", [(b"host", b"app.test"), (b"transfer-encoding", b"chunked"),
+                                      (b"x-a", b"1")], te_trailers=True)
+    assert up == [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/x"),
+                  (b":authority", b"app.test"), (b"x-a", b"1"), (b"te", b"trailers")]
+    assert split_response([(b":status", b"204"), (b"x", b"y")]) == (204, [(b"x", b"y")])
+    assert is_grpc(b"application/grpc+proto") and not is_grpc(b"application/grpcx")
+
+
+def test_grpc_status_helpers() -> None:
+    assert grpcstatus.parse_timeout(b"100m") == pytest.approx(0.1)
+    assert grpcstatus.parse_timeout(b"2S") == 2.0
+    assert grpcstatus.parse_timeout(b"123456789S") is None  # over 8 digits
+    assert grpcstatus.parse_timeout(b"1x") is None
+    assert grpcstatus.code_for_http(503) == grpcstatus.UNAVAILABLE
+    assert grpcstatus.code_for_http(404) == grpcstatus.UNIMPLEMENTED
+    only = grpcstatus.trailers_only(14, "node edge-1 is not connected: 50%")
+    assert only[0] == (b":status", b"200") and (b"grpc-status", b"14") in only
+    assert (b"grpc-message", b"node edge-1 is not connected: 50%25") in only
+
+
+def test_a_client_reset_is_an_event() -> None:
+    client, server = pair()
+    client.send_headers(1, REQUEST)
+    client.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+    events = server.receive(client.data_to_send())
+    assert isinstance(events[-1], ResetIn) and events[-1].code == h2.errors.ErrorCodes.CANCEL
+
+
+def test_rapid_reset_ends_the_connection() -> None:
+    """CVE-2023-44487: open a stream and reset it at once, forever. Allowed: resets up to
+    `max_client_resets` plus half the streams opened; the rest is GOAWAY."""
+    client, server = pair(H2Settings(max_client_resets=50))
+    sid = 1
+    with pytest.raises(H2Refused) as info:
+        for _ in range(1000):
+            client.send_headers(sid, REQUEST)
+            client.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+            sid += 2
+            server.receive(client.data_to_send())
+    assert info.value.reason == "rapid_reset"
+    assert server.streams_opened <= 101  # what it spent before refusing
+    assert goaway_code(client, server.data_to_send()) == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_cancelling_some_calls_is_not_an_attack() -> None:
+    client, server = pair(H2Settings(max_client_resets=50))
+    sid = 1
+    for i in range(600):
+        client.send_headers(sid, REQUEST, end_stream=True)
+        if i % 3 == 0:
+            client.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        else:
+            server.receive(client.data_to_send())
+            server.send_headers(sid, grpcstatus.trailers_only(0, ""), end=True)
+            client.receive_data(server.data_to_send())
+        server.receive(client.data_to_send())
+        sid += 2
+
+
+def test_ping_and_settings_floods_end_the_connection() -> None:
+    for flood in ("ping", "settings"):
+        client, server = pair(H2Settings(max_control_frames=100))
+        with pytest.raises(H2Refused) as info:
+            for i in range(10_000):
+                if flood == "ping":
+                    client.ping(b"%08d" % i)
+                else:
+                    client.update_settings({h2.settings.SettingCodes.ENABLE_PUSH: 0})
+                server.receive(client.data_to_send())
+        assert info.value.reason == "control_flood"
+        assert server.control_frames <= 102
+
+
+def test_too_many_concurrent_streams() -> None:
+    _client, server = pair(H2Settings(max_concurrent_streams=10))
+    raw = b""
+    enc = hpack.Encoder()
+    for sid in range(1, 24, 2):  # 12 streams, never ended, past a limit of 10
+        frame = hf.HeadersFrame(sid)
+        frame.data = enc.encode(REQUEST)
+        frame.flags.add("END_HEADERS")
+        raw += frame.serialize()
+    with pytest.raises(H2Refused) as info:
+        server.receive(raw)
+    assert info.value.reason in ("too_many_streams", "protocol_error")
+    assert server.streams_opened <= 10
+
+
+def test_continuation_flood_is_bounded() -> None:
+    """2024's CONTINUATION flood: a header block that never ends. h2 keeps at most 64
+    CONTINUATION frames of one block (~1 MiB at most), then GOAWAY."""
+    _client, server = pair()
+    frame = hf.HeadersFrame(1)
+    frame.data = hpack.Encoder().encode(REQUEST)
+    raw = frame.serialize()
+    with pytest.raises(H2Refused):
+        for _ in range(10_000):
+            cont = hf.ContinuationFrame(1)
+            cont.data = b"\x00" * 16_000
+            raw += cont.serialize()
+            server.receive(raw)
+            raw = b""
+    assert server.streams_opened == 0
+
+
+def test_hpack_bomb_is_refused() -> None:
+    """A small header block that decodes to far more than the header list limit: one
+    large indexed field repeated."""
+    _client, server = pair(H2Settings(max_header_list_size=16 * 1024))
+    enc = hpack.Encoder()
+    block = enc.encode([*REQUEST, (b"x-bomb", b"a" * 4000)])
+    # Then the same field by index (one byte each) 1000 times: ~4 MB decoded.
+    frame = hf.HeadersFrame(1)
+    frame.data = block + bytes([0x80 | 62]) * 1000
+    frame.flags.add("END_HEADERS")
+    with pytest.raises(H2Refused) as info:
+        server.receive(frame.serialize())
+    assert info.value.reason in ("header_list_too_large", "protocol_error")
+    assert server.streams_opened == 0
+
+
+def test_sending_past_the_window_is_a_flow_control_error() -> None:
+    """A client may not make us buffer more than its window: data past it is refused."""
+    client, server = pair(H2Settings(stream_window=65535, connection_window=65535 * 4))
+    client.send_headers(1, REQUEST)
+    server.receive(client.data_to_send())
+    frame = hf.DataFrame(1)
+    frame.data = b"x" * 16384
+    raw = frame.serialize() * 5  # 80 KiB into a 64 KiB window, never acknowledged
+    with pytest.raises(H2Refused) as info:
+        server.receive(raw)
+    assert info.value.reason == "flow_control"

@@ -54,6 +54,7 @@ TOOLS: dict[str, str] = {
     "iperf3": "iperf3",
     "socat": "socat",
     "dnsperf": "dnsperf",
+    "dnsmasq": "dnsmasq-base",
 }
 
 # Tools only slow tests need (`scripts/test -m slow`): scripts/test installs them only

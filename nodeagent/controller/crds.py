@@ -31,8 +31,7 @@ from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, Conflict, KubeClient, NotF
 from nodeagent.ops.logs import get_logger
 
 # 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts; 5: wide printer columns;
-# 6: protocol TCP/UDP spellings, intercept rules' dns_zones and dns_resolver;
-# 7: scaleToZero
+# 6: protocol TCP/UDP spellings, intercept rules' dns_zones and dns_resolver; 7: scaleToZero
 CRD_REVISION = 7
 log = get_logger("nodeagent.crds")
 

@@ -249,14 +249,10 @@ class HttpConnection:
                 # The request's steps: policy and route (no I/O), then forward with retry.
                 route = self._route(req)
                 if type(route) is Route:
-                    self.status = 0
-                    if route.wake is not None and self.holds is not None:
-                        keep = await self._forward_counted(req, route)
-                    elif route.backend_protocol == "h1":
-                        keep = await self._forward(req, route)
+                    if route.wake is None or self.holds is None:
+                        keep = await self._forward_route(req, route)
                     else:
-                        keep = await self._forward_h2c(req, route)
-                    self.stats.count_route(route.name, "h1", self.status)
+                        keep = await self._forward_counted(req, route)
                 else:
                     assert type(route) is Refusal
                     if route.wake is not None and self.holds is not None:
@@ -431,7 +427,7 @@ class HttpConnection:
         delay = 0.01
         while type(outcome) is Route:
             if outcome.backend_protocol != "h1":
-                break  # an h2c backend's pool dials (and fails) on its own terms
+                break  # h2c: the shared connection pool dials, and retries, on its own
             try:
                 await self._upstream(outcome)
             except UpstreamFailed as exc:
@@ -464,15 +460,24 @@ class HttpConnection:
         await self._answer(503, b"Service Unavailable", headers, body)
         return keep
 
+    async def _forward_route(self, req: RequestHead, route: Route) -> bool:
+        """Forward to the route's backends in the protocol they speak, counted per route."""
+        self.status = 0
+        if route.backend_protocol == "h1":
+            keep = await self._forward(req, route)
+        else:
+            keep = await self._forward_h2c(req, route)
+        self.stats.count_route(route.name, "h1", self.status)
+        return keep
+
     async def _forward_counted(self, req: RequestHead, route: Route) -> bool:
         """`_forward`, counted as activity of a route that sleeps when idle."""
-        forward = self._forward if route.backend_protocol == "h1" else self._forward_h2c
         holds, wake = self.holds, route.wake
         if holds is None or wake is None:
-            return await forward(req, route)
+            return await self._forward_route(req, route)
         holds.begin(wake)
         try:
-            return await forward(req, route)
+            return await self._forward_route(req, route)
         finally:
             holds.end(wake)
 

@@ -97,8 +97,8 @@ async def serve_http_connection(
             await serve_http_connection(
                 stream, table=table, open_upstream=open_upstream, scheme=scheme,
                 client_addr=client_addr, limits=limits, stats=stats, balancer=balancer,
-                access_log=access_log, closing=closing, h2=h2,
-                pool=H2Pool(nursery, open_upstream, limits), holds=holds)
+                access_log=access_log, closing=closing, h2=h2, holds=holds,
+                pool=H2Pool(nursery, open_upstream, limits))
             nursery.cancel_scope.cancel()
         return
     stats = stats if stats is not None else HttpStats()

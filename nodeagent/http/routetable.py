@@ -86,7 +86,6 @@ class Route:
     """What the backends speak: HTTP/1.1 (a stream per client connection, kept alive), or
     h2c (one shared HTTP/2 connection per backend, each request balanced on its own)."""
     wake: WakeSpec | None = None
-    """Set: the route's Service sleeps when idle; with no backends, requests are held."""
 
 
 class PathType(enum.Enum):

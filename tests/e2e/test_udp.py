@@ -5,7 +5,8 @@ queried by Python clients and by `dig`.
 What must hold (docs/udp.md): datagrams whole up to 65,507 bytes, each client address its
 own flow with replies back to it, 1,000 flows at once, idle expiry, a burst on one flow
 not starving another, refused and forbidden targets dropped and counted, recovery after
-an agent restart, and a spoofed-source flood held to the flow caps with bounded memory.
+agent and server restarts, no amplification before a second datagram, and a
+spoofed-source flood held to the flow caps with bounded memory.
 """
 
 from __future__ import annotations
@@ -269,6 +270,24 @@ def test_flows_recover_after_an_agent_restart(udp_stack: UdpStack) -> None:
         while answer is None and time.monotonic() < deadline:
             answer = exchange(port, b"after", sock=sock, timeout=0.5)
         assert answer == b"after"
+
+
+def test_flows_recover_after_a_server_restart(udp_stack: UdpStack) -> None:
+    """The server's flows die with it; the same client address, sending again, gets a
+    new flow once the agent has reconnected to the restarted server."""
+    port = udp_stack.ports["echo"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        assert exchange(port, b"before", sock=sock, tries=3) == b"before"
+        udp_stack.server.kill()
+        udp_stack.server.start().wait_ready()
+        answer = None
+        deadline = time.monotonic() + 30
+        while answer is None and time.monotonic() < deadline:
+            answer = exchange(port, b"after", sock=sock, timeout=0.5)
+        assert answer == b"after"
+    # the agent's old flows ended with the old tunnel: only the new one is left
+    streams = fetch_debug(udp_stack.agent.socket, "/streams")["streams"]
+    assert sum(1 for s in streams if s["target"].startswith("udp://")) == 1
 
 
 @pytest.mark.needs("dig")

@@ -115,7 +115,8 @@ async def serve_http_connection(
             h2 = initial.startswith(PREFACE)
     if h2:
         await H2Connection(stream, table, open_upstream, scheme, client_addr, limits, stats,
-                           balancer, pool, access_log, closing, initial).run()
+                           balancer, pool, access_log, closing, initial,
+                           holds=holds).run()
         return
     await HttpConnection(
         stream,

@@ -58,6 +58,7 @@ from nodeagent.http.h2session import (
 )
 from nodeagent.http.h2wire import H2Wire, Inbox, StreamGone, WindowStalled
 from nodeagent.http.headers import ClientRequest, read_request, upstream_headers
+from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
 from nodeagent.http.routetable import Route, RouteTable
@@ -112,8 +113,10 @@ class H2Connection:
                  opener: Opener, scheme: str, client_addr: str, limits: Limits,
                  stats: HttpStats, balancer: Balancer, pool: H2Pool, access_log: bool,
                  closing: GracefulClose, initial: bytes = b"",
-                 settings: H2Settings | None = None) -> None:
+                 settings: H2Settings | None = None,
+                 holds: HeldRequests | None = None) -> None:
         self.stream = stream
+        self.holds = holds  # requests held for sleeping routes (scale to zero)
         self.table = table
         self.opener = opener
         self.scheme = scheme
@@ -318,6 +321,11 @@ class H2Connection:
             creq.chunked = True  # an HTTP/1.1 upstream gets it chunked
         routed = route_request(self.table(), req.method, creq, https=self.https,
                                max_body=self.limits.max_body_bytes)
+        if type(routed) is Refusal and routed.wake is not None and self.holds is not None:
+            # A sleeping route: held until it wakes, as on HTTP/1.1 (holds.py).
+            routed = await self.holds.hold(routed, lambda: route_request(
+                self.table(), req.method, creq, https=self.https,
+                max_body=self.limits.max_body_bytes))
         if type(routed) is not Route:
             refusal = cast(Refusal, routed)
             if refusal.code is not None:
@@ -336,7 +344,16 @@ class H2Connection:
         try:
             with trio.move_on_after(timeout if timeout is not None else float("inf")
                                     ) as deadline:
-                status = await self._forward(sid, req, creq, route, has_body, inbox, started)
+                if route.wake is not None and self.holds is not None:
+                    self.holds.begin(route.wake)  # activity: it keeps the Service awake
+                    try:
+                        status = await self._forward(sid, req, creq, route, has_body, inbox,
+                                                     started)
+                    finally:
+                        self.holds.end(route.wake)
+                else:
+                    status = await self._forward(sid, req, creq, route, has_body, inbox,
+                                                 started)
             if deadline.cancelled_caught:
                 stats.timeouts += 1
                 started.grpc = "DEADLINE_EXCEEDED"

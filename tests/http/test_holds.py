@@ -137,3 +137,24 @@ async def test_a_browser_gets_a_starting_page_that_reloads_and_the_wake_is_asked
             inner.start_soon(ask)
             await held(holds, 1)
         assert holds.stats.held == 1 and answers[0].status_code == 504
+
+
+async def test_an_http2_request_is_held_and_forwarded_too(nursery: trio.Nursery) -> None:
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    holds = HeldRequests()
+    async with running_front(asleep(), holds=holds) as f, httpx.AsyncClient(
+            http1=False, http2=True, trust_env=False, timeout=10) as c:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await c.get(f"{f.url}/x", headers={"host": "a.test"}))
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(ask)
+            await held(holds, 1)
+            f.set_routes(awake(port))
+            holds.routes_changed()
+        assert answers[0].status_code == 200 and answers[0].http_version == "HTTP/2"
+        assert holds.stats.forwarded == 1
+        assert holds.activity()["shop/web"][1] == 0  # counted, then done

@@ -221,9 +221,18 @@ class Bench:
                 "--connect-timeout", "5000", "-P", str(parallel)]
         if reverse:
             args.append("-R")
-        out = self.run("client", args, timeout=seconds + 30)
-        doc = json.loads(out)
-        return float(doc["end"]["sum_received"]["bits_per_second"])
+        for attempt in range(3):
+            try:
+                doc = json.loads(self.run("client", args, timeout=seconds + 30))
+            except RuntimeError as exc:  # iperf3 exits 1 with its JSON: read the error there
+                doc = {"error": str(exc)}
+            if "error" not in doc:
+                return float(doc["end"]["sum_received"]["bits_per_second"])
+            # e.g. "the server is busy running a test": the previous test's server side
+            # had not finished yet
+            self.log(f"iperf3: {str(doc['error'])[:200]}; again (attempt {attempt + 2} of 3)")
+            time.sleep(2)
+        raise RuntimeError(f"iperf3 failed 3 times: {doc['error']}")
 
     def wrk(self, url: str, *, seconds: float, host: str | None = None) -> dict[str, float]:
         args = ["wrk", "-t2", "-c16", f"-d{seconds}s", "--latency", "--timeout", "5s"]

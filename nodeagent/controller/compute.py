@@ -61,6 +61,7 @@ from nodeagent.config import (
     PortRange,
     RoutesConfig,
 )
+from nodeagent.configstream.protocol import config_line
 from nodeagent.controller.clustertunnel import ClusterTunnelSpec, parse_cluster_tunnel
 from nodeagent.controller.ingress import SERVICE_NAME_LABEL, IngressTranslation, Problem
 
@@ -516,29 +517,56 @@ class ConfigVersions:
     `ComputeMemo` hands back for an unchanged node, compares at once), not by
     serialising: serialising 5,000 node configs and 10,000 Ingress rules at every change
     cost ~0.2 s. Only configs that differ in their `version` field are compared by
-    their canonical text."""
+    their canonical text.
+
+    `line(key)` is the config stream's line for the current version, encoded the first
+    time a watch asks and then the very same bytes for every watch of that version (the
+    servers' replicas, a reconnecting agent): at a fan-out each new version is encoded
+    once, and no copy of a config carrying its version is made or kept per node; the
+    line replaces that copy in memory."""
 
     def __init__(self) -> None:
-        # key → (version, the config as given, the config carrying its version)
-        self._entries: dict[str, tuple[int, Any, Any]] = {}
+        self._entries: dict[str, _Versioned] = {}
 
     def update(self, key: str, config: NodeConfig | RoutesConfig) -> bool:
         """Record `config` for `key`; True if it differs from the previous one."""
-        version, old, _ = self._entries.get(key, (0, None, None))
-        if old is not None and _same_content(old, config):
-            if old is not config:  # keep the newest object: next time, `is` decides
-                self._entries[key] = (version, config, self._entries[key][2])
+        entry = self._entries.get(key)
+        if entry is not None and _same_content(entry.config, config):
+            entry.config = config  # keep the newest object: next time, `is` decides
             return False
-        version += 1
-        self._entries[key] = (version, config, config.model_copy(update={"version": version}))
+        self._entries[key] = _Versioned(entry.version + 1 if entry else 1, config)
         return True
 
     def get(self, key: str) -> tuple[int, Any] | None:
+        """The version and the config carrying it (a copy made on demand)."""
         entry = self._entries.get(key)
-        return None if entry is None else (entry[0], entry[2])
+        if entry is None:
+            return None
+        return entry.version, entry.config.model_copy(update={"version": entry.version})
+
+    def line(self, key: str) -> tuple[int, bytes] | None:
+        """The version and its config line (`protocol.config_line`), encoded once."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.line is None:
+            entry.line = config_line(entry.version, entry.config)
+        return entry.version, entry.line
 
     def keys(self) -> list[str]:
         return list(self._entries)
+
+
+class _Versioned:
+    """One key's current version: its config as given and, once a watch asked, its
+    encoded line (`__slots__`: one of these per node)."""
+
+    __slots__ = ("config", "line", "version")
+
+    def __init__(self, version: int, config: NodeConfig | RoutesConfig) -> None:
+        self.version = version
+        self.config = config
+        self.line: bytes | None = None
 
 
 def _same_content(old: NodeConfig | RoutesConfig, new: NodeConfig | RoutesConfig) -> bool:

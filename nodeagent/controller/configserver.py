@@ -82,6 +82,8 @@ from tunnel.tcp import set_keepalive
 from tunnel.transports.tls import TLSStream
 
 log = get_logger("nodeagent.controller.configserver")
+# What a watch of a node the controller has no config for gets: an empty one, version 0.
+EMPTY_NODE_LINE = (0, config_line(0, NodeConfig()))
 
 
 @dataclass(frozen=True)
@@ -401,12 +403,13 @@ class ConfigStreamServer:
         try:
             while True:
                 changed = self._wakeup(key)
-                current = self.versions.get(key)
+                # Encoded once per version (ConfigVersions.line), not once per watch.
+                current = self.versions.line(key)
                 if current is None and key.startswith("node/"):
-                    current = (0, NodeConfig())
+                    current = EMPTY_NODE_LINE
                 if current is not None and current[0] > after:
                     after = current[0]
-                    yield config_line(current[0], current[1])
+                    yield current[1]
                 elif woken:  # by _heartbeats, or by a change another watch already sent
                     yield HEARTBEAT_LINE
                 await changed.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nodeagent.config import NodeConfig
+from nodeagent.configstream.protocol import config_line
 from nodeagent.controller.compute import (
     ConfigVersions,
     compute,
@@ -117,6 +118,20 @@ def test_versions_rise_only_when_content_changes() -> None:
     assert versions.update("node/a", NodeConfig(allow=("127.0.0.1:80",)))  # type: ignore[arg-type]
     got = versions.get("node/a")
     assert got is not None and got[0] == 2 and got[1].version == 2
+
+
+def test_versions_encode_the_line_of_a_version_once() -> None:
+    versions = ConfigVersions()
+    assert versions.line("node/a") is None
+    versions.update("node/a", NodeConfig(allow=("10.0.0.1:80",)))  # type: ignore[arg-type]
+    first = versions.line("node/a")
+    assert first == (1, config_line(1, NodeConfig(allow=("10.0.0.1:80",))))  # type: ignore[arg-type]
+    assert versions.line("node/a")[1] is first[1]  # type: ignore[index]
+    # Equal content, a new object: same version, same bytes.
+    assert not versions.update("node/a", NodeConfig(allow=("10.0.0.1:80",)))  # type: ignore[arg-type]
+    assert versions.line("node/a")[1] is first[1]  # type: ignore[index]
+    assert versions.update("node/a", NodeConfig())
+    assert versions.line("node/a") == (2, config_line(2, NodeConfig()))
 
 
 def test_each_node_gets_the_egress_of_its_own_tunnel_only() -> None:

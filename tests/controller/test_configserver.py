@@ -13,7 +13,9 @@ import pytest
 import trio
 
 from nodeagent.config import AllowRule, NodeConfig, RoutesConfig
+from nodeagent.configstream import protocol
 from nodeagent.configstream.client import WatchStatus, announced_idle_timeout, watch_config
+from nodeagent.controller import compute
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.configserver import ConfigStreamServer, Identity, peer_identity
 from nodeagent.controller.servingtls import ServingTLS, service_names
@@ -368,3 +370,33 @@ async def test_only_a_server_may_post_scale_to_zero_reports(nursery: trio.Nurser
     assert seen == [("wake", "s1", b"")]
     status, _ = await get(port, "/v1/servers/s1/wake", server_context("s1"))
     assert status == 405
+
+
+async def test_a_version_is_encoded_once_and_every_watch_of_it_gets_those_bytes(
+        nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every server replica watches the same key: the routes of 10,000 hosts are encoded
+    # once per version, not once per replica (nor again for a reconnecting watch).
+    encoded: list[int] = []
+
+    def counting(version: int, config: Any) -> bytes:
+        encoded.append(version)
+        return protocol.config_line(version, config)
+
+    monkeypatch.setattr(compute, "config_line", counting)
+    versions = ConfigVersions()
+    routes = RoutesConfig(egress=(AllowRule(host="10.1.0.1"),))
+    versions.update("servers", routes)
+    _, port = await start(nursery, versions)
+    bodies = [await get(port, "/v1/config/servers/s", server_context(f"nodeagent-server-{i}"))
+              for i in range(3)]
+    assert bodies == [(200, protocol.config_line(1, routes))] * 3
+    assert encoded == [1]
+    newer = RoutesConfig(egress=(AllowRule(host="10.1.0.2"),))
+    versions.update("servers", newer)
+    bodies = [await get(port, "/v1/config/servers/s", server_context(f"nodeagent-server-{i}"))
+              for i in range(2)]
+    assert bodies == [(200, protocol.config_line(2, newer))] * 2
+    assert encoded == [1, 2]
+    # A node the controller has no config for gets the empty config at version 0.
+    status, body = await get(port, "/v1/config/nodes/edge-9", node_context("edge-9"))
+    assert (status, body) == (200, protocol.config_line(0, NodeConfig()))

@@ -331,7 +331,8 @@ class H2Connection:
             if refusal.code is not None:
                 stats.refused(refusal.code, status=refusal.status, client=self.client_addr,
                               detail=refusal.reason)
-            await self._answer(sid, req, refusal.status, refusal.reason, refusal.location)
+            await self._answer(sid, req, refusal.status, refusal.reason, refusal.location,
+                               retry_after=refusal.retry_after)
             return
         route = routed
         timeout = None
@@ -581,7 +582,7 @@ class H2Connection:
     # -- answers made here ------------------------------------------------------------------
 
     async def _answer(self, sid: int, req: H2Request, status: int, reason: str,
-                      location: str | None = None) -> None:
+                      location: str | None = None, retry_after: int | None = None) -> None:
         """The front's own answer: a gRPC status to gRPC, a short text to the others."""
         self.stats.count_status(status)
         if status >= 500 or status in (404, 503):
@@ -598,6 +599,8 @@ class H2Connection:
                             (b"content-length", b"%d" % len(body))]
         if location is not None:
             headers.append((b"location", location.encode("latin-1")))
+        if retry_after is not None:  # e.g. 503 over a sleeping route's max-pending
+            headers.append((b"retry-after", b"%d" % retry_after))
         if req.method == b"HEAD":
             await self.wire.send_headers(sid, headers, end=True)
         else:

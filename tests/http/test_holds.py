@@ -158,3 +158,23 @@ async def test_an_http2_request_is_held_and_forwarded_too(nursery: trio.Nursery)
         assert answers[0].status_code == 200 and answers[0].http_version == "HTTP/2"
         assert holds.stats.forwarded == 1
         assert holds.activity()["shop/web"][1] == 0  # counted, then done
+
+
+async def test_an_http2_request_over_max_pending_gets_retry_after(
+        nursery: trio.Nursery) -> None:
+    holds = HeldRequests()
+    one = WakeSpec("shop/web", timeout=0.5, max_pending=1)
+    async with running_front(asleep(one), holds=holds) as f, httpx.AsyncClient(
+            http1=False, http2=True, trust_env=False, timeout=10) as c:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await c.get(f"{f.url}/", headers={"host": "a.test"}))
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(ask)
+            await held(holds, 1)
+            over = await c.get(f"{f.url}/", headers={"host": "a.test"})
+            assert over.http_version == "HTTP/2"
+            assert over.status_code == 503 and over.headers["retry-after"] == "1"
+        assert answers[0].status_code == 504

@@ -81,13 +81,18 @@ class _SlowBody(Exception):
 
 class _Outcome:
     """How a stream's response went, filled as it goes: whether its head went out
-    (`[0]`, errors can then only end it) and the gRPC status name seen."""
+    (`[0]`, errors can then only end it), the gRPC status name seen, and the status that
+    head carried: what the request counts as even if the client closes the connection
+    before the handler returns (curl does once it has the whole body, while the stream's
+    end or the upstream's return to the pool is still under way), as an access log logs
+    the status sent."""
 
-    __slots__ = ("grpc", "started")
+    __slots__ = ("completed", "grpc", "started")
 
     def __init__(self) -> None:
         self.started = False
         self.grpc = ""
+        self.completed = 0
 
     def __getitem__(self, _: int) -> bool:
         return self.started
@@ -344,8 +349,10 @@ class H2Connection:
                         grpcstatus.DEADLINE_EXCEEDED, message, req.content_type), end=True)
                 return
         finally:
-            # Per route, by protocol and result; a call the client cancelled counts as
-            # CANCELLED (gRPC) or without a status (HTTP).
+            # Per route, by protocol and result: the status of the head sent; a call the
+            # client cancelled before any head counts as CANCELLED (gRPC, unless its
+            # status was seen) or without a status (HTTP).
+            status = status or started.completed
             if grpc:
                 stats.count_route(route.name, "grpc", status, started.grpc or "CANCELLED")
             else:
@@ -531,6 +538,7 @@ class H2Connection:
                 status = start.status
                 self.stats.count_status(status)
                 started[0] = True
+                started.completed = status
                 await wire.send_headers(sid, h2_response(status, start.headers), start.ended)
                 if start.ended:
                     if req.grpc:

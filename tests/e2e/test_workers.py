@@ -107,6 +107,7 @@ def get(port: int) -> httpx.Response:
                      timeout=10)
 
 
+@pytest.mark.timeout(TUNNELS_TIMEOUT + 120)  # see the restart test's timeout
 def test_two_workers_each_hold_the_agent_and_both_serve_requests(
         workers: tuple[NodeagentProcess, list[NodeagentProcess], NodeagentProcess]) -> None:
     parent, views, agent = workers
@@ -147,6 +148,10 @@ def test_two_workers_each_hold_the_agent_and_both_serve_requests(
     assert "the server's parent process is gone; draining" in parent.logs()
 
 
+# Two waits for the agent's tunnels to both workers (up to TUNNELS_TIMEOUT each: the
+# kernel may hash its dials to the worker it holds, and it redials on its backoff up to
+# 30 s); the suite's 120 s default cut one such run short while it was progressing.
+@pytest.mark.timeout(2 * TUNNELS_TIMEOUT + 120)
 def test_a_killed_worker_is_restarted_and_the_agent_reconnects_to_it(
         workers: tuple[NodeagentProcess, list[NodeagentProcess], NodeagentProcess]) -> None:
     parent, views, agent = workers

@@ -63,7 +63,11 @@ def workers(tmp_path: Path, certs: Certs, upstream: Upstream
     cfg = server_config(tmp_path, certs, upstream)
     cfg["metrics_listen"] = f"127.0.0.1:{free_port()}"
     parent = NodeagentProcess("server", cfg, tmp_path, "server",
-                              extra_args=["--workers", "2", "--drain-seconds", "5"])
+                              # A restarted worker joins the public ports when the agent
+                              # is back, or after the grace (then by design it answers 502
+                              # for the missing node): a grace beyond the tunnel wait.
+                              extra_args=["--workers", "2", "--drain-seconds", "5",
+                                          "--ready-grace", str(TUNNELS_TIMEOUT + 60)])
     views = [worker_view(parent, k) for k in range(2)]
     agent = NodeagentProcess("agent", agent_config(tmp_path, certs, upstream, cfg["tunnel"]),
                              tmp_path, "agent")

@@ -155,6 +155,7 @@ def add_server_parser(sub: Subcommands) -> None:
     # The parent starts each worker with the same arguments plus this (not for users).
     server.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     server.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
+    server.add_argument("--worker-restart", action="store_true", help=argparse.SUPPRESS)
 
 
 

@@ -82,7 +82,11 @@ class _SlowBody(Exception):
 
 class _Outcome:
     """How a stream's response went, filled as it goes: whether its head went out
-    (`[0]`, errors can then only end it) and the gRPC status name seen."""
+    (`[0]`, errors can then only end it), the gRPC status name seen, and the status that
+    head carried: what the request counts as even if the client closes the connection
+    before the handler returns (curl does once it has the whole body, while the stream's
+    end or the upstream's return to the pool is still under way), as an access log logs
+    the status sent."""
 
     __slots__ = ("grpc", "started", "status")
 
@@ -367,10 +371,10 @@ class H2Connection:
                         grpcstatus.DEADLINE_EXCEEDED, message, req.content_type), end=True)
                 return
         finally:
-            # Per route, by protocol and result; a call the client cancelled counts as
-            # CANCELLED (gRPC) or without a status (HTTP).
-            # The status sent, even when the task was cancelled after it (the client
-            # closed as soon as it had the whole response).
+            # Per route, by protocol and result: the status of the head sent (even when the
+            # task was cancelled after it: the client closed as soon as it had the whole
+            # response); a call the client cancelled before any head counts as CANCELLED
+            # (gRPC, unless its status was seen) or without a status (HTTP).
             status = status or started.status
             if grpc:
                 stats.count_route(route.name, "grpc", status, started.grpc or "CANCELLED")

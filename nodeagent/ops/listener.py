@@ -187,10 +187,17 @@ class Listeners:
         if len(set(names)) != len(names):
             raise ValueError(f"listener names must be unique: {names}")
 
-    async def start_all(self, nursery: trio.Nursery) -> dict[str, list[str]]:
+    async def start_all(self, nursery: trio.Nursery, *,
+                        kinds: frozenset[str] | None = None,
+                        skip_started: bool = False) -> dict[str, list[str]]:
         """Start each listener in `nursery`, in order (a failure to bind raises and the
-        rest are not started); returns name -> addresses."""
+        rest are not started); returns name -> addresses. `kinds`: only listeners of
+        these kinds; `skip_started`: leave those already running (a second call)."""
         for listener in self.all:
+            if kinds is not None and listener.kind not in kinds:
+                continue
+            if skip_started and listener.running:
+                continue
             await listener.start(nursery)
         return self.addresses()
 

@@ -196,8 +196,14 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
             server, tunnel_context=current_context if ssl_context is not None else None,
             reuse_port=slot is not None,
             runs_connect_front=slot is None or slot.runs_connect_front))
-        bound = await listeners.start_all(nursery)
-        server.ready_gate = ReadinessGate(started=time.monotonic(), grace=ready_grace)
+        if slot is not None and slot.restarted:
+            # Its siblings serve the public ports: join them once ready (workers.py).
+            bound = await listeners.start_all(nursery, kinds=_FIRST_WHEN_RESTARTED)
+            server.ready_gate = ReadinessGate(started=time.monotonic(), grace=ready_grace)
+            await nursery.start(_public_when_ready, server, listeners, nursery)
+        else:
+            bound = await listeners.start_all(nursery)
+            server.ready_gate = ReadinessGate(started=time.monotonic(), grace=ready_grace)
         log.info("server ready", **{k: ",".join(v) for k, v in bound.items()})
         task_status.started(bound)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -221,6 +227,25 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
                 await _close_tunnels(server)
                 nursery.cancel_scope.cancel()
                 break
+
+
+_FIRST_WHEN_RESTARTED = frozenset({"tunnel", "debug"})
+_READY_POLL = 0.1  # seconds; readiness moves when an agent registers, at most `grace` long
+
+
+async def _public_when_ready(server: Server, listeners: Listeners, nursery: trio.Nursery, *,
+                             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                             ) -> None:
+    """A restarted worker: start the listeners not started yet once it is ready for public
+    traffic; never while it drains."""
+    task_status.started()
+    while server.not_ready() is not None:
+        if server.tunnel.draining:
+            return
+        await trio.sleep(_READY_POLL)
+    await listeners.start_all(nursery, kinds=None, skip_started=True)
+    log.info("public listeners open (restarted worker ready)",
+             **{k: ",".join(v) for k, v in listeners.addresses().items()})
 
 
 async def _drain(server: Server, listeners: Listeners, *, drain_seconds: float,
@@ -261,7 +286,8 @@ def worker_slot(args: argparse.Namespace | None) -> WorkerSlot | None:
     count = int(getattr(args, "workers", 1) or 1)
     if not 0 <= index < count:
         raise ConfigError(f"--worker-index {index}: not in 0-{count - 1}")
-    return WorkerSlot(index, count, getattr(args, "parent_fd", None))
+    return WorkerSlot(index, count, getattr(args, "parent_fd", None),
+                      restarted=bool(getattr(args, "worker_restart", False)))
 
 
 def run_server(config_path: Path, *, check: bool = False, drain_seconds: float = 30.0,

@@ -21,7 +21,12 @@ whole server: the same mechanism as N server replicas behind one address, on one
   Prometheus scraping one worker at random would see counters jump between processes;
   and `/metrics`, every worker's metrics with a `worker` label.
 - The parent restarts a worker that exits (backoff 0.5 s doubling to 30 s, reset after a
-  worker has run 60 s), forwards SIGHUP, and on SIGTERM/SIGINT forwards it to every
+  worker has run 60 s). A restarted worker opens its tunnel listener and debug socket at
+  once but its public listeners only when it is ready (readiness.py: a tunnel from every
+  node its routes name, or the grace): the kernel hands a listener in the SO_REUSEPORT
+  group its share of new connections as soon as it binds, and a worker without the
+  node's tunnel would answer them 502 while its siblings could serve them. The parent
+  forwards SIGHUP, and on SIGTERM/SIGINT forwards it to every
   worker (each drains as a single server does) and exits when they all have. A worker
   drains as on SIGTERM when the parent dies (it holds the read end of a pipe whose only
   write end is the parent's: end of file), so none outlives it. (Not PR_SET_PDEATHSIG:
@@ -64,6 +69,9 @@ class WorkerSlot:
     index: int
     count: int
     parent_fd: int | None = None  # read end of the parent's pipe: EOF when it is gone
+    # Started again after it exited: its siblings serve the public ports meanwhile, so it
+    # joins them (binds its public listeners) only once it is ready (serve_server).
+    restarted: bool = False
 
     def server_id(self, base: str) -> str:
         return f"{base}-w{self.index}"
@@ -205,7 +213,8 @@ class Supervisor:
             # which passes it on (once) like any signal.
             try:
                 worker.process = await trio.lowlevel.open_process(
-                    [*self.argv, "--worker-index", str(worker.index),
+                    [*self.argv, *(["--worker-restart"] if worker.starts > 1 else []),
+                     "--worker-index", str(worker.index),
                      "--parent-fd", str(self._pipe[0])],
                     start_new_session=True, pass_fds=(self._pipe[0],))
             except OSError as exc:  # out of processes or memory: try again, as on an exit

@@ -5,6 +5,7 @@ pair, and small clients. The e2e tests, the soak and the benchmarks build on the
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import subprocess
 import sys
@@ -109,11 +110,43 @@ def run_upstream() -> Iterator[Upstream]:
         echo.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+# Ports for the processes a test starts come from below the kernel's ephemeral range.
+# A port asked of the kernel (bind to port 0) is free only until the probe closes it: the
+# kernel hands it out again to the next socket that binds port 0 or connects (a test's
+# client, another test run on the same machine), and the process the test starts then
+# exits with "address already in use" (fatal by design). Below the ephemeral range the
+# kernel hands out nothing: only a socket binding that port by number can take it, and
+# the probe checks that none does.
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10000
+_given: set[tuple[int, int]] = set()  # (socket type, port) handed out by this process
+
+
+def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
+    """A port on 127.0.0.1 for a process to listen on (TCP, or UDP with SOCK_DGRAM):
+    nothing listens there now, the kernel will not give it to a socket binding port 0 or
+    connecting, and this process has not handed it out before."""
+    try:
+        first_ephemeral = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 0
+    if first_ephemeral - _LOWEST < 1000:  # no room below it: ask the kernel
+        with socket.socket(socket.AF_INET, kind) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            return port
+    for _ in range(1000):
+        port = random.randrange(_LOWEST, first_ephemeral)
+        if (kind, port) in _given:
+            continue
+        with socket.socket(socket.AF_INET, kind) as s:
+            try:  # no SO_REUSEADDR: a port with a listener or in TIME_WAIT fails too
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add((kind, port))
         return port
+    raise RuntimeError(f"no free port in {_LOWEST}-{first_ephemeral - 1}")
 
 
 def server_config(tmp: Path, certs: Certs, upstream: Upstream, *, scheme: str = "tls",

@@ -28,6 +28,12 @@ from nodeagent.trust import pki
 
 pytestmark = pytest.mark.needs("root")  # the agent marks its tunnel socket (SO_MARK)
 
+# Every wait below follows its event (the 0.3 s file poll, an agent's dial or redial); the
+# limit is only a hang guard. It is generous because on a loaded machine a redial after a
+# handshake that timed out comes on the agent's backoff (1 s doubling), and a starved
+# server polls late: 10 s was once missed with nothing wrong.
+WAIT = 60.0
+
 
 @pytest.fixture(autouse=True)
 def fast_reload(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,7 +68,7 @@ def presented_serial(port: int, ca: Path) -> int:
     return pki.load_certificates(ssl.DER_cert_to_PEM_cert(der).encode())[0].serial_number
 
 
-def wait_until(predicate: Any, what: str, timeout: float = 10.0) -> Any:
+def wait_until(predicate: Any, what: str, timeout: float = WAIT) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -92,7 +98,7 @@ def test_a_rotated_tunnel_certificate_serves_new_handshakes_and_old_tunnels_stay
     acfg = agent_config(tmp_path, certs, upstream, scfg["tunnel"])
     acfg["tls"] = {"ca_file": str(ca_file)}
     start(procs, "agent", acfg, tmp_path, "agent")
-    server.wait_for(lambda s: s["agents"], what="agent connected")
+    server.wait_for(lambda s: s["agents"], timeout=WAIT, what="agent connected")
     port = int(scfg["tunnel"].rsplit(":", 1)[1])
     first = presented_serial(port, ca_file)
     (before,) = server.status()["agents"]
@@ -114,12 +120,21 @@ def test_a_rotated_tunnel_certificate_serves_new_handshakes_and_old_tunnels_stay
     assert echo_through(listen_port(server, 0), b"new stream") == b"new stream"
 
     # A half-written certificate: the server keeps the loaded one and says so once.
-    cert.write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB")
-    server.wait_for(lambda s: s["reloads"]["tunnel_tls"]["failures"] == 1,
-                    what="the broken file noticed")
+    # Counted from here: a poll between the rotation's two file writes (each atomic; the
+    # new certificate beside the old key) was one broken state already, said once and
+    # healed by the next poll. The broken file is put in place atomically too (a
+    # truncating write could be seen empty, then partial: two states, two lines).
+    failures = server.status()["reloads"]["tunnel_tls"]["failures"]
+    lines = server.logs().count("changed files not usable")
+    partial = cert.with_name("partial.crt")
+    partial.write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB")
+    partial.replace(cert)
+    server.wait_for(lambda s: s["reloads"]["tunnel_tls"]["failures"] >= failures + 1,
+                    timeout=WAIT, what="the broken file noticed")
     time.sleep(1.0)  # several polls
     assert presented_serial(port, ca_file) == second
-    assert server.logs().count("changed files not usable") == 1
+    assert server.status()["reloads"]["tunnel_tls"]["failures"] == failures + 1
+    assert server.logs().count("changed files not usable") == lines + 1
     # The line names the file's setting, as a config error at start would.
     assert "server.yaml: tls.cert_file" in server.logs()
     assert echo_through(listen_port(server, 0), b"still") == b"still"
@@ -141,27 +156,28 @@ def test_a_removed_or_rotated_token_file_ends_its_tunnel_and_refuses_it(
     server = start(procs, "server", scfg, tmp_path, "server")
     old = start(procs, "agent", agent_config(tmp_path, certs, upstream, scfg["tunnel"]),
                 tmp_path, "agent")
-    server.wait_for(lambda s: s["agents"], what="agent connected")
+    server.wait_for(lambda s: s["agents"], timeout=WAIT, what="agent connected")
     assert echo_through(listen_port(server, 0), b"x") == b"x"
 
     rotated = "rotated-token-abcdefghijklmnop"
     token_file.write_text(rotated)
-    server.wait_for(lambda s: not s["agents"], what="the old token's tunnel closed")
-    old.wait_for(lambda s: s["tunnel"]["failures"] >= 1, what="its redial refused")
+    server.wait_for(lambda s: not s["agents"], timeout=WAIT, what="the old token's tunnel closed")
+    old.wait_for(lambda s: s["tunnel"]["failures"] >= 1, timeout=WAIT, what="its redial refused")
     assert "agent disconnected: its token was removed" in server.logs()
     assert server.status()["agents"] == []
     # The new token works for a new handshake.
     new = start(procs, "agent", dict(agent_config(tmp_path, certs, upstream, scfg["tunnel"]),
                                      token=rotated, debug_socket=str(tmp_path / "a2.sock")),
                 tmp_path, "agent2")
-    server.wait_for(lambda s: s["agents"], what="the new token's agent connected")
+    server.wait_for(lambda s: s["agents"], timeout=WAIT, what="the new token's agent connected")
     assert echo_through(listen_port(server, 0), b"y") == b"y"
     old.kill()
 
     # A token file that is gone: that token is removed.
     token_file.unlink()
-    server.wait_for(lambda s: not s["agents"], what="the removed token's tunnel closed")
-    new.wait_for(lambda s: s["tunnel"]["state"] != "connected", what="agent refused")
+    server.wait_for(lambda s: not s["agents"],
+                    timeout=WAIT, what="the removed token's tunnel closed")
+    new.wait_for(lambda s: s["tunnel"]["state"] != "connected", timeout=WAIT, what="agent refused")
     metrics = server.status()
     assert metrics["reloads"]["tokens"]["reloads"] == 2
 
@@ -188,17 +204,20 @@ def test_ca_bundle_and_agent_certificate_files_reload_for_standalone_mtls(
     acfg["tls"] = {"ca_file": str(ca_file), "cert_file": str(agent_cert),
                    "key_file": str(agent_key)}
     agent = start(procs, "agent", acfg, tmp_path, "agent")
-    server.wait_for(lambda s: s["agents"], what="agent connected with the old CA's cert")
+    server.wait_for(lambda s: s["agents"],
+                    timeout=WAIT, what="agent connected with the old CA's cert")
     (before,) = server.status()["agents"]
 
     # Step 1: trust both. Step 2-3: the agent's certificate is now from the new CA.
     client_ca.write_bytes(old_ca.certificate_pem + new_ca.certificate_pem)
-    server.wait_for(lambda s: s["reloads"]["tunnel_tls"]["reloads"] == 1, what="bundle")
+    server.wait_for(lambda s: s["reloads"]["tunnel_tls"]["reloads"] == 1,
+                    timeout=WAIT, what="bundle")
     pki.issue_client_certificate(new_ca, "edge-1").write(agent_cert, agent_key)
     agent.wait_for_log("reloaded from changed files")
     # Step 4: the old CA removed. The running tunnel (old CA's certificate) stays up.
     client_ca.write_bytes(new_ca.certificate_pem)
-    server.wait_for(lambda s: s["reloads"]["tunnel_tls"]["reloads"] == 2, what="new CA only")
+    server.wait_for(lambda s: s["reloads"]["tunnel_tls"]["reloads"] == 2,
+                    timeout=WAIT, what="new CA only")
     (still,) = server.status()["agents"]
     assert still["peer"] == before["peer"]
     assert echo_through(listen_port(server, 0), b"z") == b"z"
@@ -208,7 +227,8 @@ def test_ca_bundle_and_agent_certificate_files_reload_for_standalone_mtls(
     pki.issue_client_certificate(old_ca, "edge-1").write(stale_cert, stale_key)
     stale["tls"] = dict(acfg["tls"], cert_file=str(stale_cert), key_file=str(stale_key))
     old_agent = start(procs, "agent", stale, tmp_path, "stale")
-    old_agent.wait_for(lambda s: s["tunnel"]["failures"] >= 1, what="old CA cert refused")
+    old_agent.wait_for(lambda s: s["tunnel"]["failures"] >= 1,
+                       timeout=WAIT, what="old CA cert refused")
     old_agent.kill()
     (current,) = server.status()["agents"]
     assert current["peer"] == before["peer"]  # the refused one replaced nothing
@@ -217,5 +237,6 @@ def test_ca_bundle_and_agent_certificate_files_reload_for_standalone_mtls(
     server.kill()
     procs.append(restarted.start())
     restarted.wait_ready()
-    restarted.wait_for(lambda s: s["agents"], what="agent back with the new CA's cert")
+    restarted.wait_for(lambda s: s["agents"],
+                       timeout=WAIT, what="agent back with the new CA's cert")
     assert echo_through(listen_port(restarted, 0), b"w") == b"w"

@@ -40,10 +40,7 @@ FLOOD_PER_CLIENT = 4
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_port(socket.SOCK_DGRAM)
 
 
 @dataclass

@@ -165,17 +165,7 @@ def render_tunnels(doc: Mapping[str, Any]) -> str:
                 f"{doc.get('replicas')} server(s) held; connects {doc.get('connects')}, "
                 f"reconnects: {_counts(doc.get('reconnects'))}")
         columns = [("server_id", "SERVER"), ("address", "ADDRESS"), *_TUNNEL_COLUMNS]
-    out = f"{head}\n\n{render_table(rows, columns)}\n"
-    for row in rows:
-        inner = row.get("h2_streams")
-        if inner is None:
-            continue
-        out += (f"\nstream {row.get('id')} ({row.get('target')}) carries an h2c connection: "
-                f"{len(inner)} h2 stream(s)\n")
-        for h2s in inner:
-            out += (f"  h2 stream {h2s.get('stream')}  {h2s.get('path')}  "
-                    f"{h2s.get('age_seconds')}s\n")
-    return out
+    return f"{head}\n\n{render_table(rows, columns)}\n"
 
 
 def render_streams(doc: Mapping[str, Any]) -> str:

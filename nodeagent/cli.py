@@ -178,6 +178,10 @@ def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
                          help="HTTP connections one client address (IPv6: one /64) may hold "
                               "(default 256; 0: no cap — behind a load balancer that hides "
                               "client addresses)")
+    cluster.add_argument("--proxy-protocol-from", action="append", metavar="CIDR",
+                         help="a load balancer that sends PROXY v2 to the public listeners: "
+                              "from its addresses a header is required and names the client "
+                              "(repeatable; docs/proxy-protocol.md)")
     cluster.add_argument("--ingress-http", metavar="HOST:PORT", help="Ingress over HTTP")
     cluster.add_argument("--ingress-https", metavar="HOST:PORT",
                          help="Ingress over HTTPS (certificates by SNI from Ingress TLS)")

@@ -101,6 +101,9 @@ class TcpMapping(Model):
     listen: ListenAddress
     node: str
     target: HostPort
+    # Send the backend a PROXY header (v1 text or v2 binary) naming the client and the
+    # address it connected to, before any of its bytes (docs/proxy-protocol.md).
+    proxy_protocol: Literal["v1", "v2"] | None = None
 
 
 class UdpMapping(Model):
@@ -443,6 +446,10 @@ class ServerConfig(RoutesConfig):
     ingress_http: ListenAddress | None = None
     ingress_https: ListenAddress | None = None
     http_limits: HttpLimitsConfig = HttpLimitsConfig()
+    # Load balancers in front of the public listeners (HTTP, Ingress, TCP mappings) that
+    # send PROXY v2: from these addresses a header is required and names the client
+    # (X-Forwarded-For, per-client caps, logs); from others none is taken.
+    proxy_protocol_from: tuple[Cidr, ...] = ()
     # The CONNECT front for the control plane: off unless connect.uds or connect.listen.
     connect: ConnectFrontConfig = ConnectFrontConfig()
 

@@ -20,6 +20,7 @@ from nodeagent.http.holds import COLD_START_BUCKETS, HeldRequests
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.metrics import counter, gauge
 from nodeagent.ops.streamviews import StreamNotes, stream_rows
+from nodeagent.proxyprotocol.receive import ProxyHeaderStats
 from tunnel.server import TunnelServer
 
 
@@ -93,10 +94,19 @@ def agent_rows(tunnel: TunnelServer) -> list[dict[str, Any]]:
 
 
 def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats],
-                 holds: HeldRequests | None = None) -> Iterable[Metric]:
+                 holds: HeldRequests | None = None,
+                 proxy: ProxyHeaderStats | None = None) -> Iterable[Metric]:
     """The metrics read from the tunnels and fronts at each scrape."""
     if holds is not None:
         yield from hold_metrics(holds)
+    if proxy is not None:
+        headers = counter("nodeagent_proxy_headers", "PROXY v2 headers on the public "
+                          "listeners by result: accepted, local (the balancer's own), or "
+                          "why refused (bad_signature, timeout, truncated, untrusted, ...)",
+                          labels=["result"])
+        for result, count in sorted(proxy.results.items()):
+            headers.add_metric([result], count)
+        yield headers
     agents = gauge("nodeagent_agents_connected", "Agents with an open tunnel")
     agents.add_metric([], len(tunnel.sessions))
     yield agents

@@ -37,6 +37,8 @@ def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
             doc["tunnel"]["handshake_rate"] = args.handshake_rate
         if args.handshake_burst is not None:
             doc["tunnel"]["handshake_burst"] = args.handshake_burst
+    if getattr(args, "proxy_protocol_from", None):
+        doc["proxy_protocol_from"] = list(args.proxy_protocol_from)
     connect = connect_from_flags(args)
     if connect:
         doc["connect"] = connect

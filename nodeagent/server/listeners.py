@@ -96,7 +96,8 @@ class TcpMappingListener(Listener):
             task_status.started(self.addresses)
 
     def details(self) -> dict[str, Any]:
-        return {"node": self.mapping.node, "target": str(self.mapping.target)}
+        return {"node": self.mapping.node, "target": str(self.mapping.target),
+                "proxy_protocol": self.mapping.proxy_protocol}
 
 
 class UdpMappingListener(Listener):
@@ -213,7 +214,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         front = HttpFront(table=functools.partial(tables.http_table, index),
                           open_upstream=open_upstream, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
-                          describe_upstream=server.stream_notes.describe)
+                          describe_upstream=server.stream_notes.describe,
+                          proxy=server.proxy_trust, name=name)
         listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port)
                          .for_setting(f"http[{index}].listen", http.listen))
     # The Ingress listeners: routes (and certificates) swap under them on every update.
@@ -226,7 +228,7 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
                           tls=tls, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
                           describe_upstream=server.stream_notes.describe,
-                          holds=server.holds)
+                          holds=server.holds, proxy=server.proxy_trust, name=name)
         listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port)
                          .for_setting(name.replace("-", "_"), listen))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).

@@ -32,6 +32,7 @@ from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics
 from nodeagent.ops.streamviews import TO_NODE, StreamNotes, tracked_opener
+from nodeagent.proxyprotocol.receive import ProxyTrust
 from nodeagent.server.agentauth import AgentAuthenticator
 from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.datapath import DataPath
@@ -118,9 +119,11 @@ class Server:
         self.http_backends = HttpBackends(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             direct_backends=config.controller is not None)
+        # PROXY v2 from the load balancers in front of the public listeners.
+        self.proxy_trust = ProxyTrust(config.proxy_protocol_from)
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
-            stream_bytes=self.metrics.stream_bytes, log=self.log)
+            stream_bytes=self.metrics.stream_bytes, log=self.log, proxy=self.proxy_trust)
         self.udp_mappings = UdpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, metrics=self.metrics,
             log=self.log)
@@ -132,7 +135,7 @@ class Server:
         # SIGHUP's last outcome (reload.ReloadOutcome.as_dict(); standalone only).
         self.last_reload: dict[str, Any] | None = None
         self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats,
-                                                self.holds))
+                                                self.holds, self.proxy_trust.stats))
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
             config.connect, routes=routes, open_stream=self.open_stream,
@@ -242,4 +245,6 @@ class Server:
             "connect": self.connect.status() if self.connect else None,
             "dnat": self.dnat.status(),
             "held_requests": self.holds.as_dict(),
+            "proxy_protocol": {"from": [str(n) for n in self.proxy_trust.networks],
+                               "headers": dict(self.proxy_trust.stats.results)},
         }

@@ -42,6 +42,7 @@ from nodeagent.config.base import (
     raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
+from nodeagent.config.health import HealthCheck
 from nodeagent.config.node import (
     AllowRule,
 )
@@ -104,6 +105,8 @@ class TcpMapping(Model):
     # Send the backend a PROXY header (v1 text or v2 binary) naming the client and the
     # address it connected to, before any of its bytes (docs/proxy-protocol.md).
     proxy_protocol: Literal["v1", "v2"] | None = None
+    # Checked by the node's agent beside the target (docs/health-checks.md).
+    health_check: HealthCheck | None = None
 
 
 class UdpMapping(Model):
@@ -136,6 +139,8 @@ class HttpRoute(Model):
     # What the target speaks: h1 (HTTP/1.1) or h2c (HTTP/2 without TLS, prior knowledge;
     # gRPC servers): h2c backends get one shared HTTP/2 connection, each request balanced.
     backend_protocol: Literal["h1", "h2c"] = "h1"
+    # Checked by the node's agent beside the target (docs/health-checks.md).
+    health_check: HealthCheck | None = None
 
     @field_validator("host")
     @classmethod
@@ -195,6 +200,8 @@ class IngressRule(Model):
     # → h2c).
     backend_protocol: Literal["h1", "h2c"] = "h1"
     wake: WakeRoute | None = None  # its Service sleeps when idle (scale to zero)
+    # Each backend checked by its node's agent (the Service's nodeagent.io/health-check).
+    health_check: HealthCheck | None = None
 
 
 class IngressTls(Model):

@@ -33,7 +33,7 @@ from nodeagent.http.h2pool import Describe, H2Pool
 from nodeagent.http.h2session import PREFACE
 from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
-from nodeagent.http.routetable import RouteTable
+from nodeagent.http.routetable import Backend, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import TlsConfig
 from nodeagent.http.upstream import Opener
@@ -184,6 +184,7 @@ class HttpFront:
         holds: HeldRequests | None = None,
         proxy: ProxyTrust | None = None,
         name: str = "http",
+        unhealthy: Callable[[Backend], bool] | None = None,
     ) -> None:
         self.describe_upstream = describe_upstream
         # PROXY v2 from trusted load balancers (the client's address for everything).
@@ -196,7 +197,7 @@ class HttpFront:
         self.tls = tls
         self.limits = limits or Limits()
         self.stats = stats if stats is not None else HttpStats()
-        self.balancer = Balancer(self.limits.failed_backend_cooldown)
+        self.balancer = Balancer(self.limits.failed_backend_cooldown, unhealthy=unhealthy)
         self.access_log = access_log
         self._ssl_context = tls.server_context() if tls is not None else None
         self._scope: trio.CancelScope | None = None

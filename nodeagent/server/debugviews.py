@@ -21,6 +21,7 @@ from nodeagent.http.stats import HttpStats
 from nodeagent.ops.metrics import counter, gauge
 from nodeagent.ops.streamviews import StreamNotes, stream_rows
 from nodeagent.proxyprotocol.receive import ProxyHeaderStats
+from nodeagent.server.healthwatch import BackendHealth
 from tunnel.server import TunnelServer
 
 
@@ -95,7 +96,8 @@ def agent_rows(tunnel: TunnelServer) -> list[dict[str, Any]]:
 
 def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats],
                  holds: HeldRequests | None = None,
-                 proxy: ProxyHeaderStats | None = None) -> Iterable[Metric]:
+                 proxy: ProxyHeaderStats | None = None,
+                 health: BackendHealth | None = None) -> Iterable[Metric]:
     """The metrics read from the tunnels and fronts at each scrape."""
     if holds is not None:
         yield from hold_metrics(holds)
@@ -107,6 +109,13 @@ def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats],
         for result, count in sorted(proxy.results.items()):
             headers.add_metric([result], count)
         yield headers
+    if health is not None:
+        states = gauge("nodeagent_backend_health", "Backends under active health checks: 1 "
+                       "for the state their agent reports (healthy, unhealthy, unknown)",
+                       ["node", "target", "state"])
+        for (node, host, port), reported in sorted(health.states.items()):
+            states.add_metric([node, f"{host}:{port}", reported.state], 1)
+        yield states
     agents = gauge("nodeagent_agents_connected", "Agents with an open tunnel")
     agents.add_metric([], len(tunnel.sessions))
     yield agents

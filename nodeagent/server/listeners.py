@@ -215,7 +215,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
                           open_upstream=open_upstream, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
                           describe_upstream=server.stream_notes.describe,
-                          proxy=server.proxy_trust, name=name)
+                          proxy=server.proxy_trust, name=name,
+                          unhealthy=server.backend_health.unhealthy)
         listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port)
                          .for_setting(f"http[{index}].listen", http.listen))
     # The Ingress listeners: routes (and certificates) swap under them on every update.
@@ -228,7 +229,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
                           tls=tls, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
                           describe_upstream=server.stream_notes.describe,
-                          holds=server.holds, proxy=server.proxy_trust, name=name)
+                          holds=server.holds, proxy=server.proxy_trust, name=name,
+                          unhealthy=server.backend_health.unhealthy)
         listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port)
                          .for_setting(name.replace("-", "_"), listen))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).

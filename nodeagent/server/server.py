@@ -38,6 +38,7 @@ from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.debugviews import agent_rows, live_metrics, streams_view, tunnels_view
 from nodeagent.server.dnat import DnatPath
+from nodeagent.server.healthwatch import BackendHealth, HealthWatch
 from nodeagent.server.openers import AgentStreams, HttpBackends, StreamOutcomes
 from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
 from nodeagent.server.refusals import PolicyRefusals
@@ -119,6 +120,12 @@ class Server:
         self.http_backends = HttpBackends(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             direct_backends=config.controller is not None)
+        # Active health checks: agents check their backends and report here.
+        self.backend_health = BackendHealth()
+        self.health_watch = HealthWatch(open_stream=self.tunnel.open_stream,
+                                        wait_for_node=self.tunnel.wait_for_node,
+                                        health=self.backend_health, log=self.log)
+        self.health_watch.update(self.routes)
         # PROXY v2 from the load balancers in front of the public listeners.
         self.proxy_trust = ProxyTrust(config.proxy_protocol_from)
         self.tcp_mappings = TcpMappingRelay(
@@ -135,7 +142,8 @@ class Server:
         # SIGHUP's last outcome (reload.ReloadOutcome.as_dict(); standalone only).
         self.last_reload: dict[str, Any] | None = None
         self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats,
-                                                self.holds, self.proxy_trust.stats))
+                                                self.holds, self.proxy_trust.stats,
+                                                self.backend_health))
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
             config.connect, routes=routes, open_stream=self.open_stream,
@@ -181,6 +189,7 @@ class Server:
             self.metrics.config_apply.labels("failed").observe(time.monotonic() - started)
             raise
         self.tunnel.replicas = routes.replicas  # announced from the next handshake on
+        self.health_watch.update(routes)
         self.holds.routes_changed()  # held requests look again: their route may be awake
         self.metrics.config_version.set(routes.version)
         self.log.info("routes applied", version=routes.version,
@@ -245,6 +254,7 @@ class Server:
             "connect": self.connect.status() if self.connect else None,
             "dnat": self.dnat.status(),
             "held_requests": self.holds.as_dict(),
+            "backend_health": self.backend_health.as_list(),
             "proxy_protocol": {"from": [str(n) for n in self.proxy_trust.networks],
                                "headers": dict(self.proxy_trust.stats.results)},
         }

@@ -1,0 +1,44 @@
+"""Which backends the routes want checked, and how the balancer reads the states."""
+
+from __future__ import annotations
+
+from nodeagent.config import RoutesConfig
+from nodeagent.http.balancer import Balancer
+from nodeagent.http.routetable import Backend, Route
+from nodeagent.server.healthwatch import BackendHealth, Reported, wanted_checks
+
+CHECK = {"kind": "http", "path": "/healthz"}
+
+
+def test_wanted_checks_by_node() -> None:
+    routes = RoutesConfig.model_validate({
+        "tcp": [{"listen": "127.0.0.1:1000", "node": "a", "target": "10.0.0.1:22",
+                 "health_check": {"kind": "tcp"}},
+                {"listen": "127.0.0.1:1001", "node": "a", "target": "10.0.0.9:22"}],
+        "http": [{"listen": "127.0.0.1:1002", "routes": [
+            {"host": "x.test", "node": "b", "target": "10.0.1.1:80", "health_check": CHECK},
+            {"host": "y.test", "target": "10.0.1.2:80", "health_check": CHECK}]}],
+        "ingress": {"rules": [{"name": "ns/web", "health_check": CHECK, "backends": [
+            {"node": "a", "target": "10.0.0.2:8080"}, {"node": "b", "target": "10.0.1.1:80"},
+            {"target": "example.com:80"}]}]},
+    })
+    wanted = wanted_checks(routes)
+    assert {node: [(c.host, c.port, c.check.kind) for c in checks]
+            for node, checks in wanted.items()} == {
+        "a": [("10.0.0.1", 22, "tcp"), ("10.0.0.2", 8080, "http")],
+        "b": [("10.0.1.1", 80, "http")],  # once, though two routes name it
+    }
+
+
+def test_balancer_skips_unhealthy_until_none_is_left() -> None:
+    health = BackendHealth()
+    a, b = Backend("n", "10.0.0.1", 80), Backend("n", "10.0.0.2", 80)
+    route = Route(name="r", backends=(a, b))
+    balancer = Balancer(unhealthy=health.unhealthy)
+    assert {balancer.candidates(route)[0] for _ in range(4)} == {a, b}
+    health.states[("n", "10.0.0.2", 80)] = Reported("unhealthy", "503", 0)
+    assert all(balancer.candidates(route) == (a,) for _ in range(4))
+    health.states[("n", "10.0.0.1", 80)] = Reported("unhealthy", "503", 0)
+    assert {balancer.candidates(route)[0] for _ in range(4)} == {a, b}  # all: as before
+    health.forget("n")
+    assert len(balancer.candidates(route)) == 2

@@ -21,6 +21,7 @@ from nodeagent.testing.standalone import (
     Upstream,
     agent_config,
     free_port,
+    run_cli,
     server_config,
 )
 from tests.e2e.test_proxy_protocol import http_get
@@ -136,6 +137,12 @@ def test_requests_go_only_to_healthy_backends(stack: dict[str, Any]) -> None:
     assert rows[target_a]["state"] == "unhealthy" and "503" in rows[target_a]["detail"]
     assert rows[f"127.0.0.1:{closed}"]["kind"] == "tcp"
     assert agent.metric("nodeagent_agent_health_checks_total", result="ok") > 0
+    # `nodeagent debug status`: a table of the states on the server, of the checks on
+    # the agent.
+    shown = run_cli("debug", "status", "--socket", str(server.socket)).stdout
+    assert "backend_health (3)" in shown and target_b in shown
+    shown = run_cli("debug", "status", "--socket", str(agent.socket)).stdout
+    assert "health_checks (3)" in shown and "GET /healthz answered 503" in shown
     # (labels in the order the exposition sorts them)
     assert server.metric("nodeagent_backend_health", node="edge-1", state="unhealthy",
                          target=target_b) == 1

@@ -42,3 +42,54 @@ def test_balancer_skips_unhealthy_until_none_is_left() -> None:
     assert {balancer.candidates(route)[0] for _ in range(4)} == {a, b}  # all: as before
     health.forget("n")
     assert len(balancer.candidates(route)) == 2
+
+
+async def test_watch_asks_records_and_ignores_what_it_did_not_ask() -> None:
+    import trio
+    import trio.testing
+
+    from nodeagent.config.health import CheckRequest, HealthReport
+    from nodeagent.ops.logs import get_logger
+    from nodeagent.server.healthwatch import HealthWatch
+
+    routes = RoutesConfig.model_validate({"ingress": {"rules": [{
+        "name": "ns/web", "health_check": CHECK,
+        "backends": [{"node": "a", "target": "10.0.0.2:8080"}]}]}})
+    ends: list[trio.abc.Stream] = []
+    opened = trio.Event()
+
+    async def open_stream(node: str, target: object, metadata: dict[str, str]) -> object:
+        assert node == "a" and metadata == {"purpose": "health"}
+        server_end, agent_end = trio.testing.memory_stream_pair()
+        ends.append(agent_end)
+        opened.set()
+        return server_end
+
+    async def wait_for_node(node: str) -> None:
+        pass
+
+    health = BackendHealth()
+    watch = HealthWatch(open_stream=open_stream, wait_for_node=wait_for_node,  # type: ignore[arg-type]
+                        health=health, log=get_logger("test"))
+    watch.update(routes)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch.run)
+        with trio.fail_after(5):
+            await opened.wait()
+            agent = ends[0]
+            line = await agent.receive_some(65536)
+            request = CheckRequest.parse(line.rstrip(b"\n"))
+            assert [(c.host, c.port) for c in request.checks] == [("10.0.0.2", 8080)]
+            await agent.send_all(HealthReport(host="10.9.9.9", port=1, state="unhealthy")
+                                 .line())  # not asked: ignored
+            await agent.send_all(HealthReport(host="10.0.0.2", port=8080,
+                                              state="unhealthy", detail="503").line())
+            await trio.testing.wait_all_tasks_blocked()
+        assert list(health.states) == [("a", "10.0.0.2", 8080)]
+        assert health.unhealthy(Backend("a", "10.0.0.2", 8080))
+        # A malformed report ends the stream and forgets the node's states.
+        await agent.send_all(b"garbage\n")
+        await trio.testing.wait_all_tasks_blocked()
+        assert not health.states
+        watch.stop()
+        nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ clients, their headers refused, and HAProxy's connections must carry one.
 from __future__ import annotations
 
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from nodeagent.testing.standalone import (
     make_certs,
     run_upstream,
 )
+from nodeagent.trust import pki
 
 pytestmark = pytest.mark.needs("haproxy", "nginx")
 
@@ -98,10 +100,11 @@ def start_haproxy(tmp: Path, fronts: dict[int, int]) -> subprocess.Popen[bytes]:
 
 
 def http_get(port: int, host: str, *, source: str = "127.0.0.1",
-             prefix: bytes = b"") -> tuple[bytes, int]:
+             prefix: bytes = b"", tls: ssl.SSLContext | None = None) -> tuple[bytes, int]:
     """The whole answer to one GET (connection: close), and the client's source port."""
     with socket.create_connection(("127.0.0.1", port), timeout=10,
-                                  source_address=(source, 0)) as sock:
+                                  source_address=(source, 0)) as plain:
+        sock = plain if tls is None else tls.wrap_socket(plain, server_hostname=host)
         sock.sendall(prefix + f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
                               f"\r\n".encode())
         got = b""
@@ -146,7 +149,10 @@ def test_proxy_protocol_both_ways(lab: Lab) -> None:
     nginx_port = free_port()
     lab.procs.append(start_nginx(tmp, nginx_port))
     with run_upstream() as upstream:
-        ports = {name: free_port() for name in ("http", "v1", "v2", "plain")}
+        ports = {name: free_port() for name in ("http", "v1", "v2", "plain", "https")}
+        ca = pki.create_ca("proxy protocol test CA")
+        ca.write(tmp / "https-ca.crt", tmp / "https-ca.key")
+        leaf = pki.issue_server_certificate(ca, ["secure.test"])
         scfg = {
             "server_id": "cloud-test",
             "tunnel": f"tls://127.0.0.1:{free_port()}",
@@ -164,6 +170,13 @@ def test_proxy_protocol_both_ways(lab: Lab) -> None:
             "http": [{"name": "public", "listen": f"127.0.0.1:{ports['http']}", "routes": [
                 {"host": "app.test", "node": "edge-1",
                  "target": f"127.0.0.1:{upstream.http_port}"}]}],
+            # HTTPS: the balancer's header comes before the TLS handshake.
+            "ingress_https": f"127.0.0.1:{ports['https']}",
+            "ingress": {"rules": [{"name": "shop/secure", "host": "secure.test", "backends": [
+                {"node": "edge-1", "target": f"127.0.0.1:{upstream.http_port}"}]}],
+                "tls": [{"name": "shop/tls", "hosts": ["secure.test"],
+                         "cert_pem": leaf.certificate_pem.decode(),
+                         "key_pem": leaf.key_pem.decode()}]},
             "debug_socket": str(tmp / "server.sock"),
         }
         server = NodeagentProcess("server", scfg, tmp, "server").start()
@@ -176,7 +189,7 @@ def test_proxy_protocol_both_ways(lab: Lab) -> None:
         agent.wait_ready()
         server.wait_for(lambda s: any(a["node"] == "edge-1" for a in s["agents"]),
                         what="edge-1 connected")
-        lb = {name: free_port() for name in ("http", "v2", "plain")}
+        lb = {name: free_port() for name in ("http", "v2", "plain", "https")}
         lab.procs.append(start_haproxy(tmp, {lb[name]: ports[name] for name in lb}))
 
         # The server → backend header, parsed by nginx: the client as the server saw it.
@@ -192,6 +205,11 @@ def test_proxy_protocol_both_ways(lab: Lab) -> None:
 
         # HAProxy → the HTTP front: the client is who X-Forwarded-For names.
         answer, _ = http_get(lb["http"], "app.test", source=CLIENT)
+        assert answer.startswith(b"HTTP/1.1 200") and f"xff={CLIENT}".encode() in answer
+
+        # HAProxy → the HTTPS Ingress listener: the header, then TLS end to end.
+        client_tls = ssl.create_default_context(cafile=str(tmp / "https-ca.crt"))
+        answer, _ = http_get(lb["https"], "secure.test", source=CLIENT, tls=client_tls)
         assert answer.startswith(b"HTTP/1.1 200") and f"xff={CLIENT}".encode() in answer
 
         # HAProxy → a mapping without a header to its backend: the PROXY header is the

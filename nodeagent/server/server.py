@@ -130,7 +130,8 @@ class Server:
         self.proxy_trust = ProxyTrust(config.proxy_protocol_from)
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
-            stream_bytes=self.metrics.stream_bytes, log=self.log, proxy=self.proxy_trust)
+            stream_bytes=self.metrics.stream_bytes, log=self.log, proxy=self.proxy_trust,
+            unhealthy=self.backend_health.unhealthy)
         self.udp_mappings = UdpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, metrics=self.metrics,
             log=self.log)

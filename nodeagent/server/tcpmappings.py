@@ -16,11 +16,13 @@ dials the target and splices, as for any stream.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 from prometheus_client import Counter as MetricCounter
 
 from nodeagent.config import TcpMapping
+from nodeagent.http.routetable import Backend
 from nodeagent.ops.logs import StructuredLogger
 from nodeagent.ops.streamviews import StreamNotes
 from nodeagent.proxyprotocol import ProxyHeaderError, build_header
@@ -29,6 +31,7 @@ from nodeagent.server.datapath import DataPath
 from nodeagent.server.openers import StreamOutcomes
 from tunnel import protocol as p
 from tunnel.errors import StreamFailed
+from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection
 
 
@@ -37,9 +40,14 @@ class TcpMappingRelay:
 
     def __init__(self, *, datapath: DataPath, notes: StreamNotes, outcomes: StreamOutcomes,
                  stream_bytes: MetricCounter, log: StructuredLogger,
-                 proxy: ProxyTrust | None = None) -> None:
+                 proxy: ProxyTrust | None = None,
+                 unhealthy: Callable[[Backend], bool] | None = None) -> None:
         self._datapath = datapath
         self._proxy = proxy
+        # Active health checks: a mapping has one target, so an unhealthy one is still
+        # tried (as with every backend unhealthy), and said so once a minute.
+        self._unhealthy = unhealthy
+        self._health_log = RateLimitedLog(log, period=60.0)
         self._notes = notes
         self._outcomes = outcomes
         self._stream_bytes = stream_bytes
@@ -57,6 +65,12 @@ class TcpMappingRelay:
                 await trio.aclose_forcefully(client)
                 return
             source, destination = header.source, header.destination or destination
+        if self._unhealthy is not None and self._unhealthy(
+                Backend(mapping.node, mapping.target.host, mapping.target.port)):
+            self._health_log.warning(
+                f"unhealthy:{mapping.listen}", "the mapping's backend is unhealthy; trying it "
+                "anyway", listener=mapping.name or f":{mapping.listen.port}",
+                node=mapping.node, target=str(mapping.target))
         peer = format_address(source)  # the stream's origin, which the agent logs
         name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
 

@@ -6,6 +6,7 @@ them all as before. A TCP check of a closed port shows unhealthy in the debug vi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -20,7 +21,9 @@ from nodeagent.testing.standalone import (
     QuietHTTPServer,
     Upstream,
     agent_config,
+    echo_through,
     free_port,
+    listen_port,
     run_cli,
     server_config,
 )
@@ -131,6 +134,11 @@ def test_requests_go_only_to_healthy_backends(stack: dict[str, Any]) -> None:
     seen = {http_get(port, "shop.test")[0].rsplit(b" ", 1)[-1] for _ in range(6)}
     assert seen == {b"a", b"b"}
     assert "every backend of the route is unhealthy" in server.logs()
+
+    # A TCP mapping's one target, unhealthy: still tried, and the server says so.
+    with contextlib.suppress(ConnectionResetError):  # the target is closed: a reset
+        echo_through(listen_port(server, 0), b"x")
+    server.wait_for_log("the mapping's backend is unhealthy; trying it anyway")
 
     # The agent's view: its checks, their states, and why.
     rows = {row["target"]: row for row in agent.status()["health_checks"]}

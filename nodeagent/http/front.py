@@ -187,10 +187,10 @@ class HttpFront:
         unhealthy: Callable[[Backend], bool] | None = None,
     ) -> None:
         self.describe_upstream = describe_upstream
+        """How the shared h2c upstream streams show their h2 streams in the debug views."""
         # PROXY v2 from trusted load balancers (the client's address for everything).
         self.proxy = proxy
         self.name = name
-        """How the shared h2c upstream streams show their h2 streams in the debug views."""
         self.table = table
         self.holds = holds
         self.open_upstream = open_upstream

@@ -282,7 +282,7 @@ class Controller:
                           translation.default_service, services, c["pods"].list(),
                           enabled=feature_on)
         translation = dataclasses.replace(translation, routes=wake.routes)
-        self.sleeper.enabled, self.sleeper.feature_on = wake.enabled, feature_on
+        self.sleeper.set_enabled(wake.enabled, feature_on)
         self.metrics.refused(translation.refused_backends)
         for reason, count in sorted(translation.refused_backends.items()):
             self._refusals.warning(f"backend:{reason}", "Ingress backends refused",

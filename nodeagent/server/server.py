@@ -37,6 +37,7 @@ from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.debugviews import agent_rows, live_metrics, streams_view, tunnels_view
 from nodeagent.server.dnat import DnatPath
+from nodeagent.server.heldconnections import HeldConnections
 from nodeagent.server.openers import AgentStreams, HttpBackends, StreamOutcomes
 from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
 from nodeagent.server.refusals import PolicyRefusals
@@ -121,6 +122,9 @@ class Server:
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             stream_bytes=self.metrics.stream_bytes, log=self.log)
+        # TCP connections for a Service that sleeps (LoadBalancer ports): held with the
+        # HTTP fronts' requests while it wakes (heldconnections.py).
+        self.held_connections = HeldConnections(self.holds, self.tcp_mappings, self.log)
         self.udp_mappings = UdpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, metrics=self.metrics,
             log=self.log)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import trio
@@ -243,12 +243,21 @@ class Controller:
                 wanted = feeds_config(plural, event)
             if wanted:
                 self.recompute_triggers += 1
-                self.debouncer.trigger()
+                self.debouncer.trigger(urgent=plural == ENDPOINTSLICES.plural and
+                                       self._sleepable_slice(event.object))
             writes = leader_writes(plural, event, ns)
             if writes and self.is_leader:
                 self.leader.mark(*writes)
 
         return handle
+
+    def _sleepable_slice(self, obj: dict[str, Any]) -> bool:
+        """An EndpointSlice of a Service that sleeps when idle: its change is recomputed
+        without the debounce, since requests may be held until it reaches the servers
+        (they change only when such a workload wakes, sleeps or moves)."""
+        meta = obj.get("metadata") or {}
+        service = (meta.get("labels") or {}).get("kubernetes.io/service-name")
+        return (str(meta.get("namespace") or ""), str(service)) in self.sleeper.enabled
 
     async def recompute(self) -> None:
         """Compute every config from the caches and publish what changed; hand the

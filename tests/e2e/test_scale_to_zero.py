@@ -391,3 +391,40 @@ def test_a_hundred_sleep_wake_cycles_with_concurrent_clients_fail_no_request(
           f"{ordered[-1] * 1e3:.0f} ms (a figure, not asserted)")
     assert failures == []
     assert wakes == 100
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_endpoints_ready_to_held_request_answered_over_a_hundred_wakes(
+        sleepy: dict[str, Any]) -> None:
+    """The whole wake path's latency, printed (a figure, not asserted): the workload is
+    scaled to 0 directly (no idle wait: a cycle takes about a second), a request is held
+    by one server or the other, the controller wakes the workload, the simulator writes
+    the ready EndpointSlice 0.2 s later, and the time from that write to the held
+    request's answer is recorded: the controller's watch and recompute, the config
+    stream, the servers' route swap, the agent's allow list, the dial and the answer."""
+    api, ports = sleepy["api"], sleepy["http"]
+    annotate(api, SERVICES, {"nodeagent.io/idle-after": "1h"})  # only the test sleeps it
+    annotate(api, DEPLOYMENTS, {START_DELAY: "0.2", REPLICAS_BEFORE_SLEEP: "1"})
+    wait_for(lambda: get(ports[0], 5).status_code == 200, "served while awake", timeout=30)
+    ready_to_answer: list[float] = []
+    failures: list[str] = []
+    for cycle in range(100):
+        response = api.http.patch(DEPLOYMENTS.path(NS, "web"), json={
+            "spec": {"replicas": 0}}, headers={"content-type": "application/merge-patch+json"})
+        assert response.status_code == 200, response.text
+        wait_for(lambda: not any(backends(s) for s in sleepy["servers"]),
+                 "the servers' routes without endpoints")
+        answer = get(ports[cycle % 2])
+        answered = time.time()
+        if answer.status_code != 200:
+            failures.append(f"cycle {cycle}: {answer.status_code} {answer.text[:100]}")
+            continue
+        (es,) = [e for e in api.list(ENDPOINTSLICES, NS) if e["metadata"]["name"] == "web-sim"]
+        ready_to_answer.append(answered - float(es["metadata"]["annotations"][WRITTEN_AT]))
+    ordered = sorted(ready_to_answer)
+    print(f"\n{len(ordered)} wakes: EndpointSlice ready → held request answered: p50 "
+          f"{ordered[len(ordered) // 2] * 1e3:.0f} ms, p99 "
+          f"{ordered[max(0, round(len(ordered) * 0.99) - 1)] * 1e3:.0f} ms, max "
+          f"{ordered[-1] * 1e3:.0f} ms (a figure, not asserted)")
+    assert failures == []

@@ -3,7 +3,7 @@ wakes, what a held request costs, and whether holding many slows the awake route
 
 From the repository root:
 
-    .venv/bin/python -m scripts.bench.wake [--wakes 100] [--rounds 3] [--held 5000]
+    .venv/bin/python -m scripts.bench.wake [--wakes 100] [--rounds 3] [--held 10000]
 
 One HTTP front with `HeldRequests` (the server's), a trio upstream, over loopback TCP:
 
@@ -21,9 +21,11 @@ One HTTP front with `HeldRequests` (the server's), a trio upstream, over loopbac
 - **awake routes while holding**: p99 of 300 sequential requests to an awake route with
   no request held, then with `--held` held, interleaved `--rounds` times.
 
-This measures the server's part only. The controller's part (an EndpointSlice change to
-the servers' new routes) is the config propagation measured by
-`python -m scripts.bench.config_propagation`.
+This measures the server's part only. The whole path with real processes (the fake API
+server's simulated workloads, controllers, servers, agents: EndpointSlice ready → held
+request answered, p50/p99 over 100 wakes) is printed by a slow end-to-end test (root):
+
+    .venv/bin/python -m pytest tests/e2e/test_scale_to_zero.py -m slow -s -k hundred_wakes
 """
 
 from __future__ import annotations
@@ -282,7 +284,7 @@ def cli() -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--wakes", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--held", type=int, default=5000)
+    parser.add_argument("--held", type=int, default=10_000)
     trio.run(main, parser.parse_args())
 
 

@@ -278,7 +278,9 @@ def test_a_wake_that_takes_too_long_answers_504_naming_the_route(sleepy: dict[st
     api, (port, _) = sleepy["api"], sleepy["http"]
     server = sleepy["servers"][0]
     wait_for(lambda: get(port, 5).status_code == 200, "served while awake", timeout=30)
-    annotate(api, SERVICES, {"nodeagent.io/wake-timeout": "3s"})
+    # Long enough to still be held when `nodeagent debug holds` (a Python process
+    # starting on a loaded machine: seconds) looks.
+    annotate(api, SERVICES, {"nodeagent.io/wake-timeout": "8s"})
     annotate(api, DEPLOYMENTS, {START_DELAY: "60"})
     asleep(sleepy)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -293,7 +295,7 @@ def test_a_wake_that_takes_too_long_answers_504_naming_the_route(sleepy: dict[st
         assert shown.stdout.split("\n")[1].split()[1] == "1", shown.stdout
         response = pending.result()
     assert response.status_code == 504, response.text
-    assert "route shop/a" in response.text and "did not wake within 3s" in response.text
+    assert "route shop/a" in response.text and "did not wake within 8s" in response.text
     assert server.status()["held_requests"]["timeouts"] >= 1
 
 

@@ -239,6 +239,30 @@ def test_idle_sleeps_then_a_held_request_wakes_it_to_its_count(sleepy: dict[str,
     assert server.metric("nodeagent_wake_cold_start_seconds_count") >= 1
 
 
+def test_http2_first_requests_are_held_and_answered_like_http1(sleepy: dict[str, Any]
+                                                               ) -> None:
+    """HTTP/2 (h2c, prior knowledge) requests for a sleeping route, through both servers:
+    held, then answered once it wakes, although the node's agent often refuses the
+    first dial (its allow list arrives a moment after the servers' routes): each server
+    retries it as for HTTP/1.1."""
+    ports = sleepy["http"]
+    wait_for(lambda: all(get(p, 5).status_code == 200 for p in ports), "both serve",
+             timeout=30)
+    for cycle in range(3):
+        asleep(sleepy)
+
+        def first(i: int) -> httpx.Response:
+            with httpx.Client(http1=False, http2=True, timeout=30) as client:
+                return client.get(f"http://127.0.0.1:{ports[i % 2]}/",
+                                  headers={"host": "a.test"})
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            answers = list(pool.map(first, range(4)))
+        assert [(r.status_code, r.http_version) for r in answers] == [
+            (200, "HTTP/2")] * 4, (cycle, [r.text[:200] for r in answers])
+        assert all("hello from upstream" in r.text for r in answers)
+
+
 def test_a_hundred_first_requests_through_two_servers_make_one_scale_patch(
         sleepy: dict[str, Any]) -> None:
     api, ports = sleepy["api"], sleepy["http"]

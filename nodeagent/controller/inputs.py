@@ -47,6 +47,7 @@ class LeaderWrite(enum.Enum):
     EVENTS = "events"  # Events for the Problems of the latest recompute
     INGRESS_STATUS = "ingress status"  # the servers' address on every Ingress served
     TUNNEL_STATUS = "tunnel status"  # ClusterTunnel status and finalizer
+    SERVICE_STATUS = "service status"  # the servers' address on LoadBalancer Services
 
 
 def _meta(obj: Obj) -> Obj:
@@ -171,8 +172,11 @@ def leader_writes(plural: str, event: CacheEvent, namespace: str) -> set[LeaderW
     if plural == SERVICES.plural and ours and meta.get("name") == TUNNEL_SERVICE:
         return {LeaderWrite.PKI}  # its LoadBalancer address: in the servers' certificate
     if plural == SERVICES.plural and ours and meta.get("name") == SERVER_SERVICE:
-        # Its LoadBalancer address: on every Ingress, and in the servers' certificate.
-        return {LeaderWrite.INGRESS_STATUS, LeaderWrite.PKI}
+        # Its LoadBalancer address: on every Ingress and LoadBalancer Service served, and
+        # in the servers' certificate.
+        return {LeaderWrite.INGRESS_STATUS, LeaderWrite.SERVICE_STATUS, LeaderWrite.PKI}
+    if plural == SERVICES.plural and status_changed(event):
+        return {LeaderWrite.SERVICE_STATUS}  # someone else wrote it: put ours back
     if plural == SECRETS.plural and ours and meta.get("name") in (CA_SECRET,
                                                                   SERVER_TLS_SECRET):
         return {LeaderWrite.PKI}  # deleted, replaced or relabelled

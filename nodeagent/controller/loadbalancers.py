@@ -122,7 +122,8 @@ def translate_load_balancers(*, services: Iterable[Obj], endpoint_slices: Iterab
         svc = (_meta(es).get("labels") or {}).get(SERVICE_NAME_LABEL)
         if svc:
             slices.setdefault((_key(es)[0], str(svc)), []).append(es)
-    networks = {str(_meta(n).get("name", "")): networks_of(n) for n in nodes}
+    nodes_by_name = {str(_meta(n).get("name", "")): n for n in nodes}
+    networks = _Networks(nodes_by_name)
     pods_by_key = {_key(p): p for p in pods}
     claimed: dict[tuple[str, int], str] = {}
     out_services: list[LoadBalancerService] = []
@@ -194,7 +195,7 @@ def translate_load_balancers(*, services: Iterable[Obj], endpoint_slices: Iterab
 
 
 def _backends(namespace: str, name: str, svc_port: Obj, slices: list[Obj],
-              networks: dict[str, list[Any]], pods: dict[tuple[str, str], Obj],
+              networks: _Networks, pods: dict[tuple[str, str], Obj],
               problem: Any) -> tuple[Backend, ...]:
     ready: list[Backend] = []
     terminating: list[Backend] = []
@@ -218,7 +219,7 @@ def _backends(namespace: str, name: str, svc_port: Obj, slices: list[Obj],
                 if not node:
                     refused.setdefault("no_node_name", set()).add(address)
                     continue
-                if not on_node(address, networks.get(str(node), [])):
+                if not on_node(address, networks.of(str(node))):
                     refused.setdefault("off_node", set()).add(f"{address} on {node}")
                     continue
                 reason = endpoint_refusal(namespace, endpoint, address, port, pods)
@@ -234,6 +235,22 @@ def _backends(namespace: str, name: str, svc_port: Obj, slices: list[Obj],
     chosen = ready or terminating
     return tuple(sorted(set(chosen), key=lambda b: (b.node or "", _ip_key(b.target.host),
                                                     b.target.port)))
+
+
+class _Networks:
+    """Each Node's networks (podCIDRs, addresses), parsed when an endpoint names it: at
+    thousands of nodes most are named by no LoadBalancer Service's endpoint."""
+
+    def __init__(self, nodes: dict[str, Obj]) -> None:
+        self._nodes = nodes
+        self._parsed: dict[str, list[Any]] = {}
+
+    def of(self, name: str) -> list[Any]:
+        found = self._parsed.get(name)
+        if found is None:
+            node = self._nodes.get(name)
+            found = self._parsed[name] = networks_of(node) if node is not None else []
+        return found
 
 
 def _ip_key(text: str) -> tuple[int, int, str]:

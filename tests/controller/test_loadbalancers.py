@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from nodeagent.config import AllowRule
 from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
 from nodeagent.controller.ingress import translate_ingresses
@@ -204,3 +206,25 @@ def test_status_lists_the_address_ports_errors_and_keeps_transition_times() -> N
     nowhere = service_status(states[:1], [], 4, [], "t4")
     assert nowhere["loadBalancer"] == {} and \
         nowhere["conditions"][0]["reason"] == "NoPublicAddress"
+
+
+@pytest.mark.parametrize("garbage", [
+    {"spec": {"type": "LoadBalancer", "loadBalancerClass": LOAD_BALANCER_CLASS,
+              "ports": [None, {"port": "53"}, {"port": 53, "protocol": 7}, "x"]}},
+    {"metadata": None, "spec": {"type": "LoadBalancer",
+                                "loadBalancerClass": LOAD_BALANCER_CLASS, "ports": None}},
+    {"metadata": {"name": "dns", "namespace": "app"},
+     "spec": {"type": "LoadBalancer", "loadBalancerClass": LOAD_BALANCER_CLASS,
+              "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}},
+])
+def test_malformed_services_and_slices_never_raise(garbage: dict[str, Any]) -> None:
+    slices = [dns_slice(), {"metadata": {"labels": {"kubernetes.io/service-name": "dns"},
+                                         "namespace": "app"},
+                            "ports": [{"name": "dns", "port": None, "protocol": "UDP"}, 5],
+                            "endpoints": [None, {"addresses": ["not-an-ip", 7],
+                                                 "nodeName": "edge-1"}]}]
+    out = translate_load_balancers(services=[garbage], endpoint_slices=slices, nodes=NODES,
+                                   pods=pods_for([dns_slice()]), classless=False)
+    for service in out.services:
+        for port in service.ports:
+            assert all(b.node in ("edge-1", "edge-2") for b in port.backends)

@@ -62,6 +62,7 @@ class BalancedPort:
     accepted: int = 0  # TCP connections / UDP flows handed to a backend
     refused: int = 0  # with no backend to take them
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    closed: trio.Event = field(default_factory=trio.Event)  # its socket is closed
     _turn: itertools.count[int] = field(default_factory=itertools.count)
 
     @property
@@ -139,10 +140,11 @@ class LoadBalancerPorts(Listener):
 
     def _reconcile(self, nursery: trio.Nursery) -> None:
         wanted = {(p.protocol, p.port): (s.name, p) for s in self._wanted for p in s.ports}
+        previous: dict[tuple[str, int], BalancedPort] = {}
         for key, port in list(self.ports.items()):
             if key not in wanted or wanted[key][0] != port.service:
                 port.scope.cancel()  # closes its socket: the port is gone or changed hands
-                del self.ports[key]
+                previous[key] = self.ports.pop(key)
                 self.log.info("load balancer port closed", service=port.service,
                               protocol=key[0], port=key[1])
         for key, (service, config) in wanted.items():
@@ -150,7 +152,7 @@ class LoadBalancerPorts(Listener):
             if known is None:
                 known = self.ports[key] = BalancedPort(service, config)
                 known.set_backends(config, self.host)
-                nursery.start_soon(self._serve, known)
+                nursery.start_soon(self._serve, known, previous.get(key))
             else:
                 known.set_backends(config, self.host)
 
@@ -166,24 +168,33 @@ class LoadBalancerPorts(Listener):
             self._nursery = None
             self.ports.clear()
 
-    async def _serve(self, port: BalancedPort) -> None:
-        with port.scope:
-            while True:
-                try:
-                    if port.config.protocol == "tcp":
-                        await self._serve_tcp(port)
-                    else:
-                        await self._serve_udp(port)
-                except OSError as exc:
-                    address = f"{self.host}:{port.config.port}"
-                    port.state, port.error = "failed", bind_advice(exc, address)
-                    port.addresses = []
-                    self.refusals.labels("bind_failed").inc()
-                    self._failures.warning(
-                        port.name, "load balancer port cannot listen", service=port.service,
-                        protocol=port.config.protocol, port=port.config.port,
-                        error=port.error)
-                await trio.sleep(BIND_RETRY)
+    async def _serve(self, port: BalancedPort, previous: BalancedPort | None) -> None:
+        """Serve `port` until cancelled; a port taken over from `previous` (another
+        Service's) binds once that one's socket is closed."""
+        try:
+            with port.scope:
+                if previous is not None:
+                    await previous.closed.wait()
+                while True:
+                    try:
+                        if port.config.protocol == "tcp":
+                            await self._serve_tcp(port)
+                        else:
+                            await self._serve_udp(port)
+                    except OSError as exc:
+                        self._bind_failed(port, exc)
+                    await trio.sleep(BIND_RETRY)
+        finally:
+            port.closed.set()
+
+    def _bind_failed(self, port: BalancedPort, exc: OSError) -> None:
+        address = f"{self.host}:{port.config.port}"
+        port.state, port.error = "failed", bind_advice(exc, address)
+        port.addresses = []
+        self.refusals.labels("bind_failed").inc()
+        self._failures.warning(port.name, "load balancer port cannot listen",
+                               service=port.service, protocol=port.config.protocol,
+                               port=port.config.port, error=port.error)
 
     async def _serve_tcp(self, port: BalancedPort) -> None:
         listeners = await open_tcp_listeners(port.config.port, host=self.host,

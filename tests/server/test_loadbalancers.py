@@ -31,6 +31,13 @@ def services(*ports: tuple[str, str, int]) -> tuple[LoadBalancerService, ...]:
                  for n, p in by_name.items())
 
 
+def bind_failures(s: Server) -> float:
+    for line in s.metrics.render().decode().splitlines():
+        if line.startswith('nodeagent_loadbalancer_refusals_total{reason="bind_failed"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
     with trio.fail_after(seconds):
         while True:
@@ -76,12 +83,15 @@ async def test_ports_follow_updates_refuse_without_backends_and_retry_a_held_por
         holder.close()
         await until(lambda: lb.ports[("tcp", held_port)].state == "listening",
                     BIND_RETRY * 3)
-        # Another Service takes a port over; a port nobody asks for closes.
-        lb.update(services(("apps/c", "tcp", tcp_port)))
+        # Another Service takes a port over (binding once the old socket is closed, not
+        # failing on it); a port nobody asks for closes.
+        failed_binds = bind_failures(s)
+        lb.update(services(("apps/c", "tcp", tcp_port), ("apps/c", "udp", udp_port)))
         await trio.sleep(0.1)
         assert await connect_outcome(held_port) == "refused"
-        assert [r["service"] for r in lb.view()["ports"]] == ["apps/c"]
-        await until(lambda: lb.ports[("tcp", tcp_port)].state == "listening")
+        assert [r["service"] for r in lb.view()["ports"]] == ["apps/c", "apps/c"]
+        await until(lambda: all(p.state == "listening" for p in lb.ports.values()))
+        assert bind_failures(s) == failed_binds
         assert await connect_outcome(tcp_port) == "closed"
         lb.update(())
         await trio.sleep(0.1)

@@ -25,6 +25,7 @@ from nodeagent.controller.bootstrap import (
 )
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.endpoints import pod_view
+from nodeagent.controller.loadbalancers import UDP_IDLE_ANNOTATION
 from nodeagent.controller.wakeroutes import pod_failure_view, settings_view
 from nodeagent.kube import (
     ENDPOINTSLICES,
@@ -64,10 +65,11 @@ def _node(obj: Obj) -> Any:
 
 
 def _service(obj: Obj) -> Any:
-    # Ports, type and externalName, and the scale-to-zero settings (not the controller's
-    # own state annotations). The status (a LoadBalancer address) feeds only the Ingress
-    # status and the servers' certificate: see `leader_writes`.
-    return (obj.get("spec"), settings_view(obj))
+    # Ports, type and externalName, the scale-to-zero settings (not the controller's
+    # own state annotations) and a LoadBalancer's UDP idle timeout. The status (a
+    # LoadBalancer address) feeds only the leader's writes: see `leader_writes`.
+    return (obj.get("spec"), settings_view(obj),
+            (_meta(obj).get("annotations") or {}).get(UDP_IDLE_ANNOTATION))
 
 
 def _endpoint_slice(obj: Obj) -> Any:

@@ -32,6 +32,7 @@ this) says whether some port could not be given.
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,6 +42,10 @@ from nodeagent.controller.endpoints import endpoint_refusal, networks_of, on_nod
 from nodeagent.controller.ingress import SERVICE_NAME_LABEL, Problem
 
 LOAD_BALANCER_CLASS = "nodeagent.io/tunnel"
+# Seconds a UDP flow of the Service's ports lives without a datagram (default 60; DNS: a
+# few seconds frees the flow caps sooner).
+UDP_IDLE_ANNOTATION = "nodeagent.io/udp-idle-timeout"
+DEFAULT_UDP_IDLE = 60.0
 PORTS_CONDITION = "LoadBalancerPortsError"  # core/v1's condition type for port errors
 PROTOCOLS: dict[str, Literal["tcp", "udp"]] = {"TCP": "tcp", "UDP": "udp"}
 
@@ -141,6 +146,7 @@ def translate_load_balancers(*, services: Iterable[Obj], endpoint_slices: Iterab
 
         port_states: list[PortState] = []
         lb_ports: list[LoadBalancerPort] = []
+        idle = udp_idle_timeout(svc, problem)
         if spec.get("loadBalancerSourceRanges"):
             message = ("spec.loadBalancerSourceRanges cannot be enforced by nodeagent's "
                        "servers yet; the Service is not served (remove the ranges, or "
@@ -183,7 +189,7 @@ def translate_load_balancers(*, services: Iterable[Obj], endpoint_slices: Iterab
                 targets.setdefault(backend.node, set()).add(
                     (backend.target.host, backend.target.port, ours_protocol))
             lb_ports.append(LoadBalancerPort(protocol=ours_protocol, port=number,
-                                             backends=backends))
+                                             backends=backends, idle_timeout=idle))
             port_states.append(PortState(number, protocol))
         states[(namespace, name)] = tuple(port_states)
         if lb_ports:
@@ -192,6 +198,23 @@ def translate_load_balancers(*, services: Iterable[Obj], endpoint_slices: Iterab
         services=tuple(out_services),
         node_targets={n: frozenset(t) for n, t in sorted(targets.items())},
         problems=tuple(problems), ports=states)
+
+
+def udp_idle_timeout(service: Obj, problem: Any) -> float:
+    """The Service's `nodeagent.io/udp-idle-timeout` (seconds, 0 < t <= 3600); the
+    default, with a Problem, when it is not a number in that range."""
+    text = (_meta(service).get("annotations") or {}).get(UDP_IDLE_ANNOTATION)
+    if text is None:
+        return DEFAULT_UDP_IDLE
+    try:
+        value = float(str(text).strip().removesuffix("s"))
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 3600:  # NaN fails too
+        problem("InvalidUdpIdleTimeout", f"annotation {UDP_IDLE_ANNOTATION}: {str(text)[:64]!r} "
+                f"is not a number of seconds in (0, 3600]; {DEFAULT_UDP_IDLE:g} s is used")
+        return DEFAULT_UDP_IDLE
+    return value
 
 
 def _backends(namespace: str, name: str, svc_port: Obj, slices: list[Obj],

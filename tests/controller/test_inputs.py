@@ -162,3 +162,14 @@ async def test_urgent_leader_writes_go_first_and_the_rest_wait_their_delay(
         assert calls[5][0] is LeaderWrite.EVENTS
         assert calls[5][1] - start == pytest.approx(4.0)
         nursery.cancel_scope.cancel()
+
+
+def test_a_services_udp_idle_timeout_feeds_config_and_other_annotations_do_not() -> None:
+    svc = {"metadata": {"name": "dns", "namespace": "app", "annotations": {}},
+           "spec": {"type": "LoadBalancer"}}
+    assert feeds_config("services", modified(svc, lambda o: o["metadata"].update(
+        annotations={"nodeagent.io/udp-idle-timeout": "5"})))
+    assert not feeds_config("services", modified(svc, lambda o: o["metadata"].update(
+        annotations={"example.com/note": "x"})))
+    assert not feeds_config("services", modified(svc, lambda o: o.update(status={
+        "loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}})))

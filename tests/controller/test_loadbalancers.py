@@ -228,3 +228,16 @@ def test_malformed_services_and_slices_never_raise(garbage: dict[str, Any]) -> N
     for service in out.services:
         for port in service.ports:
             assert all(b.node in ("edge-1", "edge-2") for b in port.backends)
+
+
+@pytest.mark.parametrize(("value", "idle", "problem"), [
+    (None, 60.0, False), ("5", 5.0, False), ("2.5s", 2.5, False), ("0", 60.0, True),
+    ("nan", 60.0, True), ("soon", 60.0, True), ("99999", 60.0, True)])
+def test_udp_idle_timeout_by_annotation(value: str | None, idle: float,
+                                        problem: bool) -> None:
+    svc = lb_service("dns", DNS_PORTS)
+    if value is not None:
+        svc["metadata"]["annotations"] = {"nodeagent.io/udp-idle-timeout": value}
+    out = translate([svc])
+    assert {p.idle_timeout for p in out.services[0].ports} == {idle}
+    assert [p.reason for p in out.problems] == (["InvalidUdpIdleTimeout"] if problem else [])

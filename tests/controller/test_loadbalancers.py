@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from nodeagent.config import AllowRule
-from nodeagent.controller.compute import ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
 from nodeagent.controller.ingress import translate_ingresses
 from nodeagent.controller.lbstatus import configured_addresses
 from nodeagent.controller.loadbalancers import (
@@ -241,3 +241,23 @@ def test_udp_idle_timeout_by_annotation(value: str | None, idle: float,
     out = translate([svc])
     assert {p.idle_timeout for p in out.services[0].ports} == {idle}
     assert [p.reason for p in out.problems] == (["InvalidUdpIdleTimeout"] if problem else [])
+
+
+def test_a_load_balancer_change_rebuilds_only_the_nodes_it_touches() -> None:
+    memo = ComputeMemo()
+    ingress = translate_ingresses(ingresses=[], ingress_classes=[], services=[],
+                                  endpoint_slices=[], secrets=[], nodes=NODES)
+    slices = [dns_slice()]
+    first = compute(nodes=NODES, tunnels=[], translation=ingress, services=[],
+                    endpoint_slices=slices, memo=memo,
+                    load_balancers=translate([lb_service("dns", DNS_PORTS)]))
+    built = memo.built
+    only_edge_1 = dns_slice()
+    only_edge_1["endpoints"] = only_edge_1["endpoints"][:1]
+    second = compute(nodes=NODES, tunnels=[], translation=ingress, services=[],
+                     endpoint_slices=[only_edge_1], memo=memo,
+                     load_balancers=translate([lb_service("dns", DNS_PORTS)],
+                                              slices=[only_edge_1]))
+    assert memo.built == built + 1  # edge-2 lost its targets; edge-1's part is reused
+    assert second.nodes["edge-1"] is first.nodes["edge-1"]
+    assert second.nodes["edge-2"].allow == ()

@@ -53,18 +53,21 @@ class TcpMappingRelay:
         self._stream_bytes = stream_bytes
         self.log = log
 
-    async def serve(self, mapping: TcpMapping, client: trio.SocketStream) -> None:
+    async def serve(self, mapping: TcpMapping, client: trio.SocketStream, *,
+                    opened: trio.abc.HalfCloseableStream | None = None) -> None:
+        """`opened`: the stream to the target, already open (`open_target`: a held
+        connection's, server/heldconnections.py)."""
         source, destination = socket_addresses(client)
-        if source is None:  # reset before we got to it: no one to carry, no one to trust
-            await trio.aclose_forcefully(client)
-            return
-        if self._proxy is not None:
+        if self._proxy is not None and source is not None:
             listener = mapping.name or f":{mapping.listen.port}"
             header = await self._proxy.client_of(client, source, f"tcp:{listener}")
-            if header is None:
-                await trio.aclose_forcefully(client)
-                return
-            source, destination = header.source, header.destination or destination
+            source, destination = ((header.source, header.destination or destination)
+                                   if header is not None else (None, None))
+        if source is None:  # reset before we got to it, or a balancer's header refused
+            await trio.aclose_forcefully(client)
+            if opened is not None:
+                await trio.aclose_forcefully(opened)
+            return
         if self._unhealthy is not None and self._unhealthy(
                 Backend(mapping.node, mapping.target.host, mapping.target.port)):
             self._health_log.warning(
@@ -72,21 +75,18 @@ class TcpMappingRelay:
                 "anyway", listener=mapping.name or f":{mapping.listen.port}",
                 node=mapping.node, target=str(mapping.target))
         peer = format_address(source)  # the stream's origin, which the agent logs
-        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
 
         async def open_mapping_target() -> trio.abc.HalfCloseableStream:
             header = b""
             if mapping.proxy_protocol is not None:
-                if source is None or destination is None:
+                if destination is None:
                     raise StreamFailed(p.StreamReason.INTERNAL,
-                                       "no client address for the PROXY header")
+                                       "no local address for the PROXY header")
                 try:
                     header = build_header(mapping.proxy_protocol, source, destination)
                 except ProxyHeaderError as exc:
                     raise StreamFailed(p.StreamReason.INTERNAL, str(exc)) from None
-            stream = await self._datapath.open_to(mapping.node, mapping.target.host,
-                                                  mapping.target.port, peer)
-            self._notes.note(stream, name)
+            stream = opened if opened is not None else await self.open_target(mapping, peer)
             if header:
                 try:
                     await stream.send_all(header)  # before the splice moves a client byte
@@ -112,6 +112,15 @@ class TcpMappingRelay:
                 "connection finished", sent=result.a_to_b, received=result.b_to_a,
                 error=result.error or "")
 
+    async def open_target(self, mapping: TcpMapping, peer: str
+                          ) -> trio.abc.HalfCloseableStream:
+        """The stream to the mapping's target for client `peer`; raises StreamFailed."""
+        stream = await self._datapath.open_to(mapping.node, mapping.target.host,
+                                              mapping.target.port, peer)
+        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
+        self._notes.note(stream, name)
+        return stream
+
     def _mapping_log(self, mapping: TcpMapping, peer: str) -> StructuredLogger:
         return self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
                              node=mapping.node, target=str(mapping.target), client=peer)
@@ -135,3 +144,7 @@ def format_address(address: tuple[str, int] | None) -> str:
     host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+
+def peer_address(stream: trio.SocketStream) -> str:
+    """host:port of the connection's peer ([host]:port for IPv6), or "?"."""
+    return format_address(socket_addresses(stream)[0])

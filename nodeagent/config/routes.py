@@ -142,6 +142,11 @@ class LoadBalancerPort(Model):
     backends: tuple[Backend, ...] = ()
     # UDP: a flow with no datagram either way for this long ends.
     idle_timeout: float = Field(default=60.0, gt=0, le=3600)
+    # TCP: a PROXY header to each backend (the Service's nodeagent.io/proxy-protocol).
+    proxy_protocol: Literal["v1", "v2"] | None = None
+    # TCP: each backend checked by its node's agent; unhealthy ones skipped while another
+    # is left (the Service's nodeagent.io/health-check; docs/health-checks.md).
+    health_check: HealthCheck | None = None
 
     @field_validator("backends")
     @classmethod

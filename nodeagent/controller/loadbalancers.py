@@ -40,6 +40,7 @@ from typing import Any, Literal
 from nodeagent.config import Backend, HostPort, LoadBalancerPort, LoadBalancerService
 from nodeagent.controller.endpoints import endpoint_refusal, networks_of, on_node
 from nodeagent.controller.ingress import SERVICE_NAME_LABEL, Problem
+from nodeagent.controller.serviceannotations import health_check_of, proxy_protocol_of
 
 LOAD_BALANCER_CLASS = "nodeagent.io/tunnel"
 # Seconds a UDP flow of the Service's ports lives without a datagram (default 60; DNS: a
@@ -147,6 +148,13 @@ def translate_load_balancers(*, services: Iterable[Obj], endpoint_slices: Iterab
         port_states: list[PortState] = []
         lb_ports: list[LoadBalancerPort] = []
         idle = udp_idle_timeout(svc, problem)
+        annotations = _meta(svc).get("annotations") or {}
+        proxy_protocol, why = proxy_protocol_of(annotations)
+        if why is not None:
+            problem("InvalidProxyProtocol", why)
+        health_check, why = health_check_of(annotations)
+        if why is not None:
+            problem("InvalidHealthCheck", why)
         if spec.get("loadBalancerSourceRanges"):
             message = ("spec.loadBalancerSourceRanges cannot be enforced by nodeagent's "
                        "servers yet; the Service is not served (remove the ranges, or "
@@ -188,8 +196,11 @@ def translate_load_balancers(*, services: Iterable[Obj], endpoint_slices: Iterab
                 assert backend.node is not None
                 targets.setdefault(backend.node, set()).add(
                     (backend.target.host, backend.target.port, ours_protocol))
-            lb_ports.append(LoadBalancerPort(protocol=ours_protocol, port=number,
-                                             backends=backends, idle_timeout=idle))
+            tcp = ours_protocol == "tcp"
+            lb_ports.append(LoadBalancerPort(
+                protocol=ours_protocol, port=number, backends=backends, idle_timeout=idle,
+                proxy_protocol=proxy_protocol if tcp else None,
+                health_check=health_check if tcp else None))
             port_states.append(PortState(number, protocol))
         states[(namespace, name)] = tuple(port_states)
         if lb_ports:

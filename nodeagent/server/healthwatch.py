@@ -62,6 +62,11 @@ def wanted_checks(routes: RoutesConfig) -> dict[str, tuple[CheckedTarget, ...]]:
     for rule in rules:
         for backend in rule.backends:
             want(backend.node, backend.target.host, backend.target.port, rule.health_check)
+    for service in routes.load_balancers:
+        for port in service.ports:
+            for backend in port.backends:
+                want(backend.node, backend.target.host, backend.target.port,
+                     port.health_check)
     return {node: tuple(targets.values()) for node, targets in sorted(found.items())}
 
 

@@ -78,20 +78,28 @@ class BalancedPort:
         listen = ListenAddress(host=listen_host, port=config.port)
         if config.protocol == "tcp":
             self.mappings = tuple(TcpMapping(name=self.name, listen=listen, node=b.node or "",
-                                             target=b.target) for b in config.backends)
+                                             target=b.target,
+                                             proxy_protocol=config.proxy_protocol,
+                                             health_check=config.health_check)
+                                  for b in config.backends)
         else:
             self.mappings = tuple(UdpMapping(name=self.name, listen=listen,
                                              node=b.node or "", target=b.target,
                                              idle_timeout=config.idle_timeout)
                                   for b in config.backends)
 
-    def pick(self, has_tunnel: Callable[[str], bool]) -> TcpMapping | UdpMapping | None:
-        """The next backend in turn whose node holds a tunnel here (any, if none does)."""
+    def pick(self, has_tunnel: Callable[[str], bool],
+             unhealthy: Callable[[TcpMapping | UdpMapping], bool] | None = None
+             ) -> TcpMapping | UdpMapping | None:
+        """The next backend in turn whose node holds a tunnel here (any, if none does),
+        leaving out those an active health check found unhealthy while another is left."""
         mappings = self.mappings
         if not mappings:
             self.refused += 1
             return None
         up = [m for m in mappings if has_tunnel(m.node)] or list(mappings)
+        if unhealthy is not None:
+            up = [m for m in up if not unhealthy(m)] or up
         self.accepted += 1
         return up[next(self._turn) % len(up)]
 
@@ -111,12 +119,14 @@ class LoadBalancerPorts(Listener):
 
     def __init__(self, *, host: str, tcp: TcpMappingRelay, udp: UdpMappingRelay,
                  has_tunnel: Callable[[str], bool], metrics: Metrics,
-                 log: StructuredLogger) -> None:
+                 log: StructuredLogger,
+                 unhealthy: Callable[[TcpMapping | UdpMapping], bool] | None = None) -> None:
         super().__init__("loadbalancers")
         self.host = host
         self._tcp = tcp
         self._udp = udp
         self._has_tunnel = has_tunnel
+        self._unhealthy = unhealthy  # active health checks' verdicts (healthwatch.py)
         # Set by listeners.server_listeners: one of several worker processes.
         self.reuse_port = False
         self.log = log
@@ -206,7 +216,7 @@ class LoadBalancerPorts(Listener):
         await trio.serve_listeners(functools.partial(self._connection, port), listeners)
 
     async def _connection(self, port: BalancedPort, client: trio.SocketStream) -> None:
-        mapping = port.pick(self._has_tunnel)
+        mapping = port.pick(self._has_tunnel, self._unhealthy)
         if not isinstance(mapping, TcpMapping):
             self.refusals.labels("no_backends").inc()
             self._failures.warning(f"{port.name}:no_backends",

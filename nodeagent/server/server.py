@@ -29,6 +29,7 @@ from nodeagent import __version__
 from nodeagent.config import RoutesConfig, ServerConfig
 from nodeagent.configstream.client import WatchStatus
 from nodeagent.http.holds import HeldRequests
+from nodeagent.http.routetable import Backend
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
@@ -145,7 +146,8 @@ class Server:
         self.load_balancers = LoadBalancerPorts(
             host=config.load_balancer_host, tcp=self.tcp_mappings, udp=self.udp_mappings,
             has_tunnel=lambda node: node in self.tunnel.sessions, metrics=self.metrics,
-            log=self.log)
+            log=self.log, unhealthy=lambda mapping: self.backend_health.unhealthy(
+                Backend(mapping.node, mapping.target.host, mapping.target.port)))
         self.load_balancers.update(routes().load_balancers)
         # Its listeners (listeners.server_listeners), set by serve_server, for status.
         self.listeners = Listeners()

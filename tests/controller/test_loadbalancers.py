@@ -261,3 +261,22 @@ def test_a_load_balancer_change_rebuilds_only_the_nodes_it_touches() -> None:
     assert memo.built == built + 1  # edge-2 lost its targets; edge-1's part is reused
     assert second.nodes["edge-1"] is first.nodes["edge-1"]
     assert second.nodes["edge-2"].allow == ()
+
+
+def test_proxy_protocol_and_health_check_annotations_on_tcp_ports() -> None:
+    svc = lb_service("dns", DNS_PORTS)
+    svc["metadata"]["annotations"] = {"nodeagent.io/proxy-protocol": "v2",
+                                      "nodeagent.io/health-check": "tcp interval=2"}
+    out = translate([svc])
+    ports = {p.protocol: p for p in out.services[0].ports}
+    assert ports["tcp"].proxy_protocol == "v2"
+    assert ports["tcp"].health_check is not None and ports["tcp"].health_check.interval == 2
+    assert ports["udp"].proxy_protocol is None and ports["udp"].health_check is None
+    assert out.problems == ()
+    svc["metadata"]["annotations"] = {"nodeagent.io/proxy-protocol": "v9",
+                                      "nodeagent.io/health-check": "icmp"}
+    out = translate([svc])
+    ports = {p.protocol: p for p in out.services[0].ports}
+    assert ports["tcp"].proxy_protocol is None and ports["tcp"].health_check is None
+    assert sorted(p.reason for p in out.problems) == ["InvalidHealthCheck",
+                                                      "InvalidProxyProtocol"]

@@ -149,7 +149,7 @@ def test_proxy_protocol_both_ways(lab: Lab) -> None:
     nginx_port = free_port()
     lab.procs.append(start_nginx(tmp, nginx_port))
     with run_upstream() as upstream:
-        ports = {name: free_port() for name in ("http", "v1", "v2", "plain", "https")}
+        ports = {name: free_port() for name in ("http", "v1", "v2", "plain", "https", "lb")}
         ca = pki.create_ca("proxy protocol test CA")
         ca.write(tmp / "https-ca.crt", tmp / "https-ca.key")
         leaf = pki.issue_server_certificate(ca, ["secure.test"])
@@ -170,6 +170,11 @@ def test_proxy_protocol_both_ways(lab: Lab) -> None:
             "http": [{"name": "public", "listen": f"127.0.0.1:{ports['http']}", "routes": [
                 {"host": "app.test", "node": "edge-1",
                  "target": f"127.0.0.1:{upstream.http_port}"}]}],
+            # A balanced port (a LoadBalancer Service's, from the file) sending v1.
+            "load_balancer_host": "127.0.0.1",
+            "load_balancers": [{"name": "app/web", "ports": [{
+                "port": ports["lb"], "proxy_protocol": "v1", "backends": [
+                    {"node": "edge-1", "target": f"127.0.0.1:{nginx_port}"}]}]}],
             # HTTPS: the balancer's header comes before the TLS handshake.
             "ingress_https": f"127.0.0.1:{ports['https']}",
             "ingress": {"rules": [{"name": "shop/secure", "host": "secure.test", "backends": [
@@ -197,6 +202,9 @@ def test_proxy_protocol_both_ways(lab: Lab) -> None:
             answer, client_port = http_get(ports[version], "any")
             assert (f"proxied=127.0.0.1:{client_port} to=127.0.0.1:{ports[version]}"
                     .encode()) in answer, answer
+
+        answer, client_port = http_get(ports["lb"], "any")
+        assert f"proxied=127.0.0.1:{client_port} to=127.0.0.1:{ports['lb']}".encode() in answer
 
         # HAProxy → server (v2), then server → nginx (v2): the client survives both hops.
         answer, client_port = http_get(lb["v2"], "any", source=CLIENT)

@@ -93,3 +93,32 @@ async def test_watch_asks_records_and_ignores_what_it_did_not_ask() -> None:
         assert not health.states
         watch.stop()
         nursery.cancel_scope.cancel()
+
+
+def test_load_balancer_ports_skip_unhealthy_backends_and_are_checked() -> None:
+    from nodeagent.config import LoadBalancerPort
+    from nodeagent.server.loadbalancers import BalancedPort
+
+    config = LoadBalancerPort.model_validate({
+        "port": 5432, "proxy_protocol": "v1", "health_check": {"kind": "tcp"},
+        "backends": [{"node": "a", "target": "10.0.0.1:5432"},
+                     {"node": "b", "target": "10.0.0.2:5432"}]})
+    routes = RoutesConfig.model_validate({"load_balancers": [
+        {"name": "ns/db", "ports": [config.model_dump()]}]})
+    assert {node: [(c.host, c.port) for c in checks]
+            for node, checks in wanted_checks(routes).items()} == {
+        "a": [("10.0.0.1", 5432)], "b": [("10.0.0.2", 5432)]}
+    port = BalancedPort(service="ns/db", config=config)
+    port.set_backends(config, "0.0.0.0")
+    assert {m.proxy_protocol for m in port.mappings} == {"v1"}
+    health = BackendHealth()
+
+    def unhealthy(m: object) -> bool:
+        return health.unhealthy(Backend(m.node, m.target.host, m.target.port))  # type: ignore[attr-defined]
+
+    picks = {port.pick(lambda node: True, unhealthy).node for _ in range(4)}  # type: ignore[union-attr]
+    assert picks == {"a", "b"}
+    health.states[("b", "10.0.0.2", 5432)] = Reported("unhealthy", "refused", 0)
+    assert {port.pick(lambda node: True, unhealthy).node for _ in range(4)} == {"a"}  # type: ignore[union-attr]
+    health.states[("a", "10.0.0.1", 5432)] = Reported("unhealthy", "refused", 0)
+    assert {port.pick(lambda node: True, unhealthy).node for _ in range(4)} == {"a", "b"}  # type: ignore[union-attr]

@@ -55,6 +55,7 @@ from nodeagent.config.connect import (
     ConnectNode,
     ConnectTls,
 )
+from nodeagent.config.gateway import BasicAuth, JwtAuth, RateLimit, RouteAuth, parse_htpasswd
 from nodeagent.config.node import (
     AgentConfig,
     AllowRule,
@@ -98,6 +99,7 @@ __all__ = [
     "AgentConfig",
     "AllowRule",
     "Backend",
+    "BasicAuth",
     "Cidr",
     "ClientTls",
     "ConfigError",
@@ -116,6 +118,7 @@ __all__ = [
     "InlineToken",
     "InterceptConfig",
     "InterceptRuleConfig",
+    "JwtAuth",
     "Keepalive",
     "ListenAddress",
     "M",
@@ -123,7 +126,9 @@ __all__ = [
     "NodeConfig",
     "NodeScope",
     "PortRange",
+    "RateLimit",
     "Reconnect",
+    "RouteAuth",
     "RoutesConfig",
     "ServerConfig",
     "ServerTls",
@@ -137,6 +142,7 @@ __all__ = [
     "intercept_model",
     "load_config",
     "parse_config",
+    "parse_htpasswd",
     "raise_problems",
     "redacted",
     "token_text",

@@ -42,6 +42,7 @@ from nodeagent.config.base import (
     raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
+from nodeagent.config.gateway import RateLimit, RouteAuth
 from nodeagent.config.node import (
     AllowRule,
 )
@@ -133,6 +134,8 @@ class HttpRoute(Model):
     # What the target speaks: h1 (HTTP/1.1) or h2c (HTTP/2 without TLS, prior knowledge;
     # gRPC servers): h2c backends get one shared HTTP/2 connection, each request balanced.
     backend_protocol: Literal["h1", "h2c"] = "h1"
+    auth: RouteAuth | None = None  # who may use it (docs/auth.md); None: anyone
+    rate_limit: RateLimit | None = None  # requests per second (docs/limits.md)
 
     @field_validator("host")
     @classmethod
@@ -192,6 +195,8 @@ class IngressRule(Model):
     # → h2c).
     backend_protocol: Literal["h1", "h2c"] = "h1"
     wake: WakeRoute | None = None  # its Service sleeps when idle (scale to zero)
+    auth: RouteAuth | None = None  # from the Ingress's auth annotations (docs/auth.md)
+    rate_limit: RateLimit | None = None  # from its rate annotations (docs/limits.md)
 
 
 class IngressTls(Model):

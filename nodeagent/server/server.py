@@ -242,4 +242,6 @@ class Server:
             "connect": self.connect.status() if self.connect else None,
             "dnat": self.dnat.status(),
             "held_requests": self.holds.as_dict(),
+            # Routes with rate limits or authentication: keys, buckets, refusals by why.
+            "route_gates": self.route_tables.gates.as_dict(),
         }

@@ -114,6 +114,8 @@ class JwksCache:
     last_error: str | None = None
     fetches: int = 0
     failures: int = 0
+    generation: int = 0
+    """Bumped whenever the set's keys change (what checked tokens are remembered under)."""
     _bound: dict[tuple[str, str], jwt.PyJWK | None] = field(default_factory=dict)
     _inflight: trio.Event | None = None
 
@@ -166,6 +168,8 @@ class JwksCache:
                 log.warning("jwks fetch failed", url=self.url, error=str(exc),
                             keys_kept=len(self.jwks))
                 return
+            if jwks != self.jwks:
+                self.generation += 1
             self.jwks, self._bound, self.last_error = jwks, {}, None
             self.expires = self.clock() + cache_seconds(
                 cache_control, min_refetch=self.min_refetch, max_age=self.max_age)

@@ -66,10 +66,10 @@ def test_bad_annotations_serve_nothing_and_say_why_without_secrets() -> None:
         ({"nodeagent.io/rate-limit-burst": "5"}, [], "rate"),
         ({"nodeagent.io/rate-limit-rps": "-1"}, [], "rate"),
     ]
-    for annotations, secrets, word in cases:
-        t = translate([ingress("s", [rule("a.test", path("/"))], annotations=annotations)],
+    for given, secrets, word in cases:
+        t = translate([ingress("s", [rule("a.test", path("/"))], annotations=given)],
                       secrets=secrets)
-        assert t.routes.rules == (), annotations
+        assert t.routes.rules == (), given
         (problem,) = t.problems
         assert problem.reason == "InvalidAuthOrLimits" and word in problem.message, \
             problem.message

@@ -359,3 +359,21 @@ async def test_a_gated_route_without_backends_asks_for_credentials_first(
             httpx.AsyncClient(trust_env=False, timeout=10) as c:
         assert (await c.get(f"{f.url}/")).status_code == 401
         assert (await c.get(f"{f.url}/", auth=("alice", "s3cret"))).status_code == 503
+
+
+async def test_a_token_that_passed_is_remembered_within_its_validity_and_key_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    issuer = Issuer()
+    auth = authenticator(issuer, leeway=5)
+    token = issuer.token()
+    assert await auth.authenticate(bearer(token)) == "alice"
+    calls = []
+    real_decode = jwt.decode
+    monkeypatch.setattr(jwt, "decode", lambda *a, **k: calls.append(1) or real_decode(*a, **k))
+    assert await auth.authenticate(bearer(token)) == "alice"
+    assert calls == []  # no signature check for the same token again
+    # Past its exp + leeway, the remembered entry no longer answers: PyJWT checks again.
+    exp = real_decode(token, options={"verify_signature": False})["exp"]
+    monkeypatch.setattr(time, "time", lambda: exp + 6)
+    await auth.authenticate(bearer(token))
+    assert calls == [1]

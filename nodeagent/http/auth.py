@@ -112,9 +112,9 @@ class JwtAuthenticator:
         keys = self.keys
         known = self._verified.get(token)
         if known is not None and known[1] == keys.generation and not keys.stale():
-            identity, _, not_before, expires = known
+            remembered, _, not_before, expires = known
             if not_before <= time.time() < expires:
-                return identity
+                return remembered
         try:
             head = jwt.get_unverified_header(token)
         except jwt.PyJWTError:

@@ -345,9 +345,16 @@ async def test_gated_route_over_http1_and_h2(nursery: trio.Nursery) -> None:
                 seen = dict((k.lower(), v) for k, v in r.json()["headers"])
                 assert r.status_code == 200 and "x-nodeagent-identity" not in seen
                 assert "x-forwarded-user" not in seen
+        async with httpx.AsyncClient(trust_env=False, timeout=10, http1=False,
+                                     http2=True) as c:
+            grpc = {"content-type": "application/grpc", "te": "trailers"}
+            r = await c.post(f"{f.url}/secure/svc/M", content=b"\0" * 5, headers=grpc)
+            assert r.status_code == 200 and r.headers["grpc-status"] == "16"  # UNAUTHENTICATED
+            assert "bearer%20token" in r.headers["grpc-message"].lower() or \
+                "bearer token" in r.headers["grpc-message"]
         stats = f.front.stats
-        assert stats.refused_auth_missing == 2 and stats.refused_auth_invalid == 2
-        assert gate is not None and gate.as_dict()["refused"] == {"auth_missing": 2}
+        assert stats.refused_auth_missing == 3 and stats.refused_auth_invalid == 2
+        assert gate is not None and gate.as_dict()["refused"] == {"auth_missing": 3}
         assert gate.as_dict()["passed"] == 2
 
 

@@ -34,6 +34,7 @@ from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, p
 from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
+from nodeagent.controller.ingressgate import HTPASSWD_SECRET_TYPE
 from nodeagent.controller.inputs import (
     LeaderWrite,
     feeds_config,
@@ -186,6 +187,10 @@ class Controller:
             PODS)}
         self.caches["secrets"] = self.informers.cache(
             SECRETS, field_selector=SECRET_FIELD_SELECTOR)
+        # Basic-auth htpasswd Secrets (ingressgate): only of their own type, so the
+        # controller never caches other Secrets for them.
+        self.caches["htpasswd"] = self.informers.cache(
+            SECRETS, field_selector={"type": HTPASSWD_SECRET_TYPE})
         self.caches["watchers"] = self.informers.cache(
             CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
@@ -233,7 +238,7 @@ class Controller:
         ns = self.settings.namespace
 
         def handle(event: CacheEvent) -> None:
-            if plural == SECRETS.plural:
+            if plural in (SECRETS.plural, "htpasswd"):
                 meta = event.object.get("metadata") or {}
                 if (meta.get("namespace"), meta.get("name")) == (ns, CA_SECRET) and \
                         self.bootstrap.read_ca():
@@ -272,7 +277,8 @@ class Controller:
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
-            services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
+            services=services, endpoint_slices=endpoint_slices,
+            secrets=c["secrets"].list() + c["htpasswd"].list(),
             nodes=nodes, pods=c["pods"].list(),
             direct_namespaces=frozenset(n for t in tunnels
                                         for n in t.spec.direct_backend_namespaces),

@@ -2,8 +2,9 @@
 for its rules (pure: the Ingress and its namespace's Secrets in, settings and problems
 out; docs/auth.md and docs/limits.md list the annotations).
 
-Basic auth names a Secret in the Ingress's own namespace (never another: a namespace
-user must not make the front check passwords it cannot read); its `auth` key (as
+Basic auth names a Secret of type `nodeagent.io/htpasswd` in the Ingress's own namespace
+(never another: a namespace user must not make the front check passwords it cannot read;
+the controller watches Secrets of that type only); its `auth` key (as
 ingress-nginx's) or `htpasswd` key holds htpasswd lines with bcrypt hashes. A bad
 annotation or Secret is a Problem on the Ingress, and its rules are then *not* served:
 an Ingress that asked for authentication never falls back to being open.
@@ -40,6 +41,10 @@ CLIENT_BURST = PREFIX + "rate-limit-per-client-burst"
 
 Obj = dict[str, Any]
 
+HTPASSWD_SECRET_TYPE = "nodeagent.io/htpasswd"
+"""The type a basic-auth Secret must have: the controller watches Secrets of this type
+(and kubernetes.io/tls) only, never the cluster's other Secrets."""
+
 
 class GateAnnotationError(ValueError):
     """What is wrong with the annotations (the message names no secret value)."""
@@ -75,9 +80,9 @@ def route_auth(annotations: Mapping[str, Any], namespace: str,
     try:
         if basic_name is not None:
             obj = secret(namespace, basic_name)
-            if obj is None:
+            if obj is None or obj.get("type") != HTPASSWD_SECRET_TYPE:
                 raise GateAnnotationError(f"Secret {namespace}/{basic_name} ({BASIC_SECRET}) "
-                                          "not found")
+                                          f"not found, or not of type {HTPASSWD_SECRET_TYPE}")
             data = obj.get("data") or {}
             raw = data.get("auth", data.get("htpasswd"))
             if not isinstance(raw, str):
@@ -134,4 +139,5 @@ def rate_limit(annotations: Mapping[str, Any]) -> RateLimit | None:
         raise GateAnnotationError(_errors(exc)) from None
 
 
-__all__ = ["GateAnnotationError", "basic_secret_name", "rate_limit", "route_auth"]
+__all__ = ["HTPASSWD_SECRET_TYPE", "GateAnnotationError", "basic_secret_name", "rate_limit",
+           "route_auth"]

@@ -25,6 +25,7 @@ from nodeagent.controller.bootstrap import (
 )
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.endpoints import pod_view
+from nodeagent.controller.ingressgate import basic_secret_name
 from nodeagent.controller.wakeroutes import pod_failure_view, settings_view
 from nodeagent.kube import (
     ENDPOINTSLICES,
@@ -101,8 +102,8 @@ def _pod(obj: Obj) -> Any:
 
 
 def _secret(obj: Obj) -> Any:
-    # An Ingress TLS certificate and key. Which Secrets matter at all is decided by
-    # `secret_feeds_config` (only those an Ingress names).
+    # An Ingress TLS certificate and key, or a basic-auth htpasswd. Which Secrets matter
+    # at all is decided by `secret_feeds_config` (only those an Ingress names).
     return (obj.get("data"), obj.get("stringData"))
 
 
@@ -131,11 +132,15 @@ def feeds_config(plural: str, event: CacheEvent) -> bool:
 
 
 def secret_references(ingresses: Iterable[Obj]) -> frozenset[tuple[str, str]]:
-    """(namespace, name) of every Secret an Ingress names in spec.tls, ours or not, found
-    or not (so a missing one appearing later is noticed)."""
+    """(namespace, name) of every Secret an Ingress names in spec.tls or its basic-auth
+    annotation (ingressgate), ours or not, found or not (so a missing one appearing later
+    is noticed)."""
     refs = set()
     for ingress in ingresses:
         namespace = str(_meta(ingress).get("namespace", ""))
+        basic = basic_secret_name(_meta(ingress).get("annotations") or {})
+        if basic is not None:
+            refs.add((namespace, basic))
         for entry in (ingress.get("spec") or {}).get("tls") or []:
             if isinstance(entry, dict) and entry.get("secretName"):
                 refs.add((namespace, str(entry["secretName"])))
@@ -143,9 +148,9 @@ def secret_references(ingresses: Iterable[Obj]) -> frozenset[tuple[str, str]]:
 
 
 def secret_feeds_config(event: CacheEvent, referenced: frozenset[tuple[str, str]]) -> bool:
-    """A Secret feeds the config only as an Ingress's TLS certificate: clusters hold many
-    Secrets (service account tokens, Helm release records rewritten at every upgrade) that
-    no Ingress names."""
+    """A Secret feeds the config only as an Ingress's TLS certificate or htpasswd:
+    clusters hold many Secrets (service account tokens, Helm release records rewritten at
+    every upgrade) that no Ingress names."""
     meta = _meta(event.object)
     key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
     return key in referenced and feeds_config(SECRETS.plural, event)

@@ -20,7 +20,7 @@ JWT = {"nodeagent.io/auth-jwt-issuer": "https://issuer.test",
 
 def htpasswd_secret(name: str = "users", key: str = "auth",
                     text: str = f"alice:{HASH}\n") -> dict[str, Any]:
-    return {"metadata": {"name": name, "namespace": NS},
+    return {"metadata": {"name": name, "namespace": NS}, "type": "nodeagent.io/htpasswd",
             "data": {key: base64.b64encode(text.encode()).decode()}}
 
 

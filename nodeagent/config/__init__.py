@@ -55,7 +55,14 @@ from nodeagent.config.connect import (
     ConnectNode,
     ConnectTls,
 )
-from nodeagent.config.gateway import BasicAuth, JwtAuth, RateLimit, RouteAuth, parse_htpasswd
+from nodeagent.config.gateway import (
+    BasicAuth,
+    JwtAuth,
+    NodeBandwidth,
+    RateLimit,
+    RouteAuth,
+    parse_htpasswd,
+)
 from nodeagent.config.node import (
     AgentConfig,
     AllowRule,
@@ -123,6 +130,7 @@ __all__ = [
     "ListenAddress",
     "M",
     "Model",
+    "NodeBandwidth",
     "NodeConfig",
     "NodeScope",
     "PortRange",

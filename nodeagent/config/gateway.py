@@ -138,4 +138,15 @@ class RateLimit(Model):
         return self
 
 
-__all__ = ["BasicAuth", "JwtAlgorithm", "JwtAuth", "RateLimit", "RouteAuth", "parse_htpasswd"]
+class NodeBandwidth(Model):
+    """A node's tunnel bandwidth at the server, in bytes per second each way (None:
+    unlimited): `to_node` paces what the server sends into the tunnel (downloads through
+    the node's routes), `from_node` what it reads from it (uploads, intercepted traffic).
+    Other nodes' tunnels are never slowed by one node's limit (docs/limits.md)."""
+
+    to_node: float | None = Field(default=None, ge=1024, le=1e11)
+    from_node: float | None = Field(default=None, ge=1024, le=1e11)
+
+
+__all__ = ["BasicAuth", "JwtAlgorithm", "JwtAuth", "NodeBandwidth", "RateLimit", "RouteAuth",
+           "parse_htpasswd"]

@@ -42,7 +42,7 @@ from nodeagent.config.base import (
     raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
-from nodeagent.config.gateway import RateLimit, RouteAuth
+from nodeagent.config.gateway import NodeBandwidth, RateLimit, RouteAuth
 from nodeagent.config.node import (
     AllowRule,
 )
@@ -270,6 +270,9 @@ class RoutesConfig(Model):
     # server's handshake so agents hold a tunnel to each (controller mode: the ready
     # endpoints of the server Service). None: not announced, agents hold one tunnel.
     replicas: int | None = Field(default=None, ge=1, le=64)
+    # Bandwidth of nodes' tunnels at the server, by node ("*": every node not named);
+    # controller mode: from Node annotations (docs/limits.md).
+    bandwidth: dict[str, NodeBandwidth] = {}
     # Scale to zero: seconds between a server's reports of its routes' activity (last
     # request, requests in flight) to the controller, for the routes with `wake`.
     activity_interval: float = Field(default=10.0, gt=0, le=3600)
@@ -316,6 +319,11 @@ class RoutesConfig(Model):
         self._relays_by_node = {"*": tuple(everyone)}
         for node, rules in relays.items():
             self._relays_by_node[node] = (*everyone, *rules)
+
+    def bandwidth_of(self, node: str) -> tuple[float | None, float | None]:
+        """(to_node, from_node) bytes/s for `node`'s tunnel; None each way: unlimited."""
+        limit = self.bandwidth.get(node) or self.bandwidth.get("*")
+        return (None, None) if limit is None else (limit.to_node, limit.from_node)
 
     def admits(self, node: str) -> bool:
         """Whether `node`'s agent may hold a tunnel (known, not denied)."""

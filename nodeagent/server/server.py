@@ -96,7 +96,7 @@ class Server:
                                          config.tunnel.handshake_burst),
             replicas=self.routes.replicas,
             on_refusal=lambda reason: refusals.count(f"handshake_{reason}"),
-            log=self.log)
+            bandwidth=lambda node: self.routes.bandwidth_of(node), log=self.log)
         # When each stream opened and for what (debug streams); every stream this server
         # opens to a node goes through open_stream, which also times its setup.
         self.stream_notes = StreamNotes()
@@ -178,6 +178,7 @@ class Server:
             self.metrics.config_apply.labels("failed").observe(time.monotonic() - started)
             raise
         self.tunnel.replicas = routes.replicas  # announced from the next handshake on
+        self.tunnel.reshape()  # nodes' bandwidth (limits.md)
         self.holds.routes_changed()  # held requests look again: their route may be awake
         self.metrics.config_version.set(routes.version)
         self.log.info("routes applied", version=routes.version,

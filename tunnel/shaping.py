@@ -7,8 +7,12 @@ or receive of n bytes takes n tokens, and when the bucket is in debt the call sl
 it is not, so the average rate holds and a burst of `burst` bytes passes at once. The
 sleep is in the task that sends or receives on *that* transport: another node's tunnel
 has its own tasks and its own socket, so a slow (shaped) node never delays another's
-traffic. Slowing the receive side stops reading the socket, and TCP's flow control then
-slows the peer's sends: nothing is dropped and nothing buffers here beyond one receive.
+traffic. A shaped transport also asks the endpoint to queue at most a tenth of a second
+of output (`send_high_water`), so a keepalive PING's answer never waits seconds behind
+the node's bulk. Slowing the receive side stops reading the socket, and TCP's flow
+control then slows the peer's sends: nothing is dropped and nothing buffers here beyond
+one receive; but what the peer already sent (up to the tunnel's window) is read at the
+rate, so a low `from_node` rate delays the peer's PINGs too (docs/limits.md).
 
 `ByteBucket` is pure (the clock is passed in) and tested with made-up times.
 """
@@ -100,6 +104,13 @@ class ShapedTransport(Transport):
             if wait:
                 shaper.waited_out += wait
                 await trio.sleep(wait)
+
+    @property
+    def send_high_water(self) -> int | None:
+        # A tenth of a second of output queued at most: a PING's answer (and any stream's
+        # frame) never waits long behind this node's bulk, whatever its rate.
+        rate = self.shaper.rate_out
+        return None if rate is None else int(max(16384.0, rate * 0.1))
 
     def can_send_nowait(self) -> bool:
         # Shaped: every send goes through send(), which paces.

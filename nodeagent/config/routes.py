@@ -484,7 +484,7 @@ class ServerConfig(RoutesConfig):
                             ingress=self.ingress, nodes=self.nodes,
                             denied_nodes=self.denied_nodes, connect_nodes=self.connect_nodes,
                             control_plane_sources=self.control_plane_sources,
-                            replicas=self.replicas)
+                            replicas=self.replicas, bandwidth=self.bandwidth)
 
 
 # ------------------------------------------------------------------ loading

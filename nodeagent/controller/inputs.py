@@ -17,6 +17,7 @@ import enum
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from nodeagent.controller.bandwidth import FROM_NODE, TO_NODE
 from nodeagent.controller.bootstrap import (
     CA_SECRET,
     SERVER_SERVICE,
@@ -59,8 +60,11 @@ def _node(obj: Obj) -> Any:
     # Labels (ClusterTunnel nodeSelectors), addresses (allowedNodePorts are allowed on
     # them) and podCIDRs (the servers' node_cidrs). Not conditions, heartbeats, images or
     # capacity, which kubelets rewrite on their own schedule.
+    # And its bandwidth annotations (bandwidth.py).
+    annotations = _meta(obj).get("annotations") or {}
     return (_meta(obj).get("labels"), (obj.get("spec") or {}).get("podCIDRs"),
-            (obj.get("status") or {}).get("addresses"))
+            (obj.get("status") or {}).get("addresses"),
+            annotations.get(TO_NODE), annotations.get(FROM_NODE))
 
 
 def _service(obj: Obj) -> Any:

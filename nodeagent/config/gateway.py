@@ -72,7 +72,7 @@ class JwtAuth(Model):
     # The key set is fetched again after the response's Cache-Control max-age, at most
     # this long (and at least `jwks_min_refetch`); a token naming an unknown key (a
     # rotation) fetches it at once, at most once per `jwks_min_refetch` seconds.
-    jwks_max_age: float = Field(default=300.0, gt=0, le=86400)
+    jwks_max_age: float = Field(default=300.0, ge=1, le=86400)
     jwks_min_refetch: float = Field(default=10.0, ge=0, le=3600)
 
 
@@ -122,9 +122,9 @@ class RateLimit(Model):
     each client address (`per_client_rate`, `per_client_burst`; an IPv6 client per /64).
     Over → 429 with Retry-After (gRPC: RESOURCE_EXHAUSTED)."""
 
-    rate: float | None = Field(default=None, gt=0, le=1e6)  # requests per second
+    rate: float | None = Field(default=None, ge=0.001, le=1e6)  # requests per second
     burst: int | None = Field(default=None, ge=1, le=10_000_000)  # default: rate, at least 1
-    per_client_rate: float | None = Field(default=None, gt=0, le=1e6)
+    per_client_rate: float | None = Field(default=None, ge=0.001, le=1e6)
     per_client_burst: int | None = Field(default=None, ge=1, le=10_000_000)
 
     @model_validator(mode="after")

@@ -34,7 +34,7 @@ from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, p
 from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
-from nodeagent.controller.ingressgate import HTPASSWD_SECRET_TYPE
+from nodeagent.controller.ingressgate import HTPASSWD_SECRET_TYPE, with_cluster_defaults
 from nodeagent.controller.inputs import (
     LeaderWrite,
     feeds_config,
@@ -287,7 +287,13 @@ class Controller:
         wake = apply_wake(translation.routes, dict(enumerate(translation.rule_services)),
                           translation.default_service, services, c["pods"].list(),
                           enabled=feature_on)
-        translation = dataclasses.replace(translation, routes=wake.routes)
+        # Auth and rate limits a ClusterTunnel sets for Ingresses without their own.
+        ingress = with_cluster_defaults(
+            wake.routes, next((t.spec.ingress_jwt for t in tunnels if t.spec.ingress_jwt),
+                              None),
+            next((t.spec.ingress_rate_limit for t in tunnels if t.spec.ingress_rate_limit),
+                 None))
+        translation = dataclasses.replace(translation, routes=ingress)
         self.sleeper.enabled, self.sleeper.feature_on = wake.enabled, feature_on
         self.metrics.refused(translation.refused_backends)
         for reason, count in sorted(translation.refused_backends.items()):

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from nodeagent.config.gateway import BasicAuth, JwtAuth, RateLimit, RouteAuth
+from nodeagent.config.routes import IngressRoutes, IngressRule
 
 PREFIX = "nodeagent.io/"
 JWT_ISSUER = PREFIX + "auth-jwt-issuer"
@@ -139,5 +140,32 @@ def rate_limit(annotations: Mapping[str, Any]) -> RateLimit | None:
         raise GateAnnotationError(_errors(exc)) from None
 
 
-__all__ = ["HTPASSWD_SECRET_TYPE", "GateAnnotationError", "basic_secret_name", "rate_limit",
-           "route_auth"]
+def with_cluster_defaults(routes: IngressRoutes, jwt: JwtAuth | None,
+                          limit: RateLimit | None) -> IngressRoutes:
+    """The Ingress routes with a ClusterTunnel's `ingressJwt` and `ingressRateLimit` put
+    on every rule that has no auth (or no rate limit) of its own."""
+    if jwt is None and limit is None:
+        return routes
+
+    def fill(rule: IngressRule) -> IngressRule:
+        update: dict[str, Any] = {}
+        if jwt is not None and rule.auth is None:
+            update["auth"] = RouteAuth(jwt=jwt)
+        if limit is not None and rule.rate_limit is None:
+            update["rate_limit"] = limit
+        return rule.model_copy(update=update) if update else rule
+
+    default = routes.default_backend
+    return routes.model_copy(update={
+        "rules": tuple(fill(r) for r in routes.rules),
+        "default_backend": fill(default) if default is not None else None})
+
+
+__all__ = [
+    "HTPASSWD_SECRET_TYPE",
+    "GateAnnotationError",
+    "basic_secret_name",
+    "rate_limit",
+    "route_auth",
+    "with_cluster_defaults",
+]

@@ -74,3 +74,25 @@ def test_bad_annotations_serve_nothing_and_say_why_without_secrets() -> None:
         assert problem.reason == "InvalidAuthOrLimits" and word in problem.message, \
             problem.message
         assert "$apr1$salt" not in problem.message and HASH not in problem.message
+
+
+def test_cluster_tunnel_defaults_fill_only_ingresses_without_their_own() -> None:
+    from nodeagent.controller.clustertunnel import ClusterTunnelSpec
+    from nodeagent.controller.ingressgate import with_cluster_defaults
+    spec = ClusterTunnelSpec.model_validate({
+        "ingressJwt": {"issuer": "https://corp.test", "jwks_url": "https://corp.test/jwks",
+                       "audiences": ["apps"]},
+        "ingressRateLimit": {"per_client_rate": 5}})
+    own = {**JWT, "nodeagent.io/rate-limit-rps": "50"}
+    t = translate([ingress("plain", [rule("a.test", path("/"))]),
+                   ingress("own", [rule("b.test", path("/"))], annotations=own)])
+    routes = with_cluster_defaults(t.routes, spec.ingress_jwt, spec.ingress_rate_limit)
+    by_host = {r.host: r for r in routes.rules}
+    plain, mine = by_host["a.test"], by_host["b.test"]
+    assert plain.auth is not None and plain.auth.jwt is not None
+    assert plain.auth.jwt.issuer == "https://corp.test"
+    assert plain.rate_limit is not None and plain.rate_limit.per_client_rate == 5
+    assert mine.auth is not None and mine.auth.jwt is not None
+    assert mine.auth.jwt.issuer == "https://issuer.test"  # its own annotations win
+    assert mine.rate_limit is not None and mine.rate_limit.rate == 50
+    assert with_cluster_defaults(t.routes, None, None) is t.routes

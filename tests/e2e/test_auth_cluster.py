@@ -14,6 +14,7 @@ import bcrypt
 import httpx
 import pytest
 
+from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.kube.resources import ENDPOINTSLICES, EVENTS, INGRESSES, NODES, SECRETS, SERVICES
 from tests.e2e.test_auth import KeyServer, keys  # noqa: F401  (a fixture)
 from tests.e2e.test_kubernetes import (  # noqa: F401  (fixtures)
@@ -108,4 +109,16 @@ def test_ingress_auth_and_limits_from_annotations(cluster: dict[str, Any],  # no
     assert get(port, "bad.test").status_code == 404
     status = cluster["server"].status()
     assert status["route_gates"]["shop/jwt"]["jwks"]["key_ids"] == ["key-2"]
+
+    # A ClusterTunnel's defaults: an Ingress without auth annotations asks for the JWT,
+    # one with its own (basic) keeps it.
+    api.create(INGRESSES, ingress("plain", "plain.test", "/"))
+    wait_for(lambda: get(port, "plain.test").status_code == 200, "an open Ingress")
+    api.create(CLUSTER_TUNNELS, {"metadata": {"name": "edge"}, "spec": {
+        "ingressJwt": {"issuer": "https://issuer.test", "jwks_url": keys.url,
+                       "audiences": ["shop"]}}})
+    wait_for(lambda: get(port, "plain.test").status_code == 401, "the cluster's JWT")
+    r = get(port, "plain.test", headers={"authorization": f"Bearer {keys.token('gina')}"})
+    assert r.status_code == 200 and "identity=gina" in r.text
+    assert get(port, "basic.test", auth=("bob", "bob-pw")).status_code == 200
     assert bob not in str(status) and alice not in cluster["server"].logs()

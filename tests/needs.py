@@ -55,6 +55,8 @@ TOOLS: dict[str, str] = {
     "socat": "socat",
     "dnsperf": "dnsperf",
     "dnsmasq": "dnsmasq-base",
+    # htpasswd files as Apache's tool writes them, for basic auth (tests/http/test_auth.py)
+    "htpasswd": "apache2-utils",
 }
 
 # Tools only slow tests need (`scripts/test -m slow`): scripts/test installs them only

@@ -384,3 +384,21 @@ async def test_a_token_that_passed_is_remembered_within_its_validity_and_key_set
     monkeypatch.setattr(time, "time", lambda: exp + 6)
     await auth.authenticate(bearer(token))
     assert calls == [1]
+
+
+@pytest.mark.needs("htpasswd")
+async def test_a_file_apaches_htpasswd_wrote(tmp_path: Any) -> None:
+    path = tmp_path / "users"
+    await trio.run_process(["htpasswd", "-B", "-C", "4", "-b", "-c", str(path), "alice",
+                            "pw one"], capture_stdout=True, capture_stderr=True)
+    await trio.run_process(["htpasswd", "-B", "-C", "4", "-b", str(path), "bob", "two"],
+                           capture_stdout=True, capture_stderr=True)
+    auth = BasicAuthenticator(parse_htpasswd(path.read_text()), "r")
+    assert await auth.authenticate(basic("alice", "pw one")) == "alice"
+    assert await auth.authenticate(basic("bob", "two")) == "bob"
+    assert isinstance(await auth.authenticate(basic("bob", "pw one")), AuthFailure)
+    md5 = tmp_path / "md5"
+    await trio.run_process(["htpasswd", "-m", "-b", "-c", str(md5), "carol", "x"],
+                           capture_stdout=True, capture_stderr=True)
+    with pytest.raises(ValueError, match="MD5"):
+        parse_htpasswd(md5.read_text())

@@ -32,15 +32,14 @@ class TcpMappingRelay:
         self._stream_bytes = stream_bytes
         self.log = log
 
-    async def serve(self, mapping: TcpMapping, client: trio.SocketStream) -> None:
+    async def serve(self, mapping: TcpMapping, client: trio.SocketStream, *,
+                    opened: trio.abc.HalfCloseableStream | None = None) -> None:
+        """`opened`: the stream to the target, already open (`open_target`: a held
+        connection's, server/heldconnections.py)."""
         peer = peer_address(client)  # the stream's origin, which the agent logs
-        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
 
         async def open_mapping_target() -> trio.abc.HalfCloseableStream:
-            stream = await self._datapath.open_to(mapping.node, mapping.target.host,
-                                                  mapping.target.port, peer)
-            self._notes.note(stream, name)
-            return stream
+            return opened if opened is not None else await self.open_target(mapping, peer)
 
         relayed = await relay_connection(client, open_mapping_target,
                                          on_accepted=lambda: self._outcomes.outbound("accepted"))
@@ -58,6 +57,15 @@ class TcpMappingRelay:
             self._mapping_log(mapping, peer).debug(
                 "connection finished", sent=result.a_to_b, received=result.b_to_a,
                 error=result.error or "")
+
+    async def open_target(self, mapping: TcpMapping, peer: str
+                          ) -> trio.abc.HalfCloseableStream:
+        """The stream to the mapping's target for client `peer`; raises StreamFailed."""
+        stream = await self._datapath.open_to(mapping.node, mapping.target.host,
+                                              mapping.target.port, peer)
+        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
+        self._notes.note(stream, name)
+        return stream
 
     def _mapping_log(self, mapping: TcpMapping, peer: str) -> StructuredLogger:
         return self.log.bind(listener=mapping.name or f":{mapping.listen.port}",

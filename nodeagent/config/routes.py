@@ -42,6 +42,7 @@ from nodeagent.config.base import (
     raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
+from nodeagent.config.gateway import NodeBandwidth, RateLimit, RouteAuth
 from nodeagent.config.health import HealthCheck
 from nodeagent.config.node import (
     AllowRule,
@@ -174,6 +175,8 @@ class HttpRoute(Model):
     backend_protocol: Literal["h1", "h2c"] = "h1"
     # Checked by the node's agent beside the target (docs/health-checks.md).
     health_check: HealthCheck | None = None
+    auth: RouteAuth | None = None  # who may use it (docs/auth.md); None: anyone
+    rate_limit: RateLimit | None = None  # requests per second (docs/limits.md)
 
     @field_validator("host")
     @classmethod
@@ -235,6 +238,8 @@ class IngressRule(Model):
     wake: WakeRoute | None = None  # its Service sleeps when idle (scale to zero)
     # Each backend checked by its node's agent (the Service's nodeagent.io/health-check).
     health_check: HealthCheck | None = None
+    auth: RouteAuth | None = None  # from the Ingress's auth annotations (docs/auth.md)
+    rate_limit: RateLimit | None = None  # from its rate annotations (docs/limits.md)
 
 
 class IngressTls(Model):
@@ -310,6 +315,9 @@ class RoutesConfig(Model):
     # server's handshake so agents hold a tunnel to each (controller mode: the ready
     # endpoints of the server Service). None: not announced, agents hold one tunnel.
     replicas: int | None = Field(default=None, ge=1, le=64)
+    # Bandwidth of nodes' tunnels at the server, by node ("*": every node not named);
+    # controller mode: from Node annotations (docs/limits.md).
+    bandwidth: dict[str, NodeBandwidth] = {}
     # Scale to zero: seconds between a server's reports of its routes' activity (last
     # request, requests in flight) to the controller, for the routes with `wake`.
     activity_interval: float = Field(default=10.0, gt=0, le=3600)
@@ -356,6 +364,11 @@ class RoutesConfig(Model):
         self._relays_by_node = {"*": tuple(everyone)}
         for node, rules in relays.items():
             self._relays_by_node[node] = (*everyone, *rules)
+
+    def bandwidth_of(self, node: str) -> tuple[float | None, float | None]:
+        """(to_node, from_node) bytes/s for `node`'s tunnel; None each way: unlimited."""
+        limit = self.bandwidth.get(node) or self.bandwidth.get("*")
+        return (None, None) if limit is None else (limit.to_node, limit.from_node)
 
     def admits(self, node: str) -> bool:
         """Whether `node`'s agent may hold a tunnel (known, not denied)."""
@@ -541,7 +554,7 @@ class ServerConfig(RoutesConfig):
                             ingress=self.ingress, nodes=self.nodes,
                             denied_nodes=self.denied_nodes, connect_nodes=self.connect_nodes,
                             control_plane_sources=self.control_plane_sources,
-                            replicas=self.replicas)
+                            replicas=self.replicas, bandwidth=self.bandwidth)
 
 
 # ------------------------------------------------------------------ loading

@@ -23,7 +23,9 @@ from nodeagent.config import (
     Cidr,
     ConfigError,
     InterceptConfig,
+    JwtAuth,
     PortRange,
+    RateLimit,
     format_errors,
 )
 from nodeagent.kube.resources import custom_resource
@@ -133,6 +135,16 @@ class ClusterTunnelSpec(CrdModel):
         "other nodes this tunnel covers, on allowedNodePorts (an intercept rule, updated as "
         "Nodes come and go), and the servers carry them like a CONNECT. Unset: no such "
         "path; it must name at least one label.")
+
+    ingress_jwt: JwtAuth | None = Field(
+        default=None, description="JWT authentication for every Ingress that sets no auth "
+        "annotation of its own (docs/auth.md: the same fields as a route's auth.jwt). An "
+        "Ingress cannot opt out, only choose its own JWT or basic auth by annotations. "
+        "Several ClusterTunnels setting it: the oldest one's applies.")
+    ingress_rate_limit: RateLimit | None = Field(
+        default=None, description="Request rate limits for every Ingress that sets none "
+        "of its own (docs/limits.md: rate, burst, per_client_rate, per_client_burst). "
+        "Several ClusterTunnels setting it: the oldest one's applies.")
 
     load_balancers: LoadBalancerSettings = Field(
         default=LoadBalancerSettings(), description="Services of type LoadBalancer: the "

@@ -56,12 +56,14 @@ from nodeagent.config import (
     ConnectNode,
     InterceptConfig,
     InterceptRuleConfig,
+    NodeBandwidth,
     NodeConfig,
     NodeScope,
     PortRange,
     RoutesConfig,
 )
 from nodeagent.configstream.protocol import config_line
+from nodeagent.controller.bandwidth import node_bandwidth
 from nodeagent.controller.clustertunnel import ClusterTunnelSpec, parse_cluster_tunnel
 from nodeagent.controller.ingress import SERVICE_NAME_LABEL, IngressTranslation, Problem
 from nodeagent.controller.loadbalancers import LoadBalancerTranslation
@@ -457,10 +459,18 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
         targets = dict(targets)
         for name, extra in balancers.node_targets.items():
             targets[name] = targets.get(name, NO_TARGETS) | extra
+    bandwidth: dict[str, NodeBandwidth] = {}
     for node in nodes:
-        name = str((node.get("metadata") or {}).get("name", ""))
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
         if not name:
             continue
+        if annotations := meta.get("annotations"):  # bandwidth shaping (limits.md)
+            try:
+                if (limit := node_bandwidth(annotations)) is not None:
+                    bandwidth[name] = limit
+            except ValueError as exc:
+                problems.append(Problem("Node", "", name, "InvalidBandwidth", str(exc)))
         part = memo.part(name, node, (node_view(node), tunnels,
                                       targets.get(name, NO_TARGETS), tunnels_to_hold,
                                       name in denied))
@@ -506,7 +516,7 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                           protected=protected,
                           nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)),
                           connect_nodes=connect_nodes, control_plane_sources=dnat.sources,
-                          replicas=replicas)
+                          replicas=replicas, bandwidth=bandwidth)
     return Computed(nodes=node_configs, routes=routes, problems=problems)
 
 

@@ -40,6 +40,7 @@ from nodeagent.controller.compute import (
 from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
+from nodeagent.controller.ingressgate import HTPASSWD_SECRET_TYPE, with_cluster_defaults
 from nodeagent.controller.inputs import (
     LeaderWrite,
     feeds_config,
@@ -198,6 +199,10 @@ class Controller:
             PODS)}
         self.caches["secrets"] = self.informers.cache(
             SECRETS, field_selector=SECRET_FIELD_SELECTOR)
+        # Basic-auth htpasswd Secrets (ingressgate): only of their own type, so the
+        # controller never caches other Secrets for them.
+        self.caches["htpasswd"] = self.informers.cache(
+            SECRETS, field_selector={"type": HTPASSWD_SECRET_TYPE})
         self.caches["watchers"] = self.informers.cache(
             CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
@@ -250,7 +255,7 @@ class Controller:
         ns = self.settings.namespace
 
         def handle(event: CacheEvent) -> None:
-            if plural == SECRETS.plural:
+            if plural in (SECRETS.plural, "htpasswd"):
                 meta = event.object.get("metadata") or {}
                 if (meta.get("namespace"), meta.get("name")) == (ns, CA_SECRET) and \
                         self.bootstrap.read_ca():
@@ -298,7 +303,8 @@ class Controller:
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
-            services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
+            services=services, endpoint_slices=endpoint_slices,
+            secrets=c["secrets"].list() + c["htpasswd"].list(),
             nodes=nodes, pods=c["pods"].list(),
             direct_namespaces=frozenset(n for t in tunnels
                                         for n in t.spec.direct_backend_namespaces),
@@ -307,7 +313,13 @@ class Controller:
         wake = apply_wake(translation.routes, dict(enumerate(translation.rule_services)),
                           translation.default_service, services, c["pods"].list(),
                           enabled=feature_on)
-        translation = dataclasses.replace(translation, routes=wake.routes)
+        # Auth and rate limits a ClusterTunnel sets for Ingresses without their own.
+        ingress = with_cluster_defaults(
+            wake.routes, next((t.spec.ingress_jwt for t in tunnels if t.spec.ingress_jwt),
+                              None),
+            next((t.spec.ingress_rate_limit for t in tunnels if t.spec.ingress_rate_limit),
+                 None))
+        translation = dataclasses.replace(translation, routes=ingress)
         self.sleeper.set_enabled(wake.enabled, feature_on)
         balancers = translate_load_balancers(
             services=services, endpoint_slices=endpoint_slices, nodes=nodes,

@@ -29,6 +29,8 @@ The annotation without the admin's listing opens nothing and gets a Problem sayi
 A Service port is matched by number or by name (Service port name → the EndpointSlice
 port of the same name carries the real target port).
 
+Authentication and rate limits come from annotations (`ingressgate`; docs/auth.md).
+
 TLS: `spec.tls[].secretName` must be a Secret with a PEM certificate and a key that matches
 it; the hosts it lists are redirected from http to https (308) unless the annotation
 `nodeagent.io/ssl-redirect: "false"` turns that off. A missing or malformed Secret is a
@@ -65,6 +67,12 @@ from nodeagent.controller.endpoints import (
     node_view,
     on_node,
     pod_view,
+)
+from nodeagent.controller.ingressgate import (
+    GateAnnotationError,
+    basic_secret_name,
+    rate_limit,
+    route_auth,
 )
 from nodeagent.controller.serviceannotations import HEALTH_CHECK_ANNOTATION, health_check_of
 from nodeagent.runtime.gcpause import gc_paused
@@ -203,6 +211,9 @@ def references(ingress: Obj) -> tuple[tuple[str, ...], tuple[str, ...]]:
                 if isinstance(b, dict) and isinstance(b.get("service"), dict)}
     secrets = {str(t["secretName"]) for t in spec.get("tls") or []
                if isinstance(t, dict) and t.get("secretName")}
+    basic = basic_secret_name(_meta(ingress).get("annotations") or {})
+    if basic is not None:  # basic auth's htpasswd (ingressgate)
+        secrets.add(basic)
     return tuple(sorted(services)), tuple(sorted(secrets))
 
 
@@ -422,6 +433,16 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
                 f"ignored: the cluster admin has not listed namespace {namespace} in a "
                 "ClusterTunnel's directBackendNamespaces")
 
+    try:  # authentication and rate limits (ingressgate); a bad one serves nothing
+        gate: dict[str, Any] = {
+            "auth": route_auth(annotations, namespace,
+                               lambda ns, n: index.secrets.get((ns, n))),
+            "rate_limit": rate_limit(annotations)}
+    except GateAnnotationError as exc:
+        out.refused["bad_gate"] += 1
+        problem("InvalidAuthOrLimits", f"{exc}; the Ingress is not served until fixed")
+        return
+
     default_backend = spec.get("defaultBackend")
     if default_backend is not None:
         backends = _backends(namespace, default_backend, index, out, problem,
@@ -430,7 +451,7 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
             out.default = IngressRule(
                 name=label, path="/", backends=backends, rank=rank,
                 backend_protocol=backend_protocol(namespace, default_backend, index),
-                health_check=_health_check(namespace, default_backend, index, problem))
+                health_check=_health_check(namespace, default_backend, index, problem), **gate)
             out.default_rank = rank
             out.default_service = (namespace, _service_name(default_backend))
 
@@ -462,7 +483,7 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
                 backend_protocol=backend_protocol(namespace, path.get("backend") or {},
                                                   index),
                 health_check=_health_check(namespace, path.get("backend") or {}, index,
-                                           problem)))
+                                           problem), **gate))
             out.rule_services.append((namespace, _service_name(path.get("backend") or {})))
 
 

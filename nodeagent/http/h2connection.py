@@ -325,6 +325,8 @@ class H2Connection:
             creq.chunked = True  # an HTTP/1.1 upstream gets it chunked
         routed = route_request(self.table(), req.method, creq, https=self.https,
                                max_body=self.limits.max_body_bytes)
+        if routed.gate is not None:  # rate limits, auth (gate.py)
+            routed = await routed.gate.admit(routed, creq, self.client_addr)
         if type(routed) is Refusal and routed.wake is not None and self.holds is not None:
             # A sleeping route: held until it wakes, then dialed with refusals retried,
             # as on HTTP/1.1 (holds.py).
@@ -348,7 +350,7 @@ class H2Connection:
                 stats.refused(refusal.code, status=refusal.status, client=self.client_addr,
                               detail=refusal.reason)
             await self._answer(sid, req, refusal.status, refusal.reason, refusal.location,
-                               retry_after=refusal.retry_after)
+                               retry_after=refusal.retry_after, refusal=refusal)
             return
         route = routed
         timeout = None
@@ -607,7 +609,8 @@ class H2Connection:
     # -- answers made here ------------------------------------------------------------------
 
     async def _answer(self, sid: int, req: H2Request, status: int, reason: str,
-                      location: str | None = None, retry_after: int | None = None) -> None:
+                      location: str | None = None, retry_after: int | None = None,
+                      refusal: Refusal | None = None) -> None:
         """The front's own answer: a gRPC status to gRPC, a short text to the others."""
         self.stats.count_status(status)
         if status >= 500 or status in (404, 503):
@@ -615,8 +618,10 @@ class H2Connection:
                      client=self.client_addr, method=req.method.decode("latin-1"),
                      protocol="h2")
         if req.grpc:
+            code = refusal.grpc if refusal is not None and refusal.grpc is not None \
+                else grpcstatus.code_for_http(status)
             await self.wire.send_headers(sid, grpcstatus.trailers_only(
-                grpcstatus.code_for_http(status), reason, req.content_type), end=True)
+                code, reason, req.content_type), end=True)
             return
         body = f"{status} {reason_phrase(status).decode()}: {reason}\n".encode()
         headers: Headers = [(b":status", b"%d" % status),
@@ -626,6 +631,8 @@ class H2Connection:
             headers.append((b"location", location.encode("latin-1")))
         if retry_after is not None:  # e.g. 503 over a sleeping route's max-pending
             headers.append((b"retry-after", b"%d" % retry_after))
+        if refusal is not None and refusal.headers:
+            headers += refusal.headers  # WWW-Authenticate
         if req.method == b"HEAD":
             await self.wire.send_headers(sid, headers, end=True)
         else:

@@ -46,6 +46,9 @@ def tunnels_view(tunnel: TunnelServer, server_id: str, node: str | None = None
             "streams_open": info.streams_open, "bytes_in": info.bytes_in,
             "bytes_out": info.bytes_out,
             "since_seconds": round(max(0.0, now - session.since), 1),
+            # Bandwidth shaping (limits.md): rates in bytes/s and seconds waited.
+            "bandwidth": session.shaper.as_dict() if session.shaper is not None and (
+                session.shaper.rate_out or session.shaper.rate_in) else None,
             # A node connected again (the live tunnel has not ended): why its
             # previous tunnel ended, replaced by this one included.
             "last_error": f"previous tunnel: {ended.label}: {ended.reason}"
@@ -121,12 +124,19 @@ def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats],
     yield agents
     rtt = gauge("nodeagent_agent_rtt_seconds", "Round-trip time to each agent", ["node"])
     streams = gauge("nodeagent_agent_streams_open", "Open streams per agent", ["node"])
+    shaped = counter("nodeagent_tunnel_shaping_wait_seconds", "Seconds a node's shaped "
+                     "tunnel waited for its bandwidth, by direction (to_node, from_node)",
+                     labels=["node", "direction"])
     for node, session in tunnel.sessions.items():
         if session.connection.rtt is not None:
             rtt.add_metric([node], session.connection.rtt)
         streams.add_metric([node], session.connection.info().streams_open)
+        if (shaper := session.shaper) is not None and (shaper.rate_out or shaper.rate_in):
+            shaped.add_metric([node, "to_node"], shaper.waited_out)
+            shaped.add_metric([node, "from_node"], shaper.waited_in)
     yield rtt
     yield streams
+    yield shaped
     disconnects = counter(
         "nodeagent_agent_disconnects",
         "Agent tunnels that ended, by why (drained, keepalive_timeout, "

@@ -103,7 +103,7 @@ class Server:
                                          config.tunnel.handshake_burst),
             replicas=self.routes.replicas,
             on_refusal=lambda reason: refusals.count(f"handshake_{reason}"),
-            log=self.log)
+            bandwidth=lambda node: self.routes.bandwidth_of(node), log=self.log)
         # When each stream opened and for what (debug streams); every stream this server
         # opens to a node goes through open_stream, which also times its setup.
         self.stream_notes = StreamNotes()
@@ -205,6 +205,7 @@ class Server:
             raise
         self.tunnel.replicas = routes.replicas  # announced from the next handshake on
         self.health_watch.update(routes)
+        self.tunnel.reshape()  # nodes' bandwidth (limits.md)
         self.load_balancers.update(routes.load_balancers)
         self.holds.routes_changed()  # held requests look again: their route may be awake
         self.metrics.config_version.set(routes.version)
@@ -273,4 +274,6 @@ class Server:
             "backend_health": self.backend_health.as_list(),
             "proxy_protocol": {"from": [str(n) for n in self.proxy_trust.networks],
                                "headers": dict(self.proxy_trust.stats.results)},
+            # Routes with rate limits or authentication: keys, buckets, refusals by why.
+            "route_gates": self.route_tables.gates.as_dict(),
         }

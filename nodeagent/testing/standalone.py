@@ -64,13 +64,15 @@ def make_certs(d: Path) -> Certs:
 
 
 class UpstreamHandler(BaseHTTPRequestHandler):
-    """The sample HTTP service: answers every GET with what it saw (path, Host, XFF)."""
+    """The sample HTTP service: answers every GET with what it saw (path, Host, XFF, the
+    identity a route's authentication passed on)."""
 
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
         body = (f"hello from upstream path={self.path} host={self.headers.get('Host')} "
-                f"xff={self.headers.get('X-Forwarded-For')}").encode()
+                f"xff={self.headers.get('X-Forwarded-For')} "
+                f"identity={self.headers.get('X-Nodeagent-Identity')}").encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()

@@ -22,6 +22,7 @@ from nodeagent.controller.controller import (
     serve_controller,
 )
 from nodeagent.controller.crds import crd_manifests
+from nodeagent.controller.ingressgate import HTPASSWD_SECRET_TYPE
 from nodeagent.kube.client import selector_string
 from nodeagent.testing.fakekube import FakeKube
 from nodeagent.testing.fakekube.fixtures import ADMIN_TOKEN
@@ -30,6 +31,7 @@ MANIFEST_RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac.yaml"
 CONTROLLER = "system:serviceaccount:nodeagent:nodeagent-controller"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 TLS_SELECTOR = selector_string(SECRET_FIELD_SELECTOR)
+HTPASSWD_SELECTOR = selector_string({"type": HTPASSWD_SECRET_TYPE})
 
 
 @pytest.fixture
@@ -155,7 +157,15 @@ async def test_the_controller_runs_on_the_manifest_rbac_and_caches_only_tls_secr
     mine = [r for r in rbac_kube.requests if r.user == CONTROLLER]
     secret_reads = [r for r in mine if r.method == "GET" and r.path == "/api/v1/secrets"]
     assert {r.query.get("watch", "") for r in secret_reads} >= {"", "true"}  # list, watch
-    assert all(r.query.get("fieldSelector") == TLS_SELECTOR for r in secret_reads)
+    # Only two kinds: TLS Secrets and basic-auth htpasswd Secrets (docs/auth.md).
+    assert {r.query.get("fieldSelector") for r in secret_reads} == {TLS_SELECTOR,
+                                                                    HTPASSWD_SELECTOR}
+    assert ("other", "sh.helm.release.v1.x.v1") not in controller.caches["htpasswd"]
+    rbac_kube.put_object(dict(secret("users", "other", "nodeagent.io/htpasswd")))
+    with trio.fail_after(10):
+        await controller.caches["htpasswd"].wait_until(lambda c: ("other", "users") in c)
+    assert ("other", "users") not in secrets and controller.caches["htpasswd"].keys() == [
+        ("other", "users")]
     assert not [r for r in mine if "/secrets" in r.path and r.method == "GET" and
                 r.path != "/api/v1/secrets"]  # no other Secret read, by name or namespace
     refused = [(r.method, r.path, r.query) for r in mine if r.status == 403]

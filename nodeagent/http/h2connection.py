@@ -168,6 +168,10 @@ class H2Connection:
                     if self.initial:
                         await self._received(self.initial)
                     await self._read_loop()
+                    # What the last streams queued (flushes do not wait for the write),
+                    # and a GOAWAY: written before the writer goes, within the idle timeout.
+                    with trio.move_on_after(self.limits.idle_timeout):
+                        await self.wire.drain()
                 except H2Refused as exc:
                     refused = exc
                 except StreamGone:

@@ -141,7 +141,7 @@ class H2Upstream:
         except H2Refused as exc:
             why = f"broke the protocol: {exc}"
             try:
-                await self.wire.flush()
+                await self.wire.drain()  # h2's GOAWAY, before the writer is cancelled
             except StreamGone:
                 pass
         except StreamGone as exc:

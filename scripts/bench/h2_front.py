@@ -42,6 +42,7 @@ from pathlib import Path
 import trio
 
 from nodeagent.http import Backend, HttpFront, Route, RouteSpec, RouteTable
+from nodeagent.testing.standalone import free_port
 from scripts.bench.http_front import BODY, _cpu_seconds, _run_upstream, open_direct
 
 PATHS = ("h1", "h2", "h2c", "h1-h2c")
@@ -137,7 +138,7 @@ class Stack:
     """The backends and the front, each a process of its own."""
 
     def __init__(self, profile: str | None = None, valgrind: Path | None = None) -> None:
-        self.h1_port, self.h2c_port, self.port = 18181, 18182, 18180
+        self.h1_port, self.h2c_port, self.port = free_port(), free_port(), free_port()
         self.work = Path(tempfile.mkdtemp(prefix="bench-h2front-"))
         (self.work / "bench").write_bytes(BODY)
         self.h1 = multiprocessing.Process(target=_run_upstream, args=(self.h1_port,),

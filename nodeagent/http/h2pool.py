@@ -374,7 +374,7 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
                             stats: HttpStats, headers: Headers, end: bool) -> H2cExchange:
     """A request on one of `route`'s backends, balanced for this request alone; raises
     `UpstreamFailed` with the last failure when no backend took it."""
-    failure = UpstreamFailed(502, f"route {route.name}: no backend could be reached")
+    failure: UpstreamFailed | None = None  # made only when one is needed (hot path)
     for backend in balancer.candidates(route)[: limits.max_dial_attempts]:
         try:
             conn_or_none = pool.conns.get(backend)
@@ -407,7 +407,7 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
         balancer.failed(backend)
         log.info("upstream unavailable", route=route.name, backend=str(backend),
                  status=failure.status, reason=failure.reason)
-    raise failure
+    raise failure or UpstreamFailed(502, f"route {route.name}: no backend could be reached")
 
 
 __all__ = ["H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost", "open_h2c_exchange"]

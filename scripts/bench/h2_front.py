@@ -6,9 +6,9 @@ it is what the h2 path spends beside the HTTP/1.1 path. Four paths, interleaved 
 --rounds rounds (median, min-max of the front's CPU µs per request):
 
   h1          h2load --h1, 16 connections, one request at a time, to an HTTP/1.1 backend
-  h2 -> h1    h2load, 16 connections x 10 streams (h2c prior knowledge), same backend
-  h2 -> h2c   the same to nghttpd serving 1 KiB over h2c (one shared upstream connection)
-  h1 -> h2c   h2load --h1 to the h2c backend (an HTTP/1.1 client translated to h2c)
+  h2          h2load, 16 connections x 10 streams (h2c prior knowledge), same backend
+  h2c         the same to nghttpd serving 1 KiB over h2c (one shared upstream connection)
+  h1-h2c      h2load --h1 to the h2c backend (an HTTP/1.1 client translated to h2c)
 
 and `floor`: the `h2` library alone in memory, a client and a server connection passing
 the same requests (h2load's request head, 10 per read, a 1 KiB response), the server's and
@@ -16,12 +16,14 @@ the client's side timed apart: what any front built on `h2` spends per request a
 
     .venv/bin/python -m scripts.bench.h2_front [--rounds 3] [--requests 20000]
     .venv/bin/python -m scripts.bench.h2_front --profile h2 --requests 20000   # cProfile
-    .venv/bin/python -m scripts.bench.h2_front --instructions h2   # callgrind, per request
+    .venv/bin/python -m scripts.bench.h2_front --instructions h2 --requests 300   # callgrind
 
-`--profile PATH` runs the front under cProfile for that path and prints its top functions.
-`--instructions PATH` runs the front under valgrind's callgrind twice (N and 2N requests)
-and prints the instructions per request (the difference over N: start-up cancels out),
-steady where CPU time is not. Needs h2load (nghttp2-client) and nghttpd (nghttp2-server).
+`--profile PATH` runs the front under cProfile for that path and prints its top functions
+(H2_FRONT_KEEP_PROFILE=FILE keeps the pstats file). `--instructions PATH` runs the front
+under valgrind's callgrind twice (N and 2N requests, N at most 2,000) and prints the
+instructions per request (the difference over N: start-up cancels out), steady where CPU
+time is not; ~80x slower, a few minutes per path for N=300. Needs h2load (nghttp2-client)
+and nghttpd (nghttp2-server).
 """
 
 from __future__ import annotations

@@ -168,6 +168,10 @@ class H2Connection:
                     if self.initial:
                         await self._received(self.initial)
                     await self._read_loop()
+                    # What the last streams queued (flushes do not wait for the write),
+                    # and a GOAWAY: written before the writer goes, within the idle timeout.
+                    with trio.move_on_after(self.limits.idle_timeout):
+                        await self.wire.drain()
                 except H2Refused as exc:
                     refused = exc
                 except StreamGone:
@@ -361,19 +365,16 @@ class H2Connection:
         started = _Outcome()
         status = 0
         try:
-            with trio.move_on_after(timeout if timeout is not None else float("inf")
-                                    ) as deadline:
-                if route.wake is not None and self.holds is not None:
-                    self.holds.begin(route.wake)  # activity: it keeps the Service awake
-                    try:
-                        status = await self._forward(sid, req, creq, route, has_body, inbox,
-                                                     started)
-                    finally:
-                        self.holds.end(route.wake)
-                else:
-                    status = await self._forward(sid, req, creq, route, has_body, inbox,
-                                                 started)
-            if deadline.cancelled_caught:
+            if timeout is None:  # no cancel scope for the calls that need none
+                status = await self._forward_held(sid, req, creq, route, has_body, inbox,
+                                                  started)
+                timeout_hit = False
+            else:
+                with trio.move_on_after(timeout) as deadline:
+                    status = await self._forward_held(sid, req, creq, route, has_body, inbox,
+                                                      started)
+                timeout_hit = deadline.cancelled_caught
+            if timeout_hit:
                 stats.timeouts += 1
                 started.grpc = "DEADLINE_EXCEEDED"
                 message = f"deadline of {timeout:g}s exceeded at the front"
@@ -398,6 +399,17 @@ class H2Connection:
             log.info("request routed", host=clip(creq.host.decode("latin-1")),
                      path=clip(creq.target.decode("latin-1")), status=status, protocol="h2")
 
+    async def _forward_held(self, sid: int, req: H2Request, creq: ClientRequest,
+                            route: Route, has_body: bool, inbox: Inbox,
+                            started: _Outcome) -> int:
+        if route.wake is not None and self.holds is not None:
+            self.holds.begin(route.wake)  # activity: it keeps the Service awake
+            try:
+                return await self._forward(sid, req, creq, route, has_body, inbox, started)
+            finally:
+                self.holds.end(route.wake)
+        return await self._forward(sid, req, creq, route, has_body, inbox, started)
+
     async def _forward(self, sid: int, req: H2Request, creq: ClientRequest, route: Route,
                        has_body: bool, inbox: Inbox, started: _Outcome) -> int:
         fields = upstream_headers(creq, default_host=route.backends[0].host,
@@ -414,7 +426,12 @@ class H2Connection:
                 exchange = await self._h1_exchange(
                     route, serialize_request(req.method, creq.target, fields), req.method,
                     creq.chunked, has_body)
-            if has_body:
+            if has_body and inbox.items and type(inbox.items[-1]) is EndIn:
+                # The whole body came with the head (a unary gRPC call, a small POST): sent
+                # as it is, without a pump task and its nursery.
+                await self._send_whole_body(sid, inbox, exchange)
+                status = await self._relay(sid, req, exchange, started)
+            elif has_body:
                 status = await self._exchange_with_body(sid, req, exchange, inbox, started)
             else:
                 status = await self._relay(sid, req, exchange, started)
@@ -519,6 +536,31 @@ class H2Connection:
             await self.wire.reset(sid, h2.errors.ErrorCodes.NO_ERROR)
         return status
 
+    async def _send_whole_body(self, sid: int, inbox: Inbox, exchange: Exchange) -> None:
+        """A request body that is all in `inbox` (it ends with END_STREAM) → backend."""
+        max_body = self.limits.max_body_bytes
+        seen = 0
+        trailers: Headers = []
+        items = inbox.items
+        try:
+            while items:
+                ev = items.popleft()
+                t = type(ev)
+                if t is DataIn:
+                    data = cast(DataIn, ev)
+                    seen += len(data.data)
+                    if max_body is not None and seen > max_body:
+                        raise _BodyTooLarge()
+                    if data.data:
+                        await exchange.send_body(data.data)
+                    await self.wire.acknowledge(sid, data.flow_length)
+                elif t is TrailersIn:
+                    trailers = cast(TrailersIn, ev).trailers
+                elif t is EndIn:
+                    await exchange.end_body(trailers)
+        except UpstreamFailed:
+            pass  # the backend stopped reading: its answer (if any) is still relayed
+
     async def _pump_body(self, sid: int, inbox: Inbox, exchange: Exchange, grpc: bool,
                          errors: list[Exception], pumped: list[bool],
                          nursery: trio.Nursery) -> None:
@@ -578,6 +620,13 @@ class H2Connection:
         while True:
             t = type(ev)
             if t is bytes:
+                if exchange.ends_next():
+                    # The body's last piece: END_STREAM rides on it (one frame less).
+                    await wire.send_data(sid, cast(bytes, ev), end=True)
+                    ev = await exchange.receive()  # the ResponseEnd, at once
+                    if req.grpc:
+                        started.grpc = grpcstatus.name_of(cast(ResponseEnd, ev).trailers)
+                    break
                 await wire.send_data(sid, cast(bytes, ev))
             elif t is ResponseStart:
                 start = cast(ResponseStart, ev)

@@ -8,6 +8,7 @@ is counted and logged, and the bytes each way are counted when both ends have cl
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import trio
@@ -19,6 +20,8 @@ from nodeagent.ops.streamviews import StreamNotes
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.openers import StreamOutcomes
 from tunnel.relay import relay_connection
+from tunnel.splice import SpliceResult
+from tunnel.spliceloop import SpliceOwner
 
 
 class TcpMappingRelay:
@@ -32,7 +35,11 @@ class TcpMappingRelay:
         self._stream_bytes = stream_bytes
         self.log = log
 
-    async def serve(self, mapping: TcpMapping, client: trio.SocketStream) -> None:
+    async def serve(self, mapping: TcpMapping, client: trio.SocketStream, *,
+                    owner: SpliceOwner | None = None) -> None:
+        """Carry one connection. With `owner` (the mapping's listener) the splice is
+        handed to the tunnel connection's loop once the stream is open, and this task
+        ends: an idle connection keeps no task; the owner aborts it if it stops first."""
         peer = peer_address(client)  # the stream's origin, which the agent logs
         name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
 
@@ -42,16 +49,17 @@ class TcpMappingRelay:
             self._notes.note(stream, name)
             return stream
 
-        relayed = await relay_connection(client, open_mapping_target,
-                                         on_accepted=lambda: self._outcomes.outbound("accepted"))
+        relayed = await relay_connection(
+            client, open_mapping_target,
+            on_accepted=lambda: self._outcomes.outbound("accepted"),
+            on_finished=functools.partial(self._finished, mapping, peer), owner=owner)
         if relayed.failure is not None:
             self._outcomes.outbound(relayed.failure.outcome)
             self._mapping_log(mapping, peer).info(
                 "connection refused", reason=relayed.failure.outcome,
                 error=relayed.failure.message)
-            return
-        result = relayed.spliced
-        assert result is not None
+
+    def _finished(self, mapping: TcpMapping, peer: str, result: SpliceResult) -> None:
         self._stream_bytes.labels("out").inc(result.a_to_b)
         self._stream_bytes.labels("in").inc(result.b_to_a)
         if self.log.isEnabledFor(logging.DEBUG):  # no logger bound per connection otherwise

@@ -16,6 +16,7 @@ each round, and the after/before ratio: median with min-max over the rounds. The
 repository root:
 
     .venv/bin/python -m scripts.bench.memory_after_load [--rounds 3] [--out FILE]
+    .venv/bin/python -m scripts.bench.memory_after_load --tree /tmp/before  # another checkout
 
 Needs wrk and a C compiler (benchtool's echo). About two minutes with the defaults.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -60,9 +62,14 @@ class KeepAliveHandler(UpstreamHandler):
     protocol_version = "HTTP/1.1"
 
 
+class QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # wrk resets its connections at the end: no traceback per connection
+
+
 @contextlib.contextmanager
 def http_upstream() -> Iterator[int]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), KeepAliveHandler)
+    httpd = QuietServer(("127.0.0.1", 0), KeepAliveHandler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
@@ -168,6 +175,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, http_upstream() as http_target, \
             echo_target(Path(tmp)) as echo:
         work = Path(tmp)
+        if args.tree is not None:
+            # The processes run the other checkout's code: first on their path, and
+            # this tree's (their working directory otherwise) out of the way.
+            os.environ["PYTHONPATH"] = str(args.tree.resolve())
+            os.chdir(work)
         certs = make_certs(work)
         upstream = Upstream(http_port=http_target, echo_port=echo)
         scfg = server_config(work, certs, upstream)
@@ -230,6 +242,9 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=64, help="MiB each bulk stream echoes")
     parser.add_argument("--http-seconds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
+    parser.add_argument("--tree", type=Path, default=None,
+                        help="run the server and agent from this checkout instead "
+                             "(e.g. `git worktree add /tmp/before main`), for a before/after")
     args = parser.parse_args()
     result = run(args)
     if args.out:

@@ -48,13 +48,36 @@ def test_trim_gives_freed_heap_pages_back() -> None:
     assert after <= freed
 
 
-async def test_trim_forever_trims_once_per_interval(autojump_clock: trio.abc.Clock) -> None:
+async def test_trim_forever_trims_only_when_the_heap_holds_enough_free(
+        autojump_clock: trio.abc.Clock) -> None:
     calls: list[float] = []
+    free = iter([0, 5_000_000, 100, 3_000_000, 0, 0])
 
     def trim() -> bool:
         calls.append(trio.current_time())
         return True
 
-    with trio.move_on_after(185):
-        await malloctune.trim_forever(60, trim)
-    assert calls == [60, 120, 180]
+    with trio.move_on_after(13):
+        await malloctune.trim_forever(2, trim, lambda: next(free), slack=1_000_000)
+    assert calls == [4, 8]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's")
+def test_the_free_heap_is_read_from_glibc() -> None:
+    program = r"""
+from nodeagent.runtime.malloctune import free_heap_bytes, trim_now
+x = b"y" * 300_000  # freed, it raises glibc's mmap threshold: the rest comes from the heap
+del x
+keep, big = [], []
+for i in range(200):
+    big.append(b"x" * (200_000 + i))
+    keep.append(b"k" * 600)
+del big
+before = free_heap_bytes()
+trim_now()
+print(before, free_heap_bytes())
+"""
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         check=True).stdout.split()
+    before = int(out[0])
+    assert before > 10_000_000  # the 40 MB freed between the pinned small ones

@@ -219,7 +219,8 @@ class SpliceLoop:
             owner: SpliceOwner | None = None) -> SpliceHandle:
         # The socket leaves trio: a plain socket object on the same descriptor (trio's
         # wrappers are ~700 B an idle stream would carry for nothing).
-        raw = socket.socket(fileno=sock.socket.detach())
+        tsock = sock.socket  # (family, type, proto given: no getsockopt to learn them)
+        raw = socket.socket(tsock.family, tsock.type, tsock.proto, tsock.detach())
         splice = _Splice(self, stream, raw, on_end, owner)
         if owner is not None:
             owner._splices.add(splice)
@@ -401,11 +402,10 @@ class SpliceLoop:
         carrier = self._carrier
         try:
             while True:
-                events = epoll.poll(0, _MAX_EVENTS)
-                if not events:
-                    await trio.lowlevel.wait_readable(epoll.fileno())
-                    continue
-                for fd, flags in events:
+                # Always a yield point (other tasks run between rounds), and one epoll
+                # wait of trio's and one of ours per round, whether or not one is ready.
+                await trio.lowlevel.wait_readable(epoll.fileno())
+                for fd, flags in epoll.poll(0, _MAX_EVENTS):
                     s = splices.get(fd)
                     if s is None:
                         continue
@@ -415,7 +415,6 @@ class SpliceLoop:
                         self.read(s)
                 # Output for the tunnel: wake its writer, and wait while it is behind.
                 await carrier.send_queued()
-                await trio.lowlevel.checkpoint()
         except TunnelClosedError:
             pass
         except Exception as exc:

@@ -137,8 +137,8 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-# One loop per tunnel connection, made on first use; weak, so a connection that is gone
-# takes its (ended) loop with it.
+# One loop per tunnel connection, made on first use, dropped when its task ends (the
+# connection's end) or cannot start.
 _LOOPS: weakref.WeakKeyDictionary[StreamCarrier, SpliceLoop] = weakref.WeakKeyDictionary()
 
 
@@ -229,6 +229,7 @@ class SpliceLoop:
             self._started = self._carrier.start_task(self._run)
         self._splices[splice.fd] = splice
         if not self._started:
+            self._forget()
             self.end(splice, "tunnel connection ended")
             return handle
         if to_socket:
@@ -421,7 +422,14 @@ class SpliceLoop:
             # In the connection's nursery: a bug here costs these splices, not the tunnel.
             _log.error("splice loop failed", splices=len(splices), error=repr(exc))
         finally:
-            self.ended = True
+            self._forget()
             for s in list(splices.values()):
                 self.end(s, "tunnel connection ended")
             epoll.close()
+
+    def _forget(self) -> None:
+        """Out of the registry: it holds the connection strongly through this loop, so
+        a loop left there would keep its connection alive forever."""
+        self.ended = True
+        if _LOOPS.get(self._carrier) is self:
+            del _LOOPS[self._carrier]

@@ -4,8 +4,10 @@ with backpressure, and end when their connection or their owner does."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -200,6 +202,11 @@ async def test_the_connections_end_resets_the_sockets_of_its_handed_over_splices
         with pytest.raises(ConnectionResetError):
             await recv_until_closed(targets[0])
     assert len(results) == 1 and results[0].error == "tunnel connection ended"
+    # Nothing keeps the ended connection alive (its splice loop is gone with it).
+    ended = weakref.ref(link.acceptor)
+    del link, stream
+    gc.collect()
+    assert ended() is None
 
 
 async def test_an_owner_that_stops_aborts_its_splices_both_ways() -> None:

@@ -124,6 +124,34 @@ class UdpMapping(Model):
     amplification_factor: float = Field(default=3.0, ge=1, le=100)
 
 
+class LoadBalancerPort(Model):
+    """One port of a LoadBalancer Service (controller mode; or a file's, as a TCP/UDP
+    mapping balanced across nodes): the servers listen on `port` for `protocol` at
+    `load_balancer_host`, and each connection (TCP) or client flow (UDP) goes to one of
+    `backends` (round robin over those whose node's agent holds a tunnel here). No
+    backends: the port stays open and refuses (TCP reset; UDP dropped, `no_backends`)."""
+
+    protocol: Literal["tcp", "udp"] = "tcp"
+    port: int = Field(ge=1, le=65535)
+    backends: tuple[Backend, ...] = ()
+    # UDP: a flow with no datagram either way for this long ends.
+    idle_timeout: float = Field(default=60.0, gt=0, le=3600)
+
+    @field_validator("backends")
+    @classmethod
+    def _through_nodes(cls, v: tuple[Backend, ...]) -> tuple[Backend, ...]:
+        if any(b.node is None for b in v):
+            raise ValueError("every backend of a load balancer port names its node")
+        return v
+
+
+class LoadBalancerService(Model):
+    """A Service of type LoadBalancer the servers satisfy (docs/loadbalancer.md)."""
+
+    name: str  # "namespace/name", for logs, metrics and `nodeagent debug loadbalancers`
+    ports: tuple[LoadBalancerPort, ...] = ()
+
+
 class HttpRoute(Model):
     host: str | None = None  # exact or "*.example.com"; None: any host
     path: str = "/"
@@ -236,6 +264,8 @@ class RoutesConfig(Model):
     version: int = Field(default=0, ge=0)
     tcp: tuple[TcpMapping, ...] = ()
     udp: tuple[UdpMapping, ...] = ()
+    # LoadBalancer Services: ports opened and closed while running, as these change.
+    load_balancers: tuple[LoadBalancerService, ...] = ()
     http: tuple[HttpListener, ...] = ()
     # Destinations the server dials itself for streams agents open (intercepted traffic),
     # for every node; `scopes` add egress for some nodes only.
@@ -387,6 +417,15 @@ class RoutesConfig(Model):
             if addr.port and key in seen:
                 problems.append(f"{where} listens on {addr}, already used by {seen[key]}")
             seen.setdefault(key, where)
+        claimed: dict[tuple[str, int], str] = {}
+        for service in self.load_balancers:
+            for lb_port in service.ports:
+                claim = (lb_port.protocol, lb_port.port)
+                if claim in claimed:
+                    problems.append(f"load_balancers: {service.name} asks for "
+                                    f"{lb_port.protocol}/{lb_port.port}, already "
+                                    f"{claimed[claim]}'s")
+                claimed.setdefault(claim, service.name)
         return problems
 
 
@@ -445,6 +484,17 @@ class ServerConfig(RoutesConfig):
     http_limits: HttpLimitsConfig = HttpLimitsConfig()
     # The CONNECT front for the control plane: off unless connect.uds or connect.listen.
     connect: ConnectFrontConfig = ConnectFrontConfig()
+    # Where the ports of `load_balancers` listen (their port numbers are the Services').
+    load_balancer_host: str = "0.0.0.0"
+
+    @field_validator("load_balancer_host")
+    @classmethod
+    def _lb_host(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_address(v.strip("[]")))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address (0.0.0.0 or :: for every "
+                             "interface)") from None
 
     def problems(self) -> list[str]:
         problems = super().problems()
@@ -465,7 +515,8 @@ class ServerConfig(RoutesConfig):
         return problems
 
     def routes(self) -> RoutesConfig:
-        return RoutesConfig(version=self.version, tcp=self.tcp, udp=self.udp, http=self.http,
+        return RoutesConfig(version=self.version, tcp=self.tcp, udp=self.udp,
+                            load_balancers=self.load_balancers, http=self.http,
                             egress=self.egress, scopes=self.scopes,
                             protected=self.protected, node_cidrs=self.node_cidrs,
                             ingress=self.ingress, nodes=self.nodes,

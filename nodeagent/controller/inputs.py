@@ -25,6 +25,7 @@ from nodeagent.controller.bootstrap import (
 )
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.endpoints import pod_view
+from nodeagent.controller.loadbalancers import UDP_IDLE_ANNOTATION
 from nodeagent.controller.wakeroutes import pod_failure_view, settings_view
 from nodeagent.kube import (
     ENDPOINTSLICES,
@@ -47,6 +48,7 @@ class LeaderWrite(enum.Enum):
     EVENTS = "events"  # Events for the Problems of the latest recompute
     INGRESS_STATUS = "ingress status"  # the servers' address on every Ingress served
     TUNNEL_STATUS = "tunnel status"  # ClusterTunnel status and finalizer
+    SERVICE_STATUS = "service status"  # the servers' address on LoadBalancer Services
 
 
 def _meta(obj: Obj) -> Obj:
@@ -63,10 +65,11 @@ def _node(obj: Obj) -> Any:
 
 
 def _service(obj: Obj) -> Any:
-    # Ports, type and externalName, and the scale-to-zero settings (not the controller's
-    # own state annotations). The status (a LoadBalancer address) feeds only the Ingress
-    # status and the servers' certificate: see `leader_writes`.
-    return (obj.get("spec"), settings_view(obj))
+    # Ports, type and externalName, the scale-to-zero settings (not the controller's
+    # own state annotations) and a LoadBalancer's UDP idle timeout. The status (a
+    # LoadBalancer address) feeds only the leader's writes: see `leader_writes`.
+    return (obj.get("spec"), settings_view(obj),
+            (_meta(obj).get("annotations") or {}).get(UDP_IDLE_ANNOTATION))
 
 
 def _endpoint_slice(obj: Obj) -> Any:
@@ -171,8 +174,11 @@ def leader_writes(plural: str, event: CacheEvent, namespace: str) -> set[LeaderW
     if plural == SERVICES.plural and ours and meta.get("name") == TUNNEL_SERVICE:
         return {LeaderWrite.PKI}  # its LoadBalancer address: in the servers' certificate
     if plural == SERVICES.plural and ours and meta.get("name") == SERVER_SERVICE:
-        # Its LoadBalancer address: on every Ingress, and in the servers' certificate.
-        return {LeaderWrite.INGRESS_STATUS, LeaderWrite.PKI}
+        # Its LoadBalancer address: on every Ingress and LoadBalancer Service served, and
+        # in the servers' certificate.
+        return {LeaderWrite.INGRESS_STATUS, LeaderWrite.SERVICE_STATUS, LeaderWrite.PKI}
+    if plural == SERVICES.plural and status_changed(event):
+        return {LeaderWrite.SERVICE_STATUS}  # someone else wrote it: put ours back
     if plural == SECRETS.plural and ours and meta.get("name") in (CA_SECRET,
                                                                   SERVER_TLS_SECRET):
         return {LeaderWrite.PKI}  # deleted, replaced or relabelled

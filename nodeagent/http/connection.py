@@ -63,7 +63,7 @@ from nodeagent.http.h1 import (
     serialize_request,
 )
 from nodeagent.http.h2heads import h2_request, reason_phrase
-from nodeagent.http.h2pool import H2cExchange, H2Pool, open_h2c_exchange
+from nodeagent.http.h2pool import H2cExchange, H2Pool, connect_h2c, open_h2c_exchange
 from nodeagent.http.headers import (
     ClientRequest,
     frame_response,
@@ -73,7 +73,7 @@ from nodeagent.http.headers import (
     switch_response,
     upstream_headers,
 )
-from nodeagent.http.holds import HeldRequests
+from nodeagent.http.holds import HeldRequests, dial_woken
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
 from nodeagent.http.request import (
@@ -421,29 +421,26 @@ class HttpConnection:
             return route_request(self.table(), method, creq, https=https, max_body=max_body)
 
         outcome = await self.holds.hold(refusal, recheck)
-        # The servers' routes and the node's allow list reach the two on streams of their
-        # own: a woken backend may be in our table a moment before its agent lets us dial
-        # it (measured: ~40 ms later on a busy 2-core machine). Dial before forwarding,
-        # and retry a refused dial until the wake deadline: often at first, then at most
-        # every 100 ms (a refused dial is a stream opened and refused in the tunnel).
-        delay = 0.01
-        while type(outcome) is Route:
-            if outcome.backend_protocol != "h1":
-                break  # h2c: the shared connection pool dials, and retries, on its own
-            try:
-                await self._upstream(outcome)
-            except UpstreamFailed as exc:
-                if trio.current_time() + delay > deadline:
-                    return await self._error(exc.status, exc.reason, req)
-                await trio.sleep(delay)
-                delay = min(delay * 1.5, 0.1)
-                outcome = recheck()
-                continue
-            return await self._forward_counted(req, outcome)
         if type(outcome) is Route:
-            return await self._forward_counted(req, outcome)
+            # Dial before forwarding; a refused dial is retried (holds.dial_woken says why).
+            try:
+                dialed = await dial_woken(outcome, recheck, self._dial_woken, deadline,
+                                          UpstreamFailed)
+            except UpstreamFailed as exc:
+                return await self._error(exc.status, exc.reason, req)
+            if isinstance(dialed, Refusal):
+                return await self._refuse(dialed, req)
+            return await self._forward_counted(req, dialed[0])
         assert type(outcome) is Refusal
         return await self._refuse(outcome, req)
+
+    async def _dial_woken(self, route: Route) -> None:
+        """A woken route's first upstream, kept for the request (`_upstream` reuses it);
+        h2c: the shared pool's connection to one of its backends."""
+        if route.backend_protocol == "h1":
+            await self._upstream(route)
+        elif self.pool is not None:
+            await connect_h2c(route, self.pool, self.balancer, self.limits)
 
     async def _starting_page(self, refusal: Refusal) -> bool:
         """503 with `Refresh`: a browser shows a small page and asks again shortly."""

@@ -42,7 +42,7 @@ from nodeagent.http.dispatch import Refusal, route_request
 from nodeagent.http.exchange import Exchange, H1Exchange, ResponseEnd, ResponseStart
 from nodeagent.http.h1 import serialize_request
 from nodeagent.http.h2heads import H2Request, h1_view, h2_request, h2_response, reason_phrase
-from nodeagent.http.h2pool import H2Pool, open_h2c_exchange
+from nodeagent.http.h2pool import H2Pool, connect_h2c, open_h2c_exchange
 from nodeagent.http.h2session import (
     DataIn,
     EndIn,
@@ -58,7 +58,7 @@ from nodeagent.http.h2session import (
 )
 from nodeagent.http.h2wire import H2Wire, Inbox, StreamGone, WindowStalled
 from nodeagent.http.headers import ClientRequest, read_request, upstream_headers
-from nodeagent.http.holds import HeldRequests
+from nodeagent.http.holds import HeldRequests, dial_woken
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
 from nodeagent.http.routetable import Route, RouteTable
@@ -326,10 +326,22 @@ class H2Connection:
         routed = route_request(self.table(), req.method, creq, https=self.https,
                                max_body=self.limits.max_body_bytes)
         if type(routed) is Refusal and routed.wake is not None and self.holds is not None:
-            # A sleeping route: held until it wakes, as on HTTP/1.1 (holds.py).
-            routed = await self.holds.hold(routed, lambda: route_request(
-                self.table(), req.method, creq, https=self.https,
-                max_body=self.limits.max_body_bytes))
+            # A sleeping route: held until it wakes, then dialed with refusals retried,
+            # as on HTTP/1.1 (holds.py).
+            wake_deadline = trio.current_time() + routed.wake.timeout
+
+            def recheck() -> Route | Refusal:
+                return route_request(self.table(), req.method, creq, https=self.https,
+                                     max_body=self.limits.max_body_bytes)
+
+            routed = await self.holds.hold(routed, recheck)
+            if type(routed) is Route:
+                try:
+                    dialed = await dial_woken(routed, recheck, self._dial_woken,
+                                              wake_deadline, UpstreamFailed)
+                    routed = dialed if isinstance(dialed, Refusal) else dialed[0]
+                except UpstreamFailed as exc:
+                    routed = Refusal(exc.status, exc.reason)
         if type(routed) is not Route:
             refusal = cast(Refusal, routed)
             if refusal.code is not None:
@@ -466,6 +478,15 @@ class H2Connection:
                 if not (exc.stale and replayable):
                     raise
         raise UpstreamFailed(502, "upstream closed the connection")
+
+    async def _dial_woken(self, route: Route) -> None:
+        """A woken route's first dial: an HTTP/1.1 upstream kept for `_h1_exchange`, or
+        the pool's h2c connection."""
+        if route.backend_protocol == "h2c":
+            await connect_h2c(route, self.pool, self.balancer, self.limits)
+        else:
+            self.idle_upstreams.append(await dial_upstream(
+                route, self.opener, self.balancer, self.limits, self.stats, self.client_addr))
 
     def _take_upstream(self, route: Route) -> Upstream | None:
         ups = self.idle_upstreams

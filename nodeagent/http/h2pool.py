@@ -400,3 +400,21 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
 
 
 __all__ = ["H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost", "open_h2c_exchange"]
+
+
+async def connect_h2c(route: Route, pool: H2Pool, balancer: Balancer, limits: Limits) -> None:
+    """A connection in the pool to the first of `route`'s backends the balancer picks,
+    without a request (a woken route's first dial, retried by `holds.dial_woken`);
+    raises `UpstreamFailed` when it cannot be had."""
+    backend = balancer.candidates(route)[0]
+    try:
+        with trio.fail_after(limits.dial_timeout):
+            await pool.connection(backend, route)
+    except trio.TooSlowError:
+        raise UpstreamFailed(504, f"reaching {backend} timed out after "
+                             f"{limits.dial_timeout:g}s") from None
+    except UpstreamUnavailable as exc:
+        raise UpstreamFailed(exc.status, exc.reason) from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise UpstreamFailed(502, f"cannot connect to {backend}: {reason}") from None

@@ -40,7 +40,8 @@ def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
     connect = connect_from_flags(args)
     if connect:
         doc["connect"] = connect
-    for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
+    for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket",
+                "load_balancer_host"):
         value = getattr(args, key, None)
         if value:
             doc[key] = str(value)

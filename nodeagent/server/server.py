@@ -8,6 +8,8 @@ answers for the whole (readiness, route updates, status).
 - `openers`: the streams agents open and the HTTP fronts' upstreams, counted by outcome;
 - `tcpmappings.TcpMappingRelay`: public TCP ports spliced into streams;
 - `udpmappings.UdpMappingRelay`: public UDP ports, each client address a flow;
+- `loadbalancers.LoadBalancerPorts`: LoadBalancer Services' ports, opened and closed as
+  routes change, balanced across their endpoints through those relays;
 - `connectfront.ConnectFront` and `dnat.DnatPath`: the control plane's ways to nodes;
 - `debugviews`: the debug socket's views and the live metrics.
 
@@ -37,6 +39,8 @@ from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.debugviews import agent_rows, live_metrics, streams_view, tunnels_view
 from nodeagent.server.dnat import DnatPath
+from nodeagent.server.heldconnections import HeldConnections
+from nodeagent.server.loadbalancers import LoadBalancerPorts
 from nodeagent.server.openers import AgentStreams, HttpBackends, StreamOutcomes
 from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
 from nodeagent.server.refusals import PolicyRefusals
@@ -121,9 +125,17 @@ class Server:
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             stream_bytes=self.metrics.stream_bytes, log=self.log)
+        # TCP connections for a Service that sleeps (LoadBalancer ports): held with the
+        # HTTP fronts' requests while it wakes (heldconnections.py).
+        self.held_connections = HeldConnections(self.holds, self.tcp_mappings, self.log)
         self.udp_mappings = UdpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, metrics=self.metrics,
             log=self.log)
+        self.load_balancers = LoadBalancerPorts(
+            host=config.load_balancer_host, tcp=self.tcp_mappings, udp=self.udp_mappings,
+            has_tunnel=lambda node: node in self.tunnel.sessions, metrics=self.metrics,
+            log=self.log)
+        self.load_balancers.update(routes().load_balancers)
         # Its listeners (listeners.server_listeners), set by serve_server, for status.
         self.listeners = Listeners()
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
@@ -178,6 +190,7 @@ class Server:
             self.metrics.config_apply.labels("failed").observe(time.monotonic() - started)
             raise
         self.tunnel.replicas = routes.replicas  # announced from the next handshake on
+        self.load_balancers.update(routes.load_balancers)
         self.holds.routes_changed()  # held requests look again: their route may be awake
         self.metrics.config_version.set(routes.version)
         self.log.info("routes applied", version=routes.version,

@@ -36,28 +36,32 @@ class TcpMappingRelay:
         self.log = log
 
     async def serve(self, mapping: TcpMapping, client: trio.SocketStream, *,
+                    opened: trio.abc.HalfCloseableStream | None = None,
                     owner: SpliceOwner | None = None) -> None:
-        """Carry one connection. With `owner` (the mapping's listener) the splice is
-        handed to the tunnel connection's loop once the stream is open, and this task
-        ends: an idle connection keeps no task; the owner aborts it if it stops first."""
+        """Carry one connection. `opened`: the stream to the target, already open
+        (`open_target`: a held connection's, server/heldconnections.py). With `owner`
+        (the mapping's listener) the splice is handed to the tunnel connection's loop
+        once the stream is open, and this task ends: an idle connection keeps no task;
+        the owner aborts it if it stops first. Without one (a held connection, whose
+        caller counts activity while it lasts; a load balancer port) this returns when
+        the connection ends."""
         peer = peer_address(client)  # the stream's origin, which the agent logs
-        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
 
         async def open_mapping_target() -> trio.abc.HalfCloseableStream:
-            stream = await self._datapath.open_to(mapping.node, mapping.target.host,
-                                                  mapping.target.port, peer)
-            self._notes.note(stream, name)
-            return stream
+            return opened if opened is not None else await self.open_target(mapping, peer)
 
         relayed = await relay_connection(
             client, open_mapping_target,
             on_accepted=lambda: self._outcomes.outbound("accepted"),
-            on_finished=functools.partial(self._finished, mapping, peer), owner=owner)
+            on_finished=(functools.partial(self._finished, mapping, peer)
+                         if owner is not None else None), owner=owner)
         if relayed.failure is not None:
             self._outcomes.outbound(relayed.failure.outcome)
             self._mapping_log(mapping, peer).info(
                 "connection refused", reason=relayed.failure.outcome,
                 error=relayed.failure.message)
+        elif relayed.spliced is not None:
+            self._finished(mapping, peer, relayed.spliced)
 
     def _finished(self, mapping: TcpMapping, peer: str, result: SpliceResult) -> None:
         self._stream_bytes.labels("out").inc(result.a_to_b)
@@ -66,6 +70,15 @@ class TcpMappingRelay:
             self._mapping_log(mapping, peer).debug(
                 "connection finished", sent=result.a_to_b, received=result.b_to_a,
                 error=result.error or "")
+
+    async def open_target(self, mapping: TcpMapping, peer: str
+                          ) -> trio.abc.HalfCloseableStream:
+        """The stream to the mapping's target for client `peer`; raises StreamFailed."""
+        stream = await self._datapath.open_to(mapping.node, mapping.target.host,
+                                              mapping.target.port, peer)
+        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
+        self._notes.note(stream, name)
+        return stream
 
     def _mapping_log(self, mapping: TcpMapping, peer: str) -> StructuredLogger:
         return self.log.bind(listener=mapping.name or f":{mapping.listen.port}",

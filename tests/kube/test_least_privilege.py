@@ -160,3 +160,39 @@ async def test_the_controller_runs_on_the_manifest_rbac_and_caches_only_tls_secr
                 r.path != "/api/v1/secrets"]  # no other Secret read, by name or namespace
     refused = [(r.method, r.path, r.query) for r in mine if r.status == 403]
     assert refused == []
+
+
+async def test_the_controller_writes_load_balancer_status_by_patch_only(
+        nursery: trio.Nursery, rbac_kube: FakeKube, tmp_path: Path) -> None:
+    """services/status: patch, nothing more; what it writes is the servers' address."""
+    rbac_kube.put_object({"apiVersion": "v1", "kind": "Service",
+                          "metadata": {"name": "nodeagent-server", "namespace": "nodeagent"},
+                          "spec": {"type": "LoadBalancer", "ports": [{"port": 443}]},
+                          "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}})
+    rbac_kube.put_object({"apiVersion": "v1", "kind": "Service",
+                          "metadata": {"name": "dns", "namespace": "other"},
+                          "spec": {"type": "LoadBalancer", "ports": [
+                              {"port": 53, "protocol": "UDP"}],
+                              "loadBalancerClass": "nodeagent.io/tunnel"}})
+    settings = ControllerSettings(
+        namespace="nodeagent", identity="c1", listen_host="127.0.0.1", listen_port=0,
+        kubeconfig=rbac_kube.write_kubeconfig(tmp_path / "kubeconfig", token="ctl"),
+        lease_duration=3.0, leader_retry=0.5, status_delay=0.1, tls_names=("127.0.0.1",))
+    controller: Controller = await nursery.start(functools.partial(serve_controller, settings))
+    services = controller.caches["services"]
+    with trio.fail_after(15):
+        await services.wait_until(lambda c: ((c.get("dns", "other") or {}).get(
+            "status") or {}).get("loadBalancer", {}).get("ingress"))
+    status = services.get("dns", "other")["status"]
+    assert status["loadBalancer"]["ingress"] == [
+        {"ip": "203.0.113.7", "ipMode": "Proxy", "ports": [{"port": 53, "protocol": "UDP"}]}]
+    mine = [r for r in rbac_kube.requests if r.user == CONTROLLER and "/services/" in r.path
+            and r.method != "GET"]
+    assert {(r.method, r.path, r.status) for r in mine} == {
+        ("PATCH", "/api/v1/namespaces/other/services/dns/status", 200)}
+    async with client(rbac_kube, "ctl") as ctl:
+        path = "/api/v1/namespaces/other/services/dns"
+        current = (await ctl.get(path)).json()
+        assert (await ctl.put(f"{path}/status", json=current)).status_code == 403
+        assert (await ctl.put(path, json=current)).status_code == 403
+        assert (await ctl.delete(path)).status_code == 403

@@ -212,8 +212,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"HTTP {rps:,.0f} req/s, right after the load {fmt(peak)}; "
                       f"at {IDLE:,} idle connections {fmt(after)}", flush=True)
         finally:
-            agent.stop()
-            server.stop()
+            for proc in (agent, server):  # both, even when one would not stop
+                try:
+                    proc.stop()
+                except AssertionError as exc:  # killed; say so, do not hide the rest
+                    print(f"{proc.name} did not stop on SIGTERM: {str(exc)[:200]}")
     summary = {}
     for name in procs:
         ratios = [r["idle_after"][name] / before[name] for r in rounds]

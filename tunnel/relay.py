@@ -6,6 +6,11 @@ is the one place they are written. Opening the upstream is the caller's (a dial,
 through another node, an allow-list check that raises): any `StreamFailed` it raises
 refuses the incoming stream with that reason, or resets the client connection, and is
 returned for the caller to count and log. Anything else propagates.
+
+A caller that passes `on_finished` need not wait for the end: a stream joined to a TCP
+socket is handed to its connection's splice loop (tunnel/spliceloop.py), the call returns
+at once and the handler's task ends; `on_finished` gets the result when both directions
+are done. That is what makes an idle relayed stream cost no task.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import trio
 
 from tunnel.endpoint import IncomingStream
 from tunnel.errors import StreamFailed
-from tunnel.splice import SpliceResult, close_stream, splice
+from tunnel.splice import SpliceResult, close_stream, result_of, splice
+from tunnel.spliceloop import SpliceEnd, SpliceHandle, SpliceOwner, splice_in_loop
+from tunnel.stream import TunnelStream
 
 OpenUpstream = Callable[[], Awaitable[trio.abc.HalfCloseableStream]]
+OnFinished = Callable[[SpliceResult], None]
 
 
 @dataclass(frozen=True)
@@ -27,7 +35,8 @@ class Relayed:
     """How a relay ended: refused before any byte moved, or spliced until both ends closed."""
 
     failure: StreamFailed | None = None
-    spliced: SpliceResult | None = None
+    spliced: SpliceResult | None = None  # None, with no failure: handed over (on_finished)
+    handle: SpliceHandle | None = None  # a handed-over splice, for an owner to abort
 
 
 def _nothing() -> None:
@@ -35,9 +44,11 @@ def _nothing() -> None:
 
 
 async def relay_incoming(incoming: IncomingStream, open_upstream: OpenUpstream, *,
-                         on_accepted: Callable[[], None] = _nothing) -> Relayed:
+                         on_accepted: Callable[[], None] = _nothing,
+                         on_finished: OnFinished | None = None) -> Relayed:
     """Open the upstream for a stream the peer opened; refuse the stream with the reason
-    if that fails, else accept it (calling `on_accepted`) and splice the two."""
+    if that fails, else accept it (calling `on_accepted`) and splice the two; with
+    `on_finished`, hand them over where it can (see the module docstring)."""
     try:
         upstream = await open_upstream()
     except StreamFailed as exc:
@@ -50,13 +61,23 @@ async def relay_incoming(incoming: IncomingStream, open_upstream: OpenUpstream, 
             await close_stream(upstream, abort=True)
         raise
     on_accepted()
-    return Relayed(spliced=await splice(stream, upstream))
+    if on_finished is not None and isinstance(upstream, trio.SocketStream):
+        incoming.hand_over()
+        return Relayed(handle=_hand_over(stream, upstream, True, on_finished, None))
+    result = await splice(stream, upstream)
+    if on_finished is None:
+        return Relayed(spliced=result)
+    on_finished(result)
+    return Relayed()
 
 
 async def relay_connection(client: trio.abc.Stream, open_upstream: OpenUpstream, *,
-                           on_accepted: Callable[[], None] = _nothing) -> Relayed:
+                           on_accepted: Callable[[], None] = _nothing,
+                           on_finished: OnFinished | None = None,
+                           owner: SpliceOwner | None = None) -> Relayed:
     """Open the upstream for a client connection; reset the client if that fails, else
-    (calling `on_accepted`) splice the two."""
+    (calling `on_accepted`) splice the two; with `on_finished`, hand them over where it
+    can, on behalf of `owner` (which aborts them if it ends first)."""
     try:
         upstream = await open_upstream()
     except StreamFailed as exc:
@@ -67,4 +88,19 @@ async def relay_connection(client: trio.abc.Stream, open_upstream: OpenUpstream,
             await close_stream(client, abort=True)
         raise
     on_accepted()
-    return Relayed(spliced=await splice(client, upstream))
+    if (on_finished is not None and isinstance(upstream, TunnelStream)
+            and isinstance(client, trio.SocketStream)):
+        return Relayed(handle=_hand_over(upstream, client, False, on_finished, owner))
+    result = await splice(client, upstream)
+    if on_finished is None:
+        return Relayed(spliced=result)
+    on_finished(result)
+    return Relayed()
+
+
+def _hand_over(stream: TunnelStream, sock: trio.SocketStream, stream_first: bool,
+               on_finished: OnFinished, owner: SpliceOwner | None) -> SpliceHandle:
+    def on_end(end: SpliceEnd) -> None:
+        on_finished(result_of(end, stream_first))
+
+    return splice_in_loop(stream, sock, on_end=on_end, owner=owner)

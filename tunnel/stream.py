@@ -94,14 +94,17 @@ class StreamCarrier(Protocol):
 
 class DirectSink(Protocol):
     """Takes a stream's incoming data as the connection's reader delivers it, instead of a
-    task calling receive_some() (splice.py's socket sink). It calls `consumed()` on the
-    stream for each byte it has passed on, which returns flow-control credit."""
+    task calling receive_some() (spliceloop.py's splices). It calls `consumed()` on the
+    stream for each byte it has passed on, which returns flow-control credit. It hears
+    of send credit too (`on_window`), for a sender that is not a task (`send_nowait`)."""
 
     def on_data(self, data: bytes) -> None: ...
 
     def on_eof(self) -> None: ...
 
     def on_reset(self, error: StreamResetError) -> None: ...
+
+    def on_window(self) -> None: ...
 
 
 class DatagramSink(Protocol):
@@ -216,6 +219,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         if self._window_ready is not None:
             self._window_ready.set()
             self._window_ready = None
+        if self._sink is not None:
+            self._sink.on_window()
 
     def mark_closed(self) -> None:
         """The stream was finished without an RST of its own (an abandoned OPEN, a
@@ -262,6 +267,46 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         if sink is not None and self._buffer:
             raise RuntimeError("drain the buffered data (take_buffered) before attaching")
         self._sink = sink
+
+    def send_nowait(self, data: bytes | memoryview) -> int:
+        """send_all() for a sender that is not a task (a direct sink's owner): queue what
+        the send windows take now and return how much; 0 means no credit, and the sink's
+        `on_window()` follows when some arrives. The caller gets the output moving
+        (`connection.send_queued()`). Raises like send_all()."""
+        if self._closed:
+            raise trio.ClosedResourceError("stream is closed")
+        if self._fin_sent:
+            raise trio.ClosedResourceError("send_eof() was called")
+        if self._reset is not None:
+            raise self._reset
+        view = memoryview(data)
+        conn = self._conn
+        total = 0
+        # Until the windows take no more: a short return always leaves the stream
+        # waiting for credit (stream or connection), so on_window() follows.
+        while view:
+            sent = conn.send_some(self.stream_id, view)
+            if not sent:
+                if not conn.wait_for_window(self):
+                    raise self._reset or StreamResetError(p.StreamReason.CANCELLED,
+                                                          "stream closed")
+                break
+            total += sent
+            view = view[sent:]
+        self.bytes_sent += total
+        return total
+
+    def send_eof_nowait(self) -> None:
+        """send_eof() without waiting, as send_nowait() is send_all()."""
+        if self._fin_sent or self._closed:
+            return
+        if self._reset is not None:
+            raise self._reset
+        self._fin_sent = True
+        try:
+            self._conn.end_stream(self.stream_id)
+        except p.LocalProtocolError as exc:
+            raise StreamResetError(p.StreamReason.CANCELLED, str(exc)) from None
 
     def consumed(self, size: int) -> None:
         """A sink passed `size` bytes on (or dropped them, the stream being dead): count

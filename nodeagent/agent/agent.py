@@ -8,6 +8,7 @@ rules never intercept them) and splices the two. Its debug socket shows what it 
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 import time
@@ -48,6 +49,7 @@ from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_incoming
+from tunnel.splice import SpliceResult
 from tunnel.tcp import connect_tcp
 from tunnel.udp import FlowCounters, FlowPoller, connect_udp, flow_idle_timeout
 from tunnel.urls import parse_endpoint
@@ -213,8 +215,12 @@ class Agent:
                     incoming, open_node_target,
                     on_accepted=lambda: self._count(f"{prefix}accepted"))
         else:
-            relayed = await relay_incoming(incoming, open_node_target,
-                                           on_accepted=lambda: self._count("accepted"))
+            # Handed over to the tunnel connection's splice loop: an idle stream keeps
+            # no task here; the end is counted and logged by _stream_finished.
+            relayed = await relay_incoming(
+                incoming, open_node_target, on_accepted=lambda: self._count("accepted"),
+                on_finished=functools.partial(self._stream_finished,
+                                              incoming.stream.stream_id, target, origin))
         if relayed.failure is not None:
             failure = relayed.failure
             self._count(prefix + failure.outcome)
@@ -232,14 +238,17 @@ class Agent:
                               target=str(target), origin=origin, reason=failure.outcome,
                               error=failure.message)
             return
-        result = relayed.spliced
-        assert result is not None
+        if relayed.spliced is not None:
+            self._stream_finished(incoming.stream.stream_id, target, origin, relayed.spliced)
+
+    def _stream_finished(self, stream_id: int, target: p.Target, origin: str,
+                         result: SpliceResult) -> None:
         self.metrics.stream_bytes.labels("in").inc(result.a_to_b)
         self.metrics.stream_bytes.labels("out").inc(result.b_to_a)
         if self.log.isEnabledFor(logging.DEBUG):  # no fields built per stream otherwise
-            self.log.debug("stream finished", stream=incoming.stream.stream_id,
-                           target=str(target), origin=origin, sent=result.b_to_a,
-                           received=result.a_to_b, error=result.error or "")
+            self.log.debug("stream finished", stream=stream_id, target=str(target),
+                           origin=origin, sent=result.b_to_a, received=result.a_to_b,
+                           error=result.error or "")
 
     async def handle_flow(self, incoming: IncomingStream) -> None:
         """A flow the server opened (a public UDP mapping): checked against the allow

@@ -107,7 +107,7 @@ async def serve_agent(agent: Agent, config_path: Path | None = None, *,
                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(agent.run)
-        nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
+        nursery.start_soon(trim_forever)  # malloctune.py: RSS back soon after load
         await Listeners(agent_listeners(agent)).start_all(nursery)
         task_status.started()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

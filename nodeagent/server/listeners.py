@@ -31,6 +31,7 @@ from nodeagent.server.tcpmappings import TcpMappingRelay
 from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.accept import serve
 from tunnel.listeners import bind_udp, open_tcp_listeners
+from tunnel.spliceloop import SpliceOwner
 from tunnel.tcp import format_address
 from tunnel.transports import Transport
 from tunnel.urls import parse_endpoint
@@ -88,10 +89,17 @@ class TcpMappingListener(Listener):
         listeners = await open_tcp_listeners(mapping.listen.port, host=mapping.listen.host,
                                              reuse_port=self._reuse_port)
         self.addresses = [socket_address(lst) for lst in listeners]
-        async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners,
-                                functools.partial(self._relay.serve, mapping), listeners)
-            task_status.started(self.addresses)
+        # Connections carried by tunnel connections' splice loops, not by tasks here:
+        # stopping the mapping ends them all the same.
+        owner = SpliceOwner()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners,
+                                    functools.partial(self._relay.serve, mapping, owner=owner),
+                                    listeners)
+                task_status.started(self.addresses)
+        finally:
+            owner.abort_all("tcp mapping stopped")
 
     def details(self) -> dict[str, Any]:
         return {"node": self.mapping.node, "target": str(self.mapping.target),

@@ -182,7 +182,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     public listeners share their ports with the other workers (SO_REUSEPORT), and only
     worker 0 runs the CONNECT front."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
+        nursery.start_soon(trim_forever)  # malloctune.py: RSS back soon after load
         await nursery.start(server.health_watch.run)  # active health checks' streams
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
         reloader = ServerReloader(server, nursery, slot)

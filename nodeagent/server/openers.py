@@ -36,6 +36,7 @@ from tunnel import protocol as p
 from tunnel.endpoint import IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.relay import relay_incoming
+from tunnel.splice import SpliceResult
 from tunnel.udp import FlowCounters, bridge_flow, flow_idle_timeout
 
 
@@ -95,8 +96,10 @@ class AgentStreams:
         via = "relay" if owner is not None and owner != node else "egress"
         open_agent_destination = functools.partial(
             self._datapath.open_for_agent, node, owner, target, origin)
+        # Handed over (on_finished): an idle stream keeps no task on the server either.
         relayed = await relay_incoming(incoming, open_agent_destination,
-                                       on_accepted=lambda: self._outcomes.inbound(via))
+                                       on_accepted=lambda: self._outcomes.inbound(via),
+                                       on_finished=_ignore)
         if relayed.failure is not None:
             self._outcomes.inbound(relayed.failure.outcome)
 
@@ -128,9 +131,14 @@ class AgentStreams:
         open_controller_for_bootstrap = functools.partial(
             self._datapath.open_for_bootstrap, claimed_node, incoming.target)
         relayed = await relay_incoming(incoming, open_controller_for_bootstrap,
-                                       on_accepted=lambda: self._outcomes.inbound("bootstrap"))
+                                       on_accepted=lambda: self._outcomes.inbound("bootstrap"),
+                                       on_finished=_ignore)
         if relayed.failure is not None:
             self._outcomes.inbound(f"bootstrap_{relayed.failure.outcome}")
+
+
+def _ignore(result: SpliceResult) -> None:
+    """Relays whose bytes nobody counts here (the tunnel connection counts them)."""
 
 
 class HttpBackends:

@@ -15,6 +15,7 @@ dials the target and splices, as for any stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -33,6 +34,8 @@ from tunnel import protocol as p
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection
+from tunnel.splice import SpliceResult
+from tunnel.spliceloop import SpliceOwner
 
 
 class TcpMappingRelay:
@@ -54,9 +57,15 @@ class TcpMappingRelay:
         self.log = log
 
     async def serve(self, mapping: TcpMapping, client: trio.SocketStream, *,
-                    opened: trio.abc.HalfCloseableStream | None = None) -> None:
-        """`opened`: the stream to the target, already open (`open_target`: a held
-        connection's, server/heldconnections.py)."""
+                    opened: trio.abc.HalfCloseableStream | None = None,
+                    owner: SpliceOwner | None = None) -> None:
+        """Carry one connection. `opened`: the stream to the target, already open
+        (`open_target`: a held connection's, server/heldconnections.py). With `owner`
+        (the mapping's listener) the splice is handed to the tunnel connection's loop
+        once the stream is open, and this task ends: an idle connection keeps no task;
+        the owner aborts it if it stops first. Without one (a held connection, whose
+        caller counts activity while it lasts; a load balancer port) this returns when
+        the connection ends."""
         source, destination = socket_addresses(client)
         if self._proxy is not None and source is not None:
             listener = mapping.name or f":{mapping.listen.port}"
@@ -95,16 +104,20 @@ class TcpMappingRelay:
                     raise StreamFailed(p.StreamReason.CANCELLED, f"stream broke: {exc}") from None
             return stream
 
-        relayed = await relay_connection(client, open_mapping_target,
-                                         on_accepted=lambda: self._outcomes.outbound("accepted"))
+        relayed = await relay_connection(
+            client, open_mapping_target,
+            on_accepted=lambda: self._outcomes.outbound("accepted"),
+            on_finished=(functools.partial(self._finished, mapping, peer)
+                         if owner is not None else None), owner=owner)
         if relayed.failure is not None:
             self._outcomes.outbound(relayed.failure.outcome)
             self._mapping_log(mapping, peer).info(
                 "connection refused", reason=relayed.failure.outcome,
                 error=relayed.failure.message)
-            return
-        result = relayed.spliced
-        assert result is not None
+        elif relayed.spliced is not None:
+            self._finished(mapping, peer, relayed.spliced)
+
+    def _finished(self, mapping: TcpMapping, peer: str, result: SpliceResult) -> None:
         self._stream_bytes.labels("out").inc(result.a_to_b)
         self._stream_bytes.labels("in").inc(result.b_to_a)
         if self.log.isEnabledFor(logging.DEBUG):  # no logger bound per connection otherwise

@@ -31,6 +31,8 @@ class NodeagentProcess:
     # `config` then only needs `debug_socket`.
     args: Sequence[str] | None = None
     proc: subprocess.Popen[bytes] | None = None
+    # Tests read the debug lines; benchmarks ask for less (a line per stream costs CPU).
+    log_level: str = "debug"
     log_path: Path = field(init=False)
     config_path: Path = field(init=False)
 
@@ -47,11 +49,11 @@ class NodeagentProcess:
 
     def start(self) -> NodeagentProcess:
         if self.args is not None:
-            cmd = [sys.executable, "-m", "nodeagent", "--log-level", "debug", self.role,
+            cmd = [sys.executable, "-m", "nodeagent", "--log-level", self.log_level, self.role,
                    *self.args]
         else:
             self.write_config()
-            cmd = [sys.executable, "-m", "nodeagent", "--log-level", "debug", self.role,
+            cmd = [sys.executable, "-m", "nodeagent", "--log-level", self.log_level, self.role,
                    "--config", str(self.config_path), *self.extra_args]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]

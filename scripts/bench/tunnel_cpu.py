@@ -18,20 +18,34 @@ front of sys.path, so PYTHONPATH decides):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import inspect
 import json
 import time
+from collections.abc import AsyncIterator
 
 import trio
 
 from scripts.bench.lib.loopback import allow_any_peer, tcp_pair
 from tunnel import protocol as p
 from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
+from tunnel.relay import relay_incoming
+from tunnel.tcp import connect_tcp
 from tunnel.transports import PeerInfo, StreamTransport, TLSStream
 
 T = p.Target("127.0.0.1", 9)
 
 
+RELAY_TARGET: list[int] = []  # the C echo's port, when --relays asks for one
+# Trees from before tunnel/spliceloop.py have no on_finished (tunnel_instructions --tree).
+HANDS_OVER = "on_finished" in inspect.signature(relay_incoming).parameters
+
+
 async def sink_or_echo(incoming: IncomingStream) -> None:
+    if incoming.metadata.get("mode") == "relay":
+        await relay_to_echo(incoming)
+        return
     stream = await incoming.accept()
     echo = incoming.metadata.get("mode") == "echo"
     while data := await stream.receive_some(256 * 1024):
@@ -40,8 +54,48 @@ async def sink_or_echo(incoming: IncomingStream) -> None:
     await stream.send_eof()
 
 
+async def relay_to_echo(incoming: IncomingStream) -> None:
+    """The agent's path for a stream the server opens: dial the target, accept, splice;
+    handed over to the connection's splice loop where the tree has one."""
+    dial = functools.partial(connect_tcp, "127.0.0.1", RELAY_TARGET[0], connect_timeout=5)
+    if HANDS_OVER:
+        await relay_incoming(incoming, dial, on_finished=_ignore)
+    else:  # a tree from before the splice loop: the handler waits for the end
+        await relay_incoming(incoming, dial)
+
+
+def _ignore(result: object) -> None:
+    pass
+
+
+@contextlib.asynccontextmanager
+async def echo_target() -> AsyncIterator[int]:
+    """benchtool's C echo in a process of its own: its CPU is not this process's."""
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    from scripts.bench.lib.tools import build_benchtool
+    tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    proc = await trio.lowlevel.open_process([str(tool), "echo", str(port)])
+    try:
+        for _ in range(200):
+            try:
+                (await trio.open_tcp_stream("127.0.0.1", port)).socket.close()
+                break
+            except OSError:
+                await trio.sleep(0.02)
+        yield port
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
 async def main(mib: int, rr_count: int, opens: int, parallel: int,
-               tls: bool, fast_path: bool = False) -> dict[str, float]:
+               tls: bool, fast_path: bool = False, relays: int = 0) -> dict[str, float]:
     a, b = tcp_pair()
     sa: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
     sb: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(b))
@@ -116,6 +170,22 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
                 pass
             await stream.aclose()
         out["open_echo_close_cpu_us"] = (time.process_time() - t0) / opens * 1e6
+
+        # open, relayed to a TCP echo target (dial, accept, splice), 1-byte echo, close
+        # both ways: the per-connection work of both tunnel endpoints
+        if relays:
+            async with echo_target() as port:
+                RELAY_TARGET[:] = [port]
+                t0 = time.process_time()
+                for _ in range(relays):
+                    stream = await d.open_stream(T, {"mode": "relay"})
+                    await stream.send_all(b"x")
+                    await stream.receive_some()
+                    await stream.send_eof()
+                    while await stream.receive_some():
+                        pass
+                    await stream.aclose()
+                out["open_relay_close_cpu_us"] = (time.process_time() - t0) / relays * 1e6
         nursery.cancel_scope.cancel()
     return out
 
@@ -127,10 +197,12 @@ if __name__ == "__main__":
     parser.add_argument("--rr", type=int, default=20000)
     parser.add_argument("--opens", type=int, default=3000)
     parser.add_argument("--parallel", type=int, default=16)
+    parser.add_argument("--relays", type=int, default=0,
+                        help="streams relayed to a C echo target (the agent's path)")
     parser.add_argument("--tls", action="store_true", help="the tunnel's TLS layer too")
     parser.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                         help="EndpointSettings.send_fast_path off (the writer's async send)")
     args = parser.parse_args()
     print(json.dumps({k: round(v, 3) for k, v in trio.run(
         main, args.mib, args.rr, args.opens, args.parallel, args.tls,
-        args.fast_path).items()}))
+        args.fast_path, args.relays).items()}))

@@ -10,6 +10,7 @@ the writer batches frames depends on scheduling), so the two trees run in interl
 rounds and the median ratio is reported with its spread:
 
     .venv/bin/python -m scripts.bench.tunnel_instructions --tree /path/to/other/checkout
+    .venv/bin/python -m scripts.bench.tunnel_instructions --tree ... --relays 200
 
 `--tree` is a checkout whose `tunnel` package is compared with this one's (for example a
 `git worktree add /tmp/before COMMIT`). Prints one JSON object per phase: the median
@@ -37,7 +38,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = ["--mib", "1", "--rr", "1", "--opens", "1", "--parallel", "1"]
 
 
-def phases(mib: int, rr: int, opens: int) -> dict[str, tuple[list[str], int, str]]:
+def phases(mib: int, rr: int, opens: int, relays: int = 0,
+           ) -> dict[str, tuple[list[str], int, str]]:
+    if relays:  # only this phase: it needs the echo target's start-up subtracted too
+        return {"open_relay_close": ([*MINIMUM, "--relays", str(relays)], relays - 1,
+                                     "instructions_per_relayed_stream")}
     return {
         "bulk": (["--mib", str(mib), "--rr", "1", "--opens", "1", "--parallel", "1"],
                  (mib - 1) * 2**20, "instructions_per_byte"),
@@ -52,7 +57,9 @@ def instructions(tree: Path, args: list[str]) -> int:
     """Instructions callgrind counted for one tunnel_cpu run with `tree`'s tunnel package."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
-        env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
+        # Only the other tree's `tunnel` package: this tree's benchmark runs over it.
+        (Path(tmp) / "tunnel").symlink_to(tree / "tunnel")
+        env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
         proc = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
              sys.executable, "-P", "-m", "scripts.bench.tunnel_cpu", *args],
@@ -72,12 +79,17 @@ def main() -> None:
     parser.add_argument("--rr", type=int, default=1000, help="request/response round trips")
     parser.add_argument("--opens", type=int, default=300, help="streams opened, echoed, closed")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per phase")
+    parser.add_argument("--relays", type=int, default=0,
+                        help="instead of the other phases: streams relayed to a C echo "
+                             "target (dial, accept, splice, close), per relayed stream")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package: valgrind)")
     trees = {"this": ROOT, "other": args.tree.resolve()}
-    start = {name: instructions(tree, MINIMUM) for name, tree in trees.items()}
-    for phase, (phase_args, units, unit_name) in phases(args.mib, args.rr, args.opens).items():
+    minimum = [*MINIMUM, "--relays", "1"] if args.relays else MINIMUM
+    start = {name: instructions(tree, minimum) for name, tree in trees.items()}
+    for phase, (phase_args, units, unit_name) in phases(args.mib, args.rr, args.opens,
+                                                        args.relays).items():
         rounds: list[dict[str, float]] = []
         for _ in range(args.rounds):
             rounds.append({name: (instructions(tree, phase_args) - start[name]) / units

@@ -48,13 +48,39 @@ def test_trim_gives_freed_heap_pages_back() -> None:
     assert after <= freed
 
 
-async def test_trim_forever_trims_once_per_interval(autojump_clock: trio.abc.Clock) -> None:
+async def test_trim_forever_trims_only_when_the_heap_holds_enough_free(
+        autojump_clock: trio.abc.Clock) -> None:
     calls: list[float] = []
+    free = iter([0, 5_000_000, 100, 3_000_000, 0, 0])
 
     def trim() -> bool:
         calls.append(trio.current_time())
         return True
 
-    with trio.move_on_after(185):
-        await malloctune.trim_forever(60, trim)
-    assert calls == [60, 120, 180]
+    with trio.move_on_after(13):
+        await malloctune.trim_forever(2, trim, lambda: next(free), slack=1_000_000)
+    assert calls == [4, 8]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's")
+def test_the_free_heap_is_read_from_glibc() -> None:
+    # C allocations, from the heap (mmap threshold fixed above them), freed between
+    # pinned small ones: what the check must see before it trims.
+    program = r"""
+import ctypes
+from nodeagent.runtime.malloctune import free_heap_bytes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: no trim at free()
+big = [libc.malloc(200_000) for _ in range(100) if libc.malloc(600)]
+before = free_heap_bytes()
+for p in big:
+    libc.free(p)
+print(before, free_heap_bytes())
+"""
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         check=True).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert after - before >= 19_000_000, (before, after)

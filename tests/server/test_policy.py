@@ -4,6 +4,7 @@ Every refusal is FORBIDDEN, counted and logged."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,9 +55,12 @@ async def connect(server: Server, nursery: trio.Nursery, node: str,
 @asynccontextmanager
 async def echo_listener() -> AsyncIterator[int]:
     async def echo(stream: trio.SocketStream) -> None:
-        async with stream:
-            async for data in stream:
-                await stream.send_all(data)
+        # A client that resets its stream (aclose() on an open stream) has the relay
+        # reset this connection: that ends the echo, it is no error of the target.
+        with contextlib.suppress(trio.BrokenResourceError):
+            async with stream:
+                async for data in stream:
+                    await stream.send_all(data)
 
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(

@@ -39,7 +39,8 @@ from nodeagent.ops.logs import StructuredLogger, get_logger
 from tunnel import protocol as p
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection
-from tunnel.splice import close_stream
+from tunnel.splice import SpliceResult, close_stream
+from tunnel.spliceloop import SpliceOwner
 from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.intercept")
@@ -80,6 +81,9 @@ class Interceptor:
         self.keep_rules_on_exit = False
         self.active_connections = 0
         self._idle = trio.Event()
+        # Intercepted connections through the tunnel are carried by its splice loop, not
+        # by tasks in `connections`: ending interception ends them all the same.
+        self._spliced = SpliceOwner()
         self._accept_scope: trio.CancelScope | None = None
         self._listeners_open: list[trio.SocketListener] = []
         # Pods' UDP (tproxy udp rules), on the same port number as TCP.
@@ -188,6 +192,7 @@ class Interceptor:
                     await connections.start(self.udp.run)
                 task_status.started()
         finally:
+            self._spliced.abort_all("interception stopped")
             with trio.CancelScope(shield=True):
                 await self._close_listeners()
                 if self.keep_rules_on_exit:
@@ -251,17 +256,29 @@ class Interceptor:
 
     async def _handle(self, client: trio.SocketStream) -> None:
         self.active_connections += 1
+        counted = True
+
+        def finished(result: SpliceResult | None = None) -> None:
+            # Once per connection: at the splice's end, which may come after this task
+            # has ended (handed to the tunnel's splice loop), or when it failed here.
+            nonlocal counted
+            if counted:
+                counted = False
+                self.active_connections -= 1
+                if not self.active_connections:
+                    self._idle.set()
+
+        spliced = False  # then `finished` is called by the splice's end
         try:
-            await self._proxy(client)
+            spliced = await self._proxy(client, finished)
         except Exception as exc:
             # A bug here must cost one connection, never the agent (serve_listeners would
             # let the exception end every listener).
             self.log.error("intercepted connection failed", error=repr(exc), exc_info=True)
             await close_stream(client, abort=True)
         finally:
-            self.active_connections -= 1
-            if not self.active_connections:
-                self._idle.set()
+            if not spliced:
+                finished()
 
     async def wait_idle(self) -> None:
         """Until no intercepted connection is open (a draining agent)."""
@@ -269,14 +286,17 @@ class Interceptor:
             self._idle = trio.Event()
             await self._idle.wait()
 
-    async def _proxy(self, client: trio.SocketStream) -> None:
+    async def _proxy(self, client: trio.SocketStream,
+                     finished: Callable[[SpliceResult], None]) -> bool:
+        """Relay one intercepted connection; True if it was spliced (`finished` is then
+        called at its end), False if it was refused."""
         try:
             host, port, _ = intercepted_destination(client.socket, self.config.proxy_port)
             peer = client.socket.getpeername()
         except OSError as exc:
             self.log.warning("intercepted connection without a destination", error=str(exc))
             await close_stream(client, abort=True)
-            return
+            return False
         host = host.removeprefix("::ffff:")
         origin = f"{peer[0]}:{peer[1]}"
         rule = self._rule_for(host, port)
@@ -293,13 +313,17 @@ class Interceptor:
         def accepted() -> None:
             self.outcomes[via] += 1
 
-        relayed = await relay_connection(client, open_original_destination, on_accepted=accepted)
-        if relayed.failure is not None:
-            outcome = relayed.failure.outcome
-            self.outcomes[outcome] += 1
-            # Keyed by rule and reason (bounded by config), not by what pods dial.
-            self._refusal_log.warning(
-                f"{rule.name if rule else '-'}:{outcome}",
-                "intercepted connection refused; client reset",
-                target=str(target), origin=origin, reason=outcome,
-                error=relayed.failure.message)
+        relayed = await relay_connection(client, open_original_destination,
+                                         on_accepted=accepted, on_finished=finished,
+                                         owner=self._spliced)
+        if relayed.failure is None:
+            return True
+        outcome = relayed.failure.outcome
+        self.outcomes[outcome] += 1
+        # Keyed by rule and reason (bounded by config), not by what pods dial.
+        self._refusal_log.warning(
+            f"{rule.name if rule else '-'}:{outcome}",
+            "intercepted connection refused; client reset",
+            target=str(target), origin=origin, reason=outcome,
+            error=relayed.failure.message)
+        return False

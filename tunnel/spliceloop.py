@@ -1,0 +1,435 @@
+"""Tunnel streams joined to TCP sockets, many per task: one `SpliceLoop` per tunnel
+connection carries every splice of a stream of that connection with a socket, both ways.
+
+Why: a splice that waits in a task of its own costs ~10 KB per idle stream per side, more
+than half of it trio's task and the coroutine frames it waits in
+(`python -m scripts.bench.idle_stream_cost`). Here an idle splice is one `_Splice` record
+(`__slots__`) and its socket, registered in the loop's epoll set; the loop is one task in
+the connection's nursery (started through `StreamCarrier.start_task` on first use), which
+trio wakes through the epoll descriptor itself: it is readable while any socket in the
+set is ready. No task, nursery or cancel scope per stream; no buffer while nothing waits:
+
+- socket → tunnel: the loop reads a readable socket (one read per socket per round, so a
+  busy socket cannot starve the others) and queues what the stream's window takes
+  (`TunnelStream.send_nowait`); the rest is held and the socket leaves the read set until
+  the stream's credit returns (`DirectSink.on_window`). The loop stops reading while the
+  connection's output is above its high-water mark (`send_queued`), as a task would.
+- tunnel → socket: the connection's reader hands each frame to the record
+  (`DirectSink.on_data`), which writes it into the socket at once; what the socket does
+  not take waits in a queue made for that moment, the socket joins the write set, and
+  the loop writes the rest when it can. Credit returns only for bytes the socket took,
+  so a target that stops reading stops its sender at the stream's window.
+- half-close both ways (EOF → FIN, FIN → shutdown(SHUT_WR)); a failure either way aborts
+  both (a TCP RST, a tunnel RST), never a clean-looking EOF; the end is reported once, by
+  `on_end`, with the bytes moved each way.
+
+When the connection ends its nursery cancels the loop, which aborts every splice it
+carries: the loop owns its splices as a nursery owns its tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import select
+import socket
+import struct
+import weakref
+from collections.abc import Callable
+
+import trio
+import trio.lowlevel
+
+from tunnel import protocol as p
+from tunnel.errors import StreamResetError, TunnelClosedError
+from tunnel.log import get_logger
+from tunnel.stream import StreamCarrier, TunnelStream
+
+_log = get_logger("tunnel.spliceloop")
+
+# One read per readable socket per round: what `splice` read per receive_some.
+CHUNK = 256 * 1024
+_MAX_EVENTS = 256
+_IN = select.EPOLLIN
+_OUT = select.EPOLLOUT
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
+class SpliceEnd:
+    """How a splice ended: bytes moved each way and, if it failed, why."""
+
+    __slots__ = ("error", "to_socket", "to_tunnel")
+
+    def __init__(self, to_socket: int, to_tunnel: int, error: str | None) -> None:
+        self.to_socket = to_socket
+        self.to_tunnel = to_tunnel
+        self.error = error
+
+
+OnEnd = Callable[[SpliceEnd], None]
+
+
+class _Splice:
+    """One stream joined to one socket: the stream's direct sink, and the loop's record
+    of the socket. Buffers exist only while data waits (`out`, `held`)."""
+
+    __slots__ = ("ended", "eof_pending", "fd", "free", "held", "loop", "mask", "on_end",
+                 "out", "owner", "reading", "sock", "stream", "to_socket", "to_tunnel",
+                 "writing")
+
+    def __init__(self, loop: SpliceLoop, stream: TunnelStream, sock: socket.socket,
+                 on_end: OnEnd, owner: SpliceOwner | None) -> None:
+        self.loop = loop
+        self.owner = owner
+        self.stream = stream
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.on_end = on_end
+        self.mask = 0  # what the epoll set waits for now (0: not in the set)
+        self.reading = True  # socket → tunnel still open
+        self.writing = True  # tunnel → socket still open
+        self.eof_pending = False  # FIN from the tunnel, passed on once `out` drains
+        self.out: collections.deque[bytes | memoryview] | None = None  # → socket
+        self.free = 0  # bytes at the head of `out` that are not the stream's (leftover)
+        self.held: memoryview | None = None  # read from the socket, waiting for credit
+        self.to_socket = 0
+        self.to_tunnel = 0
+        self.ended = False
+
+    # ---- tunnel.stream.DirectSink: called by the connection's reader
+
+    def on_data(self, data: bytes) -> None:
+        if self.out is not None:
+            self.out.append(data)
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self.stream.consumed(len(data))
+            self.loop.end(self, _why(exc))
+            return
+        if sent:
+            self.to_socket += sent
+            self.stream.consumed(sent)
+        if sent < len(data):
+            self.out = collections.deque((memoryview(data)[sent:],))
+            self.loop.update(self)
+
+    def on_eof(self) -> None:
+        if self.out is None:
+            self.loop.shut_write(self)
+        else:
+            self.eof_pending = True
+
+    def on_reset(self, error: StreamResetError) -> None:
+        self.loop.end(self, _why(error))
+
+    def on_window(self) -> None:
+        held = self.held
+        if held is not None and not self.ended:
+            self.held = None
+            if self.loop.to_tunnel(self, held):
+                self.loop.update(self)
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# One loop per tunnel connection, made on first use, dropped when its task ends (the
+# connection's end) or cannot start.
+_LOOPS: weakref.WeakKeyDictionary[StreamCarrier, SpliceLoop] = weakref.WeakKeyDictionary()
+
+
+def loop_for(carrier: StreamCarrier) -> SpliceLoop:
+    """The splice loop of the connection `carrier` (made, not yet started, if none)."""
+    loop = _LOOPS.get(carrier)
+    if loop is None or loop.ended:
+        loop = _LOOPS[carrier] = SpliceLoop(carrier)
+    return loop
+
+
+def splice_in_loop(stream: TunnelStream, sock: trio.SocketStream, *, on_end: OnEnd,
+                   to_socket: bytes = b"", to_tunnel: bytes = b"",
+                   owner: SpliceOwner | None = None) -> SpliceHandle:
+    """Join `stream` to `sock` in the loop of the stream's connection and return at once;
+    `on_end` is called when both directions are done (from the loop or the connection's
+    reader: it must not raise or wait). The loop owns both from now on: it closes them.
+    `to_socket` / `to_tunnel`: bytes already read elsewhere that go first. `owner`: one
+    that may end it sooner than the connection does (see SpliceOwner)."""
+    return loop_for(stream.connection).add(stream, sock, on_end=on_end, owner=owner,
+                                           to_socket=to_socket, to_tunnel=to_tunnel)
+
+
+class SpliceOwner:
+    """The splices handed over on behalf of one owner whose end must end them too (a
+    listener: stopping a TCP mapping cuts its connections, as cancelling its nursery did
+    when each was a task). The owner calls `abort_all()` as it ends."""
+
+    def __init__(self) -> None:
+        self._splices: set[_Splice] = set()
+
+    def __len__(self) -> int:
+        return len(self._splices)
+
+    def abort_all(self, why: str) -> None:
+        for splice in list(self._splices):
+            splice.loop.end(splice, why)
+
+
+class SpliceHandle:
+    """A splice handed to a loop, for an owner that may end it early (a listener that
+    stops): `abort()` resets both ends now; after the end it does nothing."""
+
+    __slots__ = ("_splice",)
+
+    def __init__(self, splice: _Splice) -> None:
+        self._splice = splice
+
+    @property
+    def ended(self) -> bool:
+        return self._splice.ended
+
+    def abort(self, why: str = "aborted by its owner") -> None:
+        self._splice.loop.end(self._splice, why)
+
+    def close(self) -> None:
+        """End without an error: the socket gets a FIN, the stream (if still open) an
+        RST as a TunnelStream's aclose() sends."""
+        self._splice.loop.end(self._splice, None)
+
+
+class SpliceLoop:
+    """Every stream-to-socket splice of one tunnel connection, carried by one task (see
+    the module docstring). Made by `loop_for`; its task starts with the first splice."""
+
+    def __init__(self, carrier: StreamCarrier) -> None:
+        self._carrier = carrier
+        self._epoll = select.epoll()
+        self._splices: dict[int, _Splice] = {}
+        self._started = False
+        self.ended = False
+
+    def __len__(self) -> int:
+        return len(self._splices)
+
+    def add(self, stream: TunnelStream, sock: trio.SocketStream, *, on_end: OnEnd,
+            to_socket: bytes = b"", to_tunnel: bytes = b"",
+            owner: SpliceOwner | None = None) -> SpliceHandle:
+        # The socket leaves trio: a plain socket object on the same descriptor (trio's
+        # wrappers are ~700 B an idle stream would carry for nothing).
+        tsock = sock.socket  # (family, type, proto given: no getsockopt to learn them)
+        raw = socket.socket(tsock.family, tsock.type, tsock.proto, tsock.detach())
+        splice = _Splice(self, stream, raw, on_end, owner)
+        if owner is not None:
+            owner._splices.add(splice)
+        handle = SpliceHandle(splice)
+        if not self._started and not self.ended:
+            self._started = self._carrier.start_task(self._run)
+        self._splices[splice.fd] = splice
+        if not self._started:
+            self._forget()
+            self.end(splice, "tunnel connection ended")
+            return handle
+        if to_socket:
+            splice.out = collections.deque((to_socket,))
+            splice.free = len(to_socket)
+        while data := stream.take_buffered():
+            if splice.out is None:
+                splice.out = collections.deque()
+            splice.out.append(data)
+        stream.attach_sink(splice)
+        if stream.reset_reason is not None:
+            self.end(splice, _why(stream.reset_reason))
+            return handle
+        if data == b"":  # EOF already received
+            splice.eof_pending = True
+        if splice.out is not None:
+            self.flush(splice)
+        elif splice.eof_pending:
+            self.shut_write(splice)
+        if to_tunnel and not splice.ended:
+            self.to_tunnel(splice, memoryview(to_tunnel))
+        if not splice.ended:
+            self.update(splice)
+        return handle
+
+    # ---- the record's moves (called by _Splice and the loop)
+
+    def update(self, s: _Splice) -> None:
+        """Put the socket in the epoll set for what its splice waits for now."""
+        if s.ended:
+            return
+        want = (_IN if s.reading and s.held is None else 0) | (_OUT if s.out else 0)
+        if want == s.mask:
+            return
+        try:
+            if not s.mask:
+                self._epoll.register(s.fd, want)
+            elif not want:
+                self._epoll.unregister(s.fd)
+            else:
+                self._epoll.modify(s.fd, want)
+        except OSError as exc:
+            self.end(s, _why(exc))
+            return
+        s.mask = want
+
+    def to_tunnel(self, s: _Splice, data: memoryview | bytes) -> bool:
+        """Queue `data` on the stream; False (the rest held, or the splice ended) if not
+        all of it fit the window."""
+        try:
+            sent = s.stream.send_nowait(data)
+        except (StreamResetError, trio.ClosedResourceError) as exc:
+            self.end(s, _why(exc))
+            return False
+        s.to_tunnel += sent
+        if sent < len(data):
+            s.held = memoryview(data)[sent:]
+            return False
+        return True
+
+    def flush(self, s: _Splice) -> None:
+        """Write what waits for the socket; shut its write side once a FIN waits behind."""
+        out = s.out
+        assert out is not None
+        stream = s.stream
+        try:
+            while out:
+                data = out[0]
+                sent = s.sock.send(data)
+                s.to_socket += sent
+                if s.free:
+                    free = min(sent, s.free)
+                    s.free -= free
+                    if sent > free:
+                        stream.consumed(sent - free)
+                else:
+                    stream.consumed(sent)
+                if sent < len(data):
+                    out[0] = memoryview(data)[sent:]
+                    return
+                out.popleft()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.end(s, _why(exc))
+            return
+        finally:
+            if not s.ended and out:
+                self.update(s)
+        s.out = None
+        if s.eof_pending:
+            self.shut_write(s)
+        else:
+            self.update(s)
+
+    def shut_write(self, s: _Splice) -> None:
+        """The tunnel's FIN reached the socket's turn: half-close it."""
+        s.eof_pending = False
+        try:
+            s.sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            self.end(s, _why(exc))
+            return
+        s.writing = False
+        if not s.reading:
+            self.end(s, None)
+        else:
+            self.update(s)
+
+    def read(self, s: _Splice) -> None:
+        try:
+            data = s.sock.recv(CHUNK)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.end(s, _why(exc))
+            return
+        if data:
+            if not self.to_tunnel(s, data):
+                self.update(s)
+            return
+        s.reading = False
+        try:
+            s.stream.send_eof_nowait()
+        except (StreamResetError, trio.ClosedResourceError) as exc:
+            self.end(s, _why(exc))
+            return
+        if not s.writing:
+            self.end(s, None)
+        else:
+            self.update(s)
+
+    def end(self, s: _Splice, error: str | None) -> None:
+        """End a splice once: an error resets both ends, else the socket is closed (its
+        FIN) and the stream closed as aclose() does; then `on_end`."""
+        if s.ended:
+            return
+        s.ended = True
+        if self._splices.get(s.fd) is s:
+            del self._splices[s.fd]
+        if s.owner is not None:
+            s.owner._splices.discard(s)
+        stream = s.stream
+        stream.attach_sink(None)
+        if s.out:
+            # Credit of data that will never be passed on goes back all the same.
+            size = sum(map(len, s.out)) - s.free
+            if size > 0:
+                stream.consumed(size)
+        s.out = None
+        s.held = None
+        if error is not None:
+            try:
+                s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            except OSError:
+                pass
+        # Closing its only descriptor takes the socket out of the epoll set too.
+        s.sock.close()
+        stream.abort_now(p.StreamReason.CANCELLED, "closed by the local side")
+        try:
+            s.on_end(SpliceEnd(s.to_socket, s.to_tunnel, error))
+        except Exception as exc:  # a bad callback must not end the others
+            _log.error("splice end callback failed", stream=stream.stream_id,
+                       target=str(stream.target), error=repr(exc))
+
+    # ---- the task
+
+    async def _run(self) -> None:
+        epoll = self._epoll
+        splices = self._splices
+        carrier = self._carrier
+        try:
+            while True:
+                # Always a yield point (other tasks run between rounds), and one epoll
+                # wait of trio's and one of ours per round, whether or not one is ready.
+                await trio.lowlevel.wait_readable(epoll.fileno())
+                for fd, flags in epoll.poll(0, _MAX_EVENTS):
+                    s = splices.get(fd)
+                    if s is None:
+                        continue
+                    if s.out and flags & ~_IN:  # writable, or an error to learn of
+                        self.flush(s)
+                    if not s.ended and s.mask & _IN:
+                        self.read(s)
+                # Output for the tunnel: wake its writer, and wait while it is behind.
+                await carrier.send_queued()
+        except TunnelClosedError:
+            pass
+        except Exception as exc:
+            # In the connection's nursery: a bug here costs these splices, not the tunnel.
+            _log.error("splice loop failed", splices=len(splices), error=repr(exc))
+        finally:
+            self._forget()
+            for s in list(splices.values()):
+                self.end(s, "tunnel connection ended")
+            epoll.close()
+
+    def _forget(self) -> None:
+        """Out of the registry: it holds the connection strongly through this loop, so
+        a loop left there would keep its connection alive forever."""
+        self.ended = True
+        if _LOOPS.get(self._carrier) is self:
+            del _LOOPS[self._carrier]

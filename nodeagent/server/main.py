@@ -183,6 +183,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     worker 0 runs the CONNECT front."""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
+        nursery.start_soon(server.agent_streams.flow_poller.run)
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
         reloader = ServerReloader(server, nursery, slot)
         reloader.watch_token_files()

@@ -7,8 +7,9 @@ behind the agent iperf3 (UDP), dnsmasq (a DNS server fast enough not to be the l
 a UDP echo. The baselines, measured in the same run and interleaved round by round:
 
 * iperf3 -u with 1,400-byte datagrams: the highest offered rate (a ladder of rates) whose
-  loss stays under 1 %, through the mapping and through `socat UDP4-LISTEN,fork` (plus a
-  TCP socat for iperf3's control connection);
+  loss stays under 1 %, through the mapping, through `socat UDP4-LISTEN,fork` (plus a
+  TCP socat for iperf3's control connection), and through `scripts.bench.udp_relay`, the
+  least a trio program can do to relay UDP (one process, no tunnel): the Python floor;
 * dnsperf (Debian's): queries per second and p99 latency through the mapping and asking
   dnsmasq directly;
 * memory per idle flow: the server's and the agent's RSS growth over a second batch of N
@@ -108,11 +109,16 @@ class Bench:
         self.mapped_dns = free_udp_port()
         self.mapped_echo = free_udp_port()
         self.socat_iperf = free_both()
+        self.floor_iperf = free_both()
         target = f"127.0.0.1:{self.iperf_port}"
         self.spawn(["socat", f"TCP4-LISTEN:{self.socat_iperf},bind=127.0.0.1,fork,reuseaddr",
                     f"TCP4:{target}"])
         self.spawn(["socat", f"UDP4-LISTEN:{self.socat_iperf},bind=127.0.0.1,fork,reuseaddr",
                     f"UDP4:{target}"])
+        self.spawn(["socat", f"TCP4-LISTEN:{self.floor_iperf},bind=127.0.0.1,fork,reuseaddr",
+                    f"TCP4:{target}"])
+        self.spawn([sys.executable, "-m", "scripts.bench.udp_relay",
+                    f"127.0.0.1:{self.floor_iperf}", target])
         certs = make_certs(self.tmp)
         tunnel = f"tls://127.0.0.1:{free_port()}"
         many = {"max_flows": 100_000, "max_flows_per_client": 100_000}
@@ -256,7 +262,7 @@ class Bench:
     def run(self) -> dict[str, Any]:
         rounds = 1 if self.args.quick else self.args.rounds
         results: dict[str, list[float]] = {k: [] for k in (
-            "nodeagent_mbit", "socat_mbit", "nodeagent_qps", "direct_qps",
+            "nodeagent_mbit", "socat_mbit", "floor_mbit", "nodeagent_qps", "direct_qps",
             "nodeagent_p99_ms", "direct_p99_ms")}
         steps: list[tuple[str, Callable[[], None]]] = []
 
@@ -273,6 +279,7 @@ class Bench:
         for _ in range(rounds):
             steps += [("iperf3 via nodeagent", iperf_via("nodeagent", self.mapped_iperf)),
                       ("iperf3 via socat", iperf_via("socat", self.socat_iperf)),
+                      ("iperf3 via a bare trio relay", iperf_via("floor", self.floor_iperf)),
                       ("dnsperf via nodeagent", dns_via("nodeagent", self.mapped_dns)),
                       ("dnsperf direct", dns_via("direct", self.dns_port))]
         for index, (name, step) in enumerate(steps):
@@ -283,6 +290,8 @@ class Bench:
         ratios = {
             "udp_vs_socat": [a / b if b else float("nan") for a, b in
                              zip(results["nodeagent_mbit"], results["socat_mbit"], strict=True)],
+            "udp_vs_floor": [a / b if b else float("nan") for a, b in
+                             zip(results["nodeagent_mbit"], results["floor_mbit"], strict=True)],
             "dns_qps_vs_direct": [a / b if b else float("nan") for a, b in
                                   zip(results["nodeagent_qps"], results["direct_qps"],
                                       strict=True)],
@@ -322,7 +331,9 @@ def main() -> int:
     print(f"UDP, {result['rounds']} round(s), median (min-max):")
     print(line("iperf3 -u 1400 B, <1% loss, nodeagent", "nodeagent_mbit", "Mbit/s"))
     print(line("iperf3 -u 1400 B, <1% loss, socat", "socat_mbit", "Mbit/s"))
+    print(line("iperf3 -u 1400 B, <1% loss, trio relay", "floor_mbit", "Mbit/s"))
     print(f"  {'ratio nodeagent / socat':34} {r['udp_vs_socat']['median']:10.2f}")
+    print(f"  {'ratio nodeagent / trio relay':34} {r['udp_vs_floor']['median']:10.2f}")
     print(line("dnsperf via nodeagent", "nodeagent_qps", "q/s"))
     print(line("dnsperf direct", "direct_qps", "q/s"))
     print(f"  {'ratio nodeagent / direct':34} {r['dns_qps_vs_direct']['median']:10.2f}")

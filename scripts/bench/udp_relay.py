@@ -18,6 +18,8 @@ import sys
 import trio
 import trio.lowlevel
 
+from tunnel.udp import size_buffers
+
 BUFFER = 8 * 1024 * 1024
 
 
@@ -29,8 +31,9 @@ def _address(text: str) -> tuple[str, int]:
 def _udp_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setblocking(False)
-    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, BUFFER)
+    # The buffers nodeagent asks for (past rmem_max where the process may): the same
+    # kernel-side slack, so what differs is the path.
+    size_buffers(sock, BUFFER)
     return sock
 
 

@@ -268,12 +268,7 @@ class Agent:
         incoming.hand_over()
 
     def _flow_ended(self, counters: FlowCounters) -> None:
-        self.metrics.datagrams.labels("in").inc(counters.datagrams_in)
-        self.metrics.datagrams.labels("out").inc(counters.datagrams_out)
-        self.metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
-        self.metrics.datagram_bytes.labels("out").inc(counters.bytes_out)
-        for reason, count in counters.drops.items():
-            self.metrics.datagram_drops.labels(reason).inc(count)
+        self.metrics.count_flow(counters)
         stream = counters.stream
         if self.log.isEnabledFor(logging.DEBUG) and stream is not None:
             self.log.debug("flow finished", stream=stream.stream_id, target=str(stream.target),

@@ -184,11 +184,17 @@ class Bench:
                 "mbit": float(total["bits_per_second"]) / 1e6}
 
     def highest_rate(self, port: int) -> float:
-        """The receive rate (Mbit/s) at the highest offered rate with < 1 % loss."""
+        """The receive rate (Mbit/s) at the highest offered rate with < 1 % loss (in
+        either of two tries)."""
         seconds = 1.0 if self.args.quick else 2.0
         best = 0.0
         for mbit in RATES_MBIT:
-            result = self.iperf(port, mbit, seconds)
+            # Two tries per rate: on a shared machine one try can lose 1 % to another
+            # process's burst at any rate, which would end the ladder at a random step.
+            for _ in range(2):
+                result = self.iperf(port, mbit, seconds)
+                if result is not None and result["lost_percent"] < 1.0:
+                    break
             if result is None or result["lost_percent"] >= 1.0:
                 break
             best = result["mbit"]

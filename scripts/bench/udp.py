@@ -168,13 +168,20 @@ class Bench:
     # ------------------------------------------------------------------ iperf3
 
     def iperf(self, port: int, mbit: int, seconds: float) -> dict[str, float] | None:
-        out = subprocess.run(
-            ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-u", "-l", str(DATAGRAM), "-b",
-             f"{mbit}M", "-t", f"{seconds:g}", "-J", "--connect-timeout", "3000",
-             # the same receive buffer at the iperf3 server whichever path: socket
-             # buffers, not the path, would otherwise decide the loss
-             "-w", "4M"],
-            capture_output=True, text=True, timeout=seconds + 30)
+        """One iperf3 -u test; None if it failed (no result, or no end within 30 s: at
+        rates past what a path carries the client has been seen to wait for the end of
+        the test forever, whichever the path)."""
+        try:
+            out = subprocess.run(
+                ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-u", "-l", str(DATAGRAM),
+                 "-b", f"{mbit}M", "-t", f"{seconds:g}", "-J", "--connect-timeout", "3000",
+                 # the same receive buffer at the iperf3 server whichever path: socket
+                 # buffers, not the path, would otherwise decide the loss
+                 "-w", "4M"],
+                capture_output=True, text=True, timeout=seconds + 30)
+        except subprocess.TimeoutExpired:
+            time.sleep(2)  # let the iperf3 server give up on that test
+            return None
         try:
             doc = json.loads(out.stdout)
             total = doc["end"]["sum"]

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -91,7 +93,10 @@ class Bench:
         self.stack: list[NodeagentProcess] = []
 
     def spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # A process group of its own: socat's fork children (one per client address)
+        # outlive their parent and never time out, so close() ends the whole group.
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -99,7 +104,10 @@ class Bench:
         for nodeagent in self.stack:
             nodeagent.kill()
         for proc in self.procs:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
         shutil.rmtree(self.tmp, ignore_errors=True)
 

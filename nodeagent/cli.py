@@ -45,7 +45,7 @@ Config files are YAML; see examples/ and README.md.
 
 
 DEBUG_VIEWS = ("status", "tunnels", "streams", "flows", "config", "rules", "holds",
-               "metrics")
+               "loadbalancers", "metrics")
 DEBUG_DESCRIPTION = """\
 Read the node-local debug socket of a running agent or server and print what it is doing.
 
@@ -65,6 +65,9 @@ views:
   rules     interception rules as applied in the kernel, next to the model (agent)
   holds     requests held for sleeping routes (scale to zero), per Service: how many
             and for how long, and how held requests ended (server)
+  loadbalancers  server: each LoadBalancer Service port: Service, protocol and port,
+            state (listening, or failed and why), backends (node/address:port), and
+            connections or flows taken and refused (no ready endpoints)
   metrics   Prometheus text
 """
 
@@ -178,7 +181,14 @@ def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
                          help="HTTP connections one client address (IPv6: one /64) may hold "
                               "(default 256; 0: no cap — behind a load balancer that hides "
                               "client addresses)")
+    cluster.add_argument("--proxy-protocol-from", action="append", metavar="CIDR",
+                         help="a load balancer that sends PROXY v2 to the public listeners: "
+                              "from its addresses a header is required and names the client "
+                              "(repeatable; docs/proxy-protocol.md)")
     cluster.add_argument("--ingress-http", metavar="HOST:PORT", help="Ingress over HTTP")
+    cluster.add_argument("--load-balancer-host", metavar="HOST",
+                         help="where the ports of LoadBalancer Services listen (default "
+                              "0.0.0.0; docs/loadbalancer.md)")
     cluster.add_argument("--ingress-https", metavar="HOST:PORT",
                          help="Ingress over HTTPS (certificates by SNI from Ingress TLS)")
     cluster.add_argument("--connect-uds", type=Path, metavar="PATH",

@@ -55,6 +55,12 @@ TOOLS: dict[str, str] = {
     "socat": "socat",
     "dnsperf": "dnsperf",
     "dnsmasq": "dnsmasq-base",
+    # PROXY protocol's real peers: HAProxy sends v2 to the server, nginx parses the v1
+    # and v2 headers the server sends a backend (tests/e2e/test_proxy_protocol.py)
+    "haproxy": "haproxy",
+    "nginx": "nginx-light",
+    # htpasswd files as Apache's tool writes them, for basic auth (tests/http/test_auth.py)
+    "htpasswd": "apache2-utils",
 }
 
 # Tools only slow tests need (`scripts/test -m slow`): scripts/test installs them only

@@ -427,6 +427,11 @@ class TunnelConnection:
             wakeup.set()
 
     async def _wait_for_space(self, high_water: int = OUTGOING_HIGH_WATER) -> None:
+        # A shaped transport (shaping.py) takes less at a time: what waits here queues
+        # before a PING's answer, which must not wait seconds behind a slow node's bulk.
+        limit = self.transport.send_high_water
+        if limit is not None and limit < high_water:
+            high_water = limit
         while self._core.outgoing_size > high_water and self.end_reason is None:
             if self._space.is_set():
                 self._space = trio.Event()

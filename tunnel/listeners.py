@@ -1,4 +1,4 @@
-"""TCP listeners that several processes can share (SO_REUSEPORT).
+"""TCP listeners and UDP sockets that several processes can share (SO_REUSEPORT).
 
 `trio.open_tcp_listeners` has no reuse-port option, so this is its loop with one more
 socket option: every process of a server with several workers binds the same public
@@ -14,6 +14,8 @@ import errno
 import socket
 
 import trio
+
+from tunnel.udp import SHARED_BUFFER, size_buffers
 
 
 async def open_tcp_listeners(port: int, *, host: str | None = None,
@@ -52,3 +54,22 @@ async def open_tcp_listeners(port: int, *, host: str | None = None,
     if not listeners:
         raise OSError(errno.EAFNOSUPPORT, f"no usable address for {host}:{port}")
     return listeners
+
+
+def bind_udp(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    """A non-blocking UDP socket bound to host:port (SO_REUSEPORT for workers: the
+    kernel hashes each client address to one worker, so its flow stays there)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        size_buffers(sock, SHARED_BUFFER)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -54,6 +54,7 @@ from tunnel.endpoint import (
 from tunnel.errors import end_label
 from tunnel.limits import HandshakeAdmission as HandshakeAdmission  # re-exported
 from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
+from tunnel.shaping import ShapedTransport, Shaper
 from tunnel.transports import PeerInfo, Transport
 
 
@@ -111,6 +112,11 @@ class AgentSession:
     node: str
     connection: TunnelConnection
     since: float  # wall clock
+    shaper: Shaper | None = None  # its bandwidth (shaping.py), if the server shapes
+
+
+Bandwidth = Callable[[str], tuple[float | None, float | None]]
+"""node → (bytes/s toward it, bytes/s from it), None for unlimited."""
 
 
 class TunnelServer:
@@ -130,9 +136,12 @@ class TunnelServer:
         admission: HandshakeAdmission | None = None,
         replicas: int | None = None,
         on_refusal: Callable[[str], None] | None = None,
+        bandwidth: Bandwidth | None = None,
         log: StructuredLogger | None = None,
     ) -> None:
         self._authenticate = authenticate
+        # Per-node bandwidth shaping of the tunnels (shaping.py); None: none at all.
+        self.bandwidth = bandwidth
         self.server_id = server_id
         # How many replicas serve the public address, announced in the HELLO so agents
         # hold a tunnel to each (None: not announced, agents hold one). Set it when the
@@ -297,6 +306,9 @@ class TunnelServer:
                     return
                 await incoming.refuse(p.StreamReason.FORBIDDEN, "no streams on this connection")
 
+        shaped = None
+        if self.bandwidth is not None:  # paced once the node is known (below)
+            transport = shaped = ShapedTransport(transport)
         conn = TunnelConnection(transport, p.Role.ACCEPTOR, self.settings, handler, log=log)
         try:
             await conn.accept_handshake(vet)
@@ -329,7 +341,10 @@ class TunnelServer:
             return
         conn.log = log = log.bind(node=node)
         previous = self.sessions.get(node)
-        self.sessions[node] = AgentSession(node, conn, time.time())
+        self.sessions[node] = AgentSession(node, conn, time.time(),
+                                           shaped.shaper if shaped is not None else None)
+        if shaped is not None and self.bandwidth is not None:
+            shaped.shaper.set(*self.bandwidth(node))
         self._notify()
         if previous is not None:
             self.replaced += 1
@@ -356,6 +371,16 @@ class TunnelServer:
             while len(self.recent_ends) > RECENT_ENDS:
                 self.recent_ends.popitem(last=False)
             log.info("agent disconnected", reason=str(reason) if reason else "cancelled")
+
+    def reshape(self) -> None:
+        """Apply `bandwidth` again to every node's tunnel (after a config change)."""
+        if self.bandwidth is None:
+            return
+        for node, session in self.sessions.items():
+            if session.shaper is not None:
+                rates = self.bandwidth(node)
+                if rates != (session.shaper.rate_out, session.shaper.rate_in):
+                    session.shaper.set(*rates)
 
     async def _serve_bootstrap(self, conn: TunnelConnection, bootstrap: Bootstrap,
                                source: str, log: StructuredLogger) -> None:

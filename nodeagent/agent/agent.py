@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import Metric
 
 from netfilter.model import NetfilterError
 from nodeagent import __version__
+from nodeagent.agent.healthchecks import HealthChecks, serve_health_stream
 from nodeagent.agent.intercept.listener import Interceptor
 from nodeagent.config import (
     CONTROL_PLANE_PURPOSE,
@@ -28,6 +29,7 @@ from nodeagent.config import (
     InterceptConfig,
     NodeConfig,
 )
+from nodeagent.config.health import HEALTH_PURPOSE
 from nodeagent.configstream.client import WatchStatus
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, counter, gauge
@@ -72,6 +74,8 @@ class Agent:
         self._forbidden_log = RateLimitedLog(self.log, period=60.0)
         # Streams the server's CONNECT front opened (kube-apiserver, Prometheus), live.
         self.control_plane = LiveStreams()
+        # Active health checks servers asked for (healthchecks.py), one set per server.
+        self.health = HealthChecks()
         # Set when a drain begins: the agent's own long-lived streams (the config watch)
         # end then, so the drain waits only for the traffic it carries.
         self.draining = trio.Event()
@@ -174,6 +178,19 @@ class Agent:
         target = incoming.target
         if target.protocol == "udp":
             await self.handle_flow(incoming)
+            return
+        if incoming.metadata.get(PURPOSE_KEY) == HEALTH_PURPOSE:
+            # The server asks for checks of this node's backends: run here, beside them.
+            stream = await incoming.accept()
+            async with trio.open_nursery() as nursery:
+                # A long-lived stream of the agent's own: it ends when a drain begins, so
+                # the drain waits only for the traffic it carries.
+                nursery.start_soon(_cancel_when, self.draining, nursery.cancel_scope)
+                await serve_health_stream(
+                    stream, incoming.stream.stream_id, self.health,
+                    allows=lambda host, port: self.node_config.allows(host, port, "tcp"),
+                    mark=self.config.socket_mark, log=self.log)
+                nursery.cancel_scope.cancel()
             return
         origin = incoming.metadata.get("origin", "")
         # A control-plane stream (the server's CONNECT front) is checked against this
@@ -311,6 +328,11 @@ class Agent:
             if tunnel.connection.rtt is not None:
                 rtt.add_metric([tunnel.server_id], tunnel.connection.rtt)
         yield rtt
+        checks = counter("nodeagent_agent_health_checks", "Active health checks this agent "
+                         "ran for its servers, by result (ok, failed)", labels=["result"])
+        for result, count in sorted(self.health.results.items()):
+            checks.add_metric([result], count)
+        yield checks
 
     def status(self) -> dict[str, Any]:
         conn = self.client.connection
@@ -345,6 +367,7 @@ class Agent:
             "tunnels": [t.as_dict() for t in self.client.tunnels],
             "streams_by_outcome": dict(self.outcomes),
             "control_plane_streams": self.control_plane.as_list(),
+            "health_checks": self.health.as_list(),
             "intercepted_by_outcome": dict(self.interceptor.outcomes)
             if self.interceptor is not None else {},
             "intercepted_udp_by_outcome": dict(self.interceptor.udp.outcomes)
@@ -431,3 +454,8 @@ class Agent:
                 task_status.started()
         finally:
             self._nursery = None
+
+
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

@@ -426,7 +426,7 @@ def load_config(model: type[M], path: Path) -> M:
 
 
 # Fields whose values are secrets wherever they appear in a config document.
-SECRET_FIELDS = frozenset({"key_pem", "token"})
+SECRET_FIELDS = frozenset({"key_pem", "token", "htpasswd"})
 
 
 REDACTED = "[redacted]"

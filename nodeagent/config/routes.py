@@ -42,6 +42,8 @@ from nodeagent.config.base import (
     raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
+from nodeagent.config.gateway import NodeBandwidth, RateLimit, RouteAuth
+from nodeagent.config.health import HealthCheck
 from nodeagent.config.node import (
     AllowRule,
 )
@@ -101,6 +103,11 @@ class TcpMapping(Model):
     listen: ListenAddress
     node: str
     target: HostPort
+    # Send the backend a PROXY header (v1 text or v2 binary) naming the client and the
+    # address it connected to, before any of its bytes (docs/proxy-protocol.md).
+    proxy_protocol: Literal["v1", "v2"] | None = None
+    # Checked by the node's agent beside the target (docs/health-checks.md).
+    health_check: HealthCheck | None = None
 
 
 class UdpMapping(Model):
@@ -124,6 +131,39 @@ class UdpMapping(Model):
     amplification_factor: float = Field(default=3.0, ge=1, le=100)
 
 
+class LoadBalancerPort(Model):
+    """One port of a LoadBalancer Service (controller mode; or a file's, as a TCP/UDP
+    mapping balanced across nodes): the servers listen on `port` for `protocol` at
+    `load_balancer_host`, and each connection (TCP) or client flow (UDP) goes to one of
+    `backends` (round robin over those whose node's agent holds a tunnel here). No
+    backends: the port stays open and refuses (TCP reset; UDP dropped, `no_backends`)."""
+
+    protocol: Literal["tcp", "udp"] = "tcp"
+    port: int = Field(ge=1, le=65535)
+    backends: tuple[Backend, ...] = ()
+    # UDP: a flow with no datagram either way for this long ends.
+    idle_timeout: float = Field(default=60.0, gt=0, le=3600)
+    # TCP: a PROXY header to each backend (the Service's nodeagent.io/proxy-protocol).
+    proxy_protocol: Literal["v1", "v2"] | None = None
+    # TCP: each backend checked by its node's agent; unhealthy ones skipped while another
+    # is left (the Service's nodeagent.io/health-check; docs/health-checks.md).
+    health_check: HealthCheck | None = None
+
+    @field_validator("backends")
+    @classmethod
+    def _through_nodes(cls, v: tuple[Backend, ...]) -> tuple[Backend, ...]:
+        if any(b.node is None for b in v):
+            raise ValueError("every backend of a load balancer port names its node")
+        return v
+
+
+class LoadBalancerService(Model):
+    """A Service of type LoadBalancer the servers satisfy (docs/loadbalancer.md)."""
+
+    name: str  # "namespace/name", for logs, metrics and `nodeagent debug loadbalancers`
+    ports: tuple[LoadBalancerPort, ...] = ()
+
+
 class HttpRoute(Model):
     host: str | None = None  # exact or "*.example.com"; None: any host
     path: str = "/"
@@ -133,6 +173,10 @@ class HttpRoute(Model):
     # What the target speaks: h1 (HTTP/1.1) or h2c (HTTP/2 without TLS, prior knowledge;
     # gRPC servers): h2c backends get one shared HTTP/2 connection, each request balanced.
     backend_protocol: Literal["h1", "h2c"] = "h1"
+    # Checked by the node's agent beside the target (docs/health-checks.md).
+    health_check: HealthCheck | None = None
+    auth: RouteAuth | None = None  # who may use it (docs/auth.md); None: anyone
+    rate_limit: RateLimit | None = None  # requests per second (docs/limits.md)
 
     @field_validator("host")
     @classmethod
@@ -192,6 +236,10 @@ class IngressRule(Model):
     # → h2c).
     backend_protocol: Literal["h1", "h2c"] = "h1"
     wake: WakeRoute | None = None  # its Service sleeps when idle (scale to zero)
+    # Each backend checked by its node's agent (the Service's nodeagent.io/health-check).
+    health_check: HealthCheck | None = None
+    auth: RouteAuth | None = None  # from the Ingress's auth annotations (docs/auth.md)
+    rate_limit: RateLimit | None = None  # from its rate annotations (docs/limits.md)
 
 
 class IngressTls(Model):
@@ -236,6 +284,8 @@ class RoutesConfig(Model):
     version: int = Field(default=0, ge=0)
     tcp: tuple[TcpMapping, ...] = ()
     udp: tuple[UdpMapping, ...] = ()
+    # LoadBalancer Services: ports opened and closed while running, as these change.
+    load_balancers: tuple[LoadBalancerService, ...] = ()
     http: tuple[HttpListener, ...] = ()
     # Destinations the server dials itself for streams agents open (intercepted traffic),
     # for every node; `scopes` add egress for some nodes only.
@@ -265,6 +315,9 @@ class RoutesConfig(Model):
     # server's handshake so agents hold a tunnel to each (controller mode: the ready
     # endpoints of the server Service). None: not announced, agents hold one tunnel.
     replicas: int | None = Field(default=None, ge=1, le=64)
+    # Bandwidth of nodes' tunnels at the server, by node ("*": every node not named);
+    # controller mode: from Node annotations (docs/limits.md).
+    bandwidth: dict[str, NodeBandwidth] = {}
     # Scale to zero: seconds between a server's reports of its routes' activity (last
     # request, requests in flight) to the controller, for the routes with `wake`.
     activity_interval: float = Field(default=10.0, gt=0, le=3600)
@@ -311,6 +364,11 @@ class RoutesConfig(Model):
         self._relays_by_node = {"*": tuple(everyone)}
         for node, rules in relays.items():
             self._relays_by_node[node] = (*everyone, *rules)
+
+    def bandwidth_of(self, node: str) -> tuple[float | None, float | None]:
+        """(to_node, from_node) bytes/s for `node`'s tunnel; None each way: unlimited."""
+        limit = self.bandwidth.get(node) or self.bandwidth.get("*")
+        return (None, None) if limit is None else (limit.to_node, limit.from_node)
 
     def admits(self, node: str) -> bool:
         """Whether `node`'s agent may hold a tunnel (known, not denied)."""
@@ -387,6 +445,15 @@ class RoutesConfig(Model):
             if addr.port and key in seen:
                 problems.append(f"{where} listens on {addr}, already used by {seen[key]}")
             seen.setdefault(key, where)
+        claimed: dict[tuple[str, int], str] = {}
+        for service in self.load_balancers:
+            for lb_port in service.ports:
+                claim = (lb_port.protocol, lb_port.port)
+                if claim in claimed:
+                    problems.append(f"load_balancers: {service.name} asks for "
+                                    f"{lb_port.protocol}/{lb_port.port}, already "
+                                    f"{claimed[claim]}'s")
+                claimed.setdefault(claim, service.name)
         return problems
 
 
@@ -443,8 +510,23 @@ class ServerConfig(RoutesConfig):
     ingress_http: ListenAddress | None = None
     ingress_https: ListenAddress | None = None
     http_limits: HttpLimitsConfig = HttpLimitsConfig()
+    # Load balancers in front of the public listeners (HTTP, Ingress, TCP mappings) that
+    # send PROXY v2: from these addresses a header is required and names the client
+    # (X-Forwarded-For, per-client caps, logs); from others none is taken.
+    proxy_protocol_from: tuple[Cidr, ...] = ()
     # The CONNECT front for the control plane: off unless connect.uds or connect.listen.
     connect: ConnectFrontConfig = ConnectFrontConfig()
+    # Where the ports of `load_balancers` listen (their port numbers are the Services').
+    load_balancer_host: str = "0.0.0.0"
+
+    @field_validator("load_balancer_host")
+    @classmethod
+    def _lb_host(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_address(v.strip("[]")))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address (0.0.0.0 or :: for every "
+                             "interface)") from None
 
     def problems(self) -> list[str]:
         problems = super().problems()
@@ -465,13 +547,14 @@ class ServerConfig(RoutesConfig):
         return problems
 
     def routes(self) -> RoutesConfig:
-        return RoutesConfig(version=self.version, tcp=self.tcp, udp=self.udp, http=self.http,
+        return RoutesConfig(version=self.version, tcp=self.tcp, udp=self.udp,
+                            load_balancers=self.load_balancers, http=self.http,
                             egress=self.egress, scopes=self.scopes,
                             protected=self.protected, node_cidrs=self.node_cidrs,
                             ingress=self.ingress, nodes=self.nodes,
                             denied_nodes=self.denied_nodes, connect_nodes=self.connect_nodes,
                             control_plane_sources=self.control_plane_sources,
-                            replicas=self.replicas)
+                            replicas=self.replicas, bandwidth=self.bandwidth)
 
 
 # ------------------------------------------------------------------ loading

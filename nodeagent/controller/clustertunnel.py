@@ -10,6 +10,7 @@ Python; pydantic aliases translate.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -17,11 +18,14 @@ from pydantic.alias_generators import to_camel
 
 from nodeagent.config import (
     DNS_LABEL,
+    DNS_NAME,
     AllowRule,
     Cidr,
     ConfigError,
     InterceptConfig,
+    JwtAuth,
     PortRange,
+    RateLimit,
     format_errors,
 )
 from nodeagent.kube.resources import custom_resource
@@ -51,6 +55,34 @@ class RelayPolicy(CrdModel):
 
     def covers(self, node_labels: dict[str, str]) -> bool:
         return all(node_labels.get(k) == v for k, v in self.from_node_selector.items())
+
+
+class LoadBalancerSettings(CrdModel):
+    """How the servers satisfy Services of type LoadBalancer (docs/loadbalancer.md)."""
+
+    addresses: tuple[str, ...] = Field(
+        default=(), max_length=16, description="The servers' public addresses (IPs or "
+        "DNS names) written into status.loadBalancer.ingress of every Service served. "
+        "Empty in every tunnel: the LoadBalancer address of the nodeagent-server Service. "
+        "The oldest tunnel that sets it wins.")
+    classless: bool = Field(
+        default=False, description="Also serve Services of type LoadBalancer without "
+        "spec.loadBalancerClass (those the cluster's default implementation would take). "
+        "true in any ClusterTunnel turns it on; leave false where a cloud or MetalLB "
+        "serves them. Services with loadBalancerClass nodeagent.io/tunnel are served "
+        "either way.")
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for address in v:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                if not DNS_NAME.fullmatch(address.lower()):
+                    raise ValueError(f"{address[:64]!r} is neither an IP address nor a DNS "
+                                     "name") from None
+        return v
 
 
 class ClusterTunnelSpec(CrdModel):
@@ -104,6 +136,20 @@ class ClusterTunnelSpec(CrdModel):
         "Nodes come and go), and the servers carry them like a CONNECT. Unset: no such "
         "path; it must name at least one label.")
 
+    ingress_jwt: JwtAuth | None = Field(
+        default=None, description="JWT authentication for every Ingress that sets no auth "
+        "annotation of its own (docs/auth.md: the same fields as a route's auth.jwt). An "
+        "Ingress cannot opt out, only choose its own JWT or basic auth by annotations. "
+        "Several ClusterTunnels setting it: the oldest one's applies.")
+    ingress_rate_limit: RateLimit | None = Field(
+        default=None, description="Request rate limits for every Ingress that sets none "
+        "of its own (docs/limits.md: rate, burst, per_client_rate, per_client_burst). "
+        "Several ClusterTunnels setting it: the oldest one's applies.")
+
+    load_balancers: LoadBalancerSettings = Field(
+        default=LoadBalancerSettings(), description="Services of type LoadBalancer: the "
+        "servers listen on their ports (TCP and UDP) and balance across their ready "
+        "endpoints on every node.")
     scale_to_zero: bool = Field(
         default=True, description="Whether Services may opt in to scale to zero "
         "(annotation nodeagent.io/idle-after): idle workloads are scaled to 0 and the next "

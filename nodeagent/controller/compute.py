@@ -56,14 +56,17 @@ from nodeagent.config import (
     ConnectNode,
     InterceptConfig,
     InterceptRuleConfig,
+    NodeBandwidth,
     NodeConfig,
     NodeScope,
     PortRange,
     RoutesConfig,
 )
 from nodeagent.configstream.protocol import config_line
+from nodeagent.controller.bandwidth import node_bandwidth
 from nodeagent.controller.clustertunnel import ClusterTunnelSpec, parse_cluster_tunnel
 from nodeagent.controller.ingress import SERVICE_NAME_LABEL, IngressTranslation, Problem
+from nodeagent.controller.loadbalancers import LoadBalancerTranslation
 
 Obj = dict[str, Any]
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -202,8 +205,9 @@ def _ip_addresses(node: Obj) -> list[str]:
 # Bounded (a rule is ~0.7 KB): at 65,536 entries, the rules of five successive
 # allowedNodePorts edits at 5,000 nodes stayed cached, +50 MiB of RSS for nothing.
 @functools.lru_cache(maxsize=1 << 14)
-def _allow_exact(host: str, port: int) -> AllowRule:
-    return AllowRule(host=host, ports=(PortRange(first=port, last=port),))
+def _allow_exact(host: str, port: int, protocol: str = "tcp") -> AllowRule:
+    return AllowRule(host=host, ports=(PortRange(first=port, last=port),),
+                     protocol=protocol)  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=1 << 13)
@@ -303,8 +307,10 @@ class NodePart:
     problems: tuple[Problem, ...]
 
 
-# (what node_part reads of the Node, tunnels, its Ingress targets, server replicas, denied)
-NodeKey = tuple[Any, list[Tunnel], frozenset[tuple[str, int]], int | None, bool]
+# An allowed target: (host, port) for TCP, (host, port, protocol) for LoadBalancer ports.
+Target = tuple[str, int] | tuple[str, int, str]
+# (what node_part reads of the Node, tunnels, its targets, server replicas, denied)
+NodeKey = tuple[Any, list[Tunnel], frozenset[Target], int | None, bool]
 
 
 def node_view(node: Obj) -> tuple[Any, ...]:
@@ -317,12 +323,12 @@ def node_view(node: Obj) -> tuple[Any, ...]:
 
 
 def node_part(name: str, node: Obj, tunnels: list[Tunnel],
-              targets: frozenset[tuple[str, int]], replicas: int | None,
+              targets: frozenset[Target], replicas: int | None,
               denied: bool) -> NodePart:
     labels = (node.get("metadata") or {}).get("labels") or {}
     problems: list[Problem] = []
     covering = [t for t in tunnels if t.spec.covers(labels)]
-    allow: list[AllowRule] = [_allow_exact(host, port) for host, port in sorted(targets)]
+    allow: list[AllowRule] = [_allow_exact(*target) for target in sorted(targets)]
     intercept: InterceptConfig | None = None
     control_plane: list[AllowRule] = []
     connect: ConnectNode | None = None
@@ -413,7 +419,7 @@ class ComputeMemo:
             del self._parts[name]
 
 
-NO_TARGETS: frozenset[tuple[str, int]] = frozenset()
+NO_TARGETS: frozenset[Target] = frozenset()
 
 
 def _same_objects(a: list[Obj], b: list[Obj]) -> bool:
@@ -423,7 +429,8 @@ def _same_objects(a: list[Obj], b: list[Obj]) -> bool:
 def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: IngressTranslation,
             services: Iterable[Obj], endpoint_slices: Iterable[Obj],
             namespace: str | None = None, memo: ComputeMemo | None = None,
-            server_workers: int = 1) -> Computed:
+            server_workers: int = 1,
+            load_balancers: LoadBalancerTranslation | None = None) -> Computed:
     """Every node's config and the servers' routes. With a `memo` kept from earlier
     calls, the parts of nodes whose inputs did not change are reused: the result is the
     same as without one. `server_workers`: worker processes per server pod (the servers'
@@ -445,11 +452,25 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     denied = frozenset(n for t in tunnels for n in t.spec.denied_nodes)
     all_labels: dict[str, dict[str, str]] = {}
     ip_addresses: dict[str, list[str]] = {}
-    targets = translation.node_targets
+    balancers = load_balancers or LoadBalancerTranslation()
+    problems.extend(balancers.problems)
+    targets: dict[str, frozenset[Target]] = translation.node_targets  # type: ignore[assignment]
+    if balancers.node_targets:  # a copy only then: most clusters have no such Service
+        targets = dict(targets)
+        for name, extra in balancers.node_targets.items():
+            targets[name] = targets.get(name, NO_TARGETS) | extra
+    bandwidth: dict[str, NodeBandwidth] = {}
     for node in nodes:
-        name = str((node.get("metadata") or {}).get("name", ""))
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
         if not name:
             continue
+        if annotations := meta.get("annotations"):  # bandwidth shaping (limits.md)
+            try:
+                if (limit := node_bandwidth(annotations)) is not None:
+                    bandwidth[name] = limit
+            except ValueError as exc:
+                problems.append(Problem("Node", "", name, "InvalidBandwidth", str(exc)))
         part = memo.part(name, node, (node_view(node), tunnels,
                                       targets.get(name, NO_TARGETS), tunnels_to_hold,
                                       name in denied))
@@ -490,11 +511,12 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
                 scopes.append(NodeScope(name=f"{t.name}/relays[{i}]", nodes=tuple(sources),
                                         relays=policy.to))
     routes = RoutesConfig(ingress=translation.routes, scopes=tuple(scopes),
+                          load_balancers=balancers.services,
                           node_cidrs=node_cidrs,
                           protected=protected,
                           nodes=tuple(sorted(node_configs)), denied_nodes=tuple(sorted(denied)),
                           connect_nodes=connect_nodes, control_plane_sources=dnat.sources,
-                          replicas=replicas)
+                          replicas=replicas, bandwidth=bandwidth)
     return Computed(nodes=node_configs, routes=routes, problems=problems)
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import trio
@@ -30,16 +30,29 @@ import trio
 from nodeagent.config import NodeConfig
 from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
-from nodeagent.controller.compute import ComputeMemo, ConfigVersions, compute, parse_tunnels
+from nodeagent.controller.compute import (
+    ComputeMemo,
+    ConfigVersions,
+    Tunnel,
+    compute,
+    parse_tunnels,
+)
 from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
 from nodeagent.controller.crds import ensure_crds
 from nodeagent.controller.ingress import TranslationMemo, translate_ingresses
+from nodeagent.controller.ingressgate import HTPASSWD_SECRET_TYPE, with_cluster_defaults
 from nodeagent.controller.inputs import (
     LeaderWrite,
     feeds_config,
     leader_writes,
     secret_feeds_config,
     secret_references,
+)
+from nodeagent.controller.lbstatus import LoadBalancerStatusWriter
+from nodeagent.controller.loadbalancers import (
+    LoadBalancerTranslation,
+    reserved_ports,
+    translate_load_balancers,
 )
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.servingtls import ServingTLS, service_names
@@ -186,6 +199,10 @@ class Controller:
             PODS)}
         self.caches["secrets"] = self.informers.cache(
             SECRETS, field_selector=SECRET_FIELD_SELECTOR)
+        # Basic-auth htpasswd Secrets (ingressgate): only of their own type, so the
+        # controller never caches other Secrets for them.
+        self.caches["htpasswd"] = self.informers.cache(
+            SECRETS, field_selector={"type": HTPASSWD_SECRET_TYPE})
         self.caches["watchers"] = self.informers.cache(
             CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
@@ -214,12 +231,17 @@ class Controller:
                                        self.settings.identity, self.stream.subscribers)
         self.status = StatusWriter(self.kube, self.caches, ns, self.settings.identity,
                                    self.watchers)
+        # LoadBalancer Services: the latest translation and tunnels, for their status.
+        self.load_balancers: tuple[LoadBalancerTranslation, tuple[Tunnel, ...]] | None = None
+        self.lb_status = LoadBalancerStatusWriter(self.kube, self.caches["services"], ns,
+                                                  lambda: self.load_balancers)
         self.debouncer = Debouncer(self.recompute, delay=self.settings.debounce)
         self.leader = LeaderWrites({
             LeaderWrite.PKI: self.bootstrap.ensure_pki,
             LeaderWrite.EVENTS: self.status.write_events,
             LeaderWrite.INGRESS_STATUS: self.status.write_ingress_status,
             LeaderWrite.TUNNEL_STATUS: self.status.write_tunnel_status,
+            LeaderWrite.SERVICE_STATUS: self.lb_status.write,
         }, delay=self.settings.status_delay, retry=self.settings.leader_retry,
             urgent=frozenset({LeaderWrite.PKI}), urgent_delay=self.settings.debounce)
         self.is_leader = False
@@ -233,7 +255,7 @@ class Controller:
         ns = self.settings.namespace
 
         def handle(event: CacheEvent) -> None:
-            if plural == SECRETS.plural:
+            if plural in (SECRETS.plural, "htpasswd"):
                 meta = event.object.get("metadata") or {}
                 if (meta.get("namespace"), meta.get("name")) == (ns, CA_SECRET) and \
                         self.bootstrap.read_ca():
@@ -243,12 +265,21 @@ class Controller:
                 wanted = feeds_config(plural, event)
             if wanted:
                 self.recompute_triggers += 1
-                self.debouncer.trigger()
+                self.debouncer.trigger(urgent=plural == ENDPOINTSLICES.plural and
+                                       self._sleepable_slice(event.object))
             writes = leader_writes(plural, event, ns)
             if writes and self.is_leader:
                 self.leader.mark(*writes)
 
         return handle
+
+    def _sleepable_slice(self, obj: dict[str, Any]) -> bool:
+        """An EndpointSlice of a Service that sleeps when idle: its change is recomputed
+        without the debounce, since requests may be held until it reaches the servers
+        (they change only when such a workload wakes, sleeps or moves)."""
+        meta = obj.get("metadata") or {}
+        service = (meta.get("labels") or {}).get("kubernetes.io/service-name")
+        return (str(meta.get("namespace") or ""), str(service)) in self.sleeper.enabled
 
     async def recompute(self) -> None:
         """Compute every config from the caches and publish what changed; hand the
@@ -272,7 +303,8 @@ class Controller:
         tunnels, tunnel_problems = parse_tunnels(tunnel_objects)
         translation = translate_ingresses(
             ingresses=ingresses, ingress_classes=c["ingressclasses"].list(),
-            services=services, endpoint_slices=endpoint_slices, secrets=c["secrets"].list(),
+            services=services, endpoint_slices=endpoint_slices,
+            secrets=c["secrets"].list() + c["htpasswd"].list(),
             nodes=nodes, pods=c["pods"].list(),
             direct_namespaces=frozenset(n for t in tunnels
                                         for n in t.spec.direct_backend_namespaces),
@@ -281,8 +313,23 @@ class Controller:
         wake = apply_wake(translation.routes, dict(enumerate(translation.rule_services)),
                           translation.default_service, services, c["pods"].list(),
                           enabled=feature_on)
-        translation = dataclasses.replace(translation, routes=wake.routes)
-        self.sleeper.enabled, self.sleeper.feature_on = wake.enabled, feature_on
+        # Auth and rate limits a ClusterTunnel sets for Ingresses without their own.
+        ingress = with_cluster_defaults(
+            wake.routes, next((t.spec.ingress_jwt for t in tunnels if t.spec.ingress_jwt),
+                              None),
+            next((t.spec.ingress_rate_limit for t in tunnels if t.spec.ingress_rate_limit),
+                 None))
+        translation = dataclasses.replace(translation, routes=ingress)
+        self.sleeper.set_enabled(wake.enabled, feature_on)
+        balancers = translate_load_balancers(
+            services=services, endpoint_slices=endpoint_slices, nodes=nodes,
+            pods=c["pods"].list(),
+            classless=any(t.spec.load_balancers.classless for t in tunnels),
+            reserved=reserved_ports(services, self.settings.namespace,
+                                    (SERVER_SERVICE, TUNNEL_SERVICE)))
+        self.load_balancers = (balancers, tuple(tunnels))
+        self.metrics.load_balancers(state.error or "served" for states in
+                                    balancers.ports.values() for state in states)
         self.metrics.refused(translation.refused_backends)
         for reason, count in sorted(translation.refused_backends.items()):
             self._refusals.warning(f"backend:{reason}", "Ingress backends refused",
@@ -290,7 +337,8 @@ class Controller:
         out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
                       services=services, endpoint_slices=endpoint_slices,
                       namespace=self.settings.namespace, memo=self.compute_memo,
-                      server_workers=self.settings.server_workers)
+                      server_workers=self.settings.server_workers,
+                      load_balancers=balancers)
         changed = [name for name, config in out.nodes.items()
                    if self.versions.update(f"node/{name}", config)]
         for key in self.versions.keys():

@@ -31,8 +31,9 @@ from nodeagent.kube import CUSTOMRESOURCEDEFINITIONS, Conflict, KubeClient, NotF
 from nodeagent.ops.logs import get_logger
 
 # 3: status.nodesCovered, nodesConnected; 4: allowedPodPorts; 5: wide printer columns;
-# 6: protocol TCP/UDP spellings, intercept rules' dns_zones and dns_resolver; 7: scaleToZero
-CRD_REVISION = 7
+# 6: protocol TCP/UDP spellings, intercept rules' dns_zones and dns_resolver; 7: scaleToZero;
+# 8: loadBalancers; 9: ingressJwt, ingressRateLimit
+CRD_REVISION = 9
 log = get_logger("nodeagent.crds")
 
 # Models whose Python side accepts a scalar short form: their schema is that form.

@@ -29,6 +29,8 @@ The annotation without the admin's listing opens nothing and gets a Problem sayi
 A Service port is matched by number or by name (Service port name → the EndpointSlice
 port of the same name carries the real target port).
 
+Authentication and rate limits come from annotations (`ingressgate`; docs/auth.md).
+
 TLS: `spec.tls[].secretName` must be a Secret with a PEM certificate and a key that matches
 it; the hosts it lists are redirected from http to https (308) unless the annotation
 `nodeagent.io/ssl-redirect: "false"` turns that off. A missing or malformed Secret is a
@@ -56,6 +58,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from nodeagent.config import Backend, HostPort, IngressRoutes, IngressRule, IngressTls
+from nodeagent.config.health import HealthCheck
 from nodeagent.config.httprules import PATH_TYPES, check_rule_host, check_rule_path
 from nodeagent.controller.endpoints import (
     Network,
@@ -65,6 +68,13 @@ from nodeagent.controller.endpoints import (
     on_node,
     pod_view,
 )
+from nodeagent.controller.ingressgate import (
+    GateAnnotationError,
+    basic_secret_name,
+    rate_limit,
+    route_auth,
+)
+from nodeagent.controller.serviceannotations import HEALTH_CHECK_ANNOTATION, health_check_of
 from nodeagent.runtime.gcpause import gc_paused
 
 CONTROLLER_NAME = "nodeagent.io/ingress-controller"
@@ -201,6 +211,9 @@ def references(ingress: Obj) -> tuple[tuple[str, ...], tuple[str, ...]]:
                 if isinstance(b, dict) and isinstance(b.get("service"), dict)}
     secrets = {str(t["secretName"]) for t in spec.get("tls") or []
                if isinstance(t, dict) and t.get("secretName")}
+    basic = basic_secret_name(_meta(ingress).get("annotations") or {})
+    if basic is not None:  # basic auth's htpasswd (ingressgate)
+        secrets.add(basic)
     return tuple(sorted(services)), tuple(sorted(secrets))
 
 
@@ -348,9 +361,12 @@ def _first(pair: tuple[tuple[str, str], Obj]) -> tuple[str, str]:
 
 
 def _spec(service: Obj | None) -> Any:
-    # A Service's spec is all the translation reads of it (its LoadBalancer status is
-    # the leader's concern): None for a missing one.
-    return None if service is None else ("service", service.get("spec"))
+    # A Service's spec and health-check annotation are all the translation reads of it
+    # (its LoadBalancer status is the leader's concern): None for a missing one.
+    if service is None:
+        return None
+    annotations = _meta(service).get("annotations") or {}
+    return ("service", service.get("spec"), annotations.get(HEALTH_CHECK_ANNOTATION))
 
 
 def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
@@ -417,6 +433,16 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
                 f"ignored: the cluster admin has not listed namespace {namespace} in a "
                 "ClusterTunnel's directBackendNamespaces")
 
+    try:  # authentication and rate limits (ingressgate); a bad one serves nothing
+        gate: dict[str, Any] = {
+            "auth": route_auth(annotations, namespace,
+                               lambda ns, n: index.secrets.get((ns, n))),
+            "rate_limit": rate_limit(annotations)}
+    except GateAnnotationError as exc:
+        out.refused["bad_gate"] += 1
+        problem("InvalidAuthOrLimits", f"{exc}; the Ingress is not served until fixed")
+        return
+
     default_backend = spec.get("defaultBackend")
     if default_backend is not None:
         backends = _backends(namespace, default_backend, index, out, problem,
@@ -424,7 +450,8 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
         if backends is not None:
             out.default = IngressRule(
                 name=label, path="/", backends=backends, rank=rank,
-                backend_protocol=backend_protocol(namespace, default_backend, index))
+                backend_protocol=backend_protocol(namespace, default_backend, index),
+                health_check=_health_check(namespace, default_backend, index, problem), **gate)
             out.default_rank = rank
             out.default_service = (namespace, _service_name(default_backend))
 
@@ -454,7 +481,9 @@ def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:
                 backends=backends, rank=rank,
                 tls_redirect=redirect and host is not None and host in tls_hosts,
                 backend_protocol=backend_protocol(namespace, path.get("backend") or {},
-                                                  index)))
+                                                  index),
+                health_check=_health_check(namespace, path.get("backend") or {}, index,
+                                           problem), **gate))
             out.rule_services.append((namespace, _service_name(path.get("backend") or {})))
 
 
@@ -612,6 +641,21 @@ def _backends(namespace: str, backend: Obj, index: _Index, out: _Out, problem: A
 H2C_APP_PROTOCOLS = frozenset({"kubernetes.io/h2c", "grpc"})
 """Service port `appProtocol` values whose backends get HTTP/2 with prior knowledge
 (KEP-3726's `kubernetes.io/h2c`, and `grpc`, which is HTTP/2 by definition)."""
+
+
+def _health_check(namespace: str, backend: Obj, index: _Index,
+                  problem: Any) -> HealthCheck | None:
+    """The backend Service's `nodeagent.io/health-check` (serviceannotations); a bad
+    value is a Problem and no check."""
+    service_ref = backend.get("service")
+    if not isinstance(service_ref, dict):
+        return None
+    name = str(service_ref.get("name", ""))
+    service = index.services.get((namespace, name))
+    check, why = health_check_of(_meta(service or {}).get("annotations"))
+    if why is not None:
+        problem("InvalidHealthCheck", f"Service {namespace}/{name}: {why}")
+    return check
 
 
 def backend_protocol(namespace: str, backend: Obj, index: _Index) -> Literal["h1", "h2c"]:

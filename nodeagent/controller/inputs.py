@@ -17,6 +17,7 @@ import enum
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from nodeagent.controller.bandwidth import FROM_NODE, TO_NODE
 from nodeagent.controller.bootstrap import (
     CA_SECRET,
     SERVER_SERVICE,
@@ -25,6 +26,9 @@ from nodeagent.controller.bootstrap import (
 )
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.endpoints import pod_view
+from nodeagent.controller.ingressgate import basic_secret_name
+from nodeagent.controller.loadbalancers import UDP_IDLE_ANNOTATION
+from nodeagent.controller.serviceannotations import gateway_view
 from nodeagent.controller.wakeroutes import pod_failure_view, settings_view
 from nodeagent.kube import (
     ENDPOINTSLICES,
@@ -47,6 +51,7 @@ class LeaderWrite(enum.Enum):
     EVENTS = "events"  # Events for the Problems of the latest recompute
     INGRESS_STATUS = "ingress status"  # the servers' address on every Ingress served
     TUNNEL_STATUS = "tunnel status"  # ClusterTunnel status and finalizer
+    SERVICE_STATUS = "service status"  # the servers' address on LoadBalancer Services
 
 
 def _meta(obj: Obj) -> Obj:
@@ -58,15 +63,20 @@ def _node(obj: Obj) -> Any:
     # Labels (ClusterTunnel nodeSelectors), addresses (allowedNodePorts are allowed on
     # them) and podCIDRs (the servers' node_cidrs). Not conditions, heartbeats, images or
     # capacity, which kubelets rewrite on their own schedule.
+    # And its bandwidth annotations (bandwidth.py).
+    annotations = _meta(obj).get("annotations") or {}
     return (_meta(obj).get("labels"), (obj.get("spec") or {}).get("podCIDRs"),
-            (obj.get("status") or {}).get("addresses"))
+            (obj.get("status") or {}).get("addresses"),
+            annotations.get(TO_NODE), annotations.get(FROM_NODE))
 
 
 def _service(obj: Obj) -> Any:
-    # Ports, type and externalName, and the scale-to-zero settings (not the controller's
-    # own state annotations). The status (a LoadBalancer address) feeds only the Ingress
-    # status and the servers' certificate: see `leader_writes`.
-    return (obj.get("spec"), settings_view(obj))
+    # Ports, type and externalName, the scale-to-zero settings (not the controller's
+    # own state annotations), a LoadBalancer's UDP idle timeout and the gateway ones
+    # (health checks, PROXY protocol). The status (a LoadBalancer address) feeds only the
+    # leader's writes: see `leader_writes`.
+    return (obj.get("spec"), settings_view(obj),
+            (_meta(obj).get("annotations") or {}).get(UDP_IDLE_ANNOTATION), gateway_view(obj))
 
 
 def _endpoint_slice(obj: Obj) -> Any:
@@ -101,8 +111,8 @@ def _pod(obj: Obj) -> Any:
 
 
 def _secret(obj: Obj) -> Any:
-    # An Ingress TLS certificate and key. Which Secrets matter at all is decided by
-    # `secret_feeds_config` (only those an Ingress names).
+    # An Ingress TLS certificate and key, or a basic-auth htpasswd. Which Secrets matter
+    # at all is decided by `secret_feeds_config` (only those an Ingress names).
     return (obj.get("data"), obj.get("stringData"))
 
 
@@ -131,11 +141,15 @@ def feeds_config(plural: str, event: CacheEvent) -> bool:
 
 
 def secret_references(ingresses: Iterable[Obj]) -> frozenset[tuple[str, str]]:
-    """(namespace, name) of every Secret an Ingress names in spec.tls, ours or not, found
-    or not (so a missing one appearing later is noticed)."""
+    """(namespace, name) of every Secret an Ingress names in spec.tls or its basic-auth
+    annotation (ingressgate), ours or not, found or not (so a missing one appearing later
+    is noticed)."""
     refs = set()
     for ingress in ingresses:
         namespace = str(_meta(ingress).get("namespace", ""))
+        basic = basic_secret_name(_meta(ingress).get("annotations") or {})
+        if basic is not None:
+            refs.add((namespace, basic))
         for entry in (ingress.get("spec") or {}).get("tls") or []:
             if isinstance(entry, dict) and entry.get("secretName"):
                 refs.add((namespace, str(entry["secretName"])))
@@ -143,9 +157,9 @@ def secret_references(ingresses: Iterable[Obj]) -> frozenset[tuple[str, str]]:
 
 
 def secret_feeds_config(event: CacheEvent, referenced: frozenset[tuple[str, str]]) -> bool:
-    """A Secret feeds the config only as an Ingress's TLS certificate: clusters hold many
-    Secrets (service account tokens, Helm release records rewritten at every upgrade) that
-    no Ingress names."""
+    """A Secret feeds the config only as an Ingress's TLS certificate or htpasswd:
+    clusters hold many Secrets (service account tokens, Helm release records rewritten at
+    every upgrade) that no Ingress names."""
     meta = _meta(event.object)
     key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
     return key in referenced and feeds_config(SECRETS.plural, event)
@@ -171,8 +185,11 @@ def leader_writes(plural: str, event: CacheEvent, namespace: str) -> set[LeaderW
     if plural == SERVICES.plural and ours and meta.get("name") == TUNNEL_SERVICE:
         return {LeaderWrite.PKI}  # its LoadBalancer address: in the servers' certificate
     if plural == SERVICES.plural and ours and meta.get("name") == SERVER_SERVICE:
-        # Its LoadBalancer address: on every Ingress, and in the servers' certificate.
-        return {LeaderWrite.INGRESS_STATUS, LeaderWrite.PKI}
+        # Its LoadBalancer address: on every Ingress and LoadBalancer Service served, and
+        # in the servers' certificate.
+        return {LeaderWrite.INGRESS_STATUS, LeaderWrite.SERVICE_STATUS, LeaderWrite.PKI}
+    if plural == SERVICES.plural and status_changed(event):
+        return {LeaderWrite.SERVICE_STATUS}  # someone else wrote it: put ours back
     if plural == SECRETS.plural and ours and meta.get("name") in (CA_SECRET,
                                                                   SERVER_TLS_SECRET):
         return {LeaderWrite.PKI}  # deleted, replaced or relabelled

@@ -8,6 +8,7 @@ what a client sent, so the series stay bounded whatever clients do.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -75,6 +76,12 @@ class ControllerMetrics:
             "Services (external_name), and Ingresses whose direct-backends annotation the "
             "admin did not allow (direct_not_allowed)", ["reason"], registry=self.registry)
         self._refused_reasons: set[str] = set()
+        self.load_balancer_ports = Gauge(
+            "nodeagent_controller_loadbalancer_ports",
+            "Ports of LoadBalancer Services in the latest config, by state: served, or the "
+            "port's error (PortConflict, PortReserved, UnsupportedProtocol, "
+            "SourceRangesUnsupported)", ["state"], registry=self.registry)
+        self._lb_states: set[str] = set()
         self.scale_to_zero = Counter(
             "nodeagent_controller_scale_to_zero_total",
             "Scale writes of sleepable workloads by this replica: sleep (the leader, to 0) "
@@ -86,6 +93,13 @@ class ControllerMetrics:
         self._refused_reasons.update(counts)
         for reason in self._refused_reasons:
             self.refused_backends.labels(reason).set(counts.get(reason, 0))
+
+    def load_balancers(self, states: Iterable[str]) -> None:
+        """The latest recompute's LoadBalancer Service ports, one state each."""
+        counts = collections.Counter(states)
+        self._lb_states.update(counts)
+        for state in self._lb_states:
+            self.load_balancer_ports.labels(state).set(counts.get(state, 0))
 
     def watch_informers(self, informers: Callable[[], Iterable[Informer]]) -> None:
         """Export the watch restarts of these informers (once per registry)."""

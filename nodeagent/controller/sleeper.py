@@ -112,12 +112,23 @@ class Sleeper:
     sleeps: int = 0
     wakes: int = 0
     _waking: dict[Key, trio.Event] = field(default_factory=dict)
+    # Workloads found from a Service's pods (a ReplicaSet read), for the Services enabled
+    # now: `set_enabled` forgets the others, so a Service deleted or opted out costs
+    # nothing after the next recompute, and one that opts in again is looked up afresh.
     _workloads: dict[Key, tuple[str, str]] = field(default_factory=dict)
     _limited: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
     _events: EventRecorder | None = None
 
     def __post_init__(self) -> None:
         self._events = EventRecorder(self.kube, component="nodeagent-controller")
+
+    def set_enabled(self, enabled: dict[Key, WakeSettings], feature_on: bool) -> None:
+        """The latest recompute's sleepable Services; what this replica remembers of the
+        others (their activity, their workload) is forgotten."""
+        self.enabled, self.feature_on = enabled, feature_on
+        for memo in (self._workloads, self.activity):
+            for key in [k for k in memo if k not in enabled]:
+                del memo[key]
 
     # -- from servers (the config stream's report endpoints) --------------------------
 
@@ -196,7 +207,12 @@ class Sleeper:
                          f"nodeagent.io/workload", "reason": "no_workload"}
         resource = WORKLOADS[workload[0]]
         for _ in range(3):
-            scale = await self._get_scale(resource, key[0], workload[1])
+            try:
+                scale = await self._get_scale(resource, key[0], workload[1])
+            except NotFound:
+                # Replaced under another name since it was found: look again next time.
+                self._workloads.pop(key, None)
+                raise
             if int((scale.get("spec") or {}).get("replicas") or 0) > 0:
                 return 202, {"state": "waking" if not self._ready(key) else "awake"}
             obj = await self.kube.get(resource, workload[1], namespace=key[0])

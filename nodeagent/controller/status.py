@@ -27,6 +27,7 @@ from nodeagent.kube import (
     CONFIGMAPS,
     INGRESSES,
     NODES,
+    SERVICES,
     Cache,
     EventRecorder,
     KubeClient,
@@ -132,7 +133,7 @@ class StatusWriter:
     async def write_events(self) -> bool:
         for problem in self.outcome.problems if self.outcome else ():
             resource = {"Ingress": INGRESSES, "ClusterTunnel": CLUSTER_TUNNELS,
-                        "Node": NODES}.get(problem.kind)
+                        "Node": NODES, "Service": SERVICES}.get(problem.kind)
             if resource is None:
                 continue
             obj = self.caches[resource.plural].get(problem.name, problem.namespace or None)

@@ -1,11 +1,17 @@
-"""Which backend of a route a new upstream connection goes to: round robin, failed ones last."""
+"""Which backend of a route a new upstream connection goes to: round robin, failed ones
+last, and those an active health check found unhealthy not at all while another is left
+(docs/health-checks.md)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from nodeagent.http.routetable import Backend, Route
+from nodeagent.ops.logs import get_logger
+from tunnel.log import RateLimitedLog
+
+_health_log = RateLimitedLog(get_logger("nodeagent.http"), period=60.0)
 
 
 class Balancer:
@@ -15,8 +21,12 @@ class Balancer:
     both maps are cleared when they grow past `max_entries`, which only resets rotation.
     """
 
-    def __init__(self, cooldown: float = 5.0, max_entries: int = 65536) -> None:
+    def __init__(self, cooldown: float = 5.0, max_entries: int = 65536,
+                 unhealthy: Callable[[Backend], bool] | None = None) -> None:
         self._cooldown = cooldown
+        # Active health checks' verdicts (the server's BackendHealth): skipped while a
+        # healthy or unknown backend remains; all unhealthy, all are tried as before.
+        self._unhealthy = unhealthy
         self._max = max_entries
         self._next: dict[str, int] = {}
         self._failed: dict[Backend, float] = {}
@@ -31,6 +41,13 @@ class Balancer:
         self._next[route.name] = i + 1
         i %= len(backends)
         order = backends[i:] + backends[:i]
+        if self._unhealthy is not None:
+            healthy = tuple(b for b in order if not self._unhealthy(b))
+            if healthy:
+                order = healthy
+            else:
+                _health_log.warning(route.name, "every backend of the route is unhealthy; "
+                                    "trying them all", route=route.name, backends=len(order))
         if self._failed:
             now = time.monotonic()
             bad = [b for b in order if self._failed.get(b, 0.0) > now]

@@ -16,7 +16,8 @@ Per request, in named steps:
    over `max_header_fields` fields or `max_header_bytes` → 431);
 2. policy (`_route`): `headers.read_request` reads it (pure);
 3. route (`_route`): `dispatch.route_request` looks it up in the table current at that
-   moment (pure; a `Refusal` is a 404/405/308/503/413 answered by `_refuse`);
+   moment (pure; a `Refusal` is a 404/405/308/503/413 answered by `_refuse`), then the
+   route's gate, if it has one (`gate`: rate limits and authentication → 429/401/403);
 4. forward with retry (`_forward`): pick an upstream (reuse the connection's own if the
    route still lists its backend, else the `Balancer`'s order, at most
    `max_dial_attempts`), send the request and relay the response with bodies streamed both
@@ -63,7 +64,7 @@ from nodeagent.http.h1 import (
     serialize_request,
 )
 from nodeagent.http.h2heads import h2_request, reason_phrase
-from nodeagent.http.h2pool import H2cExchange, H2Pool, open_h2c_exchange
+from nodeagent.http.h2pool import H2cExchange, H2Pool, connect_h2c, open_h2c_exchange
 from nodeagent.http.headers import (
     ClientRequest,
     frame_response,
@@ -73,7 +74,7 @@ from nodeagent.http.headers import (
     switch_response,
     upstream_headers,
 )
-from nodeagent.http.holds import HeldRequests
+from nodeagent.http.holds import HeldRequests, dial_woken
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
 from nodeagent.http.request import (
@@ -119,10 +120,13 @@ class _SlowBody(Exception):
 
 _REASONS = {
     400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
     413: "Content Too Large",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     502: "Bad Gateway",
     503: "Service Unavailable",
@@ -250,6 +254,8 @@ class HttpConnection:
                 first = False
                 # The request's steps: policy and route (no I/O), then forward with retry.
                 route = self._route(req)
+                if route.gate is not None:  # rate limits, auth (gate.py)
+                    route = await route.gate.admit(route, self.creq, self.client_addr.decode())
                 if type(route) is Route:
                     if route.wake is None or self.holds is None:
                         keep = await self._forward_route(req, route)
@@ -400,7 +406,8 @@ class HttpConnection:
         if refusal.location is not None:
             return await self._redirect(refusal.location)
         if refusal.code is not None:
-            keep = await self._reject(refusal.code, refusal.status, refusal.reason, req)
+            keep = await self._reject(refusal.code, refusal.status, refusal.reason, req,
+                                      retry_after=refusal.retry_after, headers=refusal.headers)
         else:
             keep = await self._error(refusal.status, refusal.reason, req,
                                      retry_after=refusal.retry_after)
@@ -421,29 +428,26 @@ class HttpConnection:
             return route_request(self.table(), method, creq, https=https, max_body=max_body)
 
         outcome = await self.holds.hold(refusal, recheck)
-        # The servers' routes and the node's allow list reach the two on streams of their
-        # own: a woken backend may be in our table a moment before its agent lets us dial
-        # it (measured: ~40 ms later on a busy 2-core machine). Dial before forwarding,
-        # and retry a refused dial until the wake deadline: often at first, then at most
-        # every 100 ms (a refused dial is a stream opened and refused in the tunnel).
-        delay = 0.01
-        while type(outcome) is Route:
-            if outcome.backend_protocol != "h1":
-                break  # h2c: the shared connection pool dials, and retries, on its own
-            try:
-                await self._upstream(outcome)
-            except UpstreamFailed as exc:
-                if trio.current_time() + delay > deadline:
-                    return await self._error(exc.status, exc.reason, req)
-                await trio.sleep(delay)
-                delay = min(delay * 1.5, 0.1)
-                outcome = recheck()
-                continue
-            return await self._forward_counted(req, outcome)
         if type(outcome) is Route:
-            return await self._forward_counted(req, outcome)
+            # Dial before forwarding; a refused dial is retried (holds.dial_woken says why).
+            try:
+                dialed = await dial_woken(outcome, recheck, self._dial_woken, deadline,
+                                          UpstreamFailed)
+            except UpstreamFailed as exc:
+                return await self._error(exc.status, exc.reason, req)
+            if isinstance(dialed, Refusal):
+                return await self._refuse(dialed, req)
+            return await self._forward_counted(req, dialed[0])
         assert type(outcome) is Refusal
         return await self._refuse(outcome, req)
+
+    async def _dial_woken(self, route: Route) -> None:
+        """A woken route's first upstream, kept for the request (`_upstream` reuses it);
+        h2c: the shared pool's connection to one of its backends."""
+        if route.backend_protocol == "h1":
+            await self._upstream(route)
+        elif self.pool is not None:
+            await connect_h2c(route, self.pool, self.balancer, self.limits)
 
     async def _starting_page(self, refusal: Refusal) -> bool:
         """503 with `Refresh`: a browser shows a small page and asks again shortly."""
@@ -872,7 +876,8 @@ class HttpConnection:
     # -- answers made here ------------------------------------------------------------------
 
     async def _reject(
-        self, reason: RefusalReason, status: int, detail: str, req: RequestHead | None = None
+        self, reason: RefusalReason, status: int, detail: str, req: RequestHead | None = None,
+        *, retry_after: int | None = None, headers: list[tuple[bytes, bytes]] | None = None,
     ) -> bool:
         """A refusal that protects the front: counted by reason, logged rate-limited, then
         answered by `_error` (`detail` is the one-line body; client text in it is clipped)."""
@@ -882,10 +887,11 @@ class HttpConnection:
         elif status == 408:
             stats.timeouts += 1
         stats.refused(reason, status=status, client=self.client_addr.decode(), detail=detail)
-        return await self._error(status, detail, req)
+        return await self._error(status, detail, req, retry_after=retry_after, extra=headers)
 
     async def _error(self, status: int, reason: str, req: RequestHead | None = None, *,
-                     retry_after: int | None = None) -> bool:
+                     retry_after: int | None = None,
+                     extra: list[tuple[bytes, bytes]] | None = None) -> bool:
         """A short text/plain answer; returns whether the connection can go on."""
         if self.started:
             return False  # a response (or an answer of ours) went out already: only close
@@ -899,6 +905,8 @@ class HttpConnection:
             headers.append((b"connection", b"close"))
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
+        if extra:
+            headers += extra
         self._count_status(status)
         if status >= 500 or status in (404, 503):
             log.info(

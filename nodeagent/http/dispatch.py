@@ -8,22 +8,28 @@ then close; see `headers`), no route (404),
 a plain-HTTP request to a route that redirects to HTTPS (308), a route without ready
 backends (503; a sleeping route's 503 carries its `wake`, and the connection holds the
 request instead: `holds.py`), a sleeping route whose workload fails to start (502), a
-declared body over the limit (413).
+declared body over the limit (413). A route with a gate (auth, rate limits: `gate.py`)
+passes it to every refusal made after the match, so the caller asks the gate first.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from nodeagent.http.headers import ClientRequest
 from nodeagent.http.paths import clip
 from nodeagent.http.routetable import Route, RouteTable, WakeSpec, normalize_host
 from nodeagent.http.stats import RefusalReason
 
+if TYPE_CHECKING:
+    from nodeagent.http.gate import RouteGate
+
 
 class Refusal:
     """The answer to a request that goes to no upstream (see `route_request`)."""
 
-    __slots__ = ("close", "code", "location", "reason", "retry_after", "route", "status",
-                 "wake")
+    __slots__ = ("close", "code", "gate", "grpc", "headers", "location", "reason",
+                 "retry_after", "route", "status", "wake")
 
     def __init__(
         self,
@@ -36,6 +42,9 @@ class Refusal:
         wake: WakeSpec | None = None,
         route: str | None = None,
         retry_after: int | None = None,
+        gate: RouteGate | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        grpc: int | None = None,
     ) -> None:
         self.status = status
         self.reason = reason
@@ -51,6 +60,12 @@ class Refusal:
         """The route's name, when a route matched."""
         self.retry_after = retry_after
         """Seconds for a Retry-After header."""
+        self.gate = gate
+        """The matched route's gate (`gate.py`): asked before this answer is given."""
+        self.headers = headers
+        """More header fields for the answer (WWW-Authenticate)."""
+        self.grpc = grpc
+        """The gRPC status for a gRPC request, when not the HTTP status's usual one."""
 
     def __repr__(self) -> str:
         return f"Refusal({self.status}, {self.reason!r}, location={self.location!r})"
@@ -87,12 +102,13 @@ def route_request(
         if wake is not None:
             if wake.failure:
                 return Refusal(502, f"route {route.name}: its backend fails to start: "
-                               f"{wake.failure}", route=route.name)
+                               f"{wake.failure}", route=route.name, gate=route.gate)
             return Refusal(503, f"route {route.name} is asleep", wake=wake,
-                           route=route.name)
-        return Refusal(503, f"route {route.name} has no ready backends")
+                           route=route.name, gate=route.gate)
+        return Refusal(503, f"route {route.name} has no ready backends", gate=route.gate)
     if max_body is not None and req.content_length > max_body:
-        return Refusal(413, f"request body over {max_body} bytes", code="body_too_large")
+        return Refusal(413, f"request body over {max_body} bytes", code="body_too_large",
+                       gate=route.gate)
     return route
 
 

@@ -65,6 +65,11 @@ class Exchange(Protocol):
 
     async def receive(self) -> ResponseStart | bytes | ResponseEnd: ...
 
+    def ends_next(self) -> bool:
+        """The next `receive()` returns a `ResponseEnd` without trailers at once: the
+        HTTP/2 front then ends the stream on the last DATA frame, not an empty one after."""
+        ...
+
     async def finish(self) -> bool:
         """The exchange ended well; whether its upstream can serve another request."""
         ...
@@ -141,6 +146,9 @@ class H1Exchange:
         except UpstreamProtocolError as exc:
             raise UpstreamFailed(
                 502, f"upstream {up.backend} sent a malformed response: {exc}") from exc
+
+    def ends_next(self) -> bool:
+        return self.up.parser.ends_next and not self.up.parser.trailers
 
     async def finish(self) -> bool:
         up = self.up

@@ -33,11 +33,12 @@ from nodeagent.http.h2pool import Describe, H2Pool
 from nodeagent.http.h2session import PREFACE
 from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
-from nodeagent.http.routetable import RouteTable
+from nodeagent.http.routetable import Backend, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import TlsConfig
 from nodeagent.http.upstream import Opener
 from nodeagent.ops.logs import get_logger
+from nodeagent.proxyprotocol.receive import ProxyTrust, looks_like_proxy_header
 
 log = get_logger("nodeagent.http")
 
@@ -82,6 +83,8 @@ async def serve_http_connection(
     pool: H2Pool | None = None,
     h2: bool | None = None,
     holds: HeldRequests | None = None,
+    proxy: ProxyTrust | None = None,
+    listener: str = "http",
 ) -> None:
     """Serve one client connection until it closes; closes `stream` (and upstreams) at the end.
 
@@ -89,7 +92,9 @@ async def serve_http_connection(
     returns. `h2`: True, the connection speaks HTTP/2 (ALPN chose it); False, HTTP/1.1
     only; None, HTTP/1.1 or h2c with prior knowledge, told apart by the first bytes.
     `pool`: the h2c backends' shared connections (one for this connection alone if
-    None). Never raises for anything a client or upstream does; cancellation propagates.
+    None). `proxy`: set, a plaintext connection that starts with a PROXY header (one its
+    peer may not send, or a second one) is refused as `untrusted`. Never raises for
+    anything a client or upstream does; cancellation propagates.
     """
     limits = limits or Limits()
     if pool is None:
@@ -98,7 +103,7 @@ async def serve_http_connection(
                 stream, table=table, open_upstream=open_upstream, scheme=scheme,
                 client_addr=client_addr, limits=limits, stats=stats, balancer=balancer,
                 access_log=access_log, closing=closing, h2=h2, holds=holds,
-                pool=H2Pool(nursery, open_upstream, limits))
+                pool=H2Pool(nursery, open_upstream, limits), proxy=proxy, listener=listener)
             nursery.cancel_scope.cancel()
         return
     stats = stats if stats is not None else HttpStats()
@@ -113,6 +118,10 @@ async def serve_http_connection(
         else:
             initial = sniffed
             h2 = initial.startswith(PREFACE)
+            if proxy is not None and looks_like_proxy_header(initial):
+                proxy.refuse_unexpected(client_addr, listener)
+                await trio.aclose_forcefully(stream)
+                return
     if h2:
         await H2Connection(stream, table, open_upstream, scheme, client_addr, limits, stats,
                            balancer, pool, access_log, closing, initial,
@@ -173,16 +182,22 @@ class HttpFront:
         access_log: bool = False,
         describe_upstream: Describe | None = None,
         holds: HeldRequests | None = None,
+        proxy: ProxyTrust | None = None,
+        name: str = "http",
+        unhealthy: Callable[[Backend], bool] | None = None,
     ) -> None:
         self.describe_upstream = describe_upstream
         """How the shared h2c upstream streams show their h2 streams in the debug views."""
+        # PROXY v2 from trusted load balancers (the client's address for everything).
+        self.proxy = proxy
+        self.name = name
         self.table = table
         self.holds = holds
         self.open_upstream = open_upstream
         self.tls = tls
         self.limits = limits or Limits()
         self.stats = stats if stats is not None else HttpStats()
-        self.balancer = Balancer(self.limits.failed_backend_cooldown)
+        self.balancer = Balancer(self.limits.failed_backend_cooldown, unhealthy=unhealthy)
         self.access_log = access_log
         self._ssl_context = tls.server_context() if tls is not None else None
         self._scope: trio.CancelScope | None = None
@@ -267,7 +282,18 @@ class HttpFront:
             peer = stream.socket.getpeername()
             client_addr = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         except OSError:
-            client_addr = "unknown"
+            # Reset before we got to it: nothing to serve, and no address to judge trust
+            # (a balancer's header would otherwise look like a client's).
+            await trio.aclose_forcefully(stream)
+            return
+        if self.proxy is not None and isinstance(peer, tuple) and self.proxy.trusts(client_addr):
+            # Before the caps and TLS: the balancer's header comes first and names the
+            # client they count.
+            header = await self.proxy.client_of(stream, (client_addr, int(peer[1])), self.name)
+            if header is None or header.source is None:
+                await trio.aclose_forcefully(stream)
+                return
+            client_addr = header.source[0]
         key = client_key(client_addr)
         per_client = self.per_client
         count = per_client.get(key, 0)
@@ -330,6 +356,8 @@ class HttpFront:
                 pool=self.pool,
                 h2=h2,
                 holds=self.holds,
+                proxy=self.proxy,
+                listener=self.name,
             )
         except Exception as exc:
             # A bug here must cost one connection, not the listener and all its clients.

@@ -139,6 +139,11 @@ class ResponseParser:
         self.trailers = []
 
     @property
+    def ends_next(self) -> bool:
+        """The body is complete: `next()` returns END without needing more bytes."""
+        return self._mode == _END or self._mode == _NONE
+
+    @property
     def reusable(self) -> bool:
         """The last response ended, allowed keep-alive, and nothing unasked-for followed."""
         return self._mode == _DONE and self.keep_alive and not self._buf and not self._eof

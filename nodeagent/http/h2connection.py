@@ -42,7 +42,7 @@ from nodeagent.http.dispatch import Refusal, route_request
 from nodeagent.http.exchange import Exchange, H1Exchange, ResponseEnd, ResponseStart
 from nodeagent.http.h1 import serialize_request
 from nodeagent.http.h2heads import H2Request, h1_view, h2_request, h2_response, reason_phrase
-from nodeagent.http.h2pool import H2Pool, open_h2c_exchange
+from nodeagent.http.h2pool import H2Pool, connect_h2c, open_h2c_exchange
 from nodeagent.http.h2session import (
     DataIn,
     EndIn,
@@ -58,7 +58,7 @@ from nodeagent.http.h2session import (
 )
 from nodeagent.http.h2wire import H2Wire, Inbox, StreamGone, WindowStalled
 from nodeagent.http.headers import ClientRequest, read_request, upstream_headers
-from nodeagent.http.holds import HeldRequests
+from nodeagent.http.holds import HeldRequests, dial_woken
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
 from nodeagent.http.routetable import Route, RouteTable
@@ -168,6 +168,10 @@ class H2Connection:
                     if self.initial:
                         await self._received(self.initial)
                     await self._read_loop()
+                    # What the last streams queued (flushes do not wait for the write),
+                    # and a GOAWAY: written before the writer goes, within the idle timeout.
+                    with trio.move_on_after(self.limits.idle_timeout):
+                        await self.wire.drain()
                 except H2Refused as exc:
                     refused = exc
                 except StreamGone:
@@ -325,18 +329,32 @@ class H2Connection:
             creq.chunked = True  # an HTTP/1.1 upstream gets it chunked
         routed = route_request(self.table(), req.method, creq, https=self.https,
                                max_body=self.limits.max_body_bytes)
+        if routed.gate is not None:  # rate limits, auth (gate.py)
+            routed = await routed.gate.admit(routed, creq, self.client_addr)
         if type(routed) is Refusal and routed.wake is not None and self.holds is not None:
-            # A sleeping route: held until it wakes, as on HTTP/1.1 (holds.py).
-            routed = await self.holds.hold(routed, lambda: route_request(
-                self.table(), req.method, creq, https=self.https,
-                max_body=self.limits.max_body_bytes))
+            # A sleeping route: held until it wakes, then dialed with refusals retried,
+            # as on HTTP/1.1 (holds.py).
+            wake_deadline = trio.current_time() + routed.wake.timeout
+
+            def recheck() -> Route | Refusal:
+                return route_request(self.table(), req.method, creq, https=self.https,
+                                     max_body=self.limits.max_body_bytes)
+
+            routed = await self.holds.hold(routed, recheck)
+            if type(routed) is Route:
+                try:
+                    dialed = await dial_woken(routed, recheck, self._dial_woken,
+                                              wake_deadline, UpstreamFailed)
+                    routed = dialed if isinstance(dialed, Refusal) else dialed[0]
+                except UpstreamFailed as exc:
+                    routed = Refusal(exc.status, exc.reason)
         if type(routed) is not Route:
             refusal = cast(Refusal, routed)
             if refusal.code is not None:
                 stats.refused(refusal.code, status=refusal.status, client=self.client_addr,
                               detail=refusal.reason)
             await self._answer(sid, req, refusal.status, refusal.reason, refusal.location,
-                               retry_after=refusal.retry_after)
+                               retry_after=refusal.retry_after, refusal=refusal)
             return
         route = routed
         timeout = None
@@ -347,19 +365,16 @@ class H2Connection:
         started = _Outcome()
         status = 0
         try:
-            with trio.move_on_after(timeout if timeout is not None else float("inf")
-                                    ) as deadline:
-                if route.wake is not None and self.holds is not None:
-                    self.holds.begin(route.wake)  # activity: it keeps the Service awake
-                    try:
-                        status = await self._forward(sid, req, creq, route, has_body, inbox,
-                                                     started)
-                    finally:
-                        self.holds.end(route.wake)
-                else:
-                    status = await self._forward(sid, req, creq, route, has_body, inbox,
-                                                 started)
-            if deadline.cancelled_caught:
+            if timeout is None:  # no cancel scope for the calls that need none
+                status = await self._forward_held(sid, req, creq, route, has_body, inbox,
+                                                  started)
+                timeout_hit = False
+            else:
+                with trio.move_on_after(timeout) as deadline:
+                    status = await self._forward_held(sid, req, creq, route, has_body, inbox,
+                                                      started)
+                timeout_hit = deadline.cancelled_caught
+            if timeout_hit:
                 stats.timeouts += 1
                 started.grpc = "DEADLINE_EXCEEDED"
                 message = f"deadline of {timeout:g}s exceeded at the front"
@@ -384,6 +399,17 @@ class H2Connection:
             log.info("request routed", host=clip(creq.host.decode("latin-1")),
                      path=clip(creq.target.decode("latin-1")), status=status, protocol="h2")
 
+    async def _forward_held(self, sid: int, req: H2Request, creq: ClientRequest,
+                            route: Route, has_body: bool, inbox: Inbox,
+                            started: _Outcome) -> int:
+        if route.wake is not None and self.holds is not None:
+            self.holds.begin(route.wake)  # activity: it keeps the Service awake
+            try:
+                return await self._forward(sid, req, creq, route, has_body, inbox, started)
+            finally:
+                self.holds.end(route.wake)
+        return await self._forward(sid, req, creq, route, has_body, inbox, started)
+
     async def _forward(self, sid: int, req: H2Request, creq: ClientRequest, route: Route,
                        has_body: bool, inbox: Inbox, started: _Outcome) -> int:
         fields = upstream_headers(creq, default_host=route.backends[0].host,
@@ -400,7 +426,12 @@ class H2Connection:
                 exchange = await self._h1_exchange(
                     route, serialize_request(req.method, creq.target, fields), req.method,
                     creq.chunked, has_body)
-            if has_body:
+            if has_body and inbox.items and type(inbox.items[-1]) is EndIn:
+                # The whole body came with the head (a unary gRPC call, a small POST): sent
+                # as it is, without a pump task and its nursery.
+                await self._send_whole_body(sid, inbox, exchange)
+                status = await self._relay(sid, req, exchange, started)
+            elif has_body:
                 status = await self._exchange_with_body(sid, req, exchange, inbox, started)
             else:
                 status = await self._relay(sid, req, exchange, started)
@@ -467,6 +498,15 @@ class H2Connection:
                     raise
         raise UpstreamFailed(502, "upstream closed the connection")
 
+    async def _dial_woken(self, route: Route) -> None:
+        """A woken route's first dial: an HTTP/1.1 upstream kept for `_h1_exchange`, or
+        the pool's h2c connection."""
+        if route.backend_protocol == "h2c":
+            await connect_h2c(route, self.pool, self.balancer, self.limits)
+        else:
+            self.idle_upstreams.append(await dial_upstream(
+                route, self.opener, self.balancer, self.limits, self.stats, self.client_addr))
+
     def _take_upstream(self, route: Route) -> Upstream | None:
         ups = self.idle_upstreams
         for i, up in enumerate(ups):
@@ -495,6 +535,31 @@ class H2Connection:
         if not pumped[0]:
             await self.wire.reset(sid, h2.errors.ErrorCodes.NO_ERROR)
         return status
+
+    async def _send_whole_body(self, sid: int, inbox: Inbox, exchange: Exchange) -> None:
+        """A request body that is all in `inbox` (it ends with END_STREAM) → backend."""
+        max_body = self.limits.max_body_bytes
+        seen = 0
+        trailers: Headers = []
+        items = inbox.items
+        try:
+            while items:
+                ev = items.popleft()
+                t = type(ev)
+                if t is DataIn:
+                    data = cast(DataIn, ev)
+                    seen += len(data.data)
+                    if max_body is not None and seen > max_body:
+                        raise _BodyTooLarge()
+                    if data.data:
+                        await exchange.send_body(data.data)
+                    await self.wire.acknowledge(sid, data.flow_length)
+                elif t is TrailersIn:
+                    trailers = cast(TrailersIn, ev).trailers
+                elif t is EndIn:
+                    await exchange.end_body(trailers)
+        except UpstreamFailed:
+            pass  # the backend stopped reading: its answer (if any) is still relayed
 
     async def _pump_body(self, sid: int, inbox: Inbox, exchange: Exchange, grpc: bool,
                          errors: list[Exception], pumped: list[bool],
@@ -555,6 +620,13 @@ class H2Connection:
         while True:
             t = type(ev)
             if t is bytes:
+                if exchange.ends_next():
+                    # The body's last piece: END_STREAM rides on it (one frame less).
+                    await wire.send_data(sid, cast(bytes, ev), end=True)
+                    ev = await exchange.receive()  # the ResponseEnd, at once
+                    if req.grpc:
+                        started.grpc = grpcstatus.name_of(cast(ResponseEnd, ev).trailers)
+                    break
                 await wire.send_data(sid, cast(bytes, ev))
             elif t is ResponseStart:
                 start = cast(ResponseStart, ev)
@@ -586,7 +658,8 @@ class H2Connection:
     # -- answers made here ------------------------------------------------------------------
 
     async def _answer(self, sid: int, req: H2Request, status: int, reason: str,
-                      location: str | None = None, retry_after: int | None = None) -> None:
+                      location: str | None = None, retry_after: int | None = None,
+                      refusal: Refusal | None = None) -> None:
         """The front's own answer: a gRPC status to gRPC, a short text to the others."""
         self.stats.count_status(status)
         if status >= 500 or status in (404, 503):
@@ -594,8 +667,10 @@ class H2Connection:
                      client=self.client_addr, method=req.method.decode("latin-1"),
                      protocol="h2")
         if req.grpc:
+            code = refusal.grpc if refusal is not None and refusal.grpc is not None \
+                else grpcstatus.code_for_http(status)
             await self.wire.send_headers(sid, grpcstatus.trailers_only(
-                grpcstatus.code_for_http(status), reason, req.content_type), end=True)
+                code, reason, req.content_type), end=True)
             return
         body = f"{status} {reason_phrase(status).decode()}: {reason}\n".encode()
         headers: Headers = [(b":status", b"%d" % status),
@@ -605,6 +680,8 @@ class H2Connection:
             headers.append((b"location", location.encode("latin-1")))
         if retry_after is not None:  # e.g. 503 over a sleeping route's max-pending
             headers.append((b"retry-after", b"%d" % retry_after))
+        if refusal is not None and refusal.headers:
+            headers += refusal.headers  # WWW-Authenticate
         if req.method == b"HEAD":
             await self.wire.send_headers(sid, headers, end=True)
         else:

@@ -141,7 +141,7 @@ class H2Upstream:
         except H2Refused as exc:
             why = f"broke the protocol: {exc}"
             try:
-                await self.wire.flush()
+                await self.wire.drain()  # h2's GOAWAY, before the writer is cancelled
             except StreamGone:
                 pass
         except StreamGone as exc:
@@ -172,12 +172,12 @@ class H2Upstream:
         if not self.inboxes:
             self._scope.cancel()
 
-    def _has_slot(self) -> bool:
+    def has_slot(self) -> bool:
         return len(self.inboxes) < min(self.max_streams, self.session.peer_max_streams)
 
     async def open(self, headers: Headers, end: bool) -> H2cExchange:
         """A new stream with `headers` sent; waits for a free slot under the limits."""
-        while not self._has_slot():
+        while not self.has_slot():
             if not self.usable:
                 raise UpstreamLost(502, f"h2c connection to {self.backend} closed")
             await self._slot.wait()
@@ -283,6 +283,10 @@ class H2cExchange:
                 raise UpstreamFailed(502, f"{self.backend} reset the stream "
                                           f"({_code_name(code)})")
 
+    def ends_next(self) -> bool:
+        items = self.inbox.items
+        return bool(items) and type(items[0]) is EndIn and not self._done
+
     def release(self) -> None:
         self.conn.release(self.sid)
 
@@ -370,12 +374,19 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
                             stats: HttpStats, headers: Headers, end: bool) -> H2cExchange:
     """A request on one of `route`'s backends, balanced for this request alone; raises
     `UpstreamFailed` with the last failure when no backend took it."""
-    failure = UpstreamFailed(502, f"route {route.name}: no backend could be reached")
+    failure: UpstreamFailed | None = None  # made only when one is needed (hot path)
     for backend in balancer.candidates(route)[: limits.max_dial_attempts]:
         try:
-            with trio.fail_after(limits.dial_timeout):
-                conn = await pool.connection(backend, route)
+            conn_or_none = pool.conns.get(backend)
+            if conn_or_none is not None and conn_or_none.usable and conn_or_none.has_slot():
+                # The usual case: a live connection with room; opening a stream does not
+                # wait (no deadline, no cancel scope to pay for).
+                conn = conn_or_none
                 exchange = await conn.open(headers, end)
+            else:
+                with trio.fail_after(limits.dial_timeout):
+                    conn = await pool.connection(backend, route)
+                    exchange = await conn.open(headers, end)
         except trio.TooSlowError:
             stats.timeouts += 1
             failure = UpstreamFailed(
@@ -396,7 +407,25 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
         balancer.failed(backend)
         log.info("upstream unavailable", route=route.name, backend=str(backend),
                  status=failure.status, reason=failure.reason)
-    raise failure
+    raise failure or UpstreamFailed(502, f"route {route.name}: no backend could be reached")
 
 
 __all__ = ["H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost", "open_h2c_exchange"]
+
+
+async def connect_h2c(route: Route, pool: H2Pool, balancer: Balancer, limits: Limits) -> None:
+    """A connection in the pool to the first of `route`'s backends the balancer picks,
+    without a request (a woken route's first dial, retried by `holds.dial_woken`);
+    raises `UpstreamFailed` when it cannot be had."""
+    backend = balancer.candidates(route)[0]
+    try:
+        with trio.fail_after(limits.dial_timeout):
+            await pool.connection(backend, route)
+    except trio.TooSlowError:
+        raise UpstreamFailed(504, f"reaching {backend} timed out after "
+                             f"{limits.dial_timeout:g}s") from None
+    except UpstreamUnavailable as exc:
+        raise UpstreamFailed(exc.status, exc.reason) from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise UpstreamFailed(502, f"cannot connect to {backend}: {reason}") from None

@@ -125,9 +125,13 @@ class H2Session:
     def __init__(self, *, client_side: bool, settings: H2Settings | None = None) -> None:
         self.settings = settings = settings or H2Settings()
         self.client_side = client_side
+        # Inbound heads are validated (RFC 9113 §8.2: names, values, pseudo-fields,
+        # connection-specific fields): what the front translates to HTTP/1.1 relies on it.
+        # h2's inbound normalisation only joins `cookie` fields, which `h2heads.h1_view`
+        # does itself; outbound heads are the front's own, built valid.
         config = h2.config.H2Configuration(
             client_side=client_side, header_encoding=None, validate_inbound_headers=True,
-            normalize_inbound_headers=True, validate_outbound_headers=False,
+            normalize_inbound_headers=False, validate_outbound_headers=False,
             normalize_outbound_headers=False)
         conn = self.conn = h2.connection.H2Connection(config=config)
         codes = h2.settings.SettingCodes

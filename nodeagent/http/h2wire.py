@@ -5,11 +5,19 @@ Many stream tasks write to one connection: each queues frames on the `H2Session`
 `flush()`es, which wakes the connection's one writer task (`run`): it sends whatever the
 session has queued, in rounds, so frames leave in the order they were queued, many
 streams' frames share one write, and a stream task cancelled mid-write cannot cut a frame.
-`send_data` honours flow control: it sends
-what the stream's and the connection's windows allow and waits for the peer to open them
-(`wake`, called by the connection's reader on WINDOW_UPDATE and SETTINGS), at most
-`stall_timeout` at a time — a peer that never reads (a zero-window stall) costs one stream
-task until then, not unbounded buffering: nothing is queued beyond the window.
+`flush()` does not wait for the write while the writer is idle: a response's head and body,
+and the frames of every stream that ran since the writer last did, leave in one `send_all`,
+at the cost of one wake-up of the writer, not one round trip to it per frame (each costs
+two task switches, more than the `h2` work of a small frame). While the writer is busy in
+`send_all` (the peer reads slower than we write), `flush()` waits for the next round: what a
+connection holds unsent is bounded by what its streams queue in one round, each waits then.
+`drain()` waits until everything queued is written (before a connection closes).
+
+`send_data` honours flow control: it sends what the stream's and the connection's windows
+allow and waits for the peer to open them (`wake`, called by the connection's reader on
+WINDOW_UPDATE and SETTINGS), at most `stall_timeout` at a time — a peer that never reads (a
+zero-window stall) costs one stream task until then, not unbounded buffering: nothing is
+queued beyond the window.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class H2Wire:
         self._kick = trio.Event()  # the writer has rounds to send
         self._next_done = trio.Event()  # set when the next round has been sent
         self._running = False
+        self._busy = False  # the writer is in send_all
         self.broken = False
         """The transport failed: every write from now on raises StreamGone."""
 
@@ -59,31 +68,52 @@ class H2Wire:
                 done, self._next_done = self._next_done, trio.Event()
                 data = self.session.data_to_send()
                 if data:
+                    self._busy = True
                     try:
                         await self.stream.send_all(data)
                     except (trio.BrokenResourceError, trio.ClosedResourceError,
                             OSError):
                         self.broken = True
                         self.wake(0)
+                    finally:
+                        self._busy = False
                 done.set()
         finally:
             self._running = False
             self._next_done.set()
 
     async def flush(self) -> None:
-        """Have what the session queued sent, and wait until it is on its way (the
-        backpressure of a peer that stops reading TCP). With the writer running (`run`),
-        many tasks' frames leave in one write; without it (before it starts, after it
-        ends: a last GOAWAY), the caller writes."""
+        """Have what the session queued sent. With the writer running (`run`) and idle, it
+        is only woken: many tasks' frames leave in one write once they all ran; with the
+        writer busy writing, wait until the next round is on its way (the backpressure of a
+        peer that stops reading TCP). Without the writer (before it starts, after it ends:
+        a last GOAWAY), the caller writes."""
         if self.broken:
             raise StreamGone("connection closed")
         if self._running:
-            done = self._next_done
             self._kick.set()
-            await done.wait()
-            if self.broken:
-                raise StreamGone("connection broke")
+            if self._busy:
+                await self._wait_round()
             return
+        await self._write_directly()
+
+    async def drain(self) -> None:
+        """Wait until everything queued so far is written (StreamGone if the write failed)."""
+        if self.broken:
+            raise StreamGone("connection closed")
+        if self._running:
+            self._kick.set()
+            await self._wait_round()
+            return
+        await self._write_directly()
+
+    async def _wait_round(self) -> None:
+        done = self._next_done
+        await done.wait()
+        if self.broken:
+            raise StreamGone("connection broke")
+
+    async def _write_directly(self) -> None:
         data = self.session.data_to_send()
         if data:
             try:
@@ -167,9 +197,6 @@ class H2Wire:
             await self.flush()
         except StreamGone:
             pass
-
-
-
 
 class Inbox:
     """What the connection's reader received for one stream, in order, until the stream's

@@ -62,8 +62,10 @@ HOP_BY_HOP = frozenset(
 """Dropped by every hop; any other `proxy-*` field is dropped too."""
 
 X_FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host"})
-CLIENT_CLAIMS = X_FORWARDED | {b"forwarded", b"x-real-ip"}
-"""Fields about the client a client could forge: never forwarded as received."""
+CLIENT_CLAIMS = X_FORWARDED | {b"forwarded", b"x-real-ip", b"x-nodeagent-identity",
+                               b"x-forwarded-user"}
+"""Fields about the client a client could forge: never forwarded as received (the
+identity ones are set by a route's gate, `gate.py`, after it authenticated the client)."""
 _CONNECTION_OPTIONS = frozenset({b"close", b"keep-alive", b"upgrade"})
 _PROXY_OWNED = frozenset({b"host", b"content-length"}) | X_FORWARDED
 """Fields a Connection option cannot remove: the proxy decides about them itself."""

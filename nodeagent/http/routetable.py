@@ -38,10 +38,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from nodeagent.config.httprules import check_rule_host, check_rule_path
 from nodeagent.runtime.gcpause import gc_paused
+
+if TYPE_CHECKING:
+    from nodeagent.http.gate import RouteGate
 
 BackendProtocol = Literal["h1", "h2c"]
 
@@ -86,6 +89,8 @@ class Route:
     """What the backends speak: HTTP/1.1 (a stream per client connection, kept alive), or
     h2c (one shared HTTP/2 connection per backend, each request balanced on its own)."""
     wake: WakeSpec | None = None
+    gate: RouteGate | None = None
+    """Rate limits and authentication asked before forwarding (`gate.py`); None: open."""
 
 
 class PathType(enum.Enum):

@@ -34,6 +34,14 @@ RefusalReason = Literal[
     "h2_header_list_too_large",
     "h2_frame_too_large",
     "h2_window_stalled",
+    "auth_missing",
+    "auth_invalid",
+    "auth_expired",
+    "auth_unknown_key",
+    "auth_forbidden",
+    "auth_unavailable",
+    "rate_limited",
+    "rate_limited_client",
 ]
 
 _CLASSES = ("none", "1xx", "2xx", "3xx", "4xx", "5xx", "none")
@@ -113,6 +121,23 @@ class HttpStats:
     """HTTP/2 connections ended for a frame over the announced frame size."""
     refused_h2_window_stalled: int = 0
     """HTTP/2 streams reset because the client kept their window shut for `idle_timeout`."""
+
+    refused_auth_missing: int = 0
+    """401: a gated route's request without a token or credentials (`gate.py`)."""
+    refused_auth_invalid: int = 0
+    """401: a bad token (signature, issuer, audience, claims) or wrong password."""
+    refused_auth_expired: int = 0
+    """401: a token past its exp (and the leeway)."""
+    refused_auth_unknown_key: int = 0
+    """401: a token signed by a key the issuer's JWKS does not hold, even after a refetch."""
+    refused_auth_forbidden: int = 0
+    """403: a valid token whose claims do not allow the route."""
+    refused_auth_unavailable: int = 0
+    """503: the JWKS could never be fetched, or too many password checks wait."""
+    refused_rate_limited: int = 0
+    """429: over the route's request rate."""
+    refused_rate_limited_client: int = 0
+    """429: over the route's per-client request rate."""
 
     by_route: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     """Requests that reached a route, by (route, protocol, result): protocol `h1`, `h2`

@@ -405,8 +405,10 @@ class Debouncer:
 
     After the first trigger it waits until `delay` passes without another one, but never
     longer than `max_delay` after the first, so a steady stream of changes still gets
-    recomputed. Triggers during the callback schedule one more call after it. A failing
-    callback is logged and counted; the next trigger tries again.
+    recomputed. An `urgent` trigger ends the wait at once (someone waits on this change:
+    a woken Service's endpoints, for the requests held for it). Triggers during the
+    callback schedule one more call after it. A failing callback is logged and counted;
+    the next trigger tries again.
     """
 
     def __init__(
@@ -422,14 +424,17 @@ class Debouncer:
         self.max_delay = max_delay
         self.name = name
         self._pending = trio.Event()
+        self._hurry = trio.Event()
         self._triggers = 0
         self.calls = 0
         self.failures = 0
 
-    def trigger(self, *_: object) -> None:
+    def trigger(self, *_: object, urgent: bool = False) -> None:
         """Note a change; usable directly as a `Cache` handler."""
         self._triggers += 1
         self._pending.set()
+        if urgent:
+            self._hurry.set()
 
     async def run(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -438,14 +443,15 @@ class Debouncer:
         while True:
             await self._pending.wait()
             first = trio.current_time()
-            while True:
+            while not self._hurry.is_set():
                 seen = self._triggers
-                await trio.sleep_until(
-                    min(trio.current_time() + self.delay, first + self.max_delay)
-                )
+                with trio.move_on_at(min(trio.current_time() + self.delay,
+                                         first + self.max_delay)):
+                    await self._hurry.wait()
                 if self._triggers == seen or trio.current_time() >= first + self.max_delay:
                     break
             self._pending = trio.Event()
+            self._hurry = trio.Event()
             self.calls += 1
             try:
                 await self._callback()

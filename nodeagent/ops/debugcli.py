@@ -78,6 +78,8 @@ def render(what: str, doc: Any, *, as_json: bool) -> str:
         return render_status(doc) + "\n"
     if what == "holds" and isinstance(doc, dict):
         return render_holds(doc)
+    if what == "loadbalancers" and isinstance(doc, dict):
+        return render_load_balancers(doc)
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
@@ -92,6 +94,22 @@ def render_holds(doc: dict[str, Any]) -> str:
     rows.append("")
     rows.append(", ".join(f"{key} {doc.get(key, 0)}" for key in (
         "held", "forwarded", "timeouts", "overflowed", "failed")) + " since start")
+    return "\n".join(rows) + "\n"
+
+
+def render_load_balancers(doc: dict[str, Any]) -> str:
+    """`nodeagent debug loadbalancers`: one row per LoadBalancer Service port."""
+    rows = [f"{'SERVICE':<32} {'PORT':<10} {'STATE':<10} {'TAKEN':>7} {'REFUSED':>7}  "
+            "BACKENDS"]
+    for port in doc.get("ports") or []:
+        where = f"{port.get('protocol')}/{port.get('port')}"
+        backends = ", ".join(port.get("backends") or []) or "(no ready endpoints)"
+        rows.append(f"{port.get('service', ''):<32} {where:<10} {port.get('state', ''):<10} "
+                    f"{port.get('accepted', 0):>7} {port.get('refused', 0):>7}  {backends}")
+        if port.get("error"):
+            rows.append(f"{'':<32} {'':<10} {port['error']}")
+    if len(rows) == 1:
+        rows.append(f"(no LoadBalancer Service served; ports listen on {doc.get('host')})")
     return "\n".join(rows) + "\n"
 
 

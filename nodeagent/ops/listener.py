@@ -29,7 +29,7 @@ import trio
 from nodeagent.config import StartupFailed
 
 
-def _advice(error: OSError, address: str) -> str:
+def bind_advice(error: OSError, address: str) -> str:
     """What an error binding `address` means and what to do about it, in a few words."""
     port = address.rpartition(":")[2]
     unix = ":" not in address or address.startswith(("/", "unix:"))
@@ -63,7 +63,7 @@ class ListenerFailed(StartupFailed):
     `address` (what it tried) name it."""
 
     def __init__(self, setting: str, address: str, error: OSError | str) -> None:
-        why = error if isinstance(error, str) else _advice(error, address)
+        why = error if isinstance(error, str) else bind_advice(error, address)
         super().__init__(setting, f"cannot listen on {address}: {why}")
         self.address = address
 

@@ -20,6 +20,8 @@ from nodeagent.http.holds import COLD_START_BUCKETS, HeldRequests
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.metrics import counter, gauge
 from nodeagent.ops.streamviews import StreamNotes, stream_rows
+from nodeagent.proxyprotocol.receive import ProxyHeaderStats
+from nodeagent.server.healthwatch import BackendHealth
 from tunnel.server import TunnelServer
 
 
@@ -44,6 +46,9 @@ def tunnels_view(tunnel: TunnelServer, server_id: str, node: str | None = None
             "streams_open": info.streams_open, "bytes_in": info.bytes_in,
             "bytes_out": info.bytes_out,
             "since_seconds": round(max(0.0, now - session.since), 1),
+            # Bandwidth shaping (limits.md): rates in bytes/s and seconds waited.
+            "bandwidth": session.shaper.as_dict() if session.shaper is not None and (
+                session.shaper.rate_out or session.shaper.rate_in) else None,
             # A node connected again (the live tunnel has not ended): why its
             # previous tunnel ended, replaced by this one included.
             "last_error": f"previous tunnel: {ended.label}: {ended.reason}"
@@ -93,21 +98,45 @@ def agent_rows(tunnel: TunnelServer) -> list[dict[str, Any]]:
 
 
 def live_metrics(tunnel: TunnelServer, http_stats: Mapping[str, HttpStats],
-                 holds: HeldRequests | None = None) -> Iterable[Metric]:
+                 holds: HeldRequests | None = None,
+                 proxy: ProxyHeaderStats | None = None,
+                 health: BackendHealth | None = None) -> Iterable[Metric]:
     """The metrics read from the tunnels and fronts at each scrape."""
     if holds is not None:
         yield from hold_metrics(holds)
+    if proxy is not None:
+        headers = counter("nodeagent_proxy_headers", "PROXY v2 headers on the public "
+                          "listeners by result: accepted, local (the balancer's own), or "
+                          "why refused (bad_signature, timeout, truncated, untrusted, ...)",
+                          labels=["result"])
+        for result, count in sorted(proxy.results.items()):
+            headers.add_metric([result], count)
+        yield headers
+    if health is not None:
+        states = gauge("nodeagent_backend_health", "Backends under active health checks: 1 "
+                       "for the state their agent reports (healthy, unhealthy, unknown)",
+                       ["node", "target", "state"])
+        for (node, host, port), reported in sorted(health.states.items()):
+            states.add_metric([node, f"{host}:{port}", reported.state], 1)
+        yield states
     agents = gauge("nodeagent_agents_connected", "Agents with an open tunnel")
     agents.add_metric([], len(tunnel.sessions))
     yield agents
     rtt = gauge("nodeagent_agent_rtt_seconds", "Round-trip time to each agent", ["node"])
     streams = gauge("nodeagent_agent_streams_open", "Open streams per agent", ["node"])
+    shaped = counter("nodeagent_tunnel_shaping_wait_seconds", "Seconds a node's shaped "
+                     "tunnel waited for its bandwidth, by direction (to_node, from_node)",
+                     labels=["node", "direction"])
     for node, session in tunnel.sessions.items():
         if session.connection.rtt is not None:
             rtt.add_metric([node], session.connection.rtt)
         streams.add_metric([node], session.connection.info().streams_open)
+        if (shaper := session.shaper) is not None and (shaper.rate_out or shaper.rate_in):
+            shaped.add_metric([node, "to_node"], shaper.waited_out)
+            shaped.add_metric([node, "from_node"], shaper.waited_in)
     yield rtt
     yield streams
+    yield shaped
     disconnects = counter(
         "nodeagent_agent_disconnects",
         "Agent tunnels that ended, by why (drained, keepalive_timeout, "

@@ -37,10 +37,13 @@ def server_config_from_flags(args: argparse.Namespace) -> ServerConfig:
             doc["tunnel"]["handshake_rate"] = args.handshake_rate
         if args.handshake_burst is not None:
             doc["tunnel"]["handshake_burst"] = args.handshake_burst
+    if getattr(args, "proxy_protocol_from", None):
+        doc["proxy_protocol_from"] = list(args.proxy_protocol_from)
     connect = connect_from_flags(args)
     if connect:
         doc["connect"] = connect
-    for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket"):
+    for key in ("ingress_http", "ingress_https", "metrics_listen", "debug_socket",
+                "load_balancer_host"):
         value = getattr(args, key, None)
         if value:
             doc[key] = str(value)

@@ -1,8 +1,8 @@
 """Every kind of listener the server role runs, and the one list of them a server starts.
 
 `server_listeners(server, ...)` turns a server's config into its listeners, in start
-order: the tunnel (where agents dial in), each TCP mapping, each UDP mapping, each HTTP
-listener, the
+order: the tunnel (where agents dial in), each TCP mapping, each UDP mapping, the ports of
+LoadBalancer Services (`loadbalancers`), each HTTP listener, the
 Ingress listeners, the CONNECT front, the debug socket and the health listener. Each is a
 `nodeagent.ops.listener.Listener`; `serve_server` starts, drains and stops them through
 `Listeners` without knowing their kinds. The DNAT path has no socket of its own: its
@@ -12,7 +12,6 @@ streams arrive through the tunnel listener (openers.AgentStreams).
 from __future__ import annotations
 
 import functools
-import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -31,10 +30,9 @@ from nodeagent.server.server import Server
 from nodeagent.server.tcpmappings import TcpMappingRelay
 from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.accept import serve
-from tunnel.listeners import open_tcp_listeners
+from tunnel.listeners import bind_udp, open_tcp_listeners
 from tunnel.tcp import format_address
 from tunnel.transports import Transport
-from tunnel.udp import SHARED_BUFFER, size_buffers
 from tunnel.urls import parse_endpoint
 
 
@@ -96,7 +94,8 @@ class TcpMappingListener(Listener):
             task_status.started(self.addresses)
 
     def details(self) -> dict[str, Any]:
-        return {"node": self.mapping.node, "target": str(self.mapping.target)}
+        return {"node": self.mapping.node, "target": str(self.mapping.target),
+                "proxy_protocol": self.mapping.proxy_protocol}
 
 
 class UdpMappingListener(Listener):
@@ -126,25 +125,6 @@ class UdpMappingListener(Listener):
     def details(self) -> dict[str, Any]:
         return {"node": self.mapping.node, "target": str(self.mapping.target),
                 "idle_timeout": self.mapping.idle_timeout}
-
-
-def bind_udp(host: str, port: int, *, reuse_port: bool) -> socket.socket:
-    """A non-blocking UDP socket bound to host:port (SO_REUSEPORT for workers: the
-    kernel hashes each client address to one worker, so its flow stays there)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        sock.setblocking(False)
-        size_buffers(sock, SHARED_BUFFER)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6 and host == "::":
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 class HttpFrontListener(Listener):
@@ -201,6 +181,9 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         listeners.append(UdpMappingListener(
             f"udp:{udp.name or index}", udp, server.udp_mappings,
             reuse_port=reuse_port).for_setting(f"udp[{index}].listen", udp.listen))
+    # LoadBalancer Services' ports: one listener whose sockets follow the routes.
+    server.load_balancers.reuse_port = reuse_port
+    listeners.append(server.load_balancers)
     wanted = config.http_limits
     limits = Limits(max_connections=wanted.max_connections,
                     max_connections_per_client=wanted.max_connections_per_client,
@@ -213,7 +196,9 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         front = HttpFront(table=functools.partial(tables.http_table, index),
                           open_upstream=open_upstream, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
-                          describe_upstream=server.stream_notes.describe)
+                          describe_upstream=server.stream_notes.describe,
+                          proxy=server.proxy_trust, name=name,
+                          unhealthy=server.backend_health.unhealthy)
         listeners.append(HttpFrontListener(name, front, http.listen, reuse_port=reuse_port)
                          .for_setting(f"http[{index}].listen", http.listen))
     # The Ingress listeners: routes (and certificates) swap under them on every update.
@@ -226,7 +211,8 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
                           tls=tls, limits=limits,
                           stats=server.http_stats.setdefault(name, HttpStats()),
                           describe_upstream=server.stream_notes.describe,
-                          holds=server.holds)
+                          holds=server.holds, proxy=server.proxy_trust, name=name,
+                          unhealthy=server.backend_health.unhealthy)
         listeners.append(HttpFrontListener(name, front, listen, reuse_port=reuse_port)
                          .for_setting(name.replace("-", "_"), listen))
     # The CONNECT front (kube-apiserver's egress selector, Prometheus).
@@ -238,6 +224,7 @@ def server_listeners(server: Server, *, tunnel_context: Callable[[], ssl.SSLCont
         "/streams": QueryRoute(lambda query: server.streams(_node_filter(query))),
         "/flows": QueryRoute(lambda query: server.udp_mappings.flows(_node_filter(query))),
         "/holds": server.holds.as_dict,
+        "/loadbalancers": server.load_balancers.view,
         # The running routes (the controller's, in controller mode) over the file's,
         # secrets redacted.
         "/config": lambda: redacted({

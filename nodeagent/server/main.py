@@ -184,6 +184,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trim_forever)  # malloctune.py: the soak's RSS growth
         nursery.start_soon(server.agent_streams.flow_poller.run)
+        await nursery.start(server.health_watch.run)  # active health checks' streams
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
         reloader = ServerReloader(server, nursery, slot)
         reloader.watch_token_files()
@@ -254,6 +255,7 @@ async def _drain(server: Server, listeners: Listeners, *, drain_seconds: float,
     # Readiness fails first (a load balancer stops sending), then new tunnels are refused
     # by the kernel (they go to the next server), then GOAWAY.
     server.tunnel.start_draining()
+    server.health_watch.stop()  # its streams are the server's own, not traffic to wait for
     # The tunnel listener closes its sockets. Public requests keep being served through
     # the tunnels until the load balancer has seen readiness fail: a GOAWAY at once would
     # answer 502 to every request it still sends here meanwhile. Keep-alive clients are

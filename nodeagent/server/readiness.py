@@ -35,6 +35,9 @@ DEFAULT_READY_GRACE = 30.0
 def nodes_routed_to(routes: RoutesConfig) -> set[str]:
     """Every node the routes send public or control-plane traffic to."""
     nodes = {m.node for m in routes.tcp}
+    nodes.update(m.node for m in routes.udp)
+    nodes.update(b.node for s in routes.load_balancers for p in s.ports for b in p.backends
+                 if b.node is not None)
     nodes.update(r.node for h in routes.http for r in h.routes if r.node is not None)
     ingress = routes.ingress
     rules = [*ingress.rules, *([ingress.default_backend] if ingress.default_backend else [])]

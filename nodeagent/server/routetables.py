@@ -20,6 +20,7 @@ from nodeagent.config import (
     IngressRule,
     RoutesConfig,
 )
+from nodeagent.http.gate import GateRegistry
 from nodeagent.http.routetable import (
     Backend,
     PathType,
@@ -33,22 +34,30 @@ from nodeagent.ops.logs import StructuredLogger
 from nodeagent.runtime.gcpause import gc_paused
 
 
-def build_route_table(listener: HttpListener) -> RouteTable:
-    """A listener's routes from config → the HTTP front's route table."""
+def build_route_table(listener: HttpListener, gates: GateRegistry | None = None) -> RouteTable:
+    """A listener's routes from config → the HTTP front's route table. ConfigError for a
+    route whose htpasswd file cannot be used."""
     specs = []
+    gates = gates if gates is not None else GateRegistry()
     for index, route in enumerate(listener.routes):
         backend = Backend(node=route.node, host=route.target.host, port=route.target.port)
         name = f"{listener.name or 'http'}[{index}]"
+        try:
+            gate = gates.gate(name, route.auth, route.rate_limit)
+        except ValueError as exc:
+            raise ConfigError(f"route {name}: {exc}") from None
         specs.append(RouteSpec(host=route.host, path=route.path,
                                route=Route(name=name, backends=(backend,),
-                                           backend_protocol=route.backend_protocol),
+                                           backend_protocol=route.backend_protocol,
+                                           gate=gate),
                                path_type=_path_type(route.path_type)))
     return RouteTable.build(specs)
 
 
-def _ingress_route(rule: IngressRule) -> Route:
+def _ingress_route(rule: IngressRule, gates: GateRegistry) -> Route:
     wake = rule.wake
     return Route(name=rule.name, tls_redirect=rule.tls_redirect,
+                 gate=gates.gate(rule.name, rule.auth, rule.rate_limit),
                  backend_protocol=rule.backend_protocol, backends=tuple(
         Backend(node=b.node, host=b.target.host, port=b.target.port) for b in rule.backends),
         wake=None if wake is None else WakeSpec(wake.service, wake.timeout,
@@ -56,22 +65,25 @@ def _ingress_route(rule: IngressRule) -> Route:
                                                 wake.starting_page))
 
 
-def build_ingress_table(ingress: IngressRoutes) -> tuple[RouteTable, list[str]]:
+def build_ingress_table(ingress: IngressRoutes, gates: GateRegistry | None = None
+                        ) -> tuple[RouteTable, list[str]]:
     """The Ingress listeners' route table, and one line per rule the table refused (the
     controller checks rules too; a bad one must not take the others down)."""
     with gc_paused():
-        return _build_ingress_table(ingress)
+        return _build_ingress_table(ingress, gates if gates is not None else GateRegistry())
 
 
-def _build_ingress_table(ingress: IngressRoutes) -> tuple[RouteTable, list[str]]:
+def _build_ingress_table(ingress: IngressRoutes, gates: GateRegistry
+                         ) -> tuple[RouteTable, list[str]]:
     specs, refused = [], []
     for rule in ingress.rules:
         try:
-            specs.append(RouteSpec(host=rule.host, path=rule.path, route=_ingress_route(rule),
+            specs.append(RouteSpec(host=rule.host, path=rule.path,
+                                   route=_ingress_route(rule, gates),
                                    path_type=_path_type(rule.path_type), rank=rule.rank))
         except ValueError as exc:
             refused.append(f"{rule.name}: {exc}")
-    default = (_ingress_route(ingress.default_backend)
+    default = (_ingress_route(ingress.default_backend, gates)
                if ingress.default_backend is not None else None)
     return RouteTable.build(specs, default=default), refused
 
@@ -104,9 +116,13 @@ class RouteTables:
     def __init__(self, routes: RoutesConfig, log: StructuredLogger) -> None:
         self.log = log
         self.routes = routes
+        # Routes' rate limits and authentication, kept across rebuilds (http/gate.py).
+        self.gates = GateRegistry()
+        self.gates.begin()
         self.tables: dict[int, RouteTable] = {
-            i: build_route_table(h) for i, h in enumerate(routes.http)}
-        self.ingress_table, refused = build_ingress_table(routes.ingress)
+            i: build_route_table(h, self.gates) for i, h in enumerate(routes.http)}
+        self.ingress_table, refused = build_ingress_table(routes.ingress, self.gates)
+        self.gates.end()
         certs, refused_certs = build_cert_store(routes.ingress)
         self.ingress_certs = CertStore(certs)
         self._log_refused(refused + refused_certs)
@@ -132,8 +148,10 @@ class RouteTables:
                 [h.listen for h in routes.http] != [h.listen for h in old.http]:
             raise ConfigError("TCP and UDP mappings and HTTP listen addresses cannot change "
                               "while running; restart the server for that")
-        tables = {i: build_route_table(h) for i, h in enumerate(routes.http)}
-        ingress_table, refused = build_ingress_table(routes.ingress)
+        self.gates.begin()
+        tables = {i: build_route_table(h, self.gates) for i, h in enumerate(routes.http)}
+        ingress_table, refused = build_ingress_table(routes.ingress, self.gates)
+        self.gates.end()
         certs, refused_certs = build_cert_store(routes.ingress)
         self.tables, self.ingress_table, self.routes = tables, ingress_table, routes
         self.ingress_certs.replace(certs)

@@ -8,6 +8,8 @@ answers for the whole (readiness, route updates, status).
 - `openers`: the streams agents open and the HTTP fronts' upstreams, counted by outcome;
 - `tcpmappings.TcpMappingRelay`: public TCP ports spliced into streams;
 - `udpmappings.UdpMappingRelay`: public UDP ports, each client address a flow;
+- `loadbalancers.LoadBalancerPorts`: LoadBalancer Services' ports, opened and closed as
+  routes change, balanced across their endpoints through those relays;
 - `connectfront.ConnectFront` and `dnat.DnatPath`: the control plane's ways to nodes;
 - `debugviews`: the debug socket's views and the live metrics.
 
@@ -27,16 +29,21 @@ from nodeagent import __version__
 from nodeagent.config import RoutesConfig, ServerConfig
 from nodeagent.configstream.client import WatchStatus
 from nodeagent.http.holds import HeldRequests
+from nodeagent.http.routetable import Backend
 from nodeagent.http.stats import HttpStats
 from nodeagent.ops.listener import Listeners
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics
 from nodeagent.ops.streamviews import TO_NODE, StreamNotes, tracked_opener
+from nodeagent.proxyprotocol.receive import ProxyTrust
 from nodeagent.server.agentauth import AgentAuthenticator
 from nodeagent.server.connectfront import ConnectFront
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.debugviews import agent_rows, live_metrics, streams_view, tunnels_view
 from nodeagent.server.dnat import DnatPath
+from nodeagent.server.healthwatch import BackendHealth, HealthWatch
+from nodeagent.server.heldconnections import HeldConnections
+from nodeagent.server.loadbalancers import LoadBalancerPorts
 from nodeagent.server.openers import AgentStreams, HttpBackends, StreamOutcomes
 from nodeagent.server.readiness import ReadinessGate, nodes_routed_to
 from nodeagent.server.refusals import PolicyRefusals
@@ -95,7 +102,7 @@ class Server:
                                          config.tunnel.handshake_burst),
             replicas=self.routes.replicas,
             on_refusal=lambda reason: refusals.count(f"handshake_{reason}"),
-            log=self.log)
+            bandwidth=lambda node: self.routes.bandwidth_of(node), log=self.log)
         # When each stream opened and for what (debug streams); every stream this server
         # opens to a node goes through open_stream, which also times its setup.
         self.stream_notes = StreamNotes()
@@ -117,12 +124,30 @@ class Server:
         self.http_backends = HttpBackends(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             direct_backends=config.controller is not None)
+        # Active health checks: agents check their backends and report here.
+        self.backend_health = BackendHealth()
+        self.health_watch = HealthWatch(open_stream=self.tunnel.open_stream,
+                                        wait_for_node=self.tunnel.wait_for_node,
+                                        health=self.backend_health, log=self.log)
+        self.health_watch.update(self.routes)
+        # PROXY v2 from the load balancers in front of the public listeners.
+        self.proxy_trust = ProxyTrust(config.proxy_protocol_from)
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
-            stream_bytes=self.metrics.stream_bytes, log=self.log)
+            stream_bytes=self.metrics.stream_bytes, log=self.log, proxy=self.proxy_trust,
+            unhealthy=self.backend_health.unhealthy)
+        # TCP connections for a Service that sleeps (LoadBalancer ports): held with the
+        # HTTP fronts' requests while it wakes (heldconnections.py).
+        self.held_connections = HeldConnections(self.holds, self.tcp_mappings, self.log)
         self.udp_mappings = UdpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, metrics=self.metrics,
             log=self.log)
+        self.load_balancers = LoadBalancerPorts(
+            host=config.load_balancer_host, tcp=self.tcp_mappings, udp=self.udp_mappings,
+            has_tunnel=lambda node: node in self.tunnel.sessions, metrics=self.metrics,
+            log=self.log, unhealthy=lambda mapping: self.backend_health.unhealthy(
+                Backend(mapping.node, mapping.target.host, mapping.target.port)))
+        self.load_balancers.update(routes().load_balancers)
         # Its listeners (listeners.server_listeners), set by serve_server, for status.
         self.listeners = Listeners()
         self.http_stats: dict[str, HttpStats] = {}  # listener name -> its front's counters
@@ -131,7 +156,8 @@ class Server:
         # SIGHUP's last outcome (reload.ReloadOutcome.as_dict(); standalone only).
         self.last_reload: dict[str, Any] | None = None
         self.metrics.add_live(functools.partial(live_metrics, self.tunnel, self.http_stats,
-                                                self.holds))
+                                                self.holds, self.proxy_trust.stats,
+                                                self.backend_health))
         # The CONNECT front (kube-apiserver's egress selector, Prometheus), if configured.
         self.connect = ConnectFront(
             config.connect, routes=routes, open_stream=self.open_stream,
@@ -167,6 +193,9 @@ class Server:
             self.metrics.config_apply.labels("failed").observe(time.monotonic() - started)
             raise
         self.tunnel.replicas = routes.replicas  # announced from the next handshake on
+        self.health_watch.update(routes)
+        self.tunnel.reshape()  # nodes' bandwidth (limits.md)
+        self.load_balancers.update(routes.load_balancers)
         self.holds.routes_changed()  # held requests look again: their route may be awake
         self.metrics.config_version.set(routes.version)
         self.log.info("routes applied", version=routes.version,
@@ -231,4 +260,9 @@ class Server:
             "connect": self.connect.status() if self.connect else None,
             "dnat": self.dnat.status(),
             "held_requests": self.holds.as_dict(),
+            "backend_health": self.backend_health.as_list(),
+            "proxy_protocol": {"from": [str(n) for n in self.proxy_trust.networks],
+                               "headers": dict(self.proxy_trust.stats.results)},
+            # Routes with rate limits or authentication: keys, buckets, refusals by why.
+            "route_gates": self.route_tables.gates.as_dict(),
         }

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import socket
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,8 @@ PENDING_DATAGRAMS = 16  # a client's datagrams waiting while its flow opens
 FAILED_HOLD = 1.0  # seconds a failed flow drops before the next datagram retries
 RECV_BATCH = 64  # datagrams read per wake-up of the mapping's socket
 RECV_SIZE = 65_535
+# A balanced port's choice of node and target for a new flow from a client address.
+FlowPick = Callable[[tuple[Any, ...]], UdpMapping | None]
 
 
 @dataclass(eq=False, slots=True)
@@ -64,6 +66,7 @@ class ServerFlow:
     client_ip: str
     opened_at: float
     last_active: float
+    config: UdpMapping  # its node and target: the mapping's, or its pick's (balanced)
     stream: TunnelStream | None = None
     pending: list[bytes] | None = field(default_factory=list)  # while opening
     failure: str | None = None  # why it failed (a drop reason), until retried
@@ -118,7 +121,7 @@ class ServerFlow:
         self.failed_at = trio.current_time()
 
     def row(self, now: float) -> dict[str, Any]:
-        config = self.mapping.config
+        config = self.config
         return {
             "mapping": self.mapping.name, "client": format_address(self.client),
             "node": config.node, "target": f"udp://{config.target.host}:{config.target.port}",
@@ -136,9 +139,10 @@ class MappingFlows:
     """The flows of one mapping, keyed by client address, and its counters."""
 
     def __init__(self, name: str, config: UdpMapping, sock: socket.socket,
-                 relay: UdpMappingRelay) -> None:
+                 relay: UdpMappingRelay, pick: FlowPick | None = None) -> None:
         self.name = name
         self.config = config
+        self.pick = pick
         self.sock = sock
         self.relay = relay
         self.flows: dict[tuple[Any, ...], ServerFlow] = {}
@@ -175,9 +179,11 @@ class UdpMappingRelay:
         self.bytes_out = metrics.datagram_bytes.labels("out")
         metrics.add_live(self._live_metrics)
 
-    async def serve(self, name: str, config: UdpMapping, sock: socket.socket) -> None:
-        """Serve one mapping's socket until cancelled; its flows end with it."""
-        mapping = MappingFlows(name, config, sock, self)
+    async def serve(self, name: str, config: UdpMapping, sock: socket.socket, *,
+                    pick: FlowPick | None = None) -> None:
+        """Serve one mapping's socket until cancelled; its flows end with it. `pick`:
+        each new flow's node and target (a balanced port's backend; None: drop)."""
+        mapping = MappingFlows(name, config, sock, self, pick)
         self.mappings.append(mapping)
         try:
             async with trio.open_nursery() as nursery:
@@ -233,7 +239,11 @@ class UdpMappingRelay:
             self._forget(flow)  # held long enough: this datagram tries again
             flow = None
         if flow is None:
-            config = mapping.config
+            picked = mapping.config if mapping.pick is None else mapping.pick(client)
+            if picked is None:
+                mapping.drop("no_backends")
+                return False
+            config = picked
             if self.node_flows[config.node] >= config.max_flows:
                 mapping.drop("flow_limit")
                 return False
@@ -241,7 +251,8 @@ class UdpMappingRelay:
             if mapping.per_client[ip] >= config.max_flows_per_client:
                 mapping.drop("client_flow_limit")
                 return False
-            flow = ServerFlow(mapping, client, ip, opened_at=now, last_active=now)
+            flow = ServerFlow(mapping, client, ip, opened_at=now, last_active=now,
+                              config=config)
             mapping.flows[client] = flow
             mapping.per_client[ip] += 1
             self.node_flows[config.node] += 1
@@ -263,7 +274,7 @@ class UdpMappingRelay:
 
     async def _open(self, flow: ServerFlow) -> None:
         mapping = flow.mapping
-        config = mapping.config
+        config = flow.config
         target = p.Target(config.target.host, config.target.port, "udp")
         origin = format_address(flow.client)
         try:
@@ -307,9 +318,10 @@ class UdpMappingRelay:
         mapping.per_client[flow.client_ip] -= 1
         if mapping.per_client[flow.client_ip] <= 0:
             del mapping.per_client[flow.client_ip]
-        self.node_flows[mapping.config.node] -= 1
-        if self.node_flows[mapping.config.node] <= 0:
-            del self.node_flows[mapping.config.node]
+        node = flow.config.node
+        self.node_flows[node] -= 1
+        if self.node_flows[node] <= 0:
+            del self.node_flows[node]
 
     # ---------------------------------------------------------------- views
 
@@ -317,7 +329,7 @@ class UdpMappingRelay:
         """`nodeagent debug flows`: every flow of every UDP mapping, and their counters."""
         now = trio.current_time()
         rows = [flow.row(now) for mapping in self.mappings for flow in mapping.flows.values()
-                if node is None or mapping.config.node == node]
+                if node is None or flow.config.node == node]
         mappings = [{"mapping": m.name, "node": m.config.node, "flows": len(m.flows),
                      "drops": dict(m.drops)} for m in self.mappings
                     if node is None or m.config.node == node]

@@ -23,7 +23,18 @@ TOKEN = "e2e-token-0123456789abcdef"
 
 
 
-class QuietHTTPServer(ThreadingHTTPServer):
+class SampleHTTPServer(ThreadingHTTPServer):
+    """The sample upstream's server: a thread per connection, and a listen backlog of a
+    real service's size. socketserver's default backlog is 5: when a woken Service's 100
+    held requests are released together (tests/e2e/test_scale_to_zero.py), the agent's
+    100 dials overflow the accept queue, the kernel drops their handshakes and they are
+    retried after 1, 3, 7, 15 and 31 s (the SYN retransmission backoff), so the last ones
+    outlast a 30 s client timeout. The kernel caps the backlog at net.core.somaxconn."""
+
+    request_queue_size = 1024
+
+
+class QuietHTTPServer(SampleHTTPServer):
     """A sample upstream for fault tests and the soak: a client the test cuts on purpose
     is no traceback on stderr."""
 
@@ -53,13 +64,15 @@ def make_certs(d: Path) -> Certs:
 
 
 class UpstreamHandler(BaseHTTPRequestHandler):
-    """The sample HTTP service: answers every GET with what it saw (path, Host, XFF)."""
+    """The sample HTTP service: answers every GET with what it saw (path, Host, XFF, the
+    identity a route's authentication passed on)."""
 
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
         body = (f"hello from upstream path={self.path} host={self.headers.get('Host')} "
-                f"xff={self.headers.get('X-Forwarded-For')}").encode()
+                f"xff={self.headers.get('X-Forwarded-For')} "
+                f"identity={self.headers.get('X-Nodeagent-Identity')}").encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -98,7 +111,7 @@ def serve_echo(sock: socket.socket) -> None:
 def run_upstream() -> Iterator[Upstream]:
     """A plain HTTP service and a TCP echo service on 127.0.0.1 (threads: they stand for
     ordinary programs on the node, not for nodeagent code)."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), UpstreamHandler)
+    httpd = SampleHTTPServer(("127.0.0.1", 0), UpstreamHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     echo = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=serve_echo, args=(echo,), daemon=True).start()

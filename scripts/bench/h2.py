@@ -1,30 +1,37 @@
-"""HTTP/2 and gRPC through the front and the tunnel, against HTTP/1.1 and an L4 TCP path in
+"""HTTP/2 and gRPC through the front and the tunnel, against HTTP/1.1 and `ssh -R` (L4) in
 the same run, and how one client connection's gRPC calls spread over three endpoints.
 
 A real `nodeagent server` and `nodeagent agent` on loopback (TLS tunnel); on the "node": a
-trio HTTP/1.1 server answering every request with 1 KiB, and three grpcio servers (bytes
-in and out, `nodeagent.testing.grpcservice`). Three measurements, interleaved over
---rounds rounds (median, min-max):
+trio HTTP/1.1 server answering every request with 1 KiB, nghttpd serving 1 KiB over h2c, and
+three grpcio servers (bytes in and out, `nodeagent.testing.grpcservice`); `ssh -R` from the
+"node" to an sshd on loopback carries the first gRPC server at L4. Measurements,
+interleaved over --rounds rounds (median, min-max):
 
   h2 / h1     h2load, 16 connections x 10 concurrent streams (h2c prior knowledge), against
               h2load --h1 with 16 connections (HTTP/1.1 keep-alive, one request at a time),
               both through the same front and tunnel to the same 1 KiB backend (HTTP/1.1):
               req/s and p99 (from h2load's per-request log), and the ratio; and h2load
               16 x 10 to an h2c backend (nghttpd serving 1 KiB: every request on one shared
-              upstream connection)
+              upstream connection). For each, the CPU the server and the agent spent per
+              request (/proc, over the run and its warm-up second), steadier than req/s.
   grpc / L4   grpcio unary calls/s, small messages, --grpc-inflight calls in flight on one
               channel, through an h2c route (the front balances each call) against the same
-              service through a TCP mapping (L4: the tunnel carries the client's own h2)
+              service through `ssh -R` (L4: ssh carries the client's own h2) and through a
+              TCP mapping of the tunnel (L4 too)
+  bidi        one bidirectional gRPC stream through the h2c route echoing --bidi-kib KiB
+              messages for --seconds: payload Gbit/s each way (and through `ssh -R`, and
+              directly: grpcio's client and server share this process, that is the floor)
   balance     --balance-calls calls of one channel through a route with three endpoints:
               each endpoint's share
 
-Not a test: timings move with the machine; read the ratios. Needs root (the agent marks its
-sockets), h2load (Debian nghttp2-client), nghttpd (nghttp2-server) and grpcio (the test
+Not a test: timings move with the machine; read the ratios and the CPU per request. Needs
+root (the agent marks its sockets), h2load (Debian nghttp2-client), nghttpd
+(nghttp2-server), sshd and ssh (openssh-server, openssh-client) and grpcio (the test
 extra). From the repository root:
 
     sudo .venv/bin/python -m scripts.bench.h2 [--rounds 3] [--seconds 5]
 
-Prints a table and writes bench-results/h2-DATE-TIME.json.
+Prints a table and the goals met or missed, and writes bench-results/h2-DATE-TIME.json.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import functools
 import json
 import multiprocessing
+import os
 import re
 import shutil
 import statistics
@@ -51,6 +59,8 @@ from nodeagent.testing.procs import NodeagentProcess
 from nodeagent.testing.standalone import free_port
 from nodeagent.trust import pki
 from scripts import ROOT
+from scripts.bench.http_front import _cpu_seconds
+from scripts.bench.lib.tools import write_sshd_config
 
 TOKEN = "bench-token-0123456789abcdef"
 BODY = b"x" * 1024
@@ -132,6 +142,30 @@ def grpc_rate(address: str, authority: str | None, seconds: float, inflight: int
     return done / elapsed
 
 
+def bidi_rate(address: str, seconds: float, kib: int) -> float:
+    """Payload Gbit/s each way of one bidirectional stream echoing `kib` KiB messages, at
+    most 8 messages ahead of their echoes (the window grpcio keeps anyway)."""
+    ch = channel(address)
+    stream = method(ch, "Bidi", "stream_stream")
+    message = b"b" * (kib * 1024)
+    ahead = threading.Semaphore(8)
+    stop = time.perf_counter() + seconds
+
+    def requests() -> Any:
+        while time.perf_counter() < stop:
+            ahead.acquire()
+            yield message
+
+    start = time.perf_counter()
+    got = 0
+    for reply in stream(requests(), timeout=seconds + 60):
+        got += len(reply)
+        ahead.release()
+    elapsed = time.perf_counter() - start
+    ch.close()
+    return got * 8 / elapsed / 1e9
+
+
 def balance(address: str, authority: str, calls: int) -> dict[str, int]:
     ch = channel(address, authority)
     who = method(ch, "Who")
@@ -141,6 +175,19 @@ def balance(address: str, authority: str, calls: int) -> dict[str, int]:
         counts[name] = counts.get(name, 0) + 1
     ch.close()
     return counts
+
+
+def _wait_listening(port: int, timeout: float = 20.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
 
 def summary(values: list[float]) -> str:
@@ -156,8 +203,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--grpc-inflight", type=int, default=16)
     parser.add_argument("--balance-calls", type=int, default=3000)
+    parser.add_argument("--bidi-kib", type=int, default=1024)
     args = parser.parse_args()
-    for tool, package in (("h2load", "nghttp2-client"), ("nghttpd", "nghttp2-server")):
+    for tool, package in (("h2load", "nghttp2-client"), ("nghttpd", "nghttp2-server"),
+                          ("sshd", "openssh-server"), ("ssh", "openssh-client")):
         if shutil.which(tool) is None and shutil.which(tool, path="/usr/sbin") is None:
             print(f"needs {tool}: apt-get install -y {package}", file=sys.stderr)
             return 2
@@ -178,7 +227,8 @@ def main() -> int:
     nghttpd = subprocess.Popen([shutil.which("nghttpd") or "/usr/sbin/nghttpd", "--no-tls",
                                 "-a", "127.0.0.1", "-d", str(htdocs), str(h2c_port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tunnel, web, web_h2c, grpc_front, balanced, l4 = (free_port() for _ in range(6))
+    tunnel, web, web_h2c, grpc_front, balanced, l4, sshd_port, ssh_r = (
+        free_port() for _ in range(8))
     target = [f"127.0.0.1:{e.port}" for e in echoes]
     server = NodeagentProcess("server", {
         "tunnel": f"tls://127.0.0.1:{tunnel}",
@@ -207,6 +257,9 @@ def main() -> int:
         "allow": [f"127.0.0.1:{h1_port}", f"127.0.0.1:{h2c_port}", *target],
         "debug_socket": str(work / "agent.sock"),
     }, work, "agent")
+    sshd = subprocess.Popen(write_sshd_config(work / "ssh", "127.0.0.1", sshd_port),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ssh: subprocess.Popen[bytes] | None = None
     rows: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
@@ -216,29 +269,52 @@ def main() -> int:
         server.wait_ready()
         agent.start().wait_ready()
         server.wait_for(lambda s: s["agents"], what="agent connected")
+        ssh = subprocess.Popen([
+            "ssh", "-N", "-i", str(work / "ssh" / "id"), "-p", str(sshd_port),
+            "-c", "aes256-gcm@openssh.com", "-o", "StrictHostKeyChecking=no",
+            "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+            "-o", "ExitOnForwardFailure=yes", "-o", "LogLevel=ERROR",
+            "-R", f"127.0.0.1:{ssh_r}:{target[0]}", "root@127.0.0.1"])
+        _wait_listening(ssh_r)
+        pids = {"server": server.proc.pid, "agent": agent.proc.pid}  # type: ignore[union-attr]
+
+        def load(name: str, url: str, h1: bool) -> dict[str, float]:
+            """h2load, and the server's and the agent's CPU µs per request over its run."""
+            before = {k: _cpu_seconds(pid) for k, pid in pids.items()}
+            out = h2load(url, h1=h1, seconds=args.seconds, log=work / f"{name}.log")
+            requests = out["req_per_sec"] * (args.seconds + 1)  # + the warm-up second
+            for k, pid in pids.items():
+                out[f"{k} µs/req"] = (_cpu_seconds(pid) - before[k]) / requests * 1e6
+            add(f"{name} req/s", out["req_per_sec"])
+            add(f"{name} p99 ms", out["p99_ms"])
+            add(f"{name} failed", out["failed"])
+            add(f"{name} CPU µs/req server", out["server µs/req"])
+            add(f"{name} CPU µs/req agent", out["agent µs/req"])
+            return out
+
         url = f"http://127.0.0.1:{web}/bench"
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
-            h2 = h2load(url, h1=False, seconds=args.seconds, log=work / "h2.log")
-            h1 = h2load(url, h1=True, seconds=args.seconds, log=work / "h1.log")
-            add("h2 req/s", h2["req_per_sec"])
-            add("h2 p99 ms", h2["p99_ms"])
-            add("h2 failed", h2["failed"])
-            add("h1 req/s", h1["req_per_sec"])
-            add("h1 p99 ms", h1["p99_ms"])
+            h2 = load("h2", url, h1=False)
+            h1 = load("h1", url, h1=True)
             add("h2/h1 ratio", h2["req_per_sec"] / h1["req_per_sec"])
-            h2c = h2load(f"http://127.0.0.1:{web_h2c}/bench", h1=False, seconds=args.seconds,
-                         log=work / "h2c.log")
-            add("h2 -> h2c backend req/s", h2c["req_per_sec"])
-            add("h2 -> h2c backend p99 ms", h2c["p99_ms"])
-            add("h2 -> h2c backend failed", h2c["failed"])
+            h2c = load("h2 -> h2c backend", f"http://127.0.0.1:{web_h2c}/bench", h1=False)
             add("h2 -> h2c / h1 ratio", h2c["req_per_sec"] / h1["req_per_sec"])
             via_front = grpc_rate(f"127.0.0.1:{grpc_front}", None, args.seconds,
                                   args.grpc_inflight)
+            via_ssh = grpc_rate(f"127.0.0.1:{ssh_r}", None, args.seconds, args.grpc_inflight)
             via_l4 = grpc_rate(f"127.0.0.1:{l4}", None, args.seconds, args.grpc_inflight)
             add("grpc calls/s via the front", via_front)
-            add("grpc calls/s via L4 (TCP mapping)", via_l4)
-            add("grpc front/L4 ratio", via_front / via_l4)
+            add("grpc calls/s via ssh -R (L4)", via_ssh)
+            add("grpc calls/s via a TCP mapping (L4)", via_l4)
+            add("grpc front/ssh -R ratio", via_front / via_ssh)
+            add("grpc front/TCP mapping ratio", via_front / via_l4)
+            add("grpc bidi Gbit/s via the front",
+                bidi_rate(f"127.0.0.1:{grpc_front}", args.seconds, args.bidi_kib))
+            add("grpc bidi Gbit/s via ssh -R",
+                bidi_rate(f"127.0.0.1:{ssh_r}", args.seconds, args.bidi_kib))
+            add("grpc bidi Gbit/s direct (the floor)",
+                bidi_rate(target[0], args.seconds, args.bidi_kib))
             shares = balance(f"127.0.0.1:{balanced}", "balanced.test", args.balance_calls)
             for name in ("g0", "g1", "g2"):
                 add(f"balance share {name} %", 100.0 * shares.get(name, 0) / args.balance_calls)
@@ -246,13 +322,35 @@ def main() -> int:
     finally:
         for proc in (server, agent):
             proc.kill()
+        for child in (ssh, sshd):
+            if child is not None:
+                child.kill()
         for echo in echoes:
             echo.stop()
         h1_backend.kill()
         nghttpd.kill()
-    print(f"\n{'measure':38} median (min-max) over {args.rounds} rounds")
+    print(f"\n{'measure':38} median (min-max) over {args.rounds} rounds, "
+          f"load average {os.getloadavg()[0]:.1f}")
     for name, values in rows.items():
         print(f"{name:38} {summary(values)}")
+    med = {name: statistics.median(values) for name, values in rows.items()}
+    split = [med[f"balance share g{i} %"] for i in range(3)]
+    print("\ngoals (issue 21), on the medians:")
+    for ok, text in (
+        (med["h2/h1 ratio"] >= 1.5 and med["h2 p99 ms"] <= 10,
+         f"h2 >= 1.5x h1 req/s, p99 <= 10 ms: {med['h2/h1 ratio']:.2f}x, "
+         f"p99 {med['h2 p99 ms']:.1f} ms"),
+        (med["h2 -> h2c / h1 ratio"] >= 1.5 and med["h2 -> h2c backend p99 ms"] <= 10,
+         f"the same to an h2c backend: {med['h2 -> h2c / h1 ratio']:.2f}x, "
+         f"p99 {med['h2 -> h2c backend p99 ms']:.1f} ms"),
+        (med["grpc front/ssh -R ratio"] >= 1,
+         f"gRPC unary via the front >= ssh -R: {med['grpc front/ssh -R ratio']:.2f}x"),
+        (med["grpc bidi Gbit/s via the front"] >= 1,
+         f"a bidi stream >= 1 Gbit/s: {med['grpc bidi Gbit/s via the front']:.2f} Gbit/s"),
+        (all(abs(x - 100 / 3) <= 5 for x in split),
+         "balance 33 % +- 5 %: " + " / ".join(f"{x:.1f} %" for x in split)),
+    ):
+        print(f"  {'met   ' if ok else 'MISSED'} {text}")
     out = ROOT / "bench-results" / time.strftime("h2-%Y%m%d-%H%M%S.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "uptime": cpu}, indent=1))

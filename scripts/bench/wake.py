@@ -3,7 +3,7 @@ wakes, what a held request costs, and whether holding many slows the awake route
 
 From the repository root:
 
-    .venv/bin/python -m scripts.bench.wake [--wakes 100] [--rounds 3] [--held 5000]
+    .venv/bin/python -m scripts.bench.wake [--wakes 100] [--rounds 3] [--held 10000]
 
 One HTTP front with `HeldRequests` (the server's), a trio upstream, over loopback TCP:
 
@@ -21,9 +21,11 @@ One HTTP front with `HeldRequests` (the server's), a trio upstream, over loopbac
 - **awake routes while holding**: p99 of 300 sequential requests to an awake route with
   no request held, then with `--held` held, interleaved `--rounds` times.
 
-This measures the server's part only. The controller's part (an EndpointSlice change to
-the servers' new routes) is the config propagation measured by
-`python -m scripts.bench.config_propagation`.
+This measures the server's part only. The whole path with real processes (the fake API
+server's simulated workloads, controllers, servers, agents: EndpointSlice ready → held
+request answered, p50/p99 over 100 wakes) is printed by a slow end-to-end test (root):
+
+    .venv/bin/python -m pytest tests/e2e/test_scale_to_zero.py -m slow -s -k hundred_wakes
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def _hold_many(port: int, count: int, ready: Any, go: Any, result: Any) -> None:
     for s in socks:
         s.settimeout(60)
         data = b""
-        while not data.endswith(b"ok"):
+        while b"\r\n\r\n" not in data or len(data) < _answer_length(data):
             chunk = s.recv(65536)
             if not chunk:
                 break
@@ -174,6 +176,16 @@ def _hold_many(port: int, count: int, ready: Any, go: Any, result: Any) -> None:
         ok += data.startswith(b"HTTP/1.1 200")
         s.close()
     result.put(ok)
+
+
+def _answer_length(data: bytes) -> int:
+    """The length of the whole answer whose head `data` starts with (head and body)."""
+    head, _, _ = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(head) + 4 + int(value)
+    return len(head) + 4
 
 
 def tracemalloc_start() -> int:
@@ -200,11 +212,16 @@ async def main(args: argparse.Namespace) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, args.held * 3 + 200)),
                                                 hard))
+    # Forwarding every held request at once takes 3 sockets each in this process (the
+    # client's, the front's upstream, the upstream's): beyond the fd limit they are
+    # released by removing the route instead (404, no upstream).
+    forward_all = args.held * 3 + 200 <= hard
     up = Upstream()
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(functools.partial(
             trio.serve_tcp, up.handle, 0, host="127.0.0.1"))
         asleep, awake = tables(listeners[0].socket.getsockname()[1])
+        gone = RouteTable.build([])
         current = [asleep]
         holds = HeldRequests()
         front = HttpFront(table=lambda: current[0], open_upstream=open_direct, holds=holds,
@@ -257,7 +274,7 @@ async def main(args: argparse.Namespace) -> None:
             tracemalloc.stop()
             rss_growth.append((rss() - rss_before) / args.held)
             loaded.append(await awake_p99(port))
-            current[0] = awake
+            current[0] = awake if forward_all else gone
             holds.routes_changed()
             go.set()
             ok = await trio.to_thread.run_sync(result.get)
@@ -268,7 +285,8 @@ async def main(args: argparse.Namespace) -> None:
                   f"each (RSS +{rss_growth[-1]:.0f} B each: the first round grows the heap, "
                   f"later rounds reuse it); "
                   f"awake route p99 {quiet[-1] * 1e3:.2f} ms idle, {loaded[-1] * 1e3:.2f} ms "
-                  f"holding; {ok}/{args.held} answered 200 after the wake")
+                  f"holding; " + (f"{ok}/{args.held} answered 200 after the wake"
+                                  if forward_all else "released by removing the route"))
         print(f"memory per held request, median (min-max): "
               f"{statistics.median(per_request) / 1024:.1f} KiB "
               f"({min(per_request) / 1024:.1f}-{max(per_request) / 1024:.1f})")
@@ -282,7 +300,7 @@ def cli() -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--wakes", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--held", type=int, default=5000)
+    parser.add_argument("--held", type=int, default=10_000)
     trio.run(main, parser.parse_args())
 
 

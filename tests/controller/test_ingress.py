@@ -385,3 +385,17 @@ def test_garbage_objects_never_raise() -> None:
                                             "rules": [{"http": {"paths": [{}]}}]}}]
     t = translate(junk, services=[{}], slices=[{"metadata": {}}], secrets=[{}])
     assert t.routes.rules == () and len(t.problems) == 1
+
+
+def test_the_services_health_check_annotation_goes_on_its_rules() -> None:
+    annotated = service()
+    annotated["metadata"]["annotations"] = {
+        "nodeagent.io/health-check": "http:/healthz interval=3"}
+    t = translate([ingress("shop", [rule("a.test", path("/"))])], services=[annotated])
+    (r,) = t.routes.rules
+    assert r.health_check is not None and (r.health_check.kind, r.health_check.path,
+                                           r.health_check.interval) == ("http", "/healthz", 3)
+    annotated["metadata"]["annotations"]["nodeagent.io/health-check"] = "ping"
+    t = translate([ingress("shop", [rule("a.test", path("/"))])], services=[annotated])
+    assert t.routes.rules[0].health_check is None
+    assert [p.reason for p in t.problems] == ["InvalidHealthCheck"]

@@ -86,8 +86,17 @@ def test_what_the_leader_redoes_for_changes_that_are_not_config() -> None:
         LeaderWrite.TUNNEL_STATUS}
     server = {"metadata": {"name": "nodeagent-server", "namespace": "ns"}, "status": {}}
     assert leader_writes("services", modified(server, lambda o: o.update(status={
-        "loadBalancer": {}})), "ns") == {LeaderWrite.INGRESS_STATUS, LeaderWrite.PKI}
+        "loadBalancer": {}})), "ns") == {LeaderWrite.INGRESS_STATUS, LeaderWrite.PKI,
+                                         LeaderWrite.SERVICE_STATUS}
     assert leader_writes("services", modified(server, lambda o: None), "elsewhere") == set()
+    # Someone else's write on a Service's status: the leader puts its own back (the
+    # LoadBalancer Services it serves).
+    user = {"metadata": {"name": "dns", "namespace": "app"}, "status": {}}
+    assert leader_writes("services", modified(user, lambda o: o.update(status={
+        "loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}})), "ns") == {
+        LeaderWrite.SERVICE_STATUS}
+    assert leader_writes("services", modified(user, lambda o: o.update(spec={})),
+                         "ns") == set()
     assert leader_writes("ingresses", modified(INGRESS, lambda o: o.update(status={
         "loadBalancer": {}})), "ns") == {LeaderWrite.INGRESS_STATUS}
     assert leader_writes("ingresses", modified(INGRESS, lambda o: o["spec"].update(
@@ -144,11 +153,23 @@ async def test_urgent_leader_writes_go_first_and_the_rest_wait_their_delay(
         writes.mark(*LeaderWrite)
         await trio.sleep(3)
         assert [w for w, _ in calls] == [LeaderWrite.PKI, LeaderWrite.EVENTS,
-                                         LeaderWrite.INGRESS_STATUS, LeaderWrite.TUNNEL_STATUS]
+                                         LeaderWrite.INGRESS_STATUS, LeaderWrite.TUNNEL_STATUS,
+                                         LeaderWrite.SERVICE_STATUS]
         assert calls[0][1] - start == pytest.approx(0.05)
         assert all(t - start == pytest.approx(1.05) for _, t in calls[1:])
         writes.mark(LeaderWrite.EVENTS)  # no urgent one due: the normal delay
         await trio.sleep(3)
-        assert calls[4][0] is LeaderWrite.EVENTS
-        assert calls[4][1] - start == pytest.approx(4.0)
+        assert calls[5][0] is LeaderWrite.EVENTS
+        assert calls[5][1] - start == pytest.approx(4.0)
         nursery.cancel_scope.cancel()
+
+
+def test_a_services_udp_idle_timeout_feeds_config_and_other_annotations_do_not() -> None:
+    svc = {"metadata": {"name": "dns", "namespace": "app", "annotations": {}},
+           "spec": {"type": "LoadBalancer"}}
+    assert feeds_config("services", modified(svc, lambda o: o["metadata"].update(
+        annotations={"nodeagent.io/udp-idle-timeout": "5"})))
+    assert not feeds_config("services", modified(svc, lambda o: o["metadata"].update(
+        annotations={"example.com/note": "x"})))
+    assert not feeds_config("services", modified(svc, lambda o: o.update(status={
+        "loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}})))

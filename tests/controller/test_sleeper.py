@@ -105,3 +105,51 @@ async def test_the_leader_sleeps_an_idle_workload_but_not_a_busy_one(
     assert got is not None and got["spec"]["replicas"] == 0
     assert got["metadata"]["annotations"][REPLICAS_BEFORE_SLEEP] == "2"
     assert leader.sleeps == 1 and scale_writes(fake_kube) == 1
+
+
+async def test_a_workload_found_from_pods_is_forgotten_once_its_service_no_longer_sleeps(
+        fake_kube: FakeKube, kube: KubeClient, nursery: trio.Nursery) -> None:
+    """The workload found from a Service's pods is read once (a ReplicaSet GET) while
+    the Service opts in, and forgotten when it no longer does: the controller's memory
+    follows the Services that sleep now, not every one that ever did."""
+    fake_kube.put_object(deployment(0, **{REPLICAS_BEFORE_SLEEP: "1"}))
+    fake_kube.put_object({"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": {
+        "name": "web-7d9", "namespace": NS, "ownerReferences": [
+            {"kind": "Deployment", "name": "web", "controller": True}]}, "spec": {}})
+    fake_kube.put_object({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "web-7d9-x", "namespace": NS, "labels": {"app": "web"},
+        "ownerReferences": [{"kind": "ReplicaSet", "name": "web-7d9", "controller": True}]},
+        "spec": {"containers": [{"name": "web", "image": "x"}]}})
+    unnamed = service()
+    del unnamed["metadata"]["annotations"]["nodeagent.io/workload"]
+    fake_kube.put_object(unnamed)
+    (sleeper,) = await sleepers(fake_kube, kube, nursery, 1)
+    settings = wake_settings(unnamed)
+    assert settings is not None
+    with trio.fail_after(5):
+        while not sleeper.pods.list(namespace=NS):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+    def replicaset_reads() -> int:
+        return sum(1 for r in fake_kube.requests if r.method == "GET"
+                   and r.path.endswith("/replicasets/web-7d9"))
+
+    sleeper.set_enabled({KEY: settings}, True)
+    assert (await sleeper.wake(KEY))[0] == 202
+    assert (await sleeper.wake(KEY))[0] == 202
+    assert replicaset_reads() == 1  # found once, then remembered
+    sleeper.report({f"{NS}/web": (0.0, 1)})
+    assert KEY in sleeper.activity
+    # The Service opts out (or is deleted): nothing of it is kept.
+    sleeper.set_enabled({}, True)
+    assert sleeper.activity == {}
+    assert (await sleeper.wake(KEY))[0] == 404
+    # It opts in again, replaced whole (`kubectl replace`: no state annotation naming
+    # the workload): its workload is looked up afresh, not taken from a stale memory.
+    fake_kube.put_object(unnamed)
+    with trio.fail_after(5):
+        while read_state(sleeper.services.get("web", NS) or {}):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    sleeper.set_enabled({KEY: settings}, True)
+    assert (await sleeper.wake(KEY))[0] == 202
+    assert replicaset_reads() == 2

@@ -236,14 +236,15 @@ class H2Origin:
                 if data:
                     await stream.send_all(data)
 
-        async def send_body(sid: int, data: bytes) -> None:
+        async def send_body(sid: int, body: bytes) -> None:
+            data = memoryview(body)  # slices of a large body without copying its rest
             while data:
                 window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
                 if window <= 0:
                     event = windows[sid] = trio.Event()
                     await event.wait()
                     continue
-                conn.send_data(sid, data[:window])
+                conn.send_data(sid, bytes(data[:window]))
                 self.body_bytes_sent += min(window, len(data))
                 data = data[window:]
                 await flush()

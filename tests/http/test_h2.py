@@ -172,6 +172,30 @@ async def test_a_slow_reader_costs_the_windows_not_the_response(nursery: trio.Nu
         await client.aclose()
 
 
+async def test_a_client_that_stops_reading_tcp_holds_back_the_backend(
+        nursery: trio.Nursery) -> None:
+    """Windows wide open (2 GiB) but the socket never read: the front's writer blocks, the
+    stream's next write waits for it, the backend's window is not given back, and the
+    backend stops: far less than the 256 MiB asked leaves it (socket buffers, windows and
+    one write round), not everything into the front's memory."""
+    import h2.settings
+
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        big = 2**31 - 1
+        client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: big})
+        client.conn.increment_flow_control_window(big - 65535)
+        await client.request(f"/big?n={256 * 1024 * 1024}")
+        await trio.sleep(3.0)
+        sent = origin.body_bytes_sent
+        assert 0 < sent <= 16 * 1024 * 1024, sent
+        await trio.sleep(1.0)
+        assert origin.body_bytes_sent - sent <= 1024 * 1024  # it stays stopped
+        await client.stream.aclose()
+
+
 async def test_drain_sends_goaway_and_calls_in_flight_finish(nursery: trio.Nursery) -> None:
     origin = H2Origin()
     port = await start_tcp(nursery, origin.handle)

@@ -81,6 +81,14 @@ def test_the_request_head_as_the_http11_policy_reads_it() -> None:
                   (b":authority", b"app.test"), (b"x-a", b"1"), (b"te", b"trailers")]
     assert split_response([(b":status", b"204"), (b"x", b"y")]) == (204, [(b"x", b"y")])
     assert is_grpc(b"application/grpc+proto") and not is_grpc(b"application/grpcx")
+    # Cookie crumbs come out of the session as they came (h2's inbound normalisation is
+    # off) and h1_view joins them (RFC 9113 §8.2.3).
+    client, server = pair()
+    client.send_headers(1, [*REQUEST, (b"cookie", b"a=1"), (b"cookie", b"b=2")],
+                        end_stream=True)
+    head = server.receive(client.data_to_send())[0]
+    assert isinstance(head, HeadersIn)
+    assert (b"cookie", b"a=1; b=2") in h1_view(head.headers).fields
 
 
 def test_grpc_status_helpers() -> None:

@@ -5,10 +5,12 @@ fails to start; activity counted for the controller."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import trio
 
-from nodeagent.http import HeldRequests, Route, RouteSpec, WakeSpec
+from nodeagent.http import HeldRequests, Route, RouteSpec, UpstreamUnavailable, WakeSpec
 from tests.http.helpers import Upstream, running_front, start_tcp
 from tests.http.test_proxy import client, route_to
 
@@ -178,3 +180,58 @@ async def test_an_http2_request_over_max_pending_gets_retry_after(
             assert over.http_version == "HTTP/2"
             assert over.status_code == 503 and over.headers["retry-after"] == "1"
         assert answers[0].status_code == 504
+
+
+async def test_a_woken_routes_refused_first_dials_are_retried_on_both_protocols(
+        nursery: trio.Nursery) -> None:
+    """The node's agent may learn it may dial the woken backend a moment after this
+    server's routes gained it: the held request's refused dials are tried again until
+    one goes through, on HTTP/1.1 and HTTP/2 alike (not answered 502)."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    for http2 in (False, True):
+        holds = HeldRequests()
+        async with running_front(asleep(), holds=holds) as f, httpx.AsyncClient(
+                http1=not http2, http2=http2, trust_env=False, timeout=10) as c:
+            answers: list[httpx.Response] = []
+
+            async def ask(c: httpx.AsyncClient = c, f: Any = f,
+                          answers: list[httpx.Response] = answers) -> None:
+                answers.append(await c.get(f"{f.url}/x", headers={"host": "a.test"}))
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask)
+                await held(holds, 1)
+                f.opener.fail = UpstreamUnavailable(
+                    502, "tcp://127.0.0.1 is not allowed on node edge-1")
+                f.set_routes(awake(port))
+                holds.routes_changed()
+                with trio.fail_after(5):
+                    while len(f.opener.backends) < 3:  # noqa: ASYNC110
+                        await trio.sleep(0.005)
+                assert not answers
+                f.opener.fail = None  # the agent has its allow list now
+            (answer,) = answers
+            assert answer.status_code == 200, answer.text
+            assert answer.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+            assert holds.stats.forwarded == 1
+
+
+async def test_a_woken_route_still_refused_at_the_wake_deadline_gets_the_dial_error(
+        nursery: trio.Nursery) -> None:
+    holds = HeldRequests()
+    quick = WakeSpec("shop/web", timeout=0.5, max_pending=3)
+    async with running_front(asleep(quick), holds=holds) as f, client() as c:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await c.get(f"{f.url}/", headers={"host": "a.test"}))
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(ask)
+            await held(holds, 1)
+            f.opener.fail = UpstreamUnavailable(502, "not allowed on node edge-1")
+            f.set_routes(awake(9, quick))
+            holds.routes_changed()
+        assert answers[0].status_code == 502
+        assert "not allowed on node edge-1" in answers[0].text

@@ -318,6 +318,34 @@ async def test_debouncer_bounds_the_delay_and_reruns_after_changes_during_a_call
         nursery.cancel_scope.cancel()
 
 
+async def test_an_urgent_trigger_ends_the_debounce_at_once(
+        autojump_clock: trio.abc.Clock) -> None:
+    """A woken Service's endpoints are recomputed without the debounce: an urgent
+    trigger, alone or in the middle of a burst, runs the call now (virtual time: the
+    10 s delay is never slept)."""
+    calls: list[float] = []
+
+    async def recompute() -> None:
+        calls.append(trio.current_time())
+
+    debouncer = Debouncer(recompute, delay=10.0, max_delay=60.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(debouncer.run)
+        start = trio.current_time()
+        debouncer.trigger()
+        await trio.sleep(1.0)
+        debouncer.trigger(urgent=True)
+        await trio.sleep(0.5)
+        assert calls == [start + 1.0]
+        debouncer.trigger(urgent=True)  # alone
+        await trio.sleep(0.5)
+        assert calls == [start + 1.0, start + 1.5]
+        debouncer.trigger()  # an ordinary one still waits its delay
+        await trio.sleep(20)
+        assert calls[2:] == [start + 12.0]
+        nursery.cancel_scope.cancel()
+
+
 async def test_debouncer_survives_a_failing_callback() -> None:
     attempts = 0
 

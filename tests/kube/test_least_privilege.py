@@ -22,6 +22,7 @@ from nodeagent.controller.controller import (
     serve_controller,
 )
 from nodeagent.controller.crds import crd_manifests
+from nodeagent.controller.ingressgate import HTPASSWD_SECRET_TYPE
 from nodeagent.kube.client import selector_string
 from nodeagent.testing.fakekube import FakeKube
 from nodeagent.testing.fakekube.fixtures import ADMIN_TOKEN
@@ -30,6 +31,7 @@ MANIFEST_RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac.yaml"
 CONTROLLER = "system:serviceaccount:nodeagent:nodeagent-controller"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 TLS_SELECTOR = selector_string(SECRET_FIELD_SELECTOR)
+HTPASSWD_SELECTOR = selector_string({"type": HTPASSWD_SECRET_TYPE})
 
 
 @pytest.fixture
@@ -155,8 +157,52 @@ async def test_the_controller_runs_on_the_manifest_rbac_and_caches_only_tls_secr
     mine = [r for r in rbac_kube.requests if r.user == CONTROLLER]
     secret_reads = [r for r in mine if r.method == "GET" and r.path == "/api/v1/secrets"]
     assert {r.query.get("watch", "") for r in secret_reads} >= {"", "true"}  # list, watch
-    assert all(r.query.get("fieldSelector") == TLS_SELECTOR for r in secret_reads)
+    # Only two kinds: TLS Secrets and basic-auth htpasswd Secrets (docs/auth.md).
+    assert {r.query.get("fieldSelector") for r in secret_reads} == {TLS_SELECTOR,
+                                                                    HTPASSWD_SELECTOR}
+    assert ("other", "sh.helm.release.v1.x.v1") not in controller.caches["htpasswd"]
+    rbac_kube.put_object(dict(secret("users", "other", "nodeagent.io/htpasswd")))
+    with trio.fail_after(10):
+        await controller.caches["htpasswd"].wait_until(lambda c: ("other", "users") in c)
+    assert ("other", "users") not in secrets and controller.caches["htpasswd"].keys() == [
+        ("other", "users")]
     assert not [r for r in mine if "/secrets" in r.path and r.method == "GET" and
                 r.path != "/api/v1/secrets"]  # no other Secret read, by name or namespace
     refused = [(r.method, r.path, r.query) for r in mine if r.status == 403]
     assert refused == []
+
+
+async def test_the_controller_writes_load_balancer_status_by_patch_only(
+        nursery: trio.Nursery, rbac_kube: FakeKube, tmp_path: Path) -> None:
+    """services/status: patch, nothing more; what it writes is the servers' address."""
+    rbac_kube.put_object({"apiVersion": "v1", "kind": "Service",
+                          "metadata": {"name": "nodeagent-server", "namespace": "nodeagent"},
+                          "spec": {"type": "LoadBalancer", "ports": [{"port": 443}]},
+                          "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}})
+    rbac_kube.put_object({"apiVersion": "v1", "kind": "Service",
+                          "metadata": {"name": "dns", "namespace": "other"},
+                          "spec": {"type": "LoadBalancer", "ports": [
+                              {"port": 53, "protocol": "UDP"}],
+                              "loadBalancerClass": "nodeagent.io/tunnel"}})
+    settings = ControllerSettings(
+        namespace="nodeagent", identity="c1", listen_host="127.0.0.1", listen_port=0,
+        kubeconfig=rbac_kube.write_kubeconfig(tmp_path / "kubeconfig", token="ctl"),
+        lease_duration=3.0, leader_retry=0.5, status_delay=0.1, tls_names=("127.0.0.1",))
+    controller: Controller = await nursery.start(functools.partial(serve_controller, settings))
+    services = controller.caches["services"]
+    with trio.fail_after(15):
+        await services.wait_until(lambda c: ((c.get("dns", "other") or {}).get(
+            "status") or {}).get("loadBalancer", {}).get("ingress"))
+    status = services.get("dns", "other")["status"]
+    assert status["loadBalancer"]["ingress"] == [
+        {"ip": "203.0.113.7", "ipMode": "Proxy", "ports": [{"port": 53, "protocol": "UDP"}]}]
+    mine = [r for r in rbac_kube.requests if r.user == CONTROLLER and "/services/" in r.path
+            and r.method != "GET"]
+    assert {(r.method, r.path, r.status) for r in mine} == {
+        ("PATCH", "/api/v1/namespaces/other/services/dns/status", 200)}
+    async with client(rbac_kube, "ctl") as ctl:
+        path = "/api/v1/namespaces/other/services/dns"
+        current = (await ctl.get(path)).json()
+        assert (await ctl.put(f"{path}/status", json=current)).status_code == 403
+        assert (await ctl.put(path, json=current)).status_code == 403
+        assert (await ctl.delete(path)).status_code == 403

@@ -285,3 +285,22 @@ async def test_agent_config_applies_are_timed_and_it_lists_the_server_it_dials()
     assert row["last_error"] is None
     assert agent.streams() == {"role": "agent", "node": "edge-1", "streams": []}
     assert "nodeagent_tunnel_reconnects" in agent.metrics.render().decode()
+
+
+def test_debug_loadbalancers_renders_each_port_its_state_and_backends() -> None:
+    doc = {"role": "server", "host": "0.0.0.0", "ports": [
+        {"service": "apps/dns", "protocol": "udp", "port": 53, "state": "listening",
+         "error": "", "accepted": 12, "refused": 0,
+         "backends": ["edge-1/10.1.0.5:5353", "edge-2/10.2.0.7:5353"]},
+        {"service": "apps/web", "protocol": "tcp", "port": 80, "state": "failed",
+         "error": "address already in use", "accepted": 0, "refused": 3, "backends": []}]}
+    text = render("loadbalancers", doc, as_json=False)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["SERVICE", "PORT", "STATE"]
+    assert "apps/dns" in lines[1] and "udp/53" in lines[1] and \
+        "edge-1/10.1.0.5:5353, edge-2/10.2.0.7:5353" in lines[1]
+    assert "failed" in lines[2] and "(no ready endpoints)" in lines[2]
+    assert "address already in use" in lines[3]
+    assert "no LoadBalancer Service" in render("loadbalancers", {"ports": [], "host": "::"},
+                                               as_json=False)
+    assert json.loads(render("loadbalancers", doc, as_json=True)) == doc

@@ -16,11 +16,16 @@ def routes() -> RoutesConfig:
             {"node": "edge-3", "target": "10.1.0.5:8080"},
             {"target": "10.2.0.1:80"}]}]},
         "connect_nodes": {"edge-4": {}},
+        "udp": [{"listen": "127.0.0.1:3", "node": "edge-5", "target": "127.0.0.1:53"}],
+        "load_balancers": [{"name": "apps/dns", "ports": [{"protocol": "udp", "port": 53,
+                                                           "backends": [
+            {"node": "edge-6", "target": "10.6.0.5:53"}]}]}],
     })
 
 
 def test_the_nodes_a_replica_waits_for_are_those_its_routes_send_to() -> None:
-    assert nodes_routed_to(routes()) == {"edge-1", "edge-2", "edge-3", "edge-4"}
+    assert nodes_routed_to(routes()) == {"edge-1", "edge-2", "edge-3", "edge-4", "edge-5",
+                                         "edge-6"}
     assert nodes_routed_to(RoutesConfig()) == set()
 
 

@@ -78,6 +78,12 @@ class Transport(abc.ABC):
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send all of data. Raises TransportClosed if the transport is closed."""
 
+    @property
+    def send_high_water(self) -> int | None:
+        """Queued output (bytes) beyond which the endpoint's senders wait, if this
+        transport wants less than the endpoint's default (a shaped one: shaping.py)."""
+        return None
+
     def can_send_nowait(self) -> bool:
         """Whether send_nowait() may be called now (no send in progress or left over)."""
         return False

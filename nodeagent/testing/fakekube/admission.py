@@ -23,6 +23,7 @@ from nodeagent.testing.fakekube.objects import Obj
 from nodeagent.testing.fakekube.rbacvalidation import admit as admit_rbac
 from nodeagent.testing.fakekube.registry import RBAC, ResourceType
 from nodeagent.testing.fakekube.selectors import SelectorError, parse_label_selector
+from nodeagent.testing.fakekube.servicestatus import admit_load_balancer_class
 
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 _LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
@@ -139,6 +140,7 @@ def _admit_service(obj: Obj, old: Obj | None, causes: Causes,
                    cluster_ips: ClusterIPs) -> None:
     spec = obj.setdefault("spec", {})
     spec.setdefault("type", "ClusterIP")
+    admit_load_balancer_class(spec, (old or {}).get("spec") if old else None, causes)
     for port in spec.get("ports") or []:
         port.setdefault("protocol", "TCP")
         port.setdefault("targetPort", port.get("port"))

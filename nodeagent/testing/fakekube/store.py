@@ -30,6 +30,7 @@ import yaml
 from nodeagent.testing.fakekube.admission import ClusterIPs, admit, admit_custom, validate_metadata
 from nodeagent.testing.fakekube.errors import (
     ApiError,
+    Causes,
     already_exists,
     bad_request,
     conflict,
@@ -57,6 +58,7 @@ from nodeagent.testing.fakekube.selectors import (
     parse_field_selector,
     parse_label_selector,
 )
+from nodeagent.testing.fakekube.servicestatus import admit_service_status
 from nodeagent.testing.fakekube.watchcache import HistoryEvent, WatchCache, Watcher
 
 _GENERATE_CHARS = "bcdfghjklmnpqrstvwxz2456789"
@@ -327,6 +329,11 @@ class Store:
                 result["status"] = copy.deepcopy(new["status"])
             else:
                 result.pop("status", None)
+            if rt.key == ("", "services"):
+                causes: Causes = []
+                admit_service_status(result, causes)
+                if causes:
+                    raise invalid(rt, name, causes)
         elif subresource:
             raise no_such_resource()
         else:

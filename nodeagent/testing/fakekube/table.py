@@ -177,6 +177,21 @@ def _service_ports(o: Obj) -> str:
     return ",".join(ports) or "<none>"
 
 
+def _service_external_ip(o: Obj) -> str:
+    """kubectl's EXTERNAL-IP: for a LoadBalancer its status addresses (or <pending>) and
+    spec.externalIPs, as kube-apiserver's printer gives them (not wide: cut at 16)."""
+    external = list(_get(o, "spec", "externalIPs", default=[]) or [])
+    if _get(o, "spec", "type", default="ClusterIP") != "LoadBalancer":
+        return ",".join(external) or "<none>"
+    found = [e.get("ip") or e.get("hostname") or "" for e in
+             _get(o, "status", "loadBalancer", "ingress", default=[]) or []
+             if isinstance(e, dict)]
+    text = ",".join(a for a in found if a)
+    if len(text) > 16:
+        text = text[:16] + "..."
+    return ",".join([*([text] if text else []), *external]) or "<pending>"
+
+
 def _node_status(o: Obj) -> str:
     ready = [c for c in _get(o, "status", "conditions", default=[]) or []
              if c.get("type") == "Ready"]
@@ -264,8 +279,7 @@ _COLUMNS: dict[tuple[str, str], list[tuple[Obj, Cell]]] = {
         NAME,
         (_col("Type"), lambda o: _get(o, "spec", "type", default="ClusterIP")),
         (_col("Cluster-IP"), lambda o: _get(o, "spec", "clusterIP", default="<none>")),
-        (_col("External-IP"), lambda o: ",".join(_get(o, "spec", "externalIPs", default=[])
-                                                 or []) or "<none>"),
+        (_col("External-IP"), _service_external_ip),
         (_col("Port(s)"), _service_ports),
         AGE,
         (_col("Selector", priority=1), lambda o: ",".join(

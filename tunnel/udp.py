@@ -1,16 +1,17 @@
-"""A flow (a tunnel stream whose target is udp) joined to a connected UDP socket: the
-agent's end of a public UDP mapping and of intercepted UDP, as splice.py is for bytes.
+"""Flows (tunnel streams whose target is udp) joined to connected UDP sockets: the
+agent's end of a public UDP mapping and of intercepted UDP, the server's end of an
+agent's intercepted UDP sent from the cloud side. What splice.py is for bytes.
 
 Nothing here buffers a datagram. One from the tunnel goes to the socket at once
 (non-blocking send; a full socket buffer drops it, counted as `socket_full`); one from
 the socket goes to the flow at once (`TunnelStream.send_datagram`, which queues within
-the core's bounds or drops). So a flow costs one task waiting for its socket, and a
-burst on one flow never delays another. The flow ends when the peer resets it, when it
-has been idle for `idle_timeout`, or when the target answers with ICMP port unreachable
-(reset REFUSED, so the other side learns the target refused).
+the core's bounds or drops). `FlowPoller` serves every flow of a process with one task
+(an epoll set of their sockets), so an idle flow costs its socket and a `SocketFlow`
+record, no task, and a burst on one flow never delays another.
 
-`bridge_flow` serves one flow with a task of its own; `FlowPoller` serves many with one
-task (an epoll set of their sockets), for the agent, where idle flows add up.
+`expire_flows` is the idle timer of the flow tables that key flows by client address
+(server/udpmappings.py, agent/intercept/udpproxy.py): one sweep per table, no timer
+per flow.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import errno
 import select
 import socket
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import trio
 import trio.lowlevel
@@ -82,7 +84,8 @@ def size_buffers(sock: socket.socket, size: int) -> None:
 
 @dataclass
 class FlowCounters:
-    """What one flow carried: "in" is toward the target, "out" back from it."""
+    """What one flow carried: "in" is toward the target, "out" back from it. Made when
+    the flow ends (an open flow keeps plain ints in its record)."""
 
     datagrams_in: int = 0
     datagrams_out: int = 0
@@ -90,6 +93,7 @@ class FlowCounters:
     bytes_out: int = 0
     drops: Counter[str] = field(default_factory=Counter)
     ended_by: str = ""  # reset | idle | refused | cancelled
+    stream: TunnelStream | None = None  # the flow's stream (its id, target, metadata)
 
 
 def connect_udp(host: str, port: int, *, mark: int | None = None) -> socket.socket:
@@ -127,98 +131,14 @@ def connect_udp(host: str, port: int, *, mark: int | None = None) -> socket.sock
     return sock
 
 
-class _SocketSink:
-    """The flow's datagrams to the socket, now or dropped (tunnel.stream.DatagramSink)."""
+class SocketFlow:
+    """One flow joined to its connected UDP socket: a tunnel.stream.DatagramSink for the
+    datagrams from the tunnel, `readable()` for those from the socket. It holds no task
+    and, on the hot path, asks for no clock: `active` says it carried something since
+    the poller's last sweep, which moves the idle deadline then."""
 
-    def __init__(self, sock: socket.socket, counters: FlowCounters,
-                 scope: trio.CancelScope, idle_timeout: float) -> None:
-        self.sock = sock
-        self.counters = counters
-        self.scope = scope
-        self.idle_timeout = idle_timeout
-        self.reset: StreamResetError | None = None
-
-    def on_datagram(self, data: bytes) -> None:
-        counters = self.counters
-        try:
-            self.sock.send(data)
-        except BlockingIOError:
-            counters.drops["socket_full"] += 1
-            return
-        except ConnectionRefusedError:
-            # An ICMP port unreachable from an earlier datagram: the target is not there.
-            counters.drops["refused"] += 1
-            counters.ended_by = "refused"
-            self.scope.cancel()
-            return
-        except OSError:
-            counters.drops["send_error"] += 1
-            return
-        counters.datagrams_in += 1
-        counters.bytes_in += len(data)
-        self.scope.deadline = trio.current_time() + self.idle_timeout
-
-    def on_reset(self, error: StreamResetError) -> None:
-        self.reset = error
-        self.scope.cancel()
-
-
-async def bridge_flow(stream: TunnelStream, sock: socket.socket, *,
-                      idle_timeout: float) -> FlowCounters:
-    """Carry datagrams between an accepted flow and a connected UDP socket until the
-    flow is reset, idle for `idle_timeout` seconds, or refused by the target. Closes
-    the socket and the flow (RST: CANCELLED when idle, REFUSED when refused)."""
-    counters = FlowCounters()
-    scope = trio.CancelScope(deadline=trio.current_time() + idle_timeout)
-    sink = _SocketSink(sock, counters, scope, idle_timeout)
-    try:
-        with scope:
-            stream.attach_datagram_sink(sink)
-            while True:
-                await trio.lowlevel.wait_readable(sock)
-                for _ in range(RECV_BATCH):
-                    try:
-                        data = sock.recv(RECV_SIZE)
-                    except BlockingIOError:
-                        break
-                    except ConnectionRefusedError:
-                        counters.drops["refused"] += 1
-                        counters.ended_by = "refused"
-                        scope.cancel()
-                        break
-                    except OSError:
-                        counters.drops["recv_error"] += 1
-                        break
-                    dropped = stream.send_datagram(data)
-                    if dropped is not None:
-                        counters.drops[dropped] += 1
-                        continue
-                    counters.datagrams_out += 1
-                    counters.bytes_out += len(data)
-                    scope.deadline = trio.current_time() + idle_timeout
-    finally:
-        stream.attach_datagram_sink(None)
-        trio.lowlevel.notify_closing(sock)
-        sock.close()
-        if not counters.ended_by:
-            counters.ended_by = ("reset" if sink.reset is not None
-                                 else "idle" if scope.cancelled_caught else "cancelled")
-        with trio.CancelScope(shield=True):
-            if counters.ended_by == "refused":
-                await stream.abort(StreamReason.REFUSED, "the target refused (port "
-                                                         "unreachable)")
-            elif counters.ended_by == "idle":
-                await stream.abort(StreamReason.CANCELLED, "flow idle")
-            else:
-                await stream.aclose()
-    return counters
-
-
-class _PolledFlow:
-    """One flow of a FlowPoller: its socket, its stream, when it was last active."""
-
-    __slots__ = ("counters", "deadline", "idle_timeout", "on_end", "poller", "sock",
-                 "stream")
+    __slots__ = ("active", "bytes_in", "bytes_out", "datagrams_in", "datagrams_out",
+                 "deadline", "drops", "idle_timeout", "on_end", "poller", "sock", "stream")
 
     def __init__(self, poller: FlowPoller, stream: TunnelStream, sock: socket.socket,
                  idle_timeout: float, on_end: Callable[[FlowCounters], None] | None) -> None:
@@ -227,66 +147,87 @@ class _PolledFlow:
         self.sock = sock
         self.idle_timeout = idle_timeout
         self.deadline = trio.current_time() + idle_timeout
-        self.counters = FlowCounters()
+        self.active = False
         self.on_end = on_end
+        self.datagrams_in = self.datagrams_out = self.bytes_in = self.bytes_out = 0
+        self.drops: Counter[str] | None = None  # made at the first drop
+
+    def drop(self, reason: str) -> None:
+        if self.drops is None:
+            self.drops = Counter()
+        self.drops[reason] += 1
 
     def on_datagram(self, data: bytes) -> None:
-        counters = self.counters
+        """From the tunnel: to the socket now, or dropped (never buffered here)."""
         try:
             self.sock.send(data)
         except BlockingIOError:
-            counters.drops["socket_full"] += 1
+            self.drop("socket_full")
             return
         except ConnectionRefusedError:
-            counters.drops["refused"] += 1
+            # An ICMP port unreachable from an earlier datagram: the target is not there.
+            self.drop("refused")
             self.poller.end(self, "refused")
             return
         except OSError:
-            counters.drops["send_error"] += 1
+            self.drop("send_error")
             return
-        counters.datagrams_in += 1
-        counters.bytes_in += len(data)
-        self.deadline = trio.current_time() + self.idle_timeout
+        self.datagrams_in += 1
+        self.bytes_in += len(data)
+        self.active = True
 
     def on_reset(self, error: StreamResetError) -> None:
         self.poller.end(self, "reset")
 
     def readable(self) -> None:
-        counters = self.counters
-        stream = self.stream
-        for _ in range(RECV_BATCH):
-            try:
-                data = self.sock.recv(RECV_SIZE)
-            except BlockingIOError:
-                return
-            except ConnectionRefusedError:
-                counters.drops["refused"] += 1
-                self.poller.end(self, "refused")
-                return
-            except OSError:
-                counters.drops["recv_error"] += 1
-                return
-            dropped = stream.send_datagram(data)
-            if dropped is not None:
-                counters.drops[dropped] += 1
-                continue
-            counters.datagrams_out += 1
-            counters.bytes_out += len(data)
-            self.deadline = trio.current_time() + self.idle_timeout
+        """From the socket: up to RECV_BATCH datagrams into the flow (the rest wait for
+        the next wake-up, so a flood on one flow cannot starve the others)."""
+        recv = self.sock.recv
+        send = self.stream.send_datagram
+        carried = size = 0
+        try:
+            for _ in range(RECV_BATCH):
+                try:
+                    data = recv(RECV_SIZE)
+                except BlockingIOError:
+                    return
+                except ConnectionRefusedError:
+                    self.drop("refused")
+                    self.poller.end(self, "refused")
+                    return
+                except OSError:
+                    self.drop("recv_error")
+                    return
+                dropped = send(data)
+                if dropped is not None:
+                    self.drop(dropped)
+                    continue
+                carried += 1
+                size += len(data)
+        finally:
+            if carried:
+                self.datagrams_out += carried
+                self.bytes_out += size
+                self.active = True
+
+    def counters(self, ended_by: str) -> FlowCounters:
+        return FlowCounters(self.datagrams_in, self.datagrams_out, self.bytes_in,
+                            self.bytes_out, self.drops or Counter(), ended_by, self.stream)
 
 
 class FlowPoller:
-    """Many flows joined to their connected UDP sockets by one task (bridge_flow's job
-    without a task per flow): the sockets sit in one epoll set, and the task wakes when
-    any is readable. An idle flow costs its socket and a small record. A flow ends as in
-    bridge_flow: reset by the peer, idle past its timeout (RST CANCELLED), or refused by
-    the target (RST REFUSED); `on_end` gets its counters."""
+    """Many flows joined to their connected UDP sockets by one task: the sockets sit in
+    one epoll set, and the task wakes when any is readable. An idle flow costs its
+    socket and a small record, no task. A flow ends when the peer resets it, when it
+    has been idle for its `idle_timeout` (RST CANCELLED), or when the target answers
+    with ICMP port unreachable (RST REFUSED, so the other side learns the target
+    refused); `on_end` gets its counters."""
 
-    SWEEP = 1.0  # seconds between idle sweeps
+    SWEEP = 1.0  # seconds between idle sweeps: expiry is exact to within this
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
-        self._flows: dict[int, _PolledFlow] = {}
+        self._flows: dict[int, SocketFlow] = {}
 
     def __len__(self) -> int:
         return len(self._flows)
@@ -294,12 +235,12 @@ class FlowPoller:
     def add(self, stream: TunnelStream, sock: socket.socket, *, idle_timeout: float,
             on_end: Callable[[FlowCounters], None] | None = None) -> None:
         """Take over an accepted flow and its connected, non-blocking socket."""
-        flow = _PolledFlow(self, stream, sock, idle_timeout, on_end)
+        flow = SocketFlow(self, stream, sock, idle_timeout, on_end)
         self._flows[sock.fileno()] = flow
         self._epoll.register(sock.fileno(), select.EPOLLIN)
         stream.attach_datagram_sink(flow)  # a reset that already came ends it at once
 
-    def end(self, flow: _PolledFlow, why: str) -> None:
+    def end(self, flow: SocketFlow, why: str) -> None:
         fd = flow.sock.fileno()
         if fd < 0 or self._flows.get(fd) is not flow:
             return  # already ended
@@ -307,8 +248,6 @@ class FlowPoller:
         self._epoll.unregister(fd)
         flow.sock.close()
         flow.stream.attach_datagram_sink(None)
-        counters = flow.counters
-        counters.ended_by = why
         if why == "refused":
             flow.stream.abort_now(StreamReason.REFUSED,
                                   "the target refused (port unreachable)")
@@ -317,22 +256,71 @@ class FlowPoller:
         else:
             flow.stream.abort_now(StreamReason.CANCELLED, "closed by the local side")
         if flow.on_end is not None:
-            flow.on_end(counters)
+            flow.on_end(flow.counters(why))
+
+    def sweep(self, now: float) -> None:
+        """Move the deadline of every flow active since the last sweep; end the idle."""
+        idle = []
+        for flow in self._flows.values():
+            if flow.active:
+                flow.active = False
+                flow.deadline = now + flow.idle_timeout
+            elif flow.deadline <= now:
+                idle.append(flow)
+        for flow in idle:
+            self.end(flow, "idle")
 
     async def run(self) -> None:
         """Serve the flows until cancelled; then end every one."""
+        flows = self._flows
         try:
+            next_sweep = trio.current_time() + self.SWEEP
             while True:
-                with trio.move_on_after(self.SWEEP):
+                with trio.move_on_at(next_sweep):
                     await trio.lowlevel.wait_readable(self._epoll.fileno())
                 for fd, _ in self._epoll.poll(0, 256):
-                    flow = self._flows.get(fd)
+                    flow = flows.get(fd)
                     if flow is not None:
                         flow.readable()
                 now = trio.current_time()
-                for flow in [f for f in self._flows.values() if f.deadline <= now]:
-                    self.end(flow, "idle")
+                if now >= next_sweep:
+                    self.sweep(now)
+                    next_sweep = now + self.SWEEP
         finally:
-            for flow in list(self._flows.values()):
+            for flow in list(flows.values()):
                 self.end(flow, "cancelled")
             self._epoll.close()
+
+
+class HeldFlow(Protocol):
+    """A flow record of a table keyed by client address (what expire_flows reads)."""
+
+    last_active: float
+    failure: str | None  # why it failed (a drop reason), until retried
+    failed_at: float
+    stream: TunnelStream | None
+
+
+_Flow = TypeVar("_Flow", bound=HeldFlow)
+
+
+async def expire_flows(flows: Callable[[], Iterable[_Flow]], forget: Callable[[_Flow], None],
+                       *, idle_timeout: float, failed_hold: float) -> None:
+    """The idle timer of a flow table, one sweep for all its flows (no timer per flow):
+    a flow with no datagram either way for `idle_timeout` is forgotten and its stream
+    reset (CANCELLED, "flow idle"); a failed one is forgotten once held `failed_hold`
+    seconds, so its client's next datagram tries again. Sweeps every quarter of the
+    timeout (0.1 to 5 s) until cancelled."""
+    interval = max(0.1, min(idle_timeout / 4, 5.0))
+    while True:
+        await trio.sleep(interval)
+        now = trio.current_time()
+        ended = [flow for flow in flows()
+                 if now - flow.last_active >= idle_timeout
+                 or (flow.failure is not None and now - flow.failed_at >= failed_hold)]
+        for flow in ended:
+            forget(flow)
+            stream, flow.stream = flow.stream, None
+            if stream is not None:
+                stream.attach_datagram_sink(None)
+                stream.abort_now(StreamReason.CANCELLED, "flow idle")

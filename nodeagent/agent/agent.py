@@ -123,9 +123,15 @@ class Agent:
         def datagram_drop(reason: str, count: int) -> None:
             self.metrics.datagram_drops.labels(reason).inc(count)
 
+        # Per datagram: the counters' children looked up once, not by labels() each time.
+        carried = {direction: (self.metrics.datagrams.labels(direction),
+                               self.metrics.datagram_bytes.labels(direction))
+                   for direction in ("in", "out")}
+
         def datagram(direction: str, size: int) -> None:
-            self.metrics.datagrams.labels(direction).inc()
-            self.metrics.datagram_bytes.labels(direction).inc(size)
+            datagrams, size_total = carried[direction]
+            datagrams.inc()
+            size_total.inc(size)
 
         interceptor = Interceptor(intercept, skip_mark=self.config.socket_mark,
                                   open_tunnel=self.open_stream, open_flow=self.open_stream,
@@ -282,22 +288,18 @@ class Agent:
             sock.close()
             raise
         self._count("accepted")
+        # A bound method, not a closure per flow: the counters name the flow's stream.
         self.flow_poller.add(stream, sock, idle_timeout=flow_idle_timeout(incoming.metadata),
-                       on_end=lambda counters: self._flow_ended(stream.stream_id, str(target),
-                                                                origin, counters))
+                             on_end=self._flow_ended)
         incoming.hand_over()
 
-    def _flow_ended(self, stream_id: int, target: str, origin: str,
-                    counters: FlowCounters) -> None:
-        self.metrics.datagrams.labels("in").inc(counters.datagrams_in)
-        self.metrics.datagrams.labels("out").inc(counters.datagrams_out)
-        self.metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
-        self.metrics.datagram_bytes.labels("out").inc(counters.bytes_out)
-        for reason, count in counters.drops.items():
-            self.metrics.datagram_drops.labels(reason).inc(count)
-        if self.log.isEnabledFor(logging.DEBUG):
-            self.log.debug("flow finished", stream=stream_id, target=target,
-                           origin=origin, datagrams_in=counters.datagrams_in,
+    def _flow_ended(self, counters: FlowCounters) -> None:
+        self.metrics.count_flow(counters)
+        stream = counters.stream
+        if self.log.isEnabledFor(logging.DEBUG) and stream is not None:
+            self.log.debug("flow finished", stream=stream.stream_id, target=str(stream.target),
+                           origin=stream.metadata.get("origin", ""),
+                           datagrams_in=counters.datagrams_in,
                            datagrams_out=counters.datagrams_out, ended_by=counters.ended_by)
 
     def _count(self, outcome: str) -> None:

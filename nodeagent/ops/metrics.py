@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from nodeagent import __version__
+from tunnel.udp import FlowCounters
 
 _LATENCY_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 
@@ -80,6 +81,16 @@ class Metrics:
             "dial of the target), by direction: to-node (the server opens, Ingress/TCP/"
             "CONNECT) or from-node (the agent opens: intercepted traffic, the controller)",
             ["direction"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def count_flow(self, counters: FlowCounters) -> None:
+        """A flow joined to a socket (tunnel.udp.FlowPoller) ended: what it carried and
+        dropped, added once (its datagrams are not counted one by one)."""
+        self.datagrams.labels("in").inc(counters.datagrams_in)
+        self.datagrams.labels("out").inc(counters.datagrams_out)
+        self.datagram_bytes.labels("in").inc(counters.bytes_in)
+        self.datagram_bytes.labels("out").inc(counters.bytes_out)
+        for reason, count in counters.drops.items():
+            self.datagram_drops.labels(reason).inc(count)
 
     def add_live(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Register gauges computed from live state at scrape time."""

@@ -183,6 +183,7 @@ async def serve_server(server: Server, ssl_context: ssl.SSLContext | None, *,
     worker 0 runs the CONNECT front."""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trim_forever)  # malloctune.py: RSS back soon after load
+        nursery.start_soon(server.agent_streams.flow_poller.run)
         await nursery.start(server.health_watch.run)  # active health checks' streams
         holder = start_reloaders(server, nursery, ssl_context, tls_source, tls_fields)
         reloader = ServerReloader(server, nursery, slot)

@@ -37,7 +37,7 @@ from tunnel.endpoint import IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.relay import relay_incoming
 from tunnel.splice import SpliceResult
-from tunnel.udp import FlowCounters, bridge_flow, flow_idle_timeout
+from tunnel.udp import FlowCounters, FlowPoller, flow_idle_timeout
 
 
 class StreamOutcomes:
@@ -65,6 +65,9 @@ class AgentStreams:
                  outcomes: StreamOutcomes, refusals: PolicyRefusals,
                  on_flow_done: Callable[[FlowCounters], None] | None = None) -> None:
         self._on_flow_done = on_flow_done
+        # Agents' flows (intercepted UDP sent from here), served by one task
+        # (serve_server runs it): an idle flow costs its socket and a record, no task.
+        self.flow_poller = FlowPoller()
         self._datapath = datapath
         self._dnat = dnat
         self._routes = routes
@@ -106,8 +109,8 @@ class AgentStreams:
     async def _handle_agent_flow(self, node: str, owner: str | None,
                                  incoming: IncomingStream, origin: str) -> None:
         """A flow (UDP) an agent opened for intercepted pod traffic: sent from the cloud
-        side where the egress policy allows, joined to a connected UDP socket until idle
-        or reset."""
+        side where the egress policy allows, joined to a connected UDP socket (handed to
+        the flow poller) until idle or reset."""
         try:
             sock = self._datapath.flow_for_agent(node, owner, incoming.target, origin)
         except StreamFailed as exc:
@@ -120,10 +123,9 @@ class AgentStreams:
             sock.close()
             raise
         self._outcomes.inbound("egress")
-        counters = await bridge_flow(stream, sock,
-                                     idle_timeout=flow_idle_timeout(incoming.metadata))
-        if self._on_flow_done is not None:
-            self._on_flow_done(counters)
+        self.flow_poller.add(stream, sock, idle_timeout=flow_idle_timeout(incoming.metadata),
+                             on_end=self._on_flow_done)
+        incoming.hand_over()
 
     async def handle_bootstrap_stream(self, claimed_node: str,
                                       incoming: IncomingStream) -> None:

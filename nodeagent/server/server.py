@@ -53,7 +53,6 @@ from nodeagent.server.udpmappings import UdpMappingRelay
 from nodeagent.trust.filewatch import FileReloader
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.server import HandshakeAdmission, TunnelServer
-from tunnel.udp import FlowCounters
 
 if TYPE_CHECKING:
     from nodeagent.trust.enrollment import IdentityKeeper  # controller mode: cryptography
@@ -121,7 +120,7 @@ class Server:
         self.agent_streams = AgentStreams(
             datapath=self.datapath, dnat=self.dnat, routes=routes,
             notes=self.stream_notes, outcomes=self.outcomes, refusals=self.refusals,
-            on_flow_done=self._count_flow)
+            on_flow_done=self.metrics.count_flow)
         self.http_backends = HttpBackends(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             direct_backends=config.controller is not None)
@@ -167,16 +166,6 @@ class Server:
         ) if config.connect.enabled else None
         # /readyz: replaced by serve_server when the listeners are up (its grace from then).
         self.ready_gate = ReadinessGate(started=time.monotonic())
-
-    def _count_flow(self, counters: FlowCounters) -> None:
-        """An agent's flow (intercepted UDP, sent from here) ended: its datagrams."""
-        metrics = self.metrics
-        metrics.datagrams.labels("in").inc(counters.datagrams_in)
-        metrics.datagrams.labels("out").inc(counters.datagrams_out)
-        metrics.datagram_bytes.labels("in").inc(counters.bytes_in)
-        metrics.datagram_bytes.labels("out").inc(counters.bytes_out)
-        for reason, count in counters.drops.items():
-            metrics.datagram_drops.labels(reason).inc(count)
 
     @property
     def routes(self) -> RoutesConfig:

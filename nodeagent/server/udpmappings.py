@@ -26,6 +26,7 @@ flows` lists the flows.
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -46,6 +47,7 @@ from tunnel.errors import StreamFailed, StreamResetError
 from tunnel.log import RateLimitedLog
 from tunnel.stream import TunnelStream
 from tunnel.tcp import format_address
+from tunnel.udp import expire_flows
 
 PENDING_DATAGRAMS = 16  # a client's datagrams waiting while its flow opens
 FAILED_HOLD = 1.0  # seconds a failed flow drops before the next datagram retries
@@ -74,7 +76,7 @@ class ServerFlow:
     bytes_in: int = 0
     bytes_out: int = 0
     received_from_client: int = 0  # every byte it sent, dropped or not (amplification)
-    datagrams_seen: int = 0  # every datagram it sent, dropped or not
+    datagrams_seen: int = 0  # datagrams it sent before its flow opened
     validated: bool = False  # it sent a second datagram: no more reply cap
     closed: bool = False
 
@@ -104,7 +106,9 @@ class ServerFlow:
         self.datagrams_out += 1
         self.bytes_out += size
         self.last_active = trio.current_time()
-        mapping.carried("out", size)
+        relay = mapping.relay
+        relay.datagrams_out.inc()
+        relay.bytes_out.inc(size)
 
     def on_reset(self, error: StreamResetError) -> None:
         """The node ended the flow (the target refused, its idle timer, the tunnel
@@ -149,10 +153,10 @@ class MappingFlows:
         self.drops[reason] += count
         self.relay.metrics.datagram_drops.labels(reason).inc(count)
 
-    def carried(self, direction: str, size: int) -> None:
-        metrics = self.relay.metrics
-        metrics.datagrams.labels(direction).inc()
-        metrics.datagram_bytes.labels(direction).inc(size)
+    def carried_in(self, datagrams: int, size: int) -> None:
+        relay = self.relay
+        relay.datagrams_in.inc(datagrams)
+        relay.bytes_in.inc(size)
 
 
 class UdpMappingRelay:
@@ -167,6 +171,12 @@ class UdpMappingRelay:
         self._failure_log = RateLimitedLog(log, period=60.0)
         self.mappings: list[MappingFlows] = []
         self.node_flows: Counter[str] = Counter()
+        # The carried counters' children, looked up once: labels() per datagram cost
+        # the mapping's reader a third of its Python time (cProfile, iperf3 -u).
+        self.datagrams_in = metrics.datagrams.labels("in")
+        self.datagrams_out = metrics.datagrams.labels("out")
+        self.bytes_in = metrics.datagram_bytes.labels("in")
+        self.bytes_out = metrics.datagram_bytes.labels("out")
         metrics.add_live(self._live_metrics)
 
     async def serve(self, name: str, config: UdpMapping, sock: socket.socket, *,
@@ -177,17 +187,27 @@ class UdpMappingRelay:
         self.mappings.append(mapping)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._expire, mapping)
+                nursery.start_soon(functools.partial(
+                    expire_flows, mapping.flows.values, self._forget,
+                    idle_timeout=config.idle_timeout, failed_hold=FAILED_HOLD))
+                recvfrom = sock.recvfrom
                 while True:
                     await trio.lowlevel.wait_readable(sock)
+                    # One clock reading and one metrics update per wake-up, not per datagram.
+                    now = trio.current_time()
+                    carried = size = 0
                     for _ in range(RECV_BATCH):
                         try:
-                            data, client = sock.recvfrom(RECV_SIZE)
+                            data, client = recvfrom(RECV_SIZE)
                         except BlockingIOError:
                             break
                         except OSError:
                             continue  # an ICMP error for an earlier reply: not a datagram
-                        self._from_client(mapping, data, client, nursery)
+                        if self._from_client(mapping, data, client, now, nursery):
+                            carried += 1
+                            size += len(data)
+                    if carried:
+                        mapping.carried_in(carried, size)
         finally:
             self.mappings.remove(mapping)
             for flow in list(mapping.flows.values()):
@@ -198,9 +218,22 @@ class UdpMappingRelay:
                         await flow.stream.aclose()
 
     def _from_client(self, mapping: MappingFlows, data: bytes, client: tuple[Any, ...],
-                     nursery: trio.Nursery) -> None:
-        now = trio.current_time()
+                     now: float, nursery: trio.Nursery) -> bool:
+        """One datagram from a client; True if it went into the tunnel now (the caller
+        counts those), False if it was dropped or waits for its flow to open."""
         flow = mapping.flows.get(client)
+        size = len(data)
+        if flow is not None and flow.stream is not None:  # the hot path: an open flow
+            flow.received_from_client += size
+            flow.validated = True  # its second datagram at least (the first opened it)
+            flow.last_active = now
+            dropped = flow.stream.send_datagram(data)
+            if dropped is not None:
+                mapping.drop(dropped)
+                return False
+            flow.datagrams_in += 1
+            flow.bytes_in += size
+            return True
         if flow is not None and flow.failure is not None and \
                 now - flow.failed_at >= FAILED_HOLD:
             self._forget(flow)  # held long enough: this datagram tries again
@@ -209,45 +242,35 @@ class UdpMappingRelay:
             picked = mapping.config if mapping.pick is None else mapping.pick(client)
             if picked is None:
                 mapping.drop("no_backends")
-                return
+                return False
             config = picked
             if self.node_flows[config.node] >= config.max_flows:
                 mapping.drop("flow_limit")
-                return
+                return False
             ip = str(client[0])
             if mapping.per_client[ip] >= config.max_flows_per_client:
                 mapping.drop("client_flow_limit")
-                return
+                return False
             flow = ServerFlow(mapping, client, ip, opened_at=now, last_active=now,
                               config=config)
             mapping.flows[client] = flow
             mapping.per_client[ip] += 1
             self.node_flows[config.node] += 1
             nursery.start_soon(self._open, flow)
-        size = len(data)
         flow.received_from_client += size
         flow.datagrams_seen += 1
         if flow.datagrams_seen >= 2:
             flow.validated = True
         flow.last_active = now
-        if flow.stream is not None:
-            dropped = flow.stream.send_datagram(data)
-            if dropped is not None:
-                mapping.drop(dropped)
-                return
-        elif flow.failure is not None:
+        if flow.failure is not None:
             mapping.drop(flow.failure)
-            return
-        else:
-            assert flow.pending is not None
-            if len(flow.pending) >= PENDING_DATAGRAMS:
-                mapping.drop("queue_full")
-                return
-            flow.pending.append(data)
-            return
-        flow.datagrams_in += 1
-        flow.bytes_in += size
-        mapping.carried("in", size)
+            return False
+        assert flow.pending is not None
+        if len(flow.pending) >= PENDING_DATAGRAMS:
+            mapping.drop("queue_full")
+            return False
+        flow.pending.append(data)
+        return False
 
     async def _open(self, flow: ServerFlow) -> None:
         mapping = flow.mapping
@@ -284,7 +307,7 @@ class UdpMappingRelay:
                 continue
             flow.datagrams_in += 1
             flow.bytes_in += len(data)
-            mapping.carried("in", len(data))
+            mapping.carried_in(1, len(data))
 
     def _forget(self, flow: ServerFlow) -> None:
         mapping = flow.mapping
@@ -299,23 +322,6 @@ class UdpMappingRelay:
         self.node_flows[node] -= 1
         if self.node_flows[node] <= 0:
             del self.node_flows[node]
-
-    async def _expire(self, mapping: MappingFlows) -> None:
-        """End flows idle for the mapping's idle_timeout; drop failed ones past the hold."""
-        idle = mapping.config.idle_timeout
-        interval = max(0.1, min(idle / 4, 5.0))
-        while True:
-            await trio.sleep(interval)
-            now = trio.current_time()
-            ended = [flow for flow in mapping.flows.values()
-                     if now - flow.last_active >= idle
-                     or (flow.failure is not None and now - flow.failed_at >= FAILED_HOLD)]
-            for flow in ended:
-                self._forget(flow)
-                stream, flow.stream = flow.stream, None
-                if stream is not None:
-                    stream.attach_datagram_sink(None)
-                    await stream.abort(p.StreamReason.CANCELLED, "flow idle")
 
     # ---------------------------------------------------------------- views
 

@@ -23,93 +23,34 @@ from typing import Any
 
 import pytest
 
-from nodeagent.testing.netns import Topology, in_netns, netns_available
-from nodeagent.testing.procs import NodeagentProcess
-from nodeagent.trust import pki
+from nodeagent.testing.netns import Topology, in_netns
+from tests.e2e.interceptlab import NODE_POD_IF, intercept_lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
-TOKEN = "netns-token-0123456789abcdef"
 
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    reason = netns_available()
-    if reason is not None:
-        pytest.skip(reason)
-    topo = Topology()
-    procs: list[Any] = []
-    try:
-        for name in ("pod", "node", "cloud", "remote"):
-            topo.add(name)
-        _pod_if, node_pod_if = topo.link("pod", ["10.10.0.2/24", "fd10::2/64"],
-                                        "node", ["10.10.0.1/24", "fd10::1/64"])
-        topo.link("node", ["10.20.0.1/24", "fd20::1/64"], "cloud", ["10.20.0.2/24", "fd20::2/64"])
-        topo.link("cloud", ["10.30.0.1/24", "fd30::1/64"],
-                  "remote", ["10.30.0.2/24", "10.30.0.3/24", "fd30::2/64"])
-        for ns, routes in {
-            "pod": [("default", "10.10.0.1"), ("default", "fd10::1")],
-            "node": [("10.30.0.0/24", "10.20.0.2"), ("fd30::/64", "fd20::2")],
-            "cloud": [("10.10.0.0/24", "10.20.0.1"), ("fd10::/64", "fd20::1")],
-            "remote": [("default", "10.30.0.1"), ("default", "fd30::1")],
-        }.items():
-            for dest, via in routes:
-                topo.exec(ns, ["ip", "-6" if ":" in via else "-4", "route", "replace", dest,
-                               "via", via])
-        peer = topo.popen("remote", [sys.executable, "-m", "tests.e2e.peerudp",
-                                     "10.30.0.2:7000", "10.30.0.3:7000", "0.0.0.0:7001",
-                                     "[::]:7000",
-                                     "--dns", "10.30.0.2:53", "--dns-asker", "10.30.0.3:53"],
-                          stdout=subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
-        procs.append(peer)
-        assert peer.stdout is not None and peer.stdout.readline().strip() == b"ready"
-
-        ca = pki.create_ca("netns CA")
-        ca.write(tmp_path / "ca.crt", tmp_path / "ca.key")
-        pki.issue_server_certificate(ca, [], ["10.20.0.2"]).write(
-            tmp_path / "s.crt", tmp_path / "s.key")
-        server = NodeagentProcess("server", {
-            "tunnel": "tls://10.20.0.2:8443",
-            "tls": {"cert_file": str(tmp_path / "s.crt"), "key_file": str(tmp_path / "s.key")},
-            "tokens": [{"node": "edge-1", "token": TOKEN}],
-            # udp/ rules: 7001 is caught by the agent but not allowed here (forbidden);
-            # a tcp rule for 7001 must not let UDP out.
-            "egress": ["udp/10.30.0.0/24:7000", "udp/10.30.0.2:53", "udp/[fd30::2]:7000",
-                       "10.30.0.0/24:7001"],
-            "debug_socket": str(tmp_path / "server.sock"),
-        }, tmp_path, "server", netns=topo.ns("cloud")).start()
-        procs.append(server)
-        server.wait_ready()
-        agent = NodeagentProcess("agent", {
-            "node": "edge-1", "server": "tls://10.20.0.2:8443", "token": TOKEN,
-            "tls": {"ca_file": str(tmp_path / "ca.crt")},
-            "debug_socket": str(tmp_path / "agent.sock"),
-            "reconnect": {"initial": 0.1, "maximum": 1},
-            "intercept": {"mode": "tproxy", "proxy_port": 15001, "rules": [
-                {"name": "udp-to-remote", "protocol": "udp",
-                 "destinations": ["10.30.0.0/24", "fd30::/64"], "ports": [53, 7000, 7001],
-                 "source_interfaces": [node_pod_if], "exclude": ["10.30.0.3/32"]},
-                # DNS by zone: the pod's resolver is 10.30.0.3 (answers with who asked);
-                # names in svc.cloud.internal go to the cloud-side one, 10.30.0.2.
-                {"name": "dns-by-zone", "protocol": "UDP", "destinations": ["10.30.0.3/32"],
-                 "ports": [53], "source_interfaces": [node_pod_if],
-                 "dns_zones": ["svc.cloud.internal"], "dns_resolver": "10.30.0.2:53"},
-            ]},
-        }, tmp_path, "agent", netns=topo.ns("node"))
-        agent.start()
-        procs.append(agent)
-        agent.wait_ready()
-        server.wait_for(lambda s: s["agents"], what="agent connected")
-        yield {"topo": topo, "server": server, "agent": agent}
-    finally:
-        for proc in procs:  # every process first: a failed check must not leak the others
-            proc.kill()
-            if not isinstance(proc, NodeagentProcess):
-                proc.wait()
-                proc.stdout.close()
-        topo.close()
-        for proc in procs:
-            if isinstance(proc, NodeagentProcess):
-                assert "Traceback" not in proc.logs(), proc.logs()
+    with intercept_lab(
+        tmp_path,
+        peer=["tests.e2e.peerudp", "10.30.0.2:7000", "10.30.0.3:7000", "0.0.0.0:7001",
+              "[::]:7000", "--dns", "10.30.0.2:53", "--dns-asker", "10.30.0.3:53"],
+        # udp/ rules: 7001 is caught by the agent but not allowed here (forbidden); a tcp
+        # rule for 7001 must not let UDP out.
+        egress=["udp/10.30.0.0/24:7000", "udp/10.30.0.2:53", "udp/[fd30::2]:7000",
+                "10.30.0.0/24:7001"],
+        intercept={"mode": "tproxy", "proxy_port": 15001, "rules": [
+            {"name": "udp-to-remote", "protocol": "udp",
+             "destinations": ["10.30.0.0/24", "fd30::/64"], "ports": [53, 7000, 7001],
+             "source_interfaces": [NODE_POD_IF], "exclude": ["10.30.0.3/32"]},
+            # DNS by zone: the pod's resolver is 10.30.0.3 (answers with who asked);
+            # names in svc.cloud.internal go to the cloud-side one, 10.30.0.2.
+            {"name": "dns-by-zone", "protocol": "UDP", "destinations": ["10.30.0.3/32"],
+             "ports": [53], "source_interfaces": [NODE_POD_IF],
+             "dns_zones": ["svc.cloud.internal"], "dns_resolver": "10.30.0.2:53"},
+        ]},
+    ) as lab:
+        yield {"topo": lab.topo, "server": lab.server, "agent": lab.agent}
 
 
 def ask(topo: Topology, host: str, port: int, payload: bytes, *, tries: int = 5,

@@ -124,3 +124,30 @@ async def test_a_closed_port_ends_the_flow_as_refused() -> None:
             assert collect.reset is not None
             assert collect.reset.reason is p.StreamReason.REFUSED
         outer.cancel_scope.cancel()
+
+
+async def test_a_flow_in_use_outlives_its_idle_timeout_and_ends_once_quiet(
+        autojump_clock: trio.abc.Clock) -> None:
+    # The poller reads no clock per datagram: a datagram marks the flow active, and the
+    # next sweep moves its deadline. A flow used every 2 s with a 5 s timeout must live.
+    poller, ended = FlowPoller(), []
+    async with trio.open_nursery() as outer:
+        port = await outer.start(udp_echo)
+        outer.start_soon(poller.run)
+        async with linked(acceptor_handler=poller_handler(poller, ended, idle=5)) as link:
+            stream, collect = await open_flow(link.dialer, port)
+            for i in range(10):  # 20 s of use, four times the idle timeout
+                await trio.sleep(2)
+                assert stream.send_datagram(b"ping %d" % i) is None
+                await wait_for(collect)
+                assert collect.reset is None, f"ended while in use, after {2 * i} s"
+            assert ended == [] and len(poller) == 1
+            quiet_since = trio.current_time()  # the last datagram, both ways
+            await wait_for(collect)  # nothing sent: only the idle reset can arrive
+            assert collect.reset is not None
+            assert collect.reset.reason is p.StreamReason.CANCELLED
+            # Within the sweep's precision: the timeout, plus up to two sweeps.
+            assert 5 <= trio.current_time() - quiet_since <= 5 + 2 * FlowPoller.SWEEP + 0.1
+            assert [c.ended_by for c in ended] == ["idle"]
+            assert ended[0].datagrams_in == 10 and ended[0].datagrams_out == 10
+        outer.cancel_scope.cancel()

@@ -21,6 +21,7 @@ then its next datagram tries again. Drops are counted by reason.
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -47,7 +48,7 @@ from tunnel.errors import StreamFailed, StreamResetError
 from tunnel.log import RateLimitedLog
 from tunnel.stream import TunnelStream
 from tunnel.tcp import format_address
-from tunnel.udp import SHARED_BUFFER, connect_udp, size_buffers
+from tunnel.udp import SHARED_BUFFER, connect_udp, expire_flows, size_buffers
 
 OpenFlow = Callable[[p.Target, dict[str, str]], Awaitable[TunnelStream]]
 RuleFor = Callable[[str, int], "ActiveRule | None"]
@@ -166,7 +167,9 @@ class UdpInterceptor:
             async with trio.open_nursery() as nursery:
                 for sock in self._sockets:
                     nursery.start_soon(self._read, sock, nursery)
-                nursery.start_soon(self._expire)
+                nursery.start_soon(functools.partial(
+                    expire_flows, self.flows.values, self._forget,
+                    idle_timeout=IDLE_TIMEOUT, failed_hold=FAILED_HOLD))
                 task_status.started()
         finally:
             for flow in list(self.flows.values()):
@@ -346,7 +349,7 @@ class UdpInterceptor:
                         break
                     flow.on_datagram(data)
         except trio.ClosedResourceError:
-            pass  # the flow expired (_expire closed it under us)
+            pass  # the flow expired (_forget closed it under us)
         finally:
             sock.close()
             flow.direct = None
@@ -360,20 +363,6 @@ class UdpInterceptor:
             trio.lowlevel.notify_closing(flow.direct)  # its reader ends and closes it
         self._release_reply(flow.destination)
         flow.reply = None
-
-    async def _expire(self) -> None:
-        while True:
-            await trio.sleep(min(IDLE_TIMEOUT / 4, 5.0))
-            now = trio.current_time()
-            ended = [flow for flow in self.flows.values()
-                     if now - flow.last_active >= IDLE_TIMEOUT
-                     or (flow.failure is not None and now - flow.failed_at >= FAILED_HOLD)]
-            for flow in ended:
-                self._forget(flow)
-                stream, flow.stream = flow.stream, None
-                if stream is not None:
-                    stream.attach_datagram_sink(None)
-                    await stream.abort(p.StreamReason.CANCELLED, "flow idle")
 
     def view(self) -> list[dict[str, Any]]:
         now = trio.current_time()

@@ -395,13 +395,15 @@ def test_a_load_balancer_port_holds_connections_while_its_service_sleeps(
         sleepy: dict[str, Any]) -> None:
     """The Service is also of type LoadBalancer: its TCP port (on each server) holds a
     connection while it sleeps, one scale patch wakes it to its remembered count, and
-    the held connections are answered by it; an open connection keeps it awake."""
+    the held connections are answered by it; an open connection keeps it awake. Its UDP
+    port drops datagrams while it sleeps, but they wake it."""
     api, servers = sleepy["api"], sleepy["servers"]
-    lb = free_port()
+    lb, udp = free_port(), free_port(socket.SOCK_DGRAM)
     response = api.http.patch(SERVICES.path(NS, "web"), json={"spec": {
         "type": "LoadBalancer", "loadBalancerClass": "nodeagent.io/tunnel",
         "ports": [{"name": "http", "port": 80, "targetPort": "http"},
-                  {"name": "lb", "port": lb, "targetPort": "http"}]}},
+                  {"name": "lb", "port": lb, "targetPort": "http"},
+                  {"name": "dgram", "port": udp, "protocol": "UDP", "targetPort": 9}]}},
         headers={"content-type": "application/merge-patch+json"})
     assert response.status_code == 200, response.text
     hosts = ("127.0.0.1", "127.0.0.2")  # s1's and s2's load balancer addresses
@@ -431,11 +433,23 @@ def test_a_load_balancer_port_holds_connections_while_its_service_sleeps(
     for server, before in zip(servers, held_before, strict=True):
         held = server.status()["held_requests"]
         assert held["held"] > before and held["timeouts"] == 0, held
-    # An open connection is activity: quiet for longer than idle-after (2s) and the
-    # minimum awake time (1s), it is still answered by the awake workload, not slept on.
+    # An open connection is activity: quiet for longer than idle-after and the minimum
+    # awake time (1s), it is still answered by the awake workload, not slept on. (The
+    # servers report to the standby c2, whose news reaches the leader c1 through the
+    # Service's last-request annotation, seconds later on a loaded machine: idle-after
+    # is raised to 6s here so that lag cannot pass for idleness.)
+    annotate(api, SERVICES, {"nodeagent.io/idle-after": "6s"})
     wait_for(lambda: state(api).get("state") == "awake", "the Service marked awake")
-    assert "hello from upstream" in lb_get(hosts[0], lb, wait=5.0)
+    assert "hello from upstream" in lb_get(hosts[0], lb, wait=10.0)
     assert replicas(api) == 2 and state(api).get("state") == "awake"
+    annotate(api, SERVICES, {"nodeagent.io/idle-after": IDLE})
+    # Asleep again: a datagram to the UDP port is dropped, and asks for the wake.
+    asleep(sleepy)
+    api.http.delete("/_fake/requests")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(b"wake up", (hosts[1], udp))
+        wait_for(lambda: replicas(api) == 2, "woken by a datagram")
+    assert len(scale_writes(api)) == 1
 
 
 def woken(sleepy: dict[str, Any]) -> int:

@@ -131,12 +131,31 @@ class UdpMapping(Model):
     amplification_factor: float = Field(default=3.0, ge=1, le=100)
 
 
+class WakeRoute(Model):
+    """Scale to zero for the Service behind an Ingress rule or a LoadBalancer port
+    (controller mode; the Service opts in by annotation). With no backends, a request
+    (or TCP connection) is held: the server asks the controller to wake `service` and
+    forwards when its endpoints arrive in a new config, or answers 504 after `timeout`;
+    over `max_pending` held requests, 503 with Retry-After. `failure`: the controller
+    sees the workload failing to start; held and new requests get 502 with this reason
+    instead of waiting."""
+
+    service: str  # "namespace/name"
+    timeout: float = Field(default=120.0, gt=0, le=3600)
+    max_pending: int = Field(default=1000, ge=0, le=1_000_000)
+    failure: str = ""
+    # Browsers (GET/HEAD accepting text/html) get a small "starting" page that reloads
+    # itself (503 with Refresh) instead of a held request; the wake is asked all the same.
+    starting_page: bool = False
+
+
 class LoadBalancerPort(Model):
     """One port of a LoadBalancer Service (controller mode; or a file's, as a TCP/UDP
     mapping balanced across nodes): the servers listen on `port` for `protocol` at
     `load_balancer_host`, and each connection (TCP) or client flow (UDP) goes to one of
     `backends` (round robin over those whose node's agent holds a tunnel here). No
-    backends: the port stays open and refuses (TCP reset; UDP dropped, `no_backends`)."""
+    backends: the port stays open and refuses (TCP reset; UDP dropped, `no_backends`),
+    unless `wake` says the Service sleeps."""
 
     protocol: Literal["tcp", "udp"] = "tcp"
     port: int = Field(ge=1, le=65535)
@@ -148,6 +167,10 @@ class LoadBalancerPort(Model):
     # TCP: each backend checked by its node's agent; unhealthy ones skipped while another
     # is left (the Service's nodeagent.io/health-check; docs/health-checks.md).
     health_check: HealthCheck | None = None
+    # Scale to zero (the Service's nodeagent.io/idle-after): with no backends, TCP
+    # connections are held while the Service wakes; UDP datagrams are dropped, the wake
+    # asked all the same (docs/scale-to-zero.md).
+    wake: WakeRoute | None = None
 
     @field_validator("backends")
     @classmethod
@@ -200,23 +223,6 @@ class HttpListener(Model):
     name: str | None = None
     listen: ListenAddress
     routes: tuple[HttpRoute, ...] = ()
-
-
-class WakeRoute(Model):
-    """Scale to zero for the Service behind an Ingress rule (controller mode; the Service
-    opts in by annotation). With no backends, a request is held: the server asks the
-    controller to wake `service` and forwards when its endpoints arrive in a new config,
-    or answers 504 after `timeout`; over `max_pending` held requests, 503 with Retry-After.
-    `failure`: the controller sees the workload failing to start; held and new requests
-    get 502 with this reason instead of waiting."""
-
-    service: str  # "namespace/name"
-    timeout: float = Field(default=120.0, gt=0, le=3600)
-    max_pending: int = Field(default=1000, ge=0, le=1_000_000)
-    failure: str = ""
-    # Browsers (GET/HEAD accepting text/html) get a small "starting" page that reloads
-    # itself (503 with Refresh) instead of a held request; the wake is asked all the same.
-    starting_page: bool = False
 
 
 class IngressRule(Model):

@@ -65,7 +65,7 @@ from nodeagent.controller.status import (
     WatcherReports,
     public_addresses,
 )
-from nodeagent.controller.wakeroutes import apply_wake
+from nodeagent.controller.wakeroutes import apply_wake, wake_load_balancers
 from nodeagent.kube import (
     CONFIGMAPS,
     ENDPOINTSLICES,
@@ -327,6 +327,8 @@ class Controller:
             classless=any(t.spec.load_balancers.classless for t in tunnels),
             reserved=reserved_ports(services, self.settings.namespace,
                                     (SERVER_SERVICE, TUNNEL_SERVICE)))
+        balancers = dataclasses.replace(
+            balancers, services=wake_load_balancers(balancers.services, wake))
         self.load_balancers = (balancers, tuple(tunnels))
         self.metrics.load_balancers(state.error or "served" for states in
                                     balancers.ports.values() for state in states)

@@ -1,7 +1,8 @@
 """Scale to zero, the pure part: which Services opt in and with what settings (their
-annotations), which workload runs them, whether it is failing to start, and the Ingress
-rules' `wake` that tells the servers to hold requests for them. Objects in, values out;
-the writes (sleeping and waking a workload) are `sleeper.py`'s.
+annotations), which workload runs them, whether it is failing to start, and the `wake`
+of Ingress rules and LoadBalancer ports that tells the servers to hold requests and
+connections for them. Objects in, values out; the writes (sleeping and waking a
+workload) are `sleeper.py`'s.
 
 A Service opts in with `nodeagent.io/idle-after: 15m` (a duration: `90s`, `15m`, `1h30m`,
 or plain seconds). Optional: `nodeagent.io/wake-timeout` (default 2m: a held request gets
@@ -17,10 +18,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from nodeagent.config import IngressRoutes, IngressRule, WakeRoute
+from nodeagent.config import IngressRoutes, IngressRule, LoadBalancerService, WakeRoute
 from nodeagent.controller.ingress import Problem
 
 Obj = dict[str, Any]
@@ -212,6 +213,8 @@ class WakeOutcome:
     routes: IngressRoutes
     enabled: dict[tuple[str, str], WakeSettings]  # (namespace, name) → settings
     problems: tuple[Problem, ...]
+    # (namespace, name) → why its workload fails to start ("": it does not), per enabled
+    failures: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 def apply_wake(routes: IngressRoutes, rule_services: Mapping[int, tuple[str, str]],
@@ -260,4 +263,29 @@ def apply_wake(routes: IngressRoutes, rule_services: Mapping[int, tuple[str, str
     if default is not None:
         default = with_wake(default, default_service)
     return WakeOutcome(routes.model_copy(update={"rules": rules, "default_backend": default}),
-                       opted, tuple(problems))
+                       opted, tuple(problems), failures)
+
+
+def wake_load_balancers(services: tuple[LoadBalancerService, ...], outcome: WakeOutcome
+                        ) -> tuple[LoadBalancerService, ...]:
+    """`services` (the servers' LoadBalancer Services) with `wake` set on every port of
+    those that opt in (`outcome`: `apply_wake`'s, so the same settings and problems as
+    for Ingress rules): the servers hold a sleeping Service's TCP connections and ask
+    for the wake on its UDP datagrams. Unchanged (the same objects) when none opts in."""
+    if not outcome.enabled:
+        return services
+    out = []
+    for service in services:
+        namespace, _, name = service.name.partition("/")
+        settings = outcome.enabled.get((namespace, name))
+        if settings is None:
+            out.append(service)
+            continue
+        failure = outcome.failures.get((namespace, name), "")
+        ports = tuple(port.model_copy(update={"wake": WakeRoute(
+            service=service.name, timeout=settings.timeout,
+            max_pending=settings.max_pending,
+            # Failing matters only while the port has nowhere to go.
+            failure="" if port.backends else failure)}) for port in service.ports)
+        out.append(service.model_copy(update={"ports": ports}))
+    return tuple(out)

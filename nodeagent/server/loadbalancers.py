@@ -9,6 +9,12 @@ agent holds a tunnel to this server (all of them when none does: the failure is 
 counted by the relay as for any mapping). With no backends a port stays open and
 refuses: TCP connections are closed at once, UDP datagrams dropped (`no_backends`).
 
+Scale to zero: a port with `wake` (its Service's `nodeagent.io/idle-after`) hands every
+TCP connection to `HeldConnections` (heldconnections.py): held while the Service has
+no backends and woken like an HTTP request, counted as the Service's activity while
+open. Its UDP datagrams are dropped while it has no backends, each new client flow
+asking for the wake (`HeldRequests.poke`) and counted as a request.
+
 A new set of backends applies at once to the next connection or flow; those running keep
 theirs. A port that cannot bind (another process holds it) is retried every
 `BIND_RETRY` seconds, shown as `failed` with the reason in `nodeagent debug
@@ -38,9 +44,12 @@ from nodeagent.config import (
     TcpMapping,
     UdpMapping,
 )
+from nodeagent.http.dispatch import Refusal
+from nodeagent.http.routetable import WakeSpec
 from nodeagent.ops.listener import Listener, bind_advice
 from nodeagent.ops.logs import StructuredLogger
 from nodeagent.ops.metrics import Metrics, gauge
+from nodeagent.server.heldconnections import HeldConnections, asleep
 from nodeagent.server.tcpmappings import TcpMappingRelay
 from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.listeners import bind_udp, open_tcp_listeners
@@ -88,6 +97,12 @@ class BalancedPort:
                                              idle_timeout=config.idle_timeout)
                                   for b in config.backends)
 
+    @property
+    def wake(self) -> WakeSpec | None:
+        wake = self.config.wake
+        return None if wake is None else WakeSpec(wake.service, wake.timeout,
+                                                  wake.max_pending, wake.failure)
+
     def pick(self, has_tunnel: Callable[[str], bool],
              unhealthy: Callable[[TcpMapping | UdpMapping], bool] | None = None
              ) -> TcpMapping | UdpMapping | None:
@@ -120,8 +135,10 @@ class LoadBalancerPorts(Listener):
     def __init__(self, *, host: str, tcp: TcpMappingRelay, udp: UdpMappingRelay,
                  has_tunnel: Callable[[str], bool], metrics: Metrics,
                  log: StructuredLogger,
-                 unhealthy: Callable[[TcpMapping | UdpMapping], bool] | None = None) -> None:
+                 unhealthy: Callable[[TcpMapping | UdpMapping], bool] | None = None,
+                 held: HeldConnections | None = None) -> None:
         super().__init__("loadbalancers")
+        self._held = held  # scale to zero: connections for a sleeping Service
         self.host = host
         self._tcp = tcp
         self._udp = udp
@@ -216,6 +233,10 @@ class LoadBalancerPorts(Listener):
         await trio.serve_listeners(functools.partial(self._connection, port), listeners)
 
     async def _connection(self, port: BalancedPort, client: trio.SocketStream) -> None:
+        if port.wake is not None and self._held is not None:
+            await self._held.serve(port.name, port.wake, functools.partial(
+                self._pick_awake, port), client)
+            return
         mapping = port.pick(self._has_tunnel, self._unhealthy)
         if not isinstance(mapping, TcpMapping):
             self.refusals.labels("no_backends").inc()
@@ -225,6 +246,18 @@ class LoadBalancerPorts(Listener):
             await client.aclose()
             return
         await self._tcp.serve(mapping, client)
+
+    def _pick_awake(self, port: BalancedPort) -> TcpMapping | Refusal:
+        """A held connection's target now: a backend, or (none) the Service's sleep (a
+        port's config, and so its `wake`, is read afresh at every route change)."""
+        wake = port.wake
+        if port.mappings:
+            mapping = port.pick(self._has_tunnel, self._unhealthy)
+            assert isinstance(mapping, TcpMapping)
+            return mapping
+        if wake is None:  # no longer sleeps, and no endpoints: ends as `gone`
+            return Refusal(404, f"{port.name}: no ready endpoints", route=port.name)
+        return asleep(port.name, wake)
 
     async def _serve_udp(self, port: BalancedPort) -> None:
         sock = bind_udp(self.host, port.config.port, reuse_port=self.reuse_port)
@@ -242,6 +275,14 @@ class LoadBalancerPorts(Listener):
 
             def pick(client: tuple[Any, ...]) -> UdpMapping | None:
                 mapping = port.pick(self._has_tunnel)
+                wake = port.wake
+                if wake is not None and self._held is not None:
+                    holds = self._held.holds
+                    if not isinstance(mapping, UdpMapping):
+                        holds.poke(wake)  # dropped, but the wake is asked
+                    else:
+                        holds.begin(wake)  # a new flow counts as a request
+                        holds.end(wake)
                 if not isinstance(mapping, UdpMapping):
                     self.refusals.labels("no_backends").inc()
                     return None

@@ -146,7 +146,8 @@ class Server:
             host=config.load_balancer_host, tcp=self.tcp_mappings, udp=self.udp_mappings,
             has_tunnel=lambda node: node in self.tunnel.sessions, metrics=self.metrics,
             log=self.log, unhealthy=lambda mapping: self.backend_health.unhealthy(
-                Backend(mapping.node, mapping.target.host, mapping.target.port)))
+                Backend(mapping.node, mapping.target.host, mapping.target.port)),
+            held=self.held_connections)
         self.load_balancers.update(routes().load_balancers)
         # Its listeners (listeners.server_listeners), set by serve_server, for status.
         self.listeners = Listeners()

@@ -13,11 +13,14 @@ from nodeagent.controller.wakeroutes import (
     parse_duration,
     pod_failure,
     settings_view,
+    wake_load_balancers,
     wake_settings,
     workload_owner,
 )
 from tests.controller.test_ingress import NS, endpoint, ingress, path, rule, service, slice_
 from tests.controller.test_ingress import translate as translate_ingress
+from tests.controller.test_loadbalancers import DNS_PORTS, lb_service
+from tests.controller.test_loadbalancers import translate as translate_lbs
 
 
 def sleepy(name: str = "web", **annotations: str) -> dict[str, Any]:
@@ -111,6 +114,40 @@ def test_a_crashing_workload_is_the_rules_failure_only_while_nothing_is_ready() 
     assert ok.routes.rules[0].wake is not None and ok.routes.rules[0].wake.failure == ""
     # A pod still starting is not failing.
     assert pod_failure(web_pod("web-c", waiting="ContainerCreating")) is None
+
+
+def test_load_balancer_ports_of_an_opted_in_service_get_the_same_wake() -> None:
+    """A LoadBalancer Service with idle-after: every port gets the wake an Ingress rule
+    to it would (the same parsing, the same failure while it has no endpoints); other
+    Services' ports, and every port with the feature off, get none."""
+    dns = lb_service("dns", DNS_PORTS)
+    dns["metadata"]["annotations"] = {"nodeagent.io/idle-after": "90s",
+                                      "nodeagent.io/wake-timeout": "30s",
+                                      "nodeagent.io/max-pending": "7"}
+    dns["spec"]["selector"] = {"app": "dns"}
+    other = lb_service("other", [{"name": "dns-tcp", "port": 5300, "protocol": "TCP"}],
+                       namespace="app")
+    t = translate_lbs([dns, other])
+    empty = translate_ingress([], services=[], slices=[])
+    out = apply_wake(empty.routes, {}, None, [dns, other], [], enabled=True)
+    assert set(out.enabled) == {("app", "dns")}
+    woken = {s.name: s for s in wake_load_balancers(t.services, out)}
+    wakes = [(p.protocol, p.wake) for p in woken["app/dns"].ports]
+    assert [(proto, w.service, w.timeout, w.max_pending, w.failure) for proto, w in wakes
+            if w is not None] == [("udp", "app/dns", 30, 7, ""), ("tcp", "app/dns", 30, 7, "")]
+    assert all(p.wake is None for p in woken["app/other"].ports)
+    # Asleep (no endpoints) while its pods crash: the ports carry the failure.
+    crash = web_pod("dns-a", waiting="CrashLoopBackOff", message="bad config")
+    crash["metadata"].update(namespace="app", labels={"app": "dns"})
+    asleep_ = translate_lbs([dns], slices=[])
+    out = apply_wake(empty.routes, {}, None, [dns], [crash], enabled=True)
+    (svc,) = wake_load_balancers(asleep_.services, out)
+    assert {p.wake.failure for p in svc.ports if p.wake is not None} == {
+        "pod dns-a: CrashLoopBackOff: bad config"}
+    assert all(p.backends == () for p in svc.ports)
+    # Switched off by a ClusterTunnel: the ports are as translated.
+    off = apply_wake(empty.routes, {}, None, [dns], [], enabled=False)
+    assert wake_load_balancers(t.services, off) == t.services
 
 
 def test_a_bad_annotation_is_a_problem_on_the_service_and_it_does_not_sleep() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ from nodeagent.kube.resources import (
     NODES,
     SERVICES,
 )
+from nodeagent.ops.debug import fetch_debug
 from nodeagent.testing.fakekube.workloads import CRASH, START_DELAY, WRITTEN_AT
 from nodeagent.testing.procs import NodeagentProcess
 from nodeagent.testing.standalone import Certs, Upstream, free_port
@@ -126,6 +128,8 @@ def sleepy(tmp_path: Path, certs: Certs, upstream: Upstream) -> Iterator[dict[st
                 "--tunnel-listen", f"tls://127.0.0.1:{ports['t' + n]}",
                 "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
                 "--ingress-http", f"127.0.0.1:{ports['h' + n]}", "--server-id", name,
+                # Each server's LoadBalancer ports on an address of its own.
+                "--load-balancer-host", f"127.0.0.{n}",
                 "--debug-socket", str(tmp_path / f"{name}.sock")]).start()
             procs.append(server)
             servers.append(server)
@@ -368,6 +372,84 @@ def test_controller_unreachable_then_back_and_leader_killed_mid_wake(
     new_c2.wait_for_log("leading", timeout=20)
     wait_for(lambda: state(api).get("state") == "awake", "the new leader marks it awake",
              timeout=20)
+
+
+def lb_get(host: str, port: int, *, wait: float = 0.0) -> str:
+    """An HTTP/1.0 request on a bare TCP connection to a LoadBalancer port (after `wait`
+    seconds connected and silent), and everything the connection answered."""
+    with socket.create_connection((host, port), timeout=30) as sock:
+        time.sleep(wait)
+        sock.sendall(b"GET / HTTP/1.0\r\nHost: a.test\r\n\r\n")
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got.decode(errors="replace")
+
+
+def lb_backends(server: NodeagentProcess, port: int) -> list[str]:
+    view = fetch_debug(server.socket, "/loadbalancers")
+    return [b for p in view["ports"] if p["port"] == port for b in p["backends"]]
+
+
+def test_a_load_balancer_port_holds_connections_while_its_service_sleeps(
+        sleepy: dict[str, Any]) -> None:
+    """The Service is also of type LoadBalancer: its TCP port (on each server) holds a
+    connection while it sleeps, one scale patch wakes it to its remembered count, and
+    the held connections are answered by it; an open connection keeps it awake. Its UDP
+    port drops datagrams while it sleeps, but they wake it."""
+    api, servers = sleepy["api"], sleepy["servers"]
+    lb, udp = free_port(), free_port(socket.SOCK_DGRAM)
+    response = api.http.patch(SERVICES.path(NS, "web"), json={"spec": {
+        "type": "LoadBalancer", "loadBalancerClass": "nodeagent.io/tunnel",
+        "ports": [{"name": "http", "port": 80, "targetPort": "http"},
+                  {"name": "lb", "port": lb, "targetPort": "http"},
+                  {"name": "dgram", "port": udp, "protocol": "UDP", "targetPort": 9}]}},
+        headers={"content-type": "application/merge-patch+json"})
+    assert response.status_code == 200, response.text
+    hosts = ("127.0.0.1", "127.0.0.2")  # s1's and s2's load balancer addresses
+
+    def served(host: str) -> bool:
+        try:
+            return "hello from upstream" in lb_get(host, lb)
+        except OSError:
+            return False
+
+    # (Asleep already, maybe: no request came in its first 2 s; the first connection
+    # is then held and wakes it.)
+    wait_for(lambda: all(served(h) for h in hosts), "both servers' port served", timeout=30)
+    asleep(sleepy)
+    wait_for(lambda: not any(lb_backends(s, lb) for s in servers),
+             "the servers' load balancer port without endpoints")
+    api.http.delete("/_fake/requests")
+    held_before = [s.status()["held_requests"]["held"] for s in servers]
+    # Without the wake these connections would be closed at once (no backends).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(lambda i: lb_get(hosts[i % 2], lb), range(4)))
+    assert all(a.startswith("HTTP/1.") and "hello from upstream" in a for a in answers), \
+        answers
+    assert replicas(api) == 2
+    writes = scale_writes(api)
+    assert len(writes) == 1, writes
+    for server, before in zip(servers, held_before, strict=True):
+        held = server.status()["held_requests"]
+        assert held["held"] > before and held["timeouts"] == 0, held
+    # An open connection is activity: quiet for longer than idle-after and the minimum
+    # awake time (1s), it is still answered by the awake workload, not slept on. (The
+    # servers report to the standby c2, whose news reaches the leader c1 through the
+    # Service's last-request annotation, seconds later on a loaded machine: idle-after
+    # is raised to 6s here so that lag cannot pass for idleness.)
+    annotate(api, SERVICES, {"nodeagent.io/idle-after": "6s"})
+    wait_for(lambda: state(api).get("state") == "awake", "the Service marked awake")
+    assert "hello from upstream" in lb_get(hosts[0], lb, wait=10.0)
+    assert replicas(api) == 2 and state(api).get("state") == "awake"
+    annotate(api, SERVICES, {"nodeagent.io/idle-after": IDLE})
+    # Asleep again: a datagram to the UDP port is dropped, and asks for the wake.
+    asleep(sleepy)
+    api.http.delete("/_fake/requests")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(b"wake up", (hosts[1], udp))
+        wait_for(lambda: replicas(api) == 2, "woken by a datagram")
+    assert len(scale_writes(api)) == 1
 
 
 def woken(sleepy: dict[str, Any]) -> int:

@@ -14,15 +14,10 @@ passes it to every refusal made after the match, so the caller asks the gate fir
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from nodeagent.http.headers import ClientRequest
 from nodeagent.http.paths import clip
-from nodeagent.http.routetable import Route, RouteTable, WakeSpec, normalize_host
+from nodeagent.http.routetable import Gate, Route, RouteTable, WakeSpec, normalize_host
 from nodeagent.http.stats import RefusalReason
-
-if TYPE_CHECKING:
-    from nodeagent.http.gate import RouteGate
 
 
 class Refusal:
@@ -42,7 +37,7 @@ class Refusal:
         wake: WakeSpec | None = None,
         route: str | None = None,
         retry_after: int | None = None,
-        gate: RouteGate | None = None,
+        gate: Gate | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
         grpc: int | None = None,
     ) -> None:

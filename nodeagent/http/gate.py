@@ -22,19 +22,23 @@ from __future__ import annotations
 import urllib.parse
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from nodeagent.config.gateway import RateLimit, RouteAuth, parse_htpasswd
 from nodeagent.http import grpcstatus
-from nodeagent.http.auth import AuthFailure, BasicAuthenticator, JwtAuthenticator
 from nodeagent.http.dispatch import Refusal
 from nodeagent.http.front import client_key
 from nodeagent.http.headers import ClientRequest
-from nodeagent.http.jwks import JwksStore
 from nodeagent.http.ratelimit import RateLimiter, retry_after
 from nodeagent.http.routetable import Route
+
+if TYPE_CHECKING:
+    # Imported when a route first has authentication: they load PyJWT, cryptography,
+    # bcrypt and httpx, which a server with open routes never needs (tests/test_imports.py).
+    from nodeagent.http.auth import BasicAuthenticator, JwtAuthenticator
+    from nodeagent.http.jwks import JwksStore
 
 _GRPC = {401: grpcstatus.UNAUTHENTICATED, 403: grpcstatus.PERMISSION_DENIED,
          429: grpcstatus.RESOURCE_EXHAUSTED, 503: grpcstatus.UNAVAILABLE}
@@ -53,7 +57,7 @@ class RouteGate:
         self.auth = auth
         self.identity_header = identity_header.encode("ascii")
         self.limiter = limiter
-        self.strip_authorization = isinstance(auth, BasicAuthenticator)
+        self.strip_authorization = auth is not None and auth.kind == "basic"
         self.passed = 0
         self.refused: Counter[str] = Counter()
 
@@ -74,14 +78,13 @@ class RouteGate:
             return routed
         headers = creq.headers
         outcome = await auth.authenticate(headers)
-        if type(outcome) is AuthFailure:
+        if not isinstance(outcome, str):  # an AuthFailure
             self.refused[outcome.reason] += 1
             extra = ([(b"www-authenticate", outcome.challenge.encode())]
                      if outcome.challenge is not None else [])
             return Refusal(outcome.status, f"route {self.route}: {outcome.message}",
                            code=outcome.reason, headers=extra, grpc=_GRPC[outcome.status],
                            route=self.route)
-        assert isinstance(outcome, str)
         self.passed += 1
         name = self.identity_header
         drop = b"authorization" if self.strip_authorization else name
@@ -90,13 +93,13 @@ class RouteGate:
         return routed
 
     def as_dict(self) -> dict[str, Any]:
-        auth = self.auth
+        auth: Any = self.auth
+        kind = auth.kind if auth is not None else None
         return {
-            "auth": "jwt" if isinstance(auth, JwtAuthenticator) else
-                    "basic" if auth is not None else None,
-            "issuer": auth.config.issuer if isinstance(auth, JwtAuthenticator) else None,
-            "jwks": auth.keys.as_dict() if isinstance(auth, JwtAuthenticator) else None,
-            "users": len(auth.users) if isinstance(auth, BasicAuthenticator) else None,
+            "auth": kind,
+            "issuer": auth.config.issuer if kind == "jwt" else None,
+            "jwks": auth.keys.as_dict() if kind == "jwt" else None,
+            "users": len(auth.users) if kind == "basic" else None,
             "identity_header": self.identity_header.decode(),
             "rate_limit": self.limiter.as_dict() if self.limiter is not None else None,
             "passed": self.passed, "refused": dict(self.refused),
@@ -107,7 +110,7 @@ class GateRegistry:
     """The gates of a server's routes, by route name (see the module docstring)."""
 
     def __init__(self, jwks: JwksStore | None = None) -> None:
-        self.jwks = jwks if jwks is not None else JwksStore()
+        self._jwks = jwks  # made when a route first checks JWTs
         self.gates: dict[str, tuple[Any, RouteGate]] = {}
         self._seen: set[str] = set()
 
@@ -136,12 +139,14 @@ class GateRegistry:
             return known[1]
         authenticator: JwtAuthenticator | BasicAuthenticator | None = None
         if auth is not None and auth.jwt is not None:
+            from nodeagent.http.auth import JwtAuthenticator
             jwt_config = auth.jwt
             authenticator = JwtAuthenticator(jwt_config, self.jwks.cache(
                 jwt_config.jwks_url, max_age=jwt_config.jwks_max_age,
                 min_refetch=jwt_config.jwks_min_refetch))
         elif auth is not None and auth.basic is not None:
             assert htpasswd is not None
+            from nodeagent.http.auth import BasicAuthenticator
             authenticator = BasicAuthenticator(parse_htpasswd(htpasswd), auth.basic.realm)
         limiter = None if rate_limit is None else RateLimiter(
             rate=rate_limit.rate, burst=rate_limit.burst,
@@ -161,9 +166,18 @@ class GateRegistry:
         for name in list(self.gates):
             if name not in self._seen:
                 del self.gates[name]
-        self.jwks.keep_only({(g.auth.keys.url, g.auth.keys.max_age, g.auth.keys.min_refetch)
-                             for _, g in self.gates.values()
-                             if isinstance(g.auth, JwtAuthenticator)})
+        if self._jwks is not None:
+            self._jwks.keep_only({
+                (g.auth.keys.url, g.auth.keys.max_age, g.auth.keys.min_refetch)
+                for _, g in self.gates.values()
+                if g.auth is not None and g.auth.kind == "jwt"})
+
+    @property
+    def jwks(self) -> JwksStore:
+        if self._jwks is None:
+            from nodeagent.http.jwks import JwksStore
+            self._jwks = JwksStore()
+        return self._jwks
 
     def as_dict(self) -> dict[str, Any]:
         return {name: gate.as_dict() for name, (_, gate) in sorted(self.gates.items())}

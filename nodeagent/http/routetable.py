@@ -38,13 +38,23 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from nodeagent.config.httprules import check_rule_host, check_rule_path
 from nodeagent.runtime.gcpause import gc_paused
 
 if TYPE_CHECKING:
-    from nodeagent.http.gate import RouteGate
+    from nodeagent.http.headers import ClientRequest
+
+
+class Gate(Protocol):
+    """What the front asks of a route's gate (`gate.RouteGate`: rate limits, then
+    authentication): a Protocol here, since the gate imports this module and an import
+    either way back would make a circle. `routed` and the answer are a `Route` or a
+    `dispatch.Refusal`."""
+
+    async def admit(self, routed: Any, creq: ClientRequest, client: str) -> Any: ...
+
 
 BackendProtocol = Literal["h1", "h2c"]
 
@@ -89,7 +99,7 @@ class Route:
     """What the backends speak: HTTP/1.1 (a stream per client connection, kept alive), or
     h2c (one shared HTTP/2 connection per backend, each request balanced on its own)."""
     wake: WakeSpec | None = None
-    gate: RouteGate | None = None
+    gate: Gate | None = None
     """Rate limits and authentication asked before forwarding (`gate.py`); None: open."""
 
 

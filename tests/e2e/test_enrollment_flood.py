@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 import trio
 
-from nodeagent.testing.procs import NodeagentProcess
 from nodeagent.testing.standalone import Certs, free_port
 from tests.e2e.test_kubernetes import (
     Api,
     controllers,  # noqa: F401 (a fixture)
     seed_identities,
+    start_cluster_agent,
+    start_cluster_server,
 )
 from tunnel import protocol as p
 from tunnel.endpoint import (
@@ -137,15 +138,10 @@ def server(controllers: dict[str, Any], tmp_path: Path, certs: Certs  # noqa: F8
     seed_identities(api, tmp_path, certs)
     port = free_port()
     controller_url = f"https://127.0.0.1:{controllers['ports']['c2']}"
-    proc = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
-                            tmp_path, "server", args=[
-        "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
-        "--ca-file", str(tmp_path / "cluster-ca.crt"),
-        "--tunnel-listen", f"tls://127.0.0.1:{port}",
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--ingress-http", f"127.0.0.1:{free_port()}", "--server-id", "s1",
-        "--state-dir", str(tmp_path / "server-state"),
-        "--debug-socket", str(tmp_path / "s.sock")]).start()
+    proc = start_cluster_server(
+        tmp_path, controller_url, port, certs.server_cert, certs.server_key,
+        "--ingress-http", f"127.0.0.1:{free_port()}",
+        "--state-dir", str(tmp_path / "server-state"))
     controllers["procs"].append(proc)
     proc.wait_ready()
     proc.wait_for(lambda s: s["identity"]["not_after"], what="server certificate")
@@ -166,16 +162,9 @@ def test_a_flood_of_bootstrap_connections_does_not_stop_a_new_agent_enrolling(
             assert time.monotonic() < deadline, vars(flood)
             time.sleep(0.1)
         held_files = open_files(controller.proc.pid)
-        agent = NodeagentProcess("agent", {"debug_socket": str(tmp_path / "a.sock")},
-                                 tmp_path, "agent", args=[
-            "--node", "edge-1", "--server", f"tls://127.0.0.1:{server['port']}",
-            "--token-file", str(tmp_path / "agent-token"),
-            "--ca-file", str(tmp_path / "agent-ca.crt"),
-            "--controller", server["controller_url"],
-            "--debug-socket", str(tmp_path / "a.sock")])
-        server["procs"].append(agent)
         started = time.monotonic()
-        agent.start()
+        agent = start_cluster_agent(tmp_path, server["controller_url"], server["port"])
+        server["procs"].append(agent)
         most_files = held_files
         enrolled = None
         # A bound against a hang, not a timing (the figure is printed): on the old code

@@ -224,6 +224,34 @@ def seed_identities(api: Api, tmp_path: Path, certs: Certs) -> None:
     (tmp_path / "server-token").write_text(SERVER_TOKEN)
 
 
+def start_cluster_server(tmp_path: Path, controller_url: str, tunnel_port: int,
+                         cert: Path, key: Path, *extra: str) -> NodeagentProcess:
+    """Server pod s1 as seed_identities prepared it: its token and the cluster CA, its
+    tunnel listener on 127.0.0.1 with the given certificate, its debug socket s.sock;
+    `extra` adds flags (listeners, workers, ...). Started and ready."""
+    server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
+                              tmp_path, "server", args=[
+        "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
+        "--ca-file", str(tmp_path / "cluster-ca.crt"),
+        "--tunnel-listen", f"tls://127.0.0.1:{tunnel_port}",
+        "--tls-cert", str(cert), "--tls-key", str(key), "--server-id", "s1",
+        "--debug-socket", str(tmp_path / "s.sock"), *extra]).start()
+    return server
+
+
+def start_cluster_agent(tmp_path: Path, controller_url: str, tunnel_port: int,
+                        node: str = "edge-1", token: str = "agent-token",
+                        name: str = "agent", sock: str = "a.sock") -> NodeagentProcess:
+    """The agent of `node` with its projected token (a file in tmp_path) and the CA bundle
+    seed_identities wrote, dialing the tunnel on 127.0.0.1; `name` names its log, `sock`
+    its debug socket. Started, not yet waited for."""
+    return NodeagentProcess("agent", {"debug_socket": str(tmp_path / sock)},
+                            tmp_path, name, args=[
+        "--node", node, "--server", f"tls://127.0.0.1:{tunnel_port}",
+        "--token-file", str(tmp_path / token), "--ca-file", str(tmp_path / "agent-ca.crt"),
+        "--controller", controller_url, "--debug-socket", str(tmp_path / sock)]).start()
+
+
 def serve_shop_on_edge(api: Api, upstream: Upstream) -> None:
     """Ingress shop.test/ → Service web → the upstream's HTTP port on edge-1 (127.0.0.1)."""
     api.replace(NODES, {"metadata": {"name": "edge-1"}, "spec": {
@@ -262,24 +290,14 @@ def cluster(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     (tmp_path / "tunnel.key").write_bytes(certs.server_key.read_bytes())
     # Server and agent watch the standby (c2): when the leader dies, they keep going.
     controller_url = f"https://127.0.0.1:{controllers['ports']['c2']}"
-    server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
-                              tmp_path, "server", args=[
-        "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
-        "--ca-file", str(tmp_path / "cluster-ca.crt"),
-        "--tunnel-listen", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--tls-cert", str(tmp_path / "tunnel.crt"), "--tls-key", str(tmp_path / "tunnel.key"),
-        "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
+    server = start_cluster_server(
+        tmp_path, controller_url, ports["tunnel"], tmp_path / "tunnel.crt",
+        tmp_path / "tunnel.key", "--ingress-http", f"127.0.0.1:{ports['http']}",
         "--connect-uds", str(tmp_path / "connect.sock"),
-        "--state-dir", str(tmp_path / "server-state"),
-        "--debug-socket", str(tmp_path / "s.sock")]).start()
+        "--state-dir", str(tmp_path / "server-state"))
     procs.append(server)
     server.wait_ready()
-    agent = NodeagentProcess("agent", {"debug_socket": str(tmp_path / "a.sock")},
-                             tmp_path, "agent", args=[
-        "--node", "edge-1", "--server", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--token-file", str(tmp_path / "agent-token"), "--ca-file",
-        str(tmp_path / "agent-ca.crt"), "--controller", controller_url,
-        "--debug-socket", str(tmp_path / "a.sock")]).start()
+    agent = start_cluster_agent(tmp_path, controller_url, ports["tunnel"])
     procs.append(agent)
     agent.wait_ready(timeout=30)
     server.wait_for(lambda s: s["agents"], what="agent connected")

@@ -31,6 +31,8 @@ from tests.e2e.test_kubernetes import (  # noqa: F401  (controllers: a fixture)
     controllers,
     pod,
     seed_identities,
+    start_cluster_agent,
+    start_cluster_server,
     wait_for,
     web_endpoint,
 )
@@ -141,24 +143,14 @@ def two_nodes(controllers: dict[str, Any], tmp_path: Path,  # noqa: F811
             {"type": "InternalIP", "address": ip}]})
     tunnel_port = free_port()
     controller_url = f"https://127.0.0.1:{controllers['ports']['c2']}"
-    server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
-                              tmp_path, "server", args=[
-        "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
-        "--ca-file", str(tmp_path / "cluster-ca.crt"),
-        "--tunnel-listen", f"tls://127.0.0.1:{tunnel_port}",
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--server-id", "s1", "--load-balancer-host", "127.0.0.1",
-        "--debug-socket", str(tmp_path / "s.sock")]).start()
+    server = start_cluster_server(tmp_path, controller_url, tunnel_port, certs.server_cert,
+                                  certs.server_key, "--load-balancer-host", "127.0.0.1")
     procs.append(server)
     server.wait_ready()
     agents = {}
     for name, token in (("edge-1", "agent-token"), ("edge-2", "agent-token-2")):
-        agent = NodeagentProcess("agent", {"debug_socket": str(tmp_path / f"{name}.sock")},
-                                 tmp_path, name, args=[
-            "--node", name, "--server", f"tls://127.0.0.1:{tunnel_port}",
-            "--token-file", str(tmp_path / token), "--ca-file",
-            str(tmp_path / "agent-ca.crt"), "--controller", controller_url,
-            "--debug-socket", str(tmp_path / f"{name}.sock")]).start()
+        agent = start_cluster_agent(tmp_path, controller_url, tunnel_port, node=name,
+                                    token=token, name=name, sock=f"{name}.sock")
         procs.append(agent)
         agents[name] = agent
     for agent in agents.values():

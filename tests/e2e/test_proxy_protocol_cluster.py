@@ -13,9 +13,15 @@ from typing import Any
 import pytest
 
 from nodeagent.proxyprotocol import build_header
-from nodeagent.testing.procs import NodeagentProcess
 from nodeagent.testing.standalone import Certs, Upstream, free_port
-from tests.e2e.test_kubernetes import controllers, seed_identities, serve_a_test, wait_for
+from tests.e2e.test_kubernetes import (
+    controllers,
+    seed_identities,
+    serve_a_test,
+    start_cluster_agent,
+    start_cluster_server,
+    wait_for,
+)
 from tests.e2e.test_proxy_protocol import BALANCER, CLIENT, http_get, start_haproxy
 
 pytestmark = [pytest.mark.needs("root", "haproxy")]
@@ -29,24 +35,14 @@ def balanced(controllers: dict[str, Any], tmp_path: Path, certs: Certs,
     ports = {name: free_port() for name in ("tunnel", "http", "lb")}
     seed_identities(api, tmp_path, certs)
     controller_url = f"https://127.0.0.1:{controllers['ports']['c1']}"
-    server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
-                              tmp_path, "server", args=[
-        "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
-        "--ca-file", str(tmp_path / "cluster-ca.crt"),
-        "--tunnel-listen", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
+    server = start_cluster_server(
+        tmp_path, controller_url, ports["tunnel"], certs.server_cert, certs.server_key,
+        "--ingress-http", f"127.0.0.1:{ports['http']}",
         "--proxy-protocol-from", f"{BALANCER}/32",
-        "--state-dir", str(tmp_path / "server-state"),
-        "--debug-socket", str(tmp_path / "s.sock")]).start()
+        "--state-dir", str(tmp_path / "server-state"))
     procs.append(server)
     server.wait_ready()
-    agent = NodeagentProcess("agent", {"debug_socket": str(tmp_path / "a.sock")},
-                             tmp_path, "agent", args=[
-        "--node", "edge-1", "--server", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--token-file", str(tmp_path / "agent-token"), "--ca-file",
-        str(tmp_path / "agent-ca.crt"), "--controller", controller_url,
-        "--debug-socket", str(tmp_path / "a.sock")]).start()
+    agent = start_cluster_agent(tmp_path, controller_url, ports["tunnel"])
     procs.append(agent)
     agent.wait_ready(timeout=30)
     server.wait_for(lambda s: s["agents"], what="agent connected")

@@ -24,6 +24,8 @@ from tests.e2e.test_kubernetes import (
     controllers,  # noqa: F401 (a fixture)
     seed_identities,
     serve_shop_on_edge,
+    start_cluster_agent,
+    start_cluster_server,
     wait_for,
 )
 
@@ -47,15 +49,10 @@ def workers_cluster(controllers: dict[str, Any], tmp_path: Path,  # noqa: F811
     seed_identities(api, tmp_path, certs)
     api.create(ENDPOINTSLICES, _server_endpoints("10.2.0.1"))
     controller_url = f"https://127.0.0.1:{controllers['ports']['c1']}"
-    server = NodeagentProcess("server", {"debug_socket": str(tmp_path / "s.sock")},
-                              tmp_path, "server", args=[
-        "--controller", controller_url, "--token-file", str(tmp_path / "server-token"),
-        "--ca-file", str(tmp_path / "cluster-ca.crt"),
-        "--tunnel-listen", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--ingress-http", f"127.0.0.1:{ports['http']}", "--server-id", "s1",
-        "--state-dir", str(tmp_path / "server-state"),
-        "--debug-socket", str(tmp_path / "s.sock"), "--workers", "2"]).start()
+    server = start_cluster_server(
+        tmp_path, controller_url, ports["tunnel"], certs.server_cert, certs.server_key,
+        "--ingress-http", f"127.0.0.1:{ports['http']}",
+        "--state-dir", str(tmp_path / "server-state"), "--workers", "2")
     procs.append(server)
     views = []
     for k in (0, 1):
@@ -64,12 +61,7 @@ def workers_cluster(controllers: dict[str, Any], tmp_path: Path,  # noqa: F811
         view.log_path = server.log_path  # the workers write to the parent's output
         view.wait_ready(timeout=30)
         views.append(view)
-    agent = NodeagentProcess("agent", {"debug_socket": str(tmp_path / "a.sock")},
-                             tmp_path, "agent", args=[
-        "--node", "edge-1", "--server", f"tls://127.0.0.1:{ports['tunnel']}",
-        "--token-file", str(tmp_path / "agent-token"), "--ca-file",
-        str(tmp_path / "agent-ca.crt"), "--controller", controller_url,
-        "--debug-socket", str(tmp_path / "a.sock")]).start()
+    agent = start_cluster_agent(tmp_path, controller_url, ports["tunnel"])
     procs.append(agent)
     agent.wait_ready(timeout=30)
     yield {"api": api, "http": ports["http"], "server": server, "views": views,

@@ -148,3 +148,20 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def kill_all(procs: Sequence[NodeagentProcess | subprocess.Popen[bytes]]) -> None:
+    """Kill every process of a test's lab (nodeagent's and peers') before anything is
+    checked, so a failed check cannot leak the others; peers' stdout pipes are closed."""
+    for proc in procs:
+        proc.kill()
+        if isinstance(proc, subprocess.Popen):
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def nodeagent_logs(procs: Sequence[object]) -> list[str]:
+    """The logs of the nodeagent processes among `procs`, for checks after the lab is down
+    (no traceback, no secret)."""
+    return [proc.logs() for proc in procs if isinstance(proc, NodeagentProcess)]

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from nodeagent.testing.netns import Topology, netns_available
-from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess, kill_all, nodeagent_logs
 from nodeagent.trust import pki
 
 TOKEN = "netns-token-0123456789abcdef"
@@ -111,12 +111,7 @@ def intercept_lab(tmp_path: Path, *, peer: list[str], egress: list[str],
         server.wait_for(lambda s: s["agents"], what="agent connected")
         yield Lab(topo, server, agent, node_pod_if)
     finally:
-        for proc in procs:  # every process first: a failed check must not leak the others
-            proc.kill()
-            if not isinstance(proc, NodeagentProcess):
-                proc.wait()
-                proc.stdout.close()
+        kill_all(procs)
         topo.close()
-        for proc in procs:
-            if isinstance(proc, NodeagentProcess):
-                assert "Traceback" not in proc.logs(), proc.logs()
+        for logs in nodeagent_logs(procs):
+            assert "Traceback" not in logs, logs

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from nodeagent.testing.netns import Topology, in_netns, netns_available
-from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess, kill_all, nodeagent_logs
 from nodeagent.trust import pki
 
 pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
@@ -129,15 +129,10 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
                "uds": tmp_path / "konnectivity.sock",
                "edge_agent": edge_agent, "server_cfg": server_cfg, "cloud_cfg": cloud_cfg}
     finally:
-        for proc in procs:
-            proc.kill()
-            if not isinstance(proc, NodeagentProcess):
-                proc.wait()
-                proc.stdout.close()
+        kill_all(procs)
         topo.close()
-        for proc in procs:
-            if isinstance(proc, NodeagentProcess):
-                assert "Traceback" not in proc.logs(), proc.logs()
+        for logs in nodeagent_logs(procs):
+            assert "Traceback" not in logs, logs
 
 
 def test_a_cloud_node_reaches_an_edge_kubelet_by_its_address(lab: dict[str, Any]) -> None:

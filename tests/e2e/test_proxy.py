@@ -26,7 +26,7 @@ import pytest
 
 from nodeagent import __version__
 from nodeagent.testing.netns import Topology, in_netns, netns_available
-from nodeagent.testing.procs import NodeagentProcess
+from nodeagent.testing.procs import NodeagentProcess, kill_all, nodeagent_logs
 from nodeagent.trust import pki
 
 pytestmark = [pytest.mark.netns, pytest.mark.needs("tinyproxy", "microsocks")]
@@ -125,18 +125,11 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
             tmp_path / "s.crt", tmp_path / "s.key")
         yield lab
     finally:
-        for proc in lab.procs:
-            proc.kill()
-            if not isinstance(proc, NodeagentProcess):
-                proc.wait()
-                if proc.stdout is not None:
-                    proc.stdout.close()
+        kill_all(lab.procs)
         topo.close()
-        for proc in lab.procs:
-            if isinstance(proc, NodeagentProcess):
-                logs = proc.logs()
-                assert "Traceback" not in logs, logs
-                assert PASSWORD not in logs, "a proxy password reached the log"
+        for logs in nodeagent_logs(lab.procs):
+            assert "Traceback" not in logs, logs
+            assert PASSWORD not in logs, "a proxy password reached the log"
 
 
 def connected(status: dict[str, Any]) -> bool:

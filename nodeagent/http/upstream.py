@@ -91,7 +91,7 @@ async def dial_upstream(
 ) -> Upstream:
     """A new upstream to one of `route`'s backends; raises `UpstreamFailed` with the last
     failure when none could be reached."""
-    failure = UpstreamFailed(502, f"route {route.name}: no backend could be reached")
+    failure: UpstreamFailed | None = None  # built only on the failing path
     for backend in balancer.candidates(route)[: limits.max_dial_attempts]:
         try:
             with trio.fail_after(limits.dial_timeout):
@@ -119,7 +119,7 @@ async def dial_upstream(
             status=failure.status,
             reason=failure.reason,
         )
-    raise failure
+    raise failure or UpstreamFailed(502, f"route {route.name}: no backend could be reached")
 
 
 __all__ = [

@@ -33,6 +33,13 @@ class SampleHTTPServer(ThreadingHTTPServer):
 
     request_queue_size = 1024
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that cuts its connection (a reset stream, a test's fault) is no error
+        # of the sample service; any other exception is still printed.
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
+
 
 class QuietHTTPServer(SampleHTTPServer):
     """A sample upstream for fault tests and the soak: a client the test cuts on purpose

@@ -1,6 +1,6 @@
 """Each role loads only what it uses: an agent or a server on tls:// does not import the
 debug client's HTTP library, the WebSocket libraries or, started from a file,
-cryptography (memory: see the README's performance section). Checked in a fresh
+cryptography (memory: docs/performance.md). Checked in a fresh
 interpreter, as a process starts."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Each role loads only what it uses: an agent or a server on tls:// does not import the
 debug client's HTTP library, the WebSocket libraries or, started from a file,
-cryptography (memory: see the README's performance section). Checked in a fresh
+cryptography (memory: docs/performance.md). Checked in a fresh
 interpreter, as a process starts."""
 
 from __future__ import annotations
@@ -28,6 +28,51 @@ def test_a_role_does_not_import_what_it_does_not_use(module: str) -> None:
     # mode, or agents' certificates on a server), imported when first needed.
     assert not {"httpx", "httpcore", "websockets", "wsproto", "cryptography",
                 "_cffi_backend"} & set(out), out
+
+
+# What a role loads only when its config asks for it (memory: docs/performance.md, "Memory
+# at 1,000 idle connections"): the nftables and iptables backends, the interception
+# proxies and dnslib only when the agent intercepts; socksio only to dial through a proxy.
+_ONLY_ON_USE = {"netfilter.nftables", "netfilter.iptables", "netfilter.detect",
+                "netfilter.routing", "nodeagent.agent.intercept.listener",
+                "nodeagent.agent.intercept.udpproxy", "dnslib", "socksio",
+                "tunnel.proxy.handshake"}
+
+_CHECK_MODULES = """
+import sys, importlib
+importlib.import_module('nodeagent.cli'); importlib.import_module(sys.argv[1])
+print(" ".join(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("module", ["nodeagent.agent.main", "nodeagent.server.main"])
+def test_a_role_loads_features_only_when_used(module: str) -> None:
+    out = set(subprocess.run([sys.executable, "-c", _CHECK_MODULES, module], check=True,
+                             capture_output=True, text=True, timeout=60).stdout.split())
+    assert {"netfilter.model", "tunnel.endpoint"} <= out  # the check itself works
+    assert not _ONLY_ON_USE & out, sorted(_ONLY_ON_USE & out)
+
+
+def test_lazy_names_still_load_on_use() -> None:
+    """What a role loads late is still there when a feature asks: netfilter's names (PEP
+    562), the agent's interceptor, the proxy handshake."""
+    out = subprocess.run([sys.executable, "-c", (
+        "import sys, netfilter\n"
+        "assert 'netfilter.nftables' not in sys.modules\n"
+        "from netfilter import render_nftables, IptablesBackend, detect_backend\n"
+        "from netfilter import sockets, PolicyRouting, CommandFailed, InterceptModel\n"
+        "import nodeagent.agent.agent, tunnel.dial\n"
+        "from nodeagent.agent.intercept.listener import Interceptor\n"
+        "from tunnel.proxy.handshake import handshake_for\n"
+        "print(render_nftables.__module__, IptablesBackend.__module__,"
+        " 'dnslib' in sys.modules, 'socksio' in sys.modules)\n"
+        "try:\n"
+        "    netfilter.nothing\n"
+        "except AttributeError as exc:\n"
+        "    print('AttributeError')\n")], check=True, capture_output=True, text=True,
+        timeout=60).stdout.split()
+    assert out == ["netfilter.nftables", "netfilter.iptables", "True", "True",
+                   "AttributeError"]
 
 
 def test_websocket_names_still_load_on_use() -> None:

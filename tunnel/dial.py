@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import trio
 
 from tunnel.proxy import ProxyURL
-from tunnel.proxy.handshake import ProxyError, handshake_for
 from tunnel.tcp import SO_MARK, DialFailed, connect_tcp, format_address
 from tunnel.transports import (
     MAX_MESSAGE_SIZE,
@@ -181,6 +180,9 @@ async def _proxy_handshake(endpoint: Endpoint, stream: trio.SocketStream,
                            proxy: ProxyURL) -> None:
     """Ask the proxy for a stream to the endpoint (tunnel.proxy's sans-IO handshake run
     over the socket); raises DialError with the proxy's reason."""
+    # Through a proxy only: the SOCKS library loads when a dial first needs it.
+    from tunnel.proxy.handshake import ProxyError, handshake_for
+
     handshake = handshake_for(proxy, endpoint.host, endpoint.port)
     try:
         while not handshake.done:

@@ -22,7 +22,6 @@ from prometheus_client.metrics_core import Metric
 from netfilter.model import NetfilterError
 from nodeagent import __version__
 from nodeagent.agent.healthchecks import HealthChecks, serve_health_stream
-from nodeagent.agent.intercept.listener import Interceptor
 from nodeagent.config import (
     CONTROL_PLANE_PURPOSE,
     PURPOSE_KEY,
@@ -54,7 +53,10 @@ from tunnel.tcp import connect_tcp
 from tunnel.udp import FlowCounters, FlowPoller, connect_udp, flow_idle_timeout
 from tunnel.urls import parse_endpoint
 
-if TYPE_CHECKING:  # controller mode only: it imports cryptography
+if TYPE_CHECKING:
+    # Loaded on use: interception (netfilter's backends, dnslib) when a config turns it
+    # on, enrollment (cryptography) in controller mode only.
+    from nodeagent.agent.intercept.listener import Interceptor
     from nodeagent.trust.enrollment import IdentityKeeper
 
 log = get_logger("nodeagent.agent")
@@ -120,6 +122,8 @@ class Agent:
         self.flow_poller = FlowPoller()
 
     def _interceptor(self, intercept: InterceptConfig) -> Interceptor:
+        from nodeagent.agent.intercept.listener import Interceptor
+
         def datagram_drop(reason: str, count: int) -> None:
             self.metrics.datagram_drops.labels(reason).inc(count)
 

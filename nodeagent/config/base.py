@@ -106,7 +106,11 @@ class ConfigProblems:
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # defer_build: a model's validator and serializer (pydantic-core, outside Python's
+    # heap) are built when it is first used, not at import: a role builds only the models
+    # it reads, and a model used only inside another is never built on its own.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              defer_build=True)
 
 
 # ------------------------------------------------------------------ small types

@@ -8,12 +8,18 @@ every free page in the heap back (madvise), wherever it lies, in milliseconds
 (tests/runtime/test_malloctune.py makes such holes and checks they come back).
 
 When: every `CHECK_INTERVAL` seconds the heap's free bytes are read (`mallinfo2`, a walk
-of the free lists: microseconds), and the heap is trimmed only when they reach
-`TRIM_SLACK`. So memory comes back within seconds of a load phase ending (with a trim a
-minute, server and agent held 13-15 MiB more at 1,000 idle connections after a bulk and
-HTTP phase, until the next trim: `python -m scripts.bench.memory_after_load`), and an
-idle process does not trim. During a bulk transfer a trim may release pages that are
-faulted in again: at most once per interval, a few MiB, milliseconds.
+of the free lists: 15-50 µs on a server's or agent's heap after load), and the heap is
+trimmed only when they reach `TRIM_SLACK`. So memory comes back within seconds of a load
+phase ending (with a trim a minute, server and agent held 13-15 MiB more at 1,000 idle
+connections after a bulk and HTTP phase, until the next trim: `python -m
+scripts.bench.memory_after_load`), and a process that never saw load does not trim.
+After load a heap keeps 7-10 MiB of free chunks, so it is trimmed every interval, idle
+or not: 70-140 µs when nothing is left to give back. That is what holds RSS down:
+glibc counts a given-back chunk as free, and chunks are used and freed again between
+checks without the free total moving, so trimming only when it grew since the last
+trim left a server at 59.7 MiB instead of 53.2 after a round of load. During a bulk
+transfer a trim may release pages that are faulted in again: at most once per
+interval, a few MiB, milliseconds.
 
 Why not a fixed mmap threshold (MALLOC_MMAP_THRESHOLD_) instead: every large read then
 maps and faults in fresh pages, which costs the tunnel's bulk path about half its

@@ -11,7 +11,9 @@ from this process:
    `--http-seconds`), and the same 1,000 idle connections measured again.
 
 Reports, per process, RSS at start, at 1,000 idle connections before the load and after
-each round, and the after/before ratio: median with min-max over the rounds. The goal
+each round, and the after/before ratio: median with min-max over the rounds (with PSS, USS
+and RSS's anonymous and file-backed parts at start and after each round:
+scripts/bench/lib/procmem.py). The tree's bytecode is written first. The goal
 (issue 25): within 10 % of the before figure, and ≤ 40 MiB per process. From the
 repository root:
 
@@ -50,6 +52,7 @@ from nodeagent.testing.standalone import (
     make_certs,
     server_config,
 )
+from scripts.bench.lib.procmem import compile_bytecode, smaps
 from scripts.bench.lib.tools import build_benchtool
 
 IDLE = 1000
@@ -158,10 +161,25 @@ def rss_mib(procs: dict[str, NodeagentProcess]) -> dict[str, float]:
             if proc.proc is not None}
 
 
-def idle_rss(procs: dict[str, NodeagentProcess], port: int) -> dict[str, float]:
+def detail(procs: dict[str, NodeagentProcess]) -> dict[str, dict[str, Any]]:
+    """RSS, PSS, USS, anonymous and file-backed MiB (scripts/bench/lib/procmem.py)."""
+    return {name: smaps(proc.proc.pid) for name, proc in procs.items()
+            if proc.proc is not None}
+
+
+def fmt_detail(mem: dict[str, dict[str, Any]]) -> str:
+    return "; ".join(f"{name} RSS {m['rss']:.1f} (anonymous {m['anon']:.1f}, file-backed "
+                     f"{m['file']:.1f}) PSS {m['pss']:.1f} USS {m['uss']:.1f}"
+                     for name, m in mem.items())
+
+
+def idle_rss(procs: dict[str, NodeagentProcess], port: int,
+             details: list[dict[str, dict[str, Any]]] | None = None) -> dict[str, float]:
     socks = open_idle(port, IDLE)
     try:
         time.sleep(SETTLE)
+        if details is not None:
+            details.append(detail(procs))
         return rss_mib(procs)
     finally:
         for sock in socks:
@@ -175,6 +193,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, http_upstream() as http_target, \
             echo_target(Path(tmp)) as echo:
         work = Path(tmp)
+        # Bytecode written, as an installed nodeagent has it: without it each start
+        # compiles every module, and the compiler's freed memory stays in the heap.
+        compile_bytecode((args.tree or Path.cwd()).resolve())
         if args.tree is not None:
             # The processes run the other checkout's code: first on their path, and
             # this tree's (their working directory otherwise) out of the way.
@@ -197,20 +218,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mapping, front = listen_port(server, 0), http_port(server)
             time.sleep(SETTLE)
             start = rss_mib(procs)
-            print(f"RSS at start: {fmt(start)}", flush=True)
+            start_detail = detail(procs)
+            print(f"RSS at start: {fmt(start)}\n  MiB: {fmt_detail(start_detail)}", flush=True)
             before = idle_rss(procs, mapping)
             print(f"at {IDLE:,} idle connections, before any load: {fmt(before)}", flush=True)
+            idle_details: list[dict[str, dict[str, Any]]] = []
             rounds = []
             for i in range(args.rounds):
                 took = bulk(mapping, args.streams, args.mib)
                 rps = http_load(front, args.http_seconds)
                 peak = rss_mib(procs)
-                after = idle_rss(procs, mapping)
+                after = idle_rss(procs, mapping, idle_details)
                 rounds.append({"bulk_seconds": took, "http_rps": rps, "after_load": peak,
                                "idle_after": after})
                 print(f"round {i + 1}: bulk {args.streams}x{args.mib} MiB in {took:.1f} s, "
                       f"HTTP {rps:,.0f} req/s, right after the load {fmt(peak)}; "
-                      f"at {IDLE:,} idle connections {fmt(after)}", flush=True)
+                      f"at {IDLE:,} idle connections {fmt(after)}\n"
+                      f"  MiB: {fmt_detail(idle_details[-1])}", flush=True)
         finally:
             for proc in (agent, server):  # both, even when one would not stop
                 try:
@@ -230,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{s['idle_after_mib']:.1f} MiB after (median), after/before "
               f"{s['ratio_median']:.3f} [{s['ratio_min']:.3f}-{s['ratio_max']:.3f}]")
     return {"idle": IDLE, "start": start, "before": before, "rounds": rounds,
-            "summary": summary}
+            "summary": summary, "start_detail": start_detail, "idle_details": idle_details}
 
 
 def fmt(rss: dict[str, float]) -> str:

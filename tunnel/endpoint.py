@@ -451,12 +451,27 @@ class TunnelConnection:
             # bulk transfer's send buffer delays it by seconds (measured: 20 % loss, a
             # download through the tunnel, PONG later than 3 s, the tunnel and the transfer
             # cut). Bytes arriving prove the peer alive, so each window that saw some
-            # extends the wait; a window with none means the peer or the path is dead.
-            received = -1
-            while payload in self._pings and self.bytes_in != received:
+            # extends the wait. So does the peer's TCP acknowledging our segments while
+            # some still wait: on a lossy path our own bytes, the PING among them, sit in
+            # TCP's retransmission queue for longer than the timeout (its timer doubles
+            # with each lost attempt), and a peer cannot answer what it has not received
+            # (tunnel/transports/tcpstate.py). A window with neither means the peer or
+            # the path is dead: a dead path acknowledges nothing.
+            timeout = self.settings.ping_timeout
+            wait = timeout
+            while payload in self._pings:
                 received = self.bytes_in
-                with trio.move_on_after(self.settings.ping_timeout):
+                with trio.move_on_after(wait):
                     await self._ping_acked.wait()
+                if payload not in self._pings:
+                    break
+                if self.bytes_in != received:
+                    wait = timeout
+                    continue
+                since_ack = self.transport.unacknowledged_wait()
+                if since_ack is None or since_ack >= timeout:
+                    break
+                wait = timeout - since_ack
             if payload in self._pings:
                 message = f"no PING answer within {self.settings.ping_timeout}s"
                 self.log.warning("peer is unresponsive, closing", reason=message)

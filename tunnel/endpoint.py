@@ -264,7 +264,7 @@ class TunnelConnection:
                     self._dispatch(event)
             finally:
                 self._dispatching = False
-            if core.outgoing_size:
+            if core.outgoing_size and not self._send_now():
                 self._wake_writer()
             if self.end_reason is not None or core.is_closed:
                 await self._final_flush()
@@ -417,11 +417,32 @@ class TunnelConnection:
                 except TransportError:
                     pass
 
+    def _send_now(self) -> bool:
+        """Write what the core queued in the calling task, as the writer's fast path does,
+        if the transport takes it now: no wake-up of the writer, one task switch fewer.
+        For the tasks that gather a whole round's output before they flush (the reader
+        after a read's events, the splice loop after a round over its sockets), not for
+        a stream's own task: many streams writing a few frames each cost more than one
+        writer batching them (see `_writer`). False, with nothing taken, otherwise."""
+        size = self._core.outgoing_size
+        if (not size or size > _NOWAIT_MAX or not self._fast_path or self._transport_pending
+                or self._dispatching or not self.transport.can_send_nowait()):
+            return False
+        data = self._core.data_to_send()
+        self._space.set()
+        self.bytes_out += len(data)
+        if not self.transport.send_nowait(data):
+            self._transport_pending = True  # the rest waits in the transport: the writer's
+            self._wake_writer()
+        return True
+
     def _wake_writer(self) -> None:
         """Get the core's queued output moving: wake the writer, which runs after the
         tasks ready now, so what they queue meanwhile goes out in one write."""
         if self._dispatching:
             return  # the reader sends once, after its loop
+        if not self._core.outgoing_size and not self._transport_pending:
+            return  # nothing to write (a reset of a stream already gone): no wake-up
         wakeup = self._writer_wakeup
         if not wakeup.is_set():
             wakeup.set()
@@ -451,12 +472,27 @@ class TunnelConnection:
             # bulk transfer's send buffer delays it by seconds (measured: 20 % loss, a
             # download through the tunnel, PONG later than 3 s, the tunnel and the transfer
             # cut). Bytes arriving prove the peer alive, so each window that saw some
-            # extends the wait; a window with none means the peer or the path is dead.
-            received = -1
-            while payload in self._pings and self.bytes_in != received:
+            # extends the wait. So does the peer's TCP acknowledging our segments while
+            # some still wait: on a lossy path our own bytes, the PING among them, sit in
+            # TCP's retransmission queue for longer than the timeout (its timer doubles
+            # with each lost attempt), and a peer cannot answer what it has not received
+            # (tunnel/transports/tcpstate.py). A window with neither means the peer or
+            # the path is dead: a dead path acknowledges nothing.
+            timeout = self.settings.ping_timeout
+            wait = timeout
+            while payload in self._pings:
                 received = self.bytes_in
-                with trio.move_on_after(self.settings.ping_timeout):
+                with trio.move_on_after(wait):
                     await self._ping_acked.wait()
+                if payload not in self._pings:
+                    break
+                if self.bytes_in != received:
+                    wait = timeout
+                    continue
+                since_ack = self.transport.unacknowledged_wait()
+                if since_ack is None or since_ack >= timeout:
+                    break
+                wait = timeout - since_ack
             if payload in self._pings:
                 message = f"no PING answer within {self.settings.ping_timeout}s"
                 self.log.warning("peer is unresponsive, closing", reason=message)
@@ -591,12 +627,14 @@ class TunnelConnection:
             self._streams_changed.set()
         self._window_waiters.discard(stream)
 
-    async def send_queued(self) -> None:
-        """After a local action queued output: wake the writer, and wait if we are
+    async def send_queued(self, *, now: bool = False) -> None:
+        """After a local action queued output: wake the writer (with `now`, write it in
+        this task if the transport takes it at once: see `_send_now`), and wait if we are
         producing faster than the transport takes it."""
         if self.end_reason is not None:
             raise self.end_reason
-        self._wake_writer()
+        if not (now and self._send_now()):
+            self._wake_writer()
         await self._wait_for_space()
         if self.end_reason is not None:
             raise self.end_reason

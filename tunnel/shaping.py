@@ -119,6 +119,9 @@ class ShapedTransport(Transport):
     def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
         return self.inner.send_nowait(data)
 
+    def unacknowledged_wait(self) -> float | None:
+        return self.inner.unacknowledged_wait()
+
     async def receive(self) -> bytes:
         data = await self.inner.receive()
         shaper = self.shaper

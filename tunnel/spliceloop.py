@@ -414,8 +414,9 @@ class SpliceLoop:
                         self.flush(s)
                     if not s.ended and s.mask & _IN:
                         self.read(s)
-                # Output for the tunnel: wake its writer, and wait while it is behind.
-                await carrier.send_queued()
+                # Output for the tunnel, the whole round's: written from here when the
+                # transport takes it at once (no writer wake-up), and wait while behind.
+                await carrier.send_queued(now=True)
         except TunnelClosedError:
             pass
         except Exception as exc:

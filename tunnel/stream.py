@@ -80,9 +80,11 @@ class StreamCarrier(Protocol):
         """The stream is closed locally: deliver nothing more to it."""
         ...
 
-    async def send_queued(self) -> None:
+    async def send_queued(self, *, now: bool = False) -> None:
         """Wake the writer for what was queued, and wait while the outgoing buffer is
-        above its high-water mark. Raises `end_reason` once the connection has ended."""
+        above its high-water mark. Raises `end_reason` once the connection has ended.
+        `now`: write it in this task instead if the transport takes it at once, for a
+        caller that gathered a whole round's output (the splice loop), not per stream."""
         ...
 
     def start_task(self, async_fn: Callable[[], Awaitable[None]]) -> bool:

@@ -159,33 +159,27 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
         out[f"rr{parallel}_cpu_us"] = (time.process_time() - t0) / (
             rr_count // parallel * parallel) * 1e6
 
-        # open, 1-byte echo, close
-        t0 = time.process_time()
-        for _ in range(opens):
-            stream = await d.open_stream(T, {"mode": "echo"})
-            await stream.send_all(b"x")
-            await stream.receive_some()
-            await stream.send_eof()
-            while await stream.receive_some():
-                pass
-            await stream.aclose()
-        out["open_echo_close_cpu_us"] = (time.process_time() - t0) / opens * 1e6
+        async def open_echo_close(mode: str, count: int) -> float:
+            """CPU µs per stream opened in `mode`, echoing one byte, closed both ways."""
+            t0 = time.process_time()
+            for _ in range(count):
+                stream = await d.open_stream(T, {"mode": mode})
+                await stream.send_all(b"x")
+                await stream.receive_some()
+                await stream.send_eof()
+                while await stream.receive_some():
+                    pass
+                await stream.aclose()
+            return (time.process_time() - t0) / count * 1e6
 
-        # open, relayed to a TCP echo target (dial, accept, splice), 1-byte echo, close
-        # both ways: the per-connection work of both tunnel endpoints
+        # open, 1-byte echo, close: the acceptor's handler echoes
+        out["open_echo_close_cpu_us"] = await open_echo_close("echo", opens)
+        # the same relayed to a TCP echo target (dial, accept, splice): the per-connection
+        # work of both tunnel endpoints
         if relays:
             async with echo_target() as port:
                 RELAY_TARGET[:] = [port]
-                t0 = time.process_time()
-                for _ in range(relays):
-                    stream = await d.open_stream(T, {"mode": "relay"})
-                    await stream.send_all(b"x")
-                    await stream.receive_some()
-                    await stream.send_eof()
-                    while await stream.receive_some():
-                        pass
-                    await stream.aclose()
-                out["open_relay_close_cpu_us"] = (time.process_time() - t0) / relays * 1e6
+                out["open_relay_close_cpu_us"] = await open_echo_close("relay", relays)
         nursery.cancel_scope.cancel()
     return out
 

@@ -51,9 +51,13 @@ TUNNEL, HTTP, HEALTH = 8443, 8080, 9100
 # then for longer than any such timeout, in both directions at once (its retransmission
 # timer backs off 0.2, 0.4, 0.8 ... s while retransmissions and ACKs keep being dropped;
 # plain TCP through the same nft rule here: silent gaps up to 9.6 s, and one over 20 s, in
-# a 20 MiB transfer), which no keepalive can tell from a dead path: that case gets 30 s.
+# a 20 MiB transfer). The keepalive waits while the peer's TCP still acknowledges our
+# retransmissions (tunnel/transports/tcpstate.py), but the retransmission timer itself
+# reaches 38 s here (`ss -ti`: rto 1.1 s doubled five times; 66 s without a byte on the
+# tunnel), longer than any timeout that still notices a dead path: that case gets 60 s,
+# the HTTP front's own idle timeout.
 KEEPALIVE = {"interval": 1, "timeout": 3}
-LOSSY_KEEPALIVE = {"interval": 1, "timeout": 30}
+LOSSY_KEEPALIVE = {"interval": 1, "timeout": 60}
 
 
 def blob(size: int) -> bytes:
@@ -501,12 +505,18 @@ def test_link_down_10s_streams_reset_node_back_soon_memory_flat(healthy: Site) -
 # ------------------------------------------------------------------ packet loss
 
 
+# At 20 % loss a download can stall on TCP's retransmission timer for over a minute
+# (measured: 105 s), and a cut one is tried again: more than the default 120 s.
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("loss", [5, 20])
 def test_packet_loss_slows_transfers_but_never_corrupts_them(tmp_path: Path,
                                                              loss: int) -> None:
     """nft drops `loss` % of the packets both ways on the edge's path (the NAT router):
     downloads through the tunnel arrive whole and byte for byte; at 5 % the tunnels stay
-    up (no keepalive flap)."""
+    up (no keepalive flap). At 20 % a download may be cut, visibly (a short body by its
+    Content-Length, or an error status), when TCP's retransmission timer backs off past
+    the front's idle timeout (see LOSSY_KEEPALIVE): it is tried again, and what arrives
+    whole must be exact: slower, never corrupt."""
     with built_site(tmp_path, KEEPALIVE if loss <= 5 else LOSSY_KEEPALIVE) as site:
         size = 2 * 1024 * 1024 if loss <= 5 else 512 * 1024
         expected = hashlib.sha256(blob(size)).hexdigest()
@@ -517,9 +527,20 @@ def test_packet_loss_slows_transfers_but_never_corrupts_them(tmp_path: Path,
             f"  numgen random mod 100 < {loss} counter drop\n }}\n}}\n"))
         try:
             started = time.monotonic()
+            cut: list[str] = []
             for _ in range(2):  # one through each replica (round robin)
-                status, body = site.in_client(get, f"/bytes/{size}", 60.0)
-                assert status == 200, body[:300]
+                status, body = 0, b""
+                for _attempt in range(1 if loss <= 5 else 3):
+                    try:
+                        status, body = site.in_client(get, f"/bytes/{size}", 90.0)
+                    except http.client.IncompleteRead as exc:
+                        cut.append(f"short body: {len(exc.partial)} of {size} bytes")
+                        continue
+                    if loss > 5 and status in (502, 504):
+                        cut.append(f"{status}: {body[:200]!r}")
+                        continue
+                    break
+                assert status == 200, (cut, body[:300])
                 assert len(body) == size and hashlib.sha256(body).hexdigest() == expected
             took = time.monotonic() - started
             dropped = site.topo.exec("nat", ["nft", "list", "table", "ip", "lossy"]).stdout
@@ -527,7 +548,8 @@ def test_packet_loss_slows_transfers_but_never_corrupts_them(tmp_path: Path,
             site.topo.exec("nat", ["nft", "delete", "table", "ip", "lossy"])
         reconnects = len(lines(site.agent, "tunnel connected")) - before
         print(f"\n{loss} % loss: 2 x {size // 1024} KiB intact in {took:.2f} s; "
-              f"{reconnects} reconnect(s); dropped: {dropped.split('counter')[1].split('drop')[0]}")
+              f"{reconnects} reconnect(s); dropped: {dropped.split('counter')[1].split('drop')[0]}"
+              f"; cut and tried again: {cut}")
         if loss <= 5:
             assert reconnects == 0, site.agent.logs()[-3000:]
             assert len(lines(site.agent, "tunnel connection lost")) == lost_before

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from nodeagent.trust import pki
-from tests.tunnel.memtransport import memory_transport_pair
+from tests.tunnel.memtransport import MemoryTransport, memory_transport_pair
 from tunnel import protocol as p
 from tunnel.accept import serve
 from tunnel.dial import dial
@@ -353,6 +353,46 @@ async def test_keepalive_waits_while_the_peer_sends_but_its_answer_is_late(
         assert trio.current_time() - started <= 2 * settings.ping_timeout
     assert d.end_reason is not None
     assert d.end_reason.code is p.ErrorCode.KEEPALIVE_TIMEOUT
+
+
+class _LossyPathTransport(MemoryTransport):
+    """A dialer's end whose bytes (its PINGs among them) wait in TCP's retransmission
+    queue: the peer's TCP acknowledges a segment every `every` seconds until `until`
+    (a path at 20 % loss), then nothing more (the path died)."""
+
+    def __init__(self, inner: MemoryTransport, every: float, until: float) -> None:
+        super().__init__(inner._stream, "dialer")
+        self.every, self.until = every, until
+
+    def unacknowledged_wait(self) -> float | None:
+        now = trio.current_time()
+        last_ack = min(now - now % self.every, self.until)
+        return now - last_ack
+
+
+async def test_keepalive_waits_while_the_peers_tcp_still_acknowledges(
+        autojump_clock: trio.abc.Clock) -> None:
+    """At 20 % loss TCP's retransmission timer backs off past the keepalive timeout: no
+    byte arrives for 37 s while our own, the PING among them, wait to be retransmitted
+    (the peer cannot answer a PING it has not received). The peer's TCP acknowledging
+    now and then proves it alive: the tunnel stays up (before: closed after one timeout,
+    and the download through it cut short); once acknowledgements stop too (a dead
+    path), it ends one timeout later."""
+    ta, tb = memory_transport_pair()
+    settings = EndpointSettings(ping_interval=1, ping_timeout=3)
+    lossy = _LossyPathTransport(ta, every=2.0, until=40.0)
+    d = TunnelConnection(lossy, p.Role.DIALER, settings)
+    a = TunnelConnection(tb, p.Role.ACCEPTOR, settings)
+    async with trio.open_nursery() as n:
+        n.start_soon(a.accept_handshake, allow_all)
+        await d.dial_handshake(p.Hello())
+        # The acceptor never runs its reader: nothing comes back, as on the stalled path.
+        with trio.fail_after(60):
+            await d.run()
+        ended = trio.current_time()
+    assert d.end_reason is not None
+    assert d.end_reason.code is p.ErrorCode.KEEPALIVE_TIMEOUT
+    assert lossy.until <= ended <= lossy.until + settings.ping_timeout + 1, ended
 
 
 async def test_keepalive_measures_rtt(autojump_clock: trio.abc.Clock) -> None:

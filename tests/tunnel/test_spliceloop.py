@@ -8,8 +8,10 @@ import gc
 import os
 import socket
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import trio
@@ -20,6 +22,7 @@ from tunnel.endpoint import EndpointSettings, IncomingStream, StreamResetError
 from tunnel.relay import relay_connection, relay_incoming
 from tunnel.splice import SpliceResult
 from tunnel.spliceloop import SpliceOwner
+from tunnel.stream import TunnelStream
 
 WINDOW = p.Settings().initial_stream_window
 
@@ -95,6 +98,34 @@ def handing_over(made: list[socket.socket], targets: list[socket.socket],
     return handler
 
 
+@dataclass
+class OneRelayed:
+    """A stream the acceptor relayed to a TCP target and handed over, proven by a 2-byte
+    "go" that reached the target: what `one_relayed` yields."""
+
+    link: Any
+    stream: TunnelStream
+    target: socket.socket
+    targets: list[socket.socket]
+    results: list[SpliceResult]
+
+
+@asynccontextmanager
+async def one_relayed(settings: EndpointSettings | None = None
+                      ) -> AsyncIterator[OneRelayed]:
+    """A linked pair whose acceptor hands its streams over (the agent's way), with one
+    stream open and proven; the pair and the target sockets are gone when it ends."""
+    results: list[SpliceResult] = []
+    targets: list[socket.socket] = []
+    with tcp_pairs() as made:
+        async with linked(acceptor_handler=handing_over(made, targets, results),
+                          settings=settings) as link:
+            stream = await link.dialer.open_stream(T)
+            await stream.send_all(b"go")
+            assert await recv_exactly(targets[0], 2) == b"go"
+            yield OneRelayed(link, stream, targets[0], targets, results)
+
+
 async def test_idle_handed_over_streams_keep_no_task_and_end_once_with_their_bytes() -> None:
     results: list[SpliceResult] = []
     targets: list[socket.socket] = []
@@ -144,67 +175,61 @@ async def test_a_socket_sender_stops_at_the_window_while_the_tunnel_reader_does_
 ) -> None:
     """Backpressure socket → tunnel: the loop holds what the window did not take and stops
     reading the socket until credit returns; then every byte arrives, in order."""
-    results: list[SpliceResult] = []
-    targets: list[socket.socket] = []
     payload = os.urandom(12 * 1024 * 1024)
-    with tcp_pairs() as made:
-        async with linked(acceptor_handler=handing_over(made, targets, results)) as link:
-            stream = await link.dialer.open_stream(T)
-            await stream.send_all(b"go")
-            target = targets[0]
-            assert await recv_exactly(target, 2) == b"go"
-            target.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-            view = memoryview(payload)
-            sent = 0
-            # Send until the socket takes nothing for 0.3 s: the loop stopped reading.
+    async with one_relayed() as relayed:
+        link, stream, target, targets = (relayed.link, relayed.stream, relayed.target,
+                                         relayed.targets)
+        target.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        view = memoryview(payload)
+        sent = 0
+        # Send until the socket takes nothing for 0.3 s: the loop stopped reading.
+        while sent < len(payload):
+            try:
+                sent += target.send(view[sent:sent + 65536])
+            except BlockingIOError:
+                with trio.move_on_after(0.3) as waited:
+                    await trio.lowlevel.wait_writable(target)
+                if waited.cancelled_caught:
+                    break
+        assert WINDOW <= sent < WINDOW + 4 * 1024 * 1024, sent
+        # A second stream on the same connection is not held up.
+        other = await link.dialer.open_stream(T)
+        await other.send_all(b"x")
+        assert await recv_exactly(targets[1], 1) == b"x"
+
+        async def send_rest() -> None:
+            nonlocal sent
             while sent < len(payload):
+                await trio.lowlevel.wait_writable(target)
                 try:
                     sent += target.send(view[sent:sent + 65536])
                 except BlockingIOError:
-                    with trio.move_on_after(0.3) as waited:
-                        await trio.lowlevel.wait_writable(target)
-                    if waited.cancelled_caught:
-                        break
-            assert WINDOW <= sent < WINDOW + 4 * 1024 * 1024, sent
-            # A second stream on the same connection is not held up.
-            other = await link.dialer.open_stream(T)
-            await other.send_all(b"x")
-            assert await recv_exactly(targets[1], 1) == b"x"
+                    pass
+            target.shutdown(socket.SHUT_WR)
 
-            async def send_rest() -> None:
-                nonlocal sent
-                while sent < len(payload):
-                    await trio.lowlevel.wait_writable(target)
-                    try:
-                        sent += target.send(view[sent:sent + 65536])
-                    except BlockingIOError:
-                        pass
-                target.shutdown(socket.SHUT_WR)
-
-            got = bytearray()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send_rest)
-                with trio.fail_after(30):
-                    while chunk := await stream.receive_some():
-                        got += chunk
-            assert bytes(got) == payload
+        got = bytearray()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_rest)
+            with trio.fail_after(30):
+                while chunk := await stream.receive_some():
+                    got += chunk
+        assert bytes(got) == payload
 
 
 async def test_the_connections_end_resets_the_sockets_of_its_handed_over_splices() -> None:
-    results: list[SpliceResult] = []
-    targets: list[socket.socket] = []
-    with tcp_pairs() as made:
-        async with linked(acceptor_handler=handing_over(made, targets, results)) as link:
-            stream = await link.dialer.open_stream(T)
-            await stream.send_all(b"hi")
-            assert await recv_exactly(targets[0], 2) == b"hi"
-        # The link is gone: the target sees a reset, not a clean end.
+    async with one_relayed() as relayed:
+        await relayed.link.acceptor.aclose()
+        # The connection is gone: the target sees a reset, not a clean end.
         with pytest.raises(ConnectionResetError):
-            await recv_until_closed(targets[0])
+            await recv_until_closed(relayed.target)
+        with trio.fail_after(10):
+            while not relayed.results:  # noqa: ASYNC110 (the callback, polled)
+                await trio.sleep(0.01)
+    results = relayed.results
     assert len(results) == 1 and results[0].error == "tunnel connection ended"
     # Nothing keeps the ended connection alive (its splice loop is gone with it).
-    ended = weakref.ref(link.acceptor)
-    del link, stream
+    ended = weakref.ref(relayed.link.acceptor)
+    del relayed
     gc.collect()
     assert ended() is None
 
@@ -235,23 +260,17 @@ async def test_an_owner_that_stops_aborts_its_splices_both_ways() -> None:
 
 
 async def test_a_reset_target_resets_the_stream() -> None:
-    results: list[SpliceResult] = []
-    targets: list[socket.socket] = []
-    with tcp_pairs() as made:
-        async with linked(acceptor_handler=handing_over(made, targets, results)) as link:
-            stream = await link.dialer.open_stream(T)
-            await stream.send_all(b"hi")
-            target = targets[0]
-            assert await recv_exactly(target, 2) == b"hi"
-            target.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-            target.close()
-            with trio.fail_after(10), pytest.raises(StreamResetError):
-                while await stream.receive_some():
-                    pass
-            with trio.fail_after(10):
-                while not results:  # noqa: ASYNC110 (the callback, polled)
-                    await trio.sleep(0.01)
-    assert results[0].error is not None and "ConnectionResetError" in results[0].error
+    async with one_relayed() as relayed:
+        relayed.target.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+        relayed.target.close()
+        with trio.fail_after(10), pytest.raises(StreamResetError):
+            while await relayed.stream.receive_some():
+                pass
+        with trio.fail_after(10):
+            while not relayed.results:  # noqa: ASYNC110 (the callback, polled)
+                await trio.sleep(0.01)
+    error = relayed.results[0].error
+    assert error is not None and "ConnectionResetError" in error
 
 
 async def test_a_socket_sender_limited_by_the_connection_window_is_woken_by_its_credit(
@@ -261,32 +280,24 @@ async def test_a_socket_sender_limited_by_the_connection_window_is_woken_by_its_
     waiting for it), then every byte arrives."""
     settings = EndpointSettings(ping_interval=0, protocol=p.Settings(
         connection_window=96 * 1024, initial_stream_window=1024 * 1024))
-    results: list[SpliceResult] = []
-    targets: list[socket.socket] = []
     payload = os.urandom(6 * 1024 * 1024)
-    with tcp_pairs() as made:
-        async with linked(acceptor_handler=handing_over(made, targets, results),
-                          settings=settings) as link:
-            stream = await link.dialer.open_stream(T)
-            await stream.send_all(b"go")
-            target = targets[0]
-            assert await recv_exactly(target, 2) == b"go"
+    async with one_relayed(settings) as relayed:
+        stream, target = relayed.stream, relayed.target
+        async def send_all_then_eof() -> None:
+            view = memoryview(payload)
+            sent = 0
+            while sent < len(payload):
+                await trio.lowlevel.wait_writable(target)
+                try:
+                    sent += target.send(view[sent:sent + 262144])
+                except BlockingIOError:
+                    pass
+            target.shutdown(socket.SHUT_WR)
 
-            async def send_all_then_eof() -> None:
-                view = memoryview(payload)
-                sent = 0
-                while sent < len(payload):
-                    await trio.lowlevel.wait_writable(target)
-                    try:
-                        sent += target.send(view[sent:sent + 262144])
-                    except BlockingIOError:
-                        pass
-                target.shutdown(socket.SHUT_WR)
-
-            got = bytearray()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send_all_then_eof)
-                with trio.fail_after(30):
-                    while chunk := await stream.receive_some():
-                        got += chunk
-            assert bytes(got) == payload
+        got = bytearray()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all_then_eof)
+            with trio.fail_after(30):
+                while chunk := await stream.receive_some():
+                    got += chunk
+        assert bytes(got) == payload

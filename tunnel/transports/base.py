@@ -96,6 +96,12 @@ class Transport(abc.ABC):
         cancelled part-way."""
         raise NotImplementedError
 
+    def unacknowledged_wait(self) -> float | None:
+        """While bytes we sent wait for the peer's acknowledgement (TCP's): seconds since
+        the peer last acknowledged any. None if nothing waits or it cannot be known. The
+        keepalive asks it before it calls a silent peer dead (tcpstate.py says why)."""
+        return None
+
     @abc.abstractmethod
     async def receive(self) -> bytes:
         """Return the next bytes (at least one), or b"" once the peer has closed cleanly.

@@ -23,6 +23,7 @@ from tunnel.transports.base import (
     TransportClosed,
     TransportError,
 )
+from tunnel.transports.tcpstate import unacknowledged_wait
 from tunnel.transports.tls import TLSStream, describe_error
 
 __all__ = ["CLOSE_TIMEOUT", "StreamOwner", "StreamTransport", "socket_of"]
@@ -71,6 +72,10 @@ class StreamOwner:
     def stream(self) -> trio.abc.Stream:
         """The underlying trio stream (for diagnostics and tests)."""
         return self._stream
+
+    def unacknowledged_wait(self) -> float | None:
+        sock = socket_of(self._stream)
+        return None if sock is None else unacknowledged_wait(sock)
 
     @contextlib.contextmanager
     def _map_errors(self, action: str) -> Iterator[None]:

@@ -190,7 +190,9 @@ def test_a_stream_outliving_the_grace_period_is_reset_and_the_server_exits(
             server.signal(signal.SIGTERM)
             assert server.proc is not None and server.proc.wait(10) == 0
             took = time.monotonic() - started
-            assert 1.3 <= took < 5, took
+            # It waited out the grace period (the stream was still open) and did not wait
+            # for the stream: wait(10) above bounds that without timing a loaded machine.
+            assert took >= 1.3, took
             s.settimeout(5)
             try:
                 assert s.recv(10) == b""

@@ -13,6 +13,9 @@ a UDP echo. The baselines, measured in the same run and interleaved round by rou
 * dnsperf (Debian's), twice per path: saturated (8 clients x 64 queries in flight:
   queries per second and p99) and at an offered rate of `--dns-rate` queries/s (10,000:
   the p99 a resolver sees at that load), through the mapping and asking dnsmasq directly;
+* CPU per datagram: the server's and the agent's CPU time (user + system, /proc) per
+  datagram carried at a fixed 150 Mbit/s, and per DNS query at the fixed rate: what
+  the machine's load moves least, so what to compare trees with (`--tree`);
 * memory per idle flow: the server's and the agent's RSS growth over a second batch of N
   flows opened through the echo mapping (one datagram each, then idle), divided by N
   (the first batch pays the one-off costs).
@@ -60,6 +63,7 @@ from scripts import ROOT
 NEEDS = ("iperf3", "socat", "dnsperf", "dnsmasq")
 RATES_MBIT = (10, 25, 50, 100, 150, 200, 250, 300, 400, 500, 600, 800, 1000, 1200)
 DATAGRAM = 1400
+CPU_RATE_MBIT = 150  # the offered rate of the CPU-per-datagram runs: every path carries it
 ZONE = "svc.cloud.internal"
 
 
@@ -229,7 +233,19 @@ class Bench:
         """One iperf3 -u test; None if it failed (no result, or no end in time: past
         what a path carries the client has been seen to wait for the end of the test
         forever, whichever the path). A client that hangs is killed and the server
-        restarted, so the next test starts clean."""
+        restarted, so the next test starts clean. A server still busy with the last
+        test (it ends its side a little after the client) is asked again, twice."""
+        for _ in range(3):
+            result = self.iperf_once(path, port, mbit, seconds)
+            if result != "busy":
+                return result
+            time.sleep(1.0)
+        self.failed(path, f"iperf3 at {mbit} Mbit/s: the server stayed busy: restarted")
+        self.restart_iperf_server()
+        return None
+
+    def iperf_once(self, path: str, port: int, mbit: int, seconds: float,
+                   ) -> dict[str, float] | str | None:
         try:
             out = subprocess.run(
                 ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-u", "-l", str(DATAGRAM),
@@ -251,13 +267,14 @@ class Bench:
                 error = str(json.loads(out.stdout).get("error", ""))
             except (ValueError, AttributeError):
                 error = (out.stdout.strip() or out.stderr.strip())[-200:]
+            if "busy" in error:
+                return "busy"
             self.failed(path, f"iperf3 at {mbit} Mbit/s gave no result"
                               f"{': ' + error if error else ''}")
-            if "busy" in error:
-                self.restart_iperf_server()
             return None
         return {"lost_percent": float(total["lost_percent"]),
-                "mbit": float(total["bits_per_second"]) / 1e6}
+                "mbit": float(total["bits_per_second"]) / 1e6,
+                "datagrams": float(total["packets"]) - float(total["lost_packets"])}
 
     def highest_rate(self, path: str, port: int) -> float:
         """The receive rate (Mbit/s) at the highest offered rate with < 1 % loss (in
@@ -276,18 +293,56 @@ class Bench:
             best = result["mbit"]
         return best
 
+    def cpu_per_datagram(self, stack: Stack, mbit: int) -> dict[str, float]:
+        """The server's and the agent's CPU time (user + system, from /proc) per datagram
+        carried at a fixed offered rate: a figure the machine's load moves much less than
+        the rates (no scheduling delay in it; cache and frequency effects remain)."""
+        seconds = 2.0 if self.args.quick else 3.0
+        before = self.cpu(stack)
+        result = self.iperf(stack.name, stack.mapped_iperf, mbit, seconds)
+        after = self.cpu(stack)
+        carried = result["datagrams"] if result is not None else 0.0
+        if not carried:
+            nan = float("nan")
+            return {"server_us": nan, "agent_us": nan}
+        return {"server_us": (after[0] - before[0]) / carried * 1e6,
+                "agent_us": (after[1] - before[1]) / carried * 1e6}
+
+    @staticmethod
+    def cpu(stack: Stack) -> tuple[float, float]:
+        """CPU seconds (user + system) the stack's server and agent have used."""
+        def used(proc: subprocess.Popen[bytes] | None) -> float:
+            assert proc is not None
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return used(stack.server.proc), used(stack.agent.proc)
+
     # ------------------------------------------------------------------ DNS
 
+    def dnsperf_cpu(self, stack: Stack, rate: int) -> dict[str, float]:
+        """dnsperf at `rate` through `stack`, with the server's and agent's CPU time
+        (user + system) per query answered."""
+        before = self.cpu(stack)
+        got = self.dnsperf(stack.name, stack.mapped_dns, rate)
+        after = self.cpu(stack)
+        answered = got["qps"] * (3 if self.args.quick else 5)
+        got["cpu_us"] = (sum(after) - sum(before)) / answered * 1e6 if answered else \
+            float("nan")
+        return got
+
     def dnsperf(self, path: str, port: int, rate: int | None) -> dict[str, float]:
-        """dnsperf for a few seconds: saturated (rate None: 8 clients x 64 in flight) or
-        offering `rate` queries/s. Queries answered per second, p50 and p99 (ms), lost."""
+        """dnsperf for a few seconds: saturated (rate None: 8 clients, 64 in flight) or
+        offering `rate` queries/s (up to 2,000 in flight). Queries answered per second,
+        p50 and p99 (ms), lost."""
         seconds = 3 if self.args.quick else 5
         nan = float("nan")
         try:
             out = subprocess.run(
                 ["dnsperf", "-s", "127.0.0.1", "-p", str(port), "-d", str(self.queries),
-                 "-l", str(seconds), "-c", "8", "-q", "64", "-t", "2", "-v",
-                 *(["-Q", str(rate)] if rate else [])],
+                 "-l", str(seconds), "-c", "8", "-t", "2", "-v",
+                 # at a fixed rate, room for every query in flight: a cap of 64 would
+                 # throttle the offered rate as soon as latency passes 6 ms
+                 *(["-q", "64"] if rate is None else ["-q", "2000", "-Q", str(rate)])],
                 capture_output=True, text=True, timeout=seconds + 30)
         except subprocess.TimeoutExpired:
             self.failed(path, f"dnsperf {'at ' + str(rate) if rate else 'saturated'} "
@@ -380,10 +435,22 @@ class Bench:
 
         def dns_via(name: str, port: int, at: int | None) -> Callable[[], None]:
             def step() -> None:
-                got = self.dnsperf(name, port, at)
+                stack = next((s for s in self.stacks if s.name == name), None)
+                if stack is not None and at:
+                    got = self.dnsperf_cpu(stack, at)
+                    record(f"{name}_at{at}_cpu_us", got["cpu_us"])
+                else:
+                    got = self.dnsperf(name, port, at)
                 mode = f"at{at}" if at else "sat"
                 for key in ("qps", "p50_ms", "p99_ms", "lost_percent"):
                     record(f"{name}_{mode}_{key}", got[key])
+            return step
+
+        def cpu_via(stack: Stack) -> Callable[[], None]:
+            def step() -> None:
+                got = self.cpu_per_datagram(stack, CPU_RATE_MBIT)
+                record(f"{stack.name}_server_us_per_datagram", got["server_us"])
+                record(f"{stack.name}_agent_us_per_datagram", got["agent_us"])
             return step
 
         steps: list[tuple[str, Callable[[], None]]] = []
@@ -392,6 +459,9 @@ class Bench:
             for stack in self.stacks:
                 steps.append((f"iperf3 via {stack.name}",
                               iperf_via(stack.name, stack.mapped_iperf)))
+            for stack in self.stacks:
+                steps.append((f"CPU per datagram via {stack.name} at {CPU_RATE_MBIT} Mbit/s",
+                              cpu_via(stack)))
             steps += [("iperf3 via socat", iperf_via("socat", self.socat_iperf)),
                       ("iperf3 via a bare trio relay", iperf_via("floor", self.floor_iperf))]
             for at in (None, rate):
@@ -407,18 +477,29 @@ class Bench:
             step()
         flows = 1000 if self.args.quick else self.args.flows
         memory = {stack.name: self.idle_flow_memory(stack, flows) for stack in self.stacks}
-        summary = {key: spread(values) for key, values in results.items() if values}
 
         def ratio(a: str, b: str) -> list[float]:
             return [x / y if y else float("nan")
                     for x, y in zip(results.get(a, []), results.get(b, []), strict=False)]
 
+        def total(name: str) -> list[float]:
+            return [a + b for a, b in zip(results.get(f"{name}_server_us_per_datagram", []),
+                                          results.get(f"{name}_agent_us_per_datagram", []),
+                                          strict=False)]
+
+        for stack in self.stacks:
+            results[f"{stack.name}_us_per_datagram"] = total(stack.name)
+        summary = {key: spread(values) for key, values in results.items() if values}
         ratios = {"udp_vs_socat": ratio("nodeagent_mbit", "socat_mbit"),
                   "udp_vs_floor": ratio("nodeagent_mbit", "floor_mbit"),
                   "dns_qps_vs_direct": ratio("nodeagent_sat_qps", "direct_sat_qps")}
         if len(self.stacks) > 1:
             ratios |= {"udp_vs_other": ratio("nodeagent_mbit", "other_mbit"),
                        "dns_qps_vs_other": ratio("nodeagent_sat_qps", "other_sat_qps"),
+                       "cpu_per_datagram_vs_other": ratio("nodeagent_us_per_datagram",
+                                                          "other_us_per_datagram"),
+                       f"dns_cpu_at{rate}_vs_other": ratio(f"nodeagent_at{rate}_cpu_us",
+                                                           f"other_at{rate}_cpu_us"),
                        f"dns_p99_at{rate}_vs_other": ratio(f"nodeagent_at{rate}_p99_ms",
                                                            f"other_at{rate}_p99_ms")}
         return {"rounds": rounds, "datagram_bytes": DATAGRAM, "dns_rate": rate,
@@ -486,6 +567,12 @@ def print_table(result: dict[str, Any]) -> None:
     ratio("ratio nodeagent / socat", "udp_vs_socat")
     ratio("ratio nodeagent / trio relay", "udp_vs_floor")
     ratio("ratio nodeagent / --tree", "udp_vs_other")
+    for path in ("nodeagent", "other"):
+        line(f"CPU us/datagram at {CPU_RATE_MBIT} Mbit/s, {names[path]}",
+             f"{path}_us_per_datagram", "us", 2)
+        line("  server", f"{path}_server_us_per_datagram", "us", 2)
+        line("  agent", f"{path}_agent_us_per_datagram", "us", 2)
+    ratio("ratio CPU per datagram nodeagent / --tree", "cpu_per_datagram_vs_other")
     for path in ("nodeagent", "other", "direct"):
         line(f"dnsperf saturated, {names[path]}", f"{path}_sat_qps", "q/s", 0)
         line("  p99", f"{path}_sat_p99_ms", "ms", 2)
@@ -496,7 +583,9 @@ def print_table(result: dict[str, Any]) -> None:
         line("  p50", f"{path}_at{rate}_p50_ms", "ms", 2)
         line("  p99", f"{path}_at{rate}_p99_ms", "ms", 2)
         line("  lost", f"{path}_at{rate}_lost_percent", "%", 2)
+        line("  CPU per query, server + agent", f"{path}_at{rate}_cpu_us", "us", 1)
     ratio("ratio p99 nodeagent / --tree", f"dns_p99_at{rate}_vs_other")
+    ratio("ratio CPU per query nodeagent / --tree", f"dns_cpu_at{rate}_vs_other")
     for name, m in result["idle_flow_memory"].items():
         print(f"  idle flows ({names[name]}): {m['flows']}, server "
               f"{m['server_bytes_per_flow']:.0f} B/flow, agent "

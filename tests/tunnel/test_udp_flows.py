@@ -9,10 +9,13 @@ sees, and a port-unreachable target ends it as REFUSED.
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import trio
+import trio.testing
 
+import tests.tunnel.test_endpoint
 import tunnel.udp
 from tests.tunnel.test_endpoint import linked
 from tunnel import protocol as p
@@ -245,3 +248,45 @@ async def test_a_kernel_that_refuses_gso_gets_one_send_per_datagram(
     got, segments, _ = await send_burst_and_collect(monkeypatch)
     assert got == BURST  # nothing lost to the refusal
     assert segments == [41]  # one try (40 + the shorter last), refused; then one each
+
+
+async def accept_into(collect: Collect) -> Callable[[IncomingStream], Awaitable[None]]:
+    async def handler(incoming: IncomingStream) -> None:
+        stream = await incoming.accept()
+        stream.attach_datagram_sink(collect)
+        incoming.hand_over()
+    return handler
+
+
+@pytest.fixture(params=["memory", "tls"])
+def wire(request: pytest.FixtureRequest) -> Iterator[str]:
+    """linked() over memory streams or over TLS on loopback (test_endpoint's wires)."""
+    tests.tunnel.test_endpoint._WIRE = str(request.param)
+    yield str(request.param)
+    tests.tunnel.test_endpoint._WIRE = "memory"
+
+
+async def test_datagrams_queued_without_waking_the_writer_leave_on_flush(wire: str) -> None:
+    # What the UDP readers do per wake-up: queue (wake=False), then flush once. On a
+    # real socket flush() writes from the calling task (the writer's fast path); in
+    # memory it wakes the writer. Either way every datagram arrives.
+    collect = Collect()
+    async with linked(acceptor_handler=await accept_into(collect)) as link:
+        stream = await link.dialer.open_stream(p.Target("127.0.0.1", 9, "udp"))
+        await trio.testing.wait_all_tasks_blocked()
+        written = link.dialer.bytes_out
+        for i in range(5):
+            assert stream.send_datagram(b"d%d" % i, wake=False) is None
+        await trio.testing.wait_all_tasks_blocked()
+        assert link.dialer.bytes_out == written  # queued: no writer woke for them
+        link.dialer.flush()
+        if wire == "tls":
+            assert link.dialer.bytes_out > written  # on the wire before any task switch
+        with trio.fail_after(10):
+            while len(collect.got) < 5:
+                await wait_for(collect)
+        assert collect.got == [b"d%d" % i for i in range(5)]
+        written = link.dialer.bytes_out
+        link.dialer.flush()  # nothing queued: nothing written, nothing woken
+        await trio.testing.wait_all_tasks_blocked()
+        assert link.dialer.bytes_out == written

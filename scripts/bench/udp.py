@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -95,6 +96,10 @@ def rmem_max() -> int:
 
 
 def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of the rounds that gave a figure (a failed step is NaN)."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 

@@ -290,3 +290,24 @@ async def test_datagrams_queued_without_waking_the_writer_leave_on_flush(wire: s
         link.dialer.flush()  # nothing queued: nothing written, nothing woken
         await trio.testing.wait_all_tasks_blocked()
         assert link.dialer.bytes_out == written
+
+
+async def test_datagrams_held_when_the_flow_ends_in_the_same_read_are_counted_dropped(
+        ) -> None:
+    # A read that brings a flow's datagrams and then its reset: the reset ends the flow
+    # before the reader's step ends, so what the flow held is dropped, and counted.
+    poller, ended = FlowPoller(), []
+    async with trio.open_nursery() as outer:
+        port = await outer.start(udp_echo)
+        outer.start_soon(poller.run)
+        async with linked(acceptor_handler=poller_handler(poller, ended)) as link:
+            await open_flow(link.dialer, port)
+            await trio.testing.wait_all_tasks_blocked()  # the handler handed it over
+            (flow,) = poller._flows.values()
+            flow.on_datagram(b"one")
+            flow.on_datagram(b"two")
+            flow.on_reset(StreamResetError(p.StreamReason.CANCELLED, "gone"))
+            flow.on_datagrams_end()  # the reader's step ends: nothing left to send
+            assert [c.ended_by for c in ended] == ["reset"]
+            assert ended[0].drops == {"closed": 2} and ended[0].datagrams_in == 0
+        outer.cancel_scope.cancel()

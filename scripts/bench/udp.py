@@ -14,8 +14,9 @@ a UDP echo. The baselines, measured in the same run and interleaved round by rou
   queries per second and p99) and at an offered rate of `--dns-rate` queries/s (10,000:
   the p99 a resolver sees at that load), through the mapping and asking dnsmasq directly;
 * CPU per datagram: the server's and the agent's CPU time (user + system, /proc) per
-  datagram carried at a fixed 150 Mbit/s, and per DNS query at the fixed rate: what
-  the machine's load moves least, so what to compare trees with (`--tree`);
+  datagram carried at a fixed 150 Mbit/s, and per DNS query at the fixed rate: no
+  scheduling delay in it, but batches grow with the machine's load, so compare trees
+  with it within one run (`--tree`);
 * memory per idle flow: the server's and the agent's RSS growth over a second batch of N
   flows opened through the echo mapping (one datagram each, then idle), divided by N
   (the first batch pays the one-off costs).
@@ -300,8 +301,8 @@ class Bench:
 
     def cpu_per_datagram(self, stack: Stack, mbit: int) -> dict[str, float]:
         """The server's and the agent's CPU time (user + system, from /proc) per datagram
-        carried at a fixed offered rate: a figure the machine's load moves much less than
-        the rates (no scheduling delay in it; cache and frequency effects remain)."""
+        carried at a fixed offered rate: no scheduling delay in it, but more datagrams per
+        wake-up (so less CPU each) when the machine is loaded: compare within a run."""
         seconds = 2.0 if self.args.quick else 3.0
         before = self.cpu(stack)
         result = self.iperf(stack.name, stack.mapped_iperf, mbit, seconds)

@@ -123,6 +123,9 @@ class TunnelConnection:
         # The reader is dispatching one read's events: output they queue is sent once,
         # after the loop, instead of per event.
         self._dispatching = False
+        # Flows the reader delivered datagrams to in this read (their sinks may hold
+        # them back to send together: tunnel/udp.py's SocketFlow, with UDP GSO).
+        self._fed: list[TunnelStream] = []
         self._fast_path = self.settings.send_fast_path
         # Set whenever the writer takes the core's queued output: senders waiting for
         # the outgoing buffer to fall below the high-water mark wake up on it.
@@ -262,6 +265,10 @@ class TunnelConnection:
             try:
                 for event in events:
                     self._dispatch(event)
+                if self._fed:  # flows' sinks send what this read held back, at once
+                    fed, self._fed = self._fed, []
+                    for stream in fed:
+                        stream.datagrams_delivered()
             finally:
                 self._dispatching = False
             if core.outgoing_size and not self._send_now():
@@ -277,6 +284,9 @@ class TunnelConnection:
             if stream is not None:
                 stream.bytes_received += len(event.data)
                 stream.datagram_received(event.data)
+                fed = self._fed
+                if not fed or fed[-1] is not stream:  # once per run of one flow's
+                    fed.append(stream)
         elif isinstance(event, p.DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
@@ -584,16 +594,35 @@ class TunnelConnection:
         self._core.send_data(stream_id, chunk)
         return len(chunk)
 
-    def send_datagram(self, stream_id: int, data: bytes | memoryview) -> str | None:
+    def send_datagram(self, stream_id: int, data: bytes | memoryview, *,
+                      wake: bool = True) -> str | None:
         if self.end_reason is not None or not self._core.is_open:
             return "closed"
         try:
             dropped = self._core.send_datagram(stream_id, data)
         except p.StreamClosedError:
             return "closed"
-        if dropped is None:
+        if dropped is None and wake:
             self._wake_writer()
         return dropped
+
+    def flush(self) -> None:
+        if self._dispatching:
+            return  # the reader sends once, after its loop
+        if not self._core.outgoing_size and not self._transport_pending:
+            return
+        if (self._fast_path and not self._transport_pending and self.end_reason is None
+                and 0 < self._core.outgoing_size <= _NOWAIT_MAX
+                and self.transport.can_send_nowait()):
+            # The writer's fast path, in the calling task: the writer is idle (no send
+            # in progress), so taking everything queued keeps the order of the bytes.
+            data = self._core.data_to_send()
+            self._space.set()
+            self.bytes_out += len(data)
+            if self.transport.send_nowait(data):
+                return
+            self._transport_pending = True
+        self._wake_writer()
 
     def wait_for_window(self, stream: TunnelStream) -> bool:
         if not self._core.has_stream(stream.stream_id):

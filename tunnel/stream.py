@@ -54,9 +54,17 @@ class StreamCarrier(Protocol):
         """Queue FIN. Raises tunnel.protocol.LocalProtocolError if the stream cannot."""
         ...
 
-    def send_datagram(self, stream_id: int, data: bytes | memoryview) -> str | None:
-        """Queue one datagram on a flow and wake the writer; never waits. None, or why
-        it was dropped (too_large, queue_full, congested, closed)."""
+    def send_datagram(self, stream_id: int, data: bytes | memoryview, *,
+                      wake: bool = True) -> str | None:
+        """Queue one datagram on a flow and wake the writer (`wake=False`: the caller
+        calls flush() after its batch); never waits. None, or why it was dropped
+        (too_large, queue_full, congested, closed)."""
+        ...
+
+    def flush(self) -> None:
+        """Get what was queued moving, from the calling task: written at once when the
+        transport takes it without waiting, else handed to the writer. A task that
+        queued a batch (a UDP socket's reader) saves the writer's wake-up so."""
         ...
 
     def accept_stream(self, stream_id: int) -> None:
@@ -111,9 +119,14 @@ class DirectSink(Protocol):
 
 class DatagramSink(Protocol):
     """Takes a flow's datagrams as the connection's reader delivers them (tunnel/udp.py:
-    a UDP socket). It must deliver or drop each at once: datagrams are never buffered."""
+    a UDP socket). It must deliver or drop each at once, or at the latest when the
+    reader ends that step (`on_datagrams_end`): datagrams are never buffered past it."""
 
     def on_datagram(self, data: bytes) -> None: ...
+
+    def on_datagrams_end(self) -> None:
+        """The reader delivered what one read of the tunnel held: a sink that held
+        datagrams back (to send them together) sends them now."""
 
     def on_reset(self, error: StreamResetError) -> None: ...
 
@@ -199,6 +212,11 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         if self._datagram_sink is not None and not self._closed:
             self._datagram_sink.on_datagram(data)
 
+    def datagrams_delivered(self) -> None:
+        """The reader is done with one read's datagrams for this flow."""
+        if self._datagram_sink is not None:
+            self._datagram_sink.on_datagrams_end()
+
     def eof_received(self) -> None:
         self._eof = True
         if self._sink is not None:
@@ -253,12 +271,13 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         if sink is not None and self._reset is not None:
             sink.on_reset(self._reset)
 
-    def send_datagram(self, data: bytes | memoryview) -> str | None:
+    def send_datagram(self, data: bytes | memoryview, *, wake: bool = True) -> str | None:
         """Send one datagram on this flow, now or never: None if it was queued, else why
-        it was dropped (too_large, queue_full, congested, closed). Never waits."""
+        it was dropped (too_large, queue_full, congested, closed). Never waits.
+        `wake=False`: the caller sends a batch and then calls `connection.flush()`."""
         if self._reset is not None or self._closed:
             return "closed"
-        dropped = self._conn.send_datagram(self.stream_id, data)
+        dropped = self._conn.send_datagram(self.stream_id, data, wake=wake)
         if dropped is None:
             self.bytes_sent += len(data)
         return dropped

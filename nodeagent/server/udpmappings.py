@@ -45,7 +45,7 @@ from nodeagent.server.datapath import DataPath
 from tunnel import protocol as p
 from tunnel.errors import StreamFailed, StreamResetError
 from tunnel.log import RateLimitedLog
-from tunnel.stream import TunnelStream
+from tunnel.stream import StreamCarrier, TunnelStream
 from tunnel.tcp import format_address
 from tunnel.udp import expire_flows
 
@@ -110,6 +110,9 @@ class ServerFlow:
         relay.datagrams_out.inc()
         relay.bytes_out.inc(size)
 
+    def on_datagrams_end(self) -> None:
+        pass  # each reply left at once
+
     def on_reset(self, error: StreamResetError) -> None:
         """The node ended the flow (the target refused, its idle timer, the tunnel
         went down): drop for FAILED_HOLD, then the client's next datagram reopens."""
@@ -148,6 +151,9 @@ class MappingFlows:
         self.flows: dict[tuple[Any, ...], ServerFlow] = {}
         self.per_client: Counter[str] = Counter()
         self.drops: Counter[str] = Counter()
+        # The tunnel connections this wake-up queued datagrams on: the reader flushes
+        # them itself after its batch (the writers' wake-ups saved, on a query's way).
+        self.touched: set[StreamCarrier] = set()
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.drops[reason] += count
@@ -191,6 +197,7 @@ class UdpMappingRelay:
                     expire_flows, mapping.flows.values, self._forget,
                     idle_timeout=config.idle_timeout, failed_hold=FAILED_HOLD))
                 recvfrom = sock.recvfrom
+                touched = mapping.touched
                 while True:
                     await trio.lowlevel.wait_readable(sock)
                     # One clock reading and one metrics update per wake-up, not per datagram.
@@ -206,6 +213,10 @@ class UdpMappingRelay:
                         if self._from_client(mapping, data, client, now, nursery):
                             carried += 1
                             size += len(data)
+                    if touched:
+                        for connection in touched:
+                            connection.flush()
+                        touched.clear()
                     if carried:
                         mapping.carried_in(carried, size)
         finally:
@@ -227,10 +238,12 @@ class UdpMappingRelay:
             flow.received_from_client += size
             flow.validated = True  # its second datagram at least (the first opened it)
             flow.last_active = now
-            dropped = flow.stream.send_datagram(data)
+            stream = flow.stream
+            dropped = stream.send_datagram(data, wake=False)  # flushed after the batch
             if dropped is not None:
                 mapping.drop(dropped)
                 return False
+            mapping.touched.add(stream.connection)
             flow.datagrams_in += 1
             flow.bytes_in += size
             return True

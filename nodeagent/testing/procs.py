@@ -33,6 +33,9 @@ class NodeagentProcess:
     proc: subprocess.Popen[bytes] | None = None
     # Tests read the debug lines; benchmarks ask for less (a line per stream costs CPU).
     log_level: str = "debug"
+    # Set: run from another checkout (`python -m` imports the working directory's
+    # packages first), so a benchmark compares trees in one run.
+    cwd: Path | None = None
     log_path: Path = field(init=False)
     config_path: Path = field(init=False)
 
@@ -60,7 +63,8 @@ class NodeagentProcess:
         # The child gets its own copy of the log's descriptor; ours is closed at once.
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                         cwd=self.cwd)
         return self
 
     def status(self, timeout: float = 2.0) -> dict[str, Any]:

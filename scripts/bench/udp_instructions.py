@@ -10,11 +10,12 @@ a public UDP mapping's datagram takes, with the production code on both sides:
 
 `--echo` makes the sink answer each datagram, so the replies come back the same way
 (DNS's shape: per datagram the cost of a query and its answer). The harness sends
-`--datagrams` 1,400-byte datagrams in bursts, each burst waiting until the sink has them
-all (no drops), under valgrind's callgrind twice, with N and with N/5 datagrams; the
-difference divided by the difference in datagrams is the path's instructions per
-datagram, start-up, handshake and the client's and sink's own work included equally for
-both trees. Rounds alternate between the trees:
+`--datagrams` 1,400-byte datagrams in bursts of `--burst` (32), each burst waiting until
+the sink has them all (no drops; `--burst 1 --echo`: one query at a time, what every
+wake-up on the way costs a resolver at a paced rate), under valgrind's callgrind twice,
+with N and with N/5 datagrams; the difference divided by the difference in datagrams
+is the path's instructions per datagram, start-up, handshake and the client's and
+sink's own work included equally for both trees. Rounds alternate between the trees:
 
     .venv/bin/python -m scripts.bench.udp_instructions --tree /path/to/other/checkout
 
@@ -45,7 +46,7 @@ DATAGRAM = 1400
 BURST = 32
 
 
-async def harness(count: int, echo: bool) -> None:
+async def harness(count: int, echo: bool, burst_size: int = BURST) -> None:
     # Imported here: the tree under test comes first on PYTHONPATH.
     from nodeagent.config import UdpMapping
     from nodeagent.ops.logs import StructuredLogger
@@ -134,7 +135,7 @@ async def harness(count: int, echo: bool) -> None:
         while sent < count:
             # The first datagram alone: it opens the flow (a flow still opening queues
             # only a few), then bursts.
-            burst = min(BURST if sent else 1, count - sent)
+            burst = min(burst_size if sent else 1, count - sent)
             for _ in range(burst):
                 client.send(payload)
             with trio.fail_after(30):
@@ -146,14 +147,16 @@ async def harness(count: int, echo: bool) -> None:
         nursery.cancel_scope.cancel()
 
 
-def instructions(tree: Path, count: int, echo: bool) -> int:
+def instructions(tree: Path, count: int, echo: bool, burst: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
         proc = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-             sys.executable, "-P", "-m", "scripts.bench.udp_instructions", "--run",
-             str(count), *(["--echo"] if echo else [])],
+             # This harness by its path, whichever tree: the other tree's own copy may
+             # lack this one's options; its `tunnel` and `nodeagent` come first.
+             sys.executable, "-P", str(Path(__file__).resolve()), "--run",
+             str(count), "--burst", str(burst), *(["--echo"] if echo else [])],
             cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"harness failed in {tree}:\n{proc.stderr[-3000:]}")
@@ -169,22 +172,25 @@ def main() -> None:
     parser.add_argument("--datagrams", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--echo", action="store_true", help="the sink answers each datagram")
+    parser.add_argument("--burst", type=int, default=BURST,
+                        help=f"datagrams sent before waiting for them (default {BURST}; "
+                             "1: one at a time, a resolver's shape at a paced rate)")
     parser.add_argument("--run", type=int, help=argparse.SUPPRESS)  # the harness itself
     args = parser.parse_args()
     if args.run is not None:
-        trio.run(harness, args.run, args.echo)
+        trio.run(harness, args.run, args.echo, args.burst)
         return
     small = args.datagrams // 5
     trees = {"this": ROOT, **({"other": args.tree.resolve()} if args.tree else {})}
     per: dict[str, list[float]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():
-            big = instructions(tree, args.datagrams, args.echo)
-            little = instructions(tree, small, args.echo)
+            big = instructions(tree, args.datagrams, args.echo, args.burst)
+            little = instructions(tree, small, args.echo, args.burst)
             per[name].append((big - little) / (args.datagrams - small))
             print(f"{name}: {per[name][-1]:,.0f} instructions/datagram", file=sys.stderr)
     result: dict[str, Any] = {
-        "echo": args.echo, "datagrams": args.datagrams,
+        "echo": args.echo, "burst": args.burst, "datagrams": args.datagrams,
         **{f"{name}_instructions_per_datagram": statistics.median(values)
            for name, values in per.items()}}
     if "other" in per:

@@ -100,6 +100,9 @@ class InterceptedFlow:
         self.last_active = trio.current_time()
         self.proxy.carried("out", len(data))
 
+    def on_datagrams_end(self) -> None:
+        pass  # each reply left at once
+
     def on_reset(self, error: StreamResetError) -> None:
         if self.closed:
             return

@@ -25,8 +25,10 @@ the working directory.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -41,8 +43,10 @@ import trio
 from nodeagent.config import AllowRule, NodeConfig
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.configserver import ConfigStreamServer
+from nodeagent.runtime.gcfreeze import freeze_survivors_forever
 from nodeagent.trust import pki
 from scripts import ROOT
+from scripts.bench.config_propagation import cpu_seconds
 
 
 def rss() -> int:
@@ -96,7 +100,8 @@ class Applies:
         return [self.at[(i, version)] for i in range(nodes)]
 
 
-async def measure(steps: list[int], top: int, trace: bool, changes: int) -> dict[str, Any]:
+async def measure(steps: list[int], top: int, trace: bool, changes: int,
+                  profile: Path | None = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="nodeagent-cfgmem-"))
     ca = pki.create_ca("bench")
     ca.write(tmp / "ca.crt", tmp / "ca.key")
@@ -116,6 +121,9 @@ async def measure(steps: list[int], top: int, trace: bool, changes: int) -> dict
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(server.run, "127.0.0.1", 0)
         port = listeners[0].socket.getsockname()[1]
+        # As the `nodeagent controller` process does (gcfreeze.py): without it, full
+        # collections walking the watches' objects make a large, random share of the CPU.
+        nursery.start_soon(freeze_survivors_forever)
         gc.collect()
         if trace:
             tracemalloc.start(1)
@@ -157,21 +165,34 @@ async def measure(steps: list[int], top: int, trace: bool, changes: int) -> dict
         nodes = max(steps)
         await applies.all_of(1, nodes, 600)
         result["fanouts"] = []
+        profiler = cProfile.Profile() if profile else None
         for change in range(1, changes + 1):
             await trio.sleep(1)
             configs = [node_config(i, change) for i in range(nodes)]  # as compute made them
+            if profiler is not None:
+                profiler.enable()
             cpu, start = time.process_time(), time.monotonic()
+            clients_cpu = sum(cpu_seconds(p.pid) for p in clients)
             for i, config in enumerate(configs):
                 versions.update(f"node/n{i}", config)
             server.notify([f"node/n{i}" for i in range(nodes)])
             times = sorted(t - start for t in await applies.all_of(change + 1, nodes, 600))
             used = time.process_time() - cpu
-            row = {"cpu_us_per_watch": 1e6 * used / nodes, "p50_ms": 1e3 * times[len(times) // 2],
+            clients_used = sum(cpu_seconds(p.pid) for p in clients) - clients_cpu
+            if profiler is not None:
+                profiler.disable()
+            row = {"cpu_us_per_watch": 1e6 * used / nodes,
+                   "clients_cpu_us_per_watch": 1e6 * clients_used / nodes,
+                   "p50_ms": 1e3 * times[len(times) // 2],
                    "p99_ms": 1e3 * times[int(len(times) * 0.99) - 1], "max_ms": 1e3 * times[-1]}
             result["fanouts"].append(row)
             print(f"fan-out {change} to {nodes:,} watches: {row['cpu_us_per_watch']:.0f} us of "
-                  f"CPU per watch, applied p50 {row['p50_ms']:.0f} ms, p99 "
+                  f"CPU per watch (the watchers: {row['clients_cpu_us_per_watch']:.0f} us "
+                  f"each), applied p50 {row['p50_ms']:.0f} ms, p99 "
                   f"{row['p99_ms']:.0f} ms", flush=True)
+        if profiler is not None and profile is not None:
+            profiler.dump_stats(profile)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         if result["fanouts"]:
             result["median"] = {k: statistics.median(r[k] for r in result["fanouts"])
                                 for k in result["fanouts"][0]}
@@ -194,12 +215,16 @@ def main() -> int:
     parser.add_argument("--tracemalloc", action="store_true",
                         help="also list the Python allocations that grew (slower, and "
                              "tracemalloc's own bookkeeping inflates the RSS figures)")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="cProfile the fan-outs (this process: the stream server and "
+                             "the reading of the clients' report lines) into FILE, and "
+                             "print the functions that took most")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "bench-results" / "config_fanout.json")
     args = parser.parse_args()
     started = time.monotonic()
     result = trio.run(measure, sorted(args.steps), args.top, args.tracemalloc,
-                      args.changes)
+                      args.changes, args.profile)
     result["seconds"] = time.monotonic() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -131,6 +131,9 @@ async def serve_http(stream: trio.abc.Stream, handler: Handler, *, idle_timeout:
             request = dataclasses.replace(_request(event), body=body)
             reply = await handler(request)
             if isinstance(reply, StreamingReply):
+                # A stream lasts (the controller's config watches: thousands, for
+                # days): not with the request's objects kept alive in this frame.
+                del event, part, request, body
                 await _stream(conn, stream, reply)
                 return
             await _send(conn, stream, reply, head_only=request.method == "HEAD")

@@ -13,7 +13,8 @@ written by one task, every few milliseconds (the time in a line is the apply's o
 write and a flush per apply was a tenth of this process's CPU at a fan-out); and once
 every watch is open, the cyclic GC no longer walks the thousands of watches' objects
 (`gcfreeze`, as the controller does): a real agent's collector walks one watch, and here
-it walked them all, a fifth of this process's CPU, the longer the more watches.
+each full collection walked them all (in a py-spy profile of the fan-outs, a fifth of
+this process's samples fell in allocations, where those collections run).
 
     .venv/bin/python -m scripts.bench.lib.config_clients --port P --ca-cert F --ca-key F \\
         --first 0 --count 2500

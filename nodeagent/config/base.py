@@ -173,8 +173,9 @@ def _parse_port(text: str) -> int:
 # A node's config names the same few hosts in many rules, and every config line is parsed
 # whole: this address parse was a visible share of a simulated agent's CPU per config
 # (`python -m scripts.bench.config_propagation`, profiled). Failures raise, so they are
-# not cached.
-@functools.lru_cache(maxsize=4096)
+# not cached. The controller checks every node's addresses at a fan-out: more entries
+# than nodes, or an LRU cycling through 5,000 addresses misses every time.
+@functools.lru_cache(maxsize=1 << 14)
 def _check_host(host: str) -> str:
     try:
         ipaddress.ip_address(host)

@@ -27,7 +27,13 @@ import trio
 from pydantic import BaseModel
 
 from nodeagent.config import ConfigError, parse_config
-from nodeagent.configstream.protocol import HEARTBEAT_HEADER, MAX_LINE, LineError, parse_line
+from nodeagent.configstream.protocol import (
+    HEARTBEAT_HEADER,
+    MAX_LINE,
+    LineError,
+    parse_config_line,
+    parse_line,
+)
 from nodeagent.ops.logs import StructuredLogger, get_logger
 from nodeagent.trust import tlscontext
 from tunnel.backoff import Backoff
@@ -83,6 +89,9 @@ async def watch_config(
     unreachable = Backoff(initial=min(backoff.initial, UNREACHABLE_MAXIMUM),
                           maximum=UNREACHABLE_MAXIMUM)
     failed_version = -1
+    # The running config's line, parsed again only to compare with a reconnect's first
+    # line (keeping the line, not its parsed document: the servers' holds 10,000 routes).
+    running_line: bytes | None = None
     while True:
         status.state = "connecting"
         try:
@@ -113,28 +122,45 @@ async def watch_config(
                 request = h11.Request(method="GET", target=f"{path}?after={after}",
                                       headers=headers)
                 await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
-                async for doc in _lines(conn, stream, idle_timeout):
+                async for line in _lines(conn, stream, idle_timeout):
                     status.state = "watching"
                     backoff.reset()
                     unreachable.reset()
-                    if not doc:
-                        continue  # heartbeat
-                    version = doc.get("version")
-                    if not isinstance(version, int):
-                        raise WatchError(f"line without a version: {str(doc)[:200]}")
+                    # A valid config line is validated from its bytes at once; anything
+                    # else (a heartbeat, a bad line or config) is read as a document,
+                    # which says what is wrong with it.
+                    valid = parse_config_line(line, model)
+                    doc: dict[str, Any] = {}
+                    if valid is None:
+                        doc = _document(line)
+                        if not doc:
+                            continue  # heartbeat
+                        version = doc.get("version")
+                        if not isinstance(version, int):
+                            raise WatchError(f"line without a version: {str(doc)[:200]}")
+                    else:
+                        version = valid[0]
                     status.received_version = version
                     fresh, first = first, False
-                    if fresh and doc.get("config") == running:
-                        status.applied_version = version  # the same content renumbered
-                        continue
+                    if fresh and (running is not None or running_line is not None):
+                        if running_line is not None:
+                            running = _document(running_line).get("config")
+                            running_line = None
+                        if (doc or _document(line)).get("config") == running:
+                            status.applied_version = version  # the same content renumbered
+                            continue
                     if not fresh and (version <= status.applied_version
                                       or version == failed_version):
                         continue
                     try:
-                        config = parse_config(model, doc.get("config"), f"controller {path}")
-                        config = config.model_copy(update={"version": version})
+                        if valid is not None:
+                            config = valid[1]
+                        else:
+                            config = parse_config(model, doc.get("config"),
+                                                  f"controller {path}")
+                            config = config.model_copy(update={"version": version})
                         await apply(config)
-                        running = doc.get("config")
+                        running, running_line = None, line
                     except Exception as exc:
                         failed_version = version
                         status.last_error = str(exc)
@@ -176,9 +202,16 @@ async def _pause(status: WatchStatus, backoff: Backoff, log: StructuredLogger,
     await trio.sleep(delay)
 
 
+def _document(line: bytes) -> dict[str, Any]:
+    try:
+        return parse_line(line)
+    except LineError as exc:
+        raise WatchError(str(exc)) from None
+
+
 async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: float
-                 ) -> AsyncIterator[dict[str, Any]]:
-    """Parsed JSON objects from the response body, one per line."""
+                 ) -> AsyncIterator[bytes]:
+    """The response body's lines, without their newline."""
     buffer = b""
     while True:
         event = conn.next_event()
@@ -201,10 +234,7 @@ async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: fl
                 raise WatchError("a config line exceeds the size limit")
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
-                try:
-                    yield parse_line(line)
-                except LineError as exc:
-                    raise WatchError(str(exc)) from None
+                yield line
             continue
         if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
             return

@@ -131,6 +131,9 @@ async def serve_http(stream: trio.abc.Stream, handler: Handler, *, idle_timeout:
             request = dataclasses.replace(_request(event), body=body)
             reply = await handler(request)
             if isinstance(reply, StreamingReply):
+                # A stream lasts (the controller's config watches: thousands, for
+                # days): not with the request's objects kept alive in this frame.
+                del event, part, request, body
                 await _stream(conn, stream, reply)
                 return
             await _send(conn, stream, reply, head_only=request.method == "HEAD")
@@ -167,13 +170,21 @@ async def _send(conn: h11.Connection, stream: trio.abc.Stream, reply: Reply, *,
 
 async def _stream(conn: h11.Connection, stream: trio.abc.Stream, reply: StreamingReply) -> None:
     headers = [("content-type", reply.content_type), *reply.headers]
-    await stream.send_all(conn.send(h11.Response(status_code=reply.status, headers=headers))
-                          or b"")
+    head = conn.send(h11.Response(status_code=reply.status, headers=headers)) or b""
+    await stream.send_all(head)
+    # A chunked body (an HTTP/1.1 client: h11 said so in the head) is framed here, not
+    # by h11, whose state machine per chunk was a large share of the config stream's CPU
+    # to send a fan-out (`python -m scripts.bench.config_fanout`). h11 still writes the
+    # head and the end: chunked framing has no length for it to track in between.
+    chunked = b"\r\nTransfer-Encoding: chunked\r\n" in head
     # aclosing: when the client goes away mid-stream, the generator's cleanup runs now,
     # not whenever the garbage collector finds it.
     async with contextlib.aclosing(reply.chunks) as chunks:
         async for chunk in chunks:
-            await _send_chunk(stream, conn.send(h11.Data(data=chunk)) or b"")
+            if not chunk:
+                continue  # an empty chunk would end the body
+            await _send_chunk(stream, b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked
+                              else conn.send(h11.Data(data=chunk)) or b"")
     await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
 
 

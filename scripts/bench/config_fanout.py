@@ -25,8 +25,10 @@ the working directory.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -41,8 +43,10 @@ import trio
 from nodeagent.config import AllowRule, NodeConfig
 from nodeagent.controller.compute import ConfigVersions
 from nodeagent.controller.configserver import ConfigStreamServer
+from nodeagent.runtime.gcfreeze import freeze_survivors_forever
 from nodeagent.trust import pki
 from scripts import ROOT
+from scripts.bench.config_propagation import cpu_seconds
 
 
 def rss() -> int:
@@ -96,7 +100,8 @@ class Applies:
         return [self.at[(i, version)] for i in range(nodes)]
 
 
-async def measure(steps: list[int], top: int, trace: bool, changes: int) -> dict[str, Any]:
+async def measure(steps: list[int], top: int, trace: bool, changes: int,
+                  profile: Path | None = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="nodeagent-cfgmem-"))
     ca = pki.create_ca("bench")
     ca.write(tmp / "ca.crt", tmp / "ca.key")
@@ -114,73 +119,93 @@ async def measure(steps: list[int], top: int, trace: bool, changes: int) -> dict
     clients: list[trio.Process] = []
     applies = Applies()
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(server.run, "127.0.0.1", 0)
-        port = listeners[0].socket.getsockname()[1]
-        gc.collect()
-        if trace:
-            tracemalloc.start(1)
-        before, snap = rss(), snapshot(trace)
-        opened = 0
-        for step in steps:
-            proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "scripts.bench.lib.config_clients", "--port", str(port),
-                 "--ca-cert", str(tmp / "ca.crt"), "--ca-key", str(tmp / "ca.key"),
-                 "--first", str(opened), "--count", str(step - opened)],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            clients.append(proc)
-            assert proc.stdout is not None
-            nursery.start_soon(applies.read, proc.stdout)
-            with trio.fail_after(600):
-                while len(server.subscribers) < step:  # noqa: ASYNC110 (polls another process)
-                    await trio.sleep(0.2)
-            await trio.sleep(2)  # their first lines sent, handshakes' garbage freed
+        try:
+            listeners = await nursery.start(server.run, "127.0.0.1", 0)
+            port = listeners[0].socket.getsockname()[1]
+            # As the `nodeagent controller` process does (gcfreeze.py): without it, full
+            # collections walking the watches' objects make a large, random share of the CPU.
+            nursery.start_soon(freeze_survivors_forever)
             gc.collect()
-            now, now_snap = rss(), snapshot(trace)
-            grew = now_snap.compare_to(snap, "lineno") if now_snap and snap else []
-            python = sum(d.size_diff for d in grew)
-            row = {"watches": step, "rss_mib": now / 2**20,
-                   "rss_per_watch_bytes": (now - before) / (step - opened),
-                   "python_per_watch_bytes": python / (step - opened),
-                   "top": [{"where": str(d.traceback[0]), "bytes_per_watch":
-                            d.size_diff / (step - opened), "count_diff": d.count_diff}
-                           for d in grew[:top]]}
-            result["steps"].append(row)
-            print(f"{step:,} watches: RSS {row['rss_mib']:.1f} MiB, "
-                  f"{row['rss_per_watch_bytes']:,.0f} B per added watch" + (
-                      f" (tracemalloc: {row['python_per_watch_bytes']:,.0f} B of Python "
-                      "objects)" if trace else ""), flush=True)
-            for t in row["top"]:
-                print(f"    {t['bytes_per_watch']:8,.0f} B  {t['where']}", flush=True)
-            before, snap, opened = now, now_snap, step
-        if trace:
-            tracemalloc.stop()
-        nodes = max(steps)
-        await applies.all_of(1, nodes, 600)
-        result["fanouts"] = []
-        for change in range(1, changes + 1):
-            await trio.sleep(1)
-            configs = [node_config(i, change) for i in range(nodes)]  # as compute made them
-            cpu, start = time.process_time(), time.monotonic()
-            for i, config in enumerate(configs):
-                versions.update(f"node/n{i}", config)
-            server.notify([f"node/n{i}" for i in range(nodes)])
-            times = sorted(t - start for t in await applies.all_of(change + 1, nodes, 600))
-            used = time.process_time() - cpu
-            row = {"cpu_us_per_watch": 1e6 * used / nodes, "p50_ms": 1e3 * times[len(times) // 2],
-                   "p99_ms": 1e3 * times[int(len(times) * 0.99) - 1], "max_ms": 1e3 * times[-1]}
-            result["fanouts"].append(row)
-            print(f"fan-out {change} to {nodes:,} watches: {row['cpu_us_per_watch']:.0f} us of "
-                  f"CPU per watch, applied p50 {row['p50_ms']:.0f} ms, p99 "
-                  f"{row['p99_ms']:.0f} ms", flush=True)
-        if result["fanouts"]:
-            result["median"] = {k: statistics.median(r[k] for r in result["fanouts"])
-                                for k in result["fanouts"][0]}
-            print("median: " + ", ".join(f"{k} {v:,.1f}" for k, v in result["median"].items()),
-                  flush=True)
-        for proc in clients:
-            proc.terminate()
-        for proc in clients:
-            await proc.wait()
+            if trace:
+                tracemalloc.start(1)
+            before, snap = rss(), snapshot(trace)
+            opened = 0
+            for step in steps:
+                proc = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "scripts.bench.lib.config_clients", "--port", str(port),
+                     "--ca-cert", str(tmp / "ca.crt"), "--ca-key", str(tmp / "ca.key"),
+                     "--first", str(opened), "--count", str(step - opened)],
+                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                clients.append(proc)
+                assert proc.stdout is not None
+                nursery.start_soon(applies.read, proc.stdout)
+                with trio.fail_after(600):
+                    while len(server.subscribers) < step:  # noqa: ASYNC110 (polls another process)
+                        await trio.sleep(0.2)
+                await trio.sleep(2)  # their first lines sent, handshakes' garbage freed
+                gc.collect()
+                now, now_snap = rss(), snapshot(trace)
+                grew = now_snap.compare_to(snap, "lineno") if now_snap and snap else []
+                python = sum(d.size_diff for d in grew)
+                row = {"watches": step, "rss_mib": now / 2**20,
+                       "rss_per_watch_bytes": (now - before) / (step - opened),
+                       "python_per_watch_bytes": python / (step - opened),
+                       "top": [{"where": str(d.traceback[0]), "bytes_per_watch":
+                                d.size_diff / (step - opened), "count_diff": d.count_diff}
+                               for d in grew[:top]]}
+                result["steps"].append(row)
+                print(f"{step:,} watches: RSS {row['rss_mib']:.1f} MiB, "
+                      f"{row['rss_per_watch_bytes']:,.0f} B per added watch" + (
+                          f" (tracemalloc: {row['python_per_watch_bytes']:,.0f} B of Python "
+                          "objects)" if trace else ""), flush=True)
+                for t in row["top"]:
+                    print(f"    {t['bytes_per_watch']:8,.0f} B  {t['where']}", flush=True)
+                before, snap, opened = now, now_snap, step
+            if trace:
+                tracemalloc.stop()
+            nodes = max(steps)
+            await applies.all_of(1, nodes, 600)
+            result["fanouts"] = []
+            profiler = cProfile.Profile() if profile else None
+            for change in range(1, changes + 1):
+                await trio.sleep(1)
+                configs = [node_config(i, change) for i in range(nodes)]  # as compute made them
+                if profiler is not None:
+                    profiler.enable()
+                cpu, start = time.process_time(), time.monotonic()
+                clients_cpu = sum(cpu_seconds(p.pid) for p in clients)
+                for i, config in enumerate(configs):
+                    versions.update(f"node/n{i}", config)
+                server.notify([f"node/n{i}" for i in range(nodes)])
+                times = sorted(t - start for t in await applies.all_of(change + 1, nodes, 600))
+                used = time.process_time() - cpu
+                clients_used = sum(cpu_seconds(p.pid) for p in clients) - clients_cpu
+                if profiler is not None:
+                    profiler.disable()
+                row = {"cpu_us_per_watch": 1e6 * used / nodes,
+                       "clients_cpu_us_per_watch": 1e6 * clients_used / nodes,
+                       "p50_ms": 1e3 * times[len(times) // 2],
+                       "p99_ms": 1e3 * times[int(len(times) * 0.99) - 1], "max_ms": 1e3 * times[-1]}
+                result["fanouts"].append(row)
+                print(f"fan-out {change} to {nodes:,} watches: {row['cpu_us_per_watch']:.0f} us of "
+                      f"CPU per watch (the watchers: {row['clients_cpu_us_per_watch']:.0f} us "
+                      f"each), applied p50 {row['p50_ms']:.0f} ms, p99 "
+                      f"{row['p99_ms']:.0f} ms", flush=True)
+            if profiler is not None and profile is not None:
+                profiler.dump_stats(profile)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            if result["fanouts"]:
+                result["median"] = {k: statistics.median(r[k] for r in result["fanouts"])
+                                    for k in result["fanouts"][0]}
+                print("median: " + ", ".join(f"{k} {v:,.1f}" for k, v in result["median"].items()),
+                      flush=True)
+        finally:  # the clients never outlive a failed run (they would reconnect for ever)
+            for proc in clients:
+                if proc.returncode is None:
+                    proc.terminate()
+            with trio.move_on_after(10):
+                for proc in clients:
+                    await proc.wait()
         nursery.cancel_scope.cancel()
     return result
 
@@ -194,12 +219,16 @@ def main() -> int:
     parser.add_argument("--tracemalloc", action="store_true",
                         help="also list the Python allocations that grew (slower, and "
                              "tracemalloc's own bookkeeping inflates the RSS figures)")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="cProfile the fan-outs (this process: the stream server and "
+                             "the reading of the clients' report lines) into FILE, and "
+                             "print the functions that took most")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "bench-results" / "config_fanout.json")
     args = parser.parse_args()
     started = time.monotonic()
     result = trio.run(measure, sorted(args.steps), args.top, args.tracemalloc,
-                      args.changes)
+                      args.changes, args.profile)
     result["seconds"] = time.monotonic() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -132,6 +132,23 @@ def test_a_tunnel_change_rebuilds_every_node_and_removed_objects_leave_the_memo(
     out = run(objects, [tunnel("t", {"allowedNodePorts": [10255]})], tmemo, cmemo)
     assert (tmemo.translated, cmemo.built) == (HOSTS, 2 * NODES)  # a fan-out
     assert out.nodes["n0"].allows("192.168.0.1", 10255)
+    # ... that parses no node's addresses and podCIDRs again, nor walks the Services
+    # for the protected ranges (only serviceCidrs would change those).
+    assert (cmemo.parsed, cmemo.walked) == (NODES, 1)
+    fresh = run(objects, [tunnel("t", {"allowedNodePorts": [10255]})])
+    assert out.nodes == fresh.nodes and out.routes == fresh.routes
+    out = run(objects, [tunnel("t", {"allowedNodePorts": [10255],
+                                     "serviceCidrs": ["10.96.0.0/12"]})], tmemo, cmemo)
+    assert (cmemo.parsed, cmemo.walked) == (NODES, 2)
+    assert out.routes.protected == run(objects, [tunnel("t", {
+        "allowedNodePorts": [10255], "serviceCidrs": ["10.96.0.0/12"]})]).routes.protected
+    # A node's address changes: its facts alone are parsed again.
+    n2 = copy.deepcopy(objects["nodes"][2])
+    n2["status"]["addresses"][0]["address"] = "192.168.9.9"
+    objects["nodes"][2] = n2
+    out = run(objects, [tunnel("t", {"allowedNodePorts": [10255]})], tmemo, cmemo)
+    assert cmemo.parsed == NODES + 1 and out.nodes["n2"].allows("192.168.9.9", 10255)
+    assert not out.nodes["n2"].allows("192.168.0.3", 10255)
 
     del objects["ingresses"][HOSTS - 1]
     del objects["nodes"][NODES - 1]

@@ -124,3 +124,52 @@ async def test_streaming_reply_cleans_up_as_soon_as_the_client_leaves() -> None:
             await client_side.aclose()
     # serve_http returned (the nursery exited) with the generator already finalized.
     assert state == {"open": 1, "closed": 1}
+
+
+async def _streamed(request_head: bytes, parts: list[bytes]) -> bytes:
+    """What serve_http writes for a StreamingReply of `parts` (then the end), read to
+    the connection's close."""
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        for part in parts:
+            yield part
+
+    async def handler(request: Request) -> Reply | StreamingReply:
+        return StreamingReply(chunks())
+
+    server_side, client_side = trio.testing.memory_stream_pair()
+    received = b""
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_http, server_side, handler)
+            await client_side.send_all(request_head)
+            while chunk := await client_side.receive_some(65536):
+                received += chunk
+    return received
+
+
+async def test_a_streaming_reply_is_chunked_for_http_1_1_and_close_delimited_for_1_0(
+        ) -> None:
+    parts = [b'{"version":1}\n', b"", b"x" * 70_000 + b"\n", b"{}\n"]
+    # HTTP/1.1: framed chunks, each part whole, the empty one left out (it would end
+    # the body), then the last chunk; h11 on the other end reads exactly the parts.
+    received = await _streamed(b"GET /w HTTP/1.1\r\nhost: x\r\n\r\n", parts)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    assert body == (b'e\r\n{"version":1}\n\r\n' + b"11171\r\n" + b"x" * 70_000 + b"\n\r\n"
+                    + b"3\r\n{}\n\r\n" + b"0\r\n\r\n")
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/w", headers=[("host", "x")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(received)
+    events = []
+    while (event := client.next_event()) is not h11.NEED_DATA:
+        events.append(event)
+        if isinstance(event, h11.EndOfMessage):
+            break
+    assert b"".join(bytes(e.data) for e in events if isinstance(e, h11.Data)) == \
+        b"".join(parts)
+    assert isinstance(events[-1], h11.EndOfMessage)
+    # HTTP/1.0 has no chunks: the body is the parts as they are, ended by the close.
+    received = await _streamed(b"GET /w HTTP/1.0\r\n\r\n", parts)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"chunked" not in head and body == b"".join(parts)

@@ -183,9 +183,18 @@ class Sleeper:
                 entry.last_request = now
 
     def busy(self) -> set[Key]:
-        """The Services this replica's servers report requests in flight or held for."""
+        """The awake Services this replica's servers report requests in flight or held
+        for: what the other replicas are told (activityshare). One asleep or waking is
+        left out (its requests are held, and the leader sleeps only an awake one): no
+        write to the API in the middle of every wake."""
         now = self.clock()
-        return {key for key, entry in self.activity.items() if entry.busy_until > now}
+        out = set()
+        for key, entry in self.activity.items():
+            if entry.busy_until > now:
+                service = self.services.get(key[1], key[0])
+                if service is None or read_state(service).get("state", "awake") == "awake":
+                    out.add(key)
+        return out
 
     # -- waking (any replica) ----------------------------------------------------------
 

@@ -13,7 +13,7 @@ import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -30,6 +30,7 @@ from nodeagent.config import (
     NodeConfig,
 )
 from nodeagent.config.health import HEALTH_PURPOSE
+from nodeagent.config.routes import WAKE_KEY
 from nodeagent.configstream.client import WatchStatus
 from nodeagent.ops.logs import get_logger
 from nodeagent.ops.metrics import Metrics, counter, gauge
@@ -60,6 +61,17 @@ if TYPE_CHECKING:
     from nodeagent.trust.enrollment import IdentityKeeper
 
 log = get_logger("nodeagent.agent")
+
+# A stream to a backend of a Service that scales to zero (the server sets WAKE_KEY) whose
+# target this node's config does not allow yet waits this long for a config that does,
+# then is refused as any other. A woken workload's endpoints reach the servers' routes
+# and this node's allow list on two streams, the allow list often a few to a few hundred
+# milliseconds later: refused, the server's held request would dial again and again.
+# Waiting never dials what the config in force does not allow; at most
+# CONFIG_WAITERS streams wait at once (more are refused at once: a server cannot make an
+# agent hold many).
+CONFIG_WAIT = 2.0
+CONFIG_WAITERS = 256
 
 
 
@@ -117,6 +129,10 @@ class Agent:
         if self.node_config.intercept is not None:
             self.interceptor = self._interceptor(self.node_config.intercept)
         self._nursery: trio.Nursery | None = None  # run()'s, while it runs
+        # Set (and replaced) when a NodeConfig is applied: streams waiting for their
+        # target to be allowed look again (CONFIG_WAIT).
+        self._config_applied = trio.Event()
+        self._config_waiters = 0
         # The flows the server opens (UDP mappings), served by one task: an idle flow
         # costs its socket and a small record, no task.
         self.flow_poller = FlowPoller()
@@ -173,6 +189,8 @@ class Agent:
             else:
                 await self.interceptor.apply(node_config.intercept)
         self.node_config = node_config
+        applied, self._config_applied = self._config_applied, trio.Event()
+        applied.set()
         self.client.set_replicas(node_config.server_replicas)
         self.metrics.config_version.set(node_config.version)
         self.log.info("config applied", version=node_config.version,
@@ -206,11 +224,16 @@ class Agent:
         prefix = "control_plane_" if control else ""
         self.stream_notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
 
+        waits = not control and incoming.metadata.get(WAKE_KEY) == "1"
+
+        def allowed() -> bool:
+            node = self.node_config
+            check = node.allows_control_plane if control else node.allows
+            return target.protocol == "tcp" and check(target.host, target.port,
+                                                      target.protocol)
+
         async def open_node_target() -> trio.abc.HalfCloseableStream:
-            allowed = (self.node_config.allows_control_plane if control
-                       else self.node_config.allows)
-            if target.protocol != "tcp" or not allowed(target.host, target.port,
-                                                        target.protocol):
+            if not allowed() and not (waits and await self._allowed_soon(allowed)):
                 raise StreamFailed(p.StreamReason.FORBIDDEN,
                                    f"{target} is not allowed on node {self.config.node}"
                                    + (" for control-plane streams" if control else ""))
@@ -250,6 +273,25 @@ class Agent:
             return
         if relayed.spliced is not None:
             self._stream_finished(incoming.stream.stream_id, target, origin, relayed.spliced)
+
+    async def _allowed_soon(self, allowed: Callable[[], bool]) -> bool:
+        """Whether a config applied within CONFIG_WAIT allows the target (see there)."""
+        if self._config_waiters >= CONFIG_WAITERS:
+            return False
+        self._config_waiters += 1
+        started = time.monotonic()
+        try:
+            with trio.move_on_after(CONFIG_WAIT):
+                while True:
+                    await self._config_applied.wait()
+                    if allowed():
+                        self._count("allowed_after_wait")
+                        self.log.debug("stream allowed by a newer config", waited=(
+                            f"{(time.monotonic() - started) * 1e3:.1f}ms"))
+                        return True
+            return False
+        finally:
+            self._config_waiters -= 1
 
     def _stream_finished(self, stream_id: int, target: p.Target, origin: str,
                          result: SpliceResult) -> None:

@@ -131,6 +131,13 @@ class UdpMapping(Model):
     amplification_factor: float = Field(default=3.0, ge=1, le=100)
 
 
+# Stream metadata the server sets on a stream to a backend of a Service that scales to
+# zero (a route or port with `wake`): its node's allow list may reach the agent a moment
+# after the servers' routes, so the agent waits briefly for its config before refusing
+# (agent/agent.py); it still dials only what its own config allows.
+WAKE_KEY = "wake"
+
+
 class WakeRoute(Model):
     """Scale to zero for the Service behind an Ingress rule or a LoadBalancer port
     (controller mode; the Service opts in by annotation). With no backends, a request

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import trio
 
 from nodeagent.config import NodeConfig
+from nodeagent.controller.activityshare import ACTIVITY_LABEL, SharedActivity
 from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.compute import (
@@ -205,6 +206,9 @@ class Controller:
             SECRETS, field_selector={"type": HTPASSWD_SECRET_TYPE})
         self.caches["watchers"] = self.informers.cache(
             CONFIGMAPS, namespace=ns, label_selector={WATCHERS_LABEL: "true"})
+        # Scale to zero: every replica's record of the Services its servers report busy.
+        self.caches["activity"] = self.informers.cache(
+            CONFIGMAPS, namespace=ns, label_selector={ACTIVITY_LABEL: "true"})
         self.bootstrap = Bootstrap(self.kube, self.caches["secrets"], ns, self._server_hosts)
         self.metrics = ControllerMetrics()
         self.metrics.watch_informers(lambda: self.informers.informers)
@@ -219,9 +223,17 @@ class Controller:
             review_burst=max(1, math.ceil(self.settings.token_review_rate * 2.5)),
             trust_bundle=lambda: self.bootstrap.trust_pem, still_exists=self._still_exists)
         # Scale to zero: servers' activity reports and wake requests; the leader's sleeps.
+        # The busy Services are shared between replicas through the API: rewritten every
+        # report interval (at least every tick) while any is, valid for three of those.
+        sleeping = self.settings.sleeper
+        refresh = max(sleeping.activity_interval, sleeping.tick)
+        shared = SharedActivity(
+            self.kube, self.caches["activity"], ns, self.settings.identity,
+            refresh=refresh, valid_for=3 * refresh + sleeping.tick, tick=sleeping.tick,
+            on_problem=lambda: self.metrics.config("scale_to_zero_bad_activity_record"))
         self.sleeper = Sleeper(self.kube, self.caches["services"],
                                self.caches["endpointslices"], self.caches["pods"],
-                               settings=self.settings.sleeper, metrics=self.metrics)
+                               settings=sleeping, metrics=self.metrics, shared=shared)
         self.stream = ConfigStreamServer(self.versions, tls=self.tls.context,
                                          reports=self.sleeper.answer,
                                          signer=self.signer, metrics=self.metrics,

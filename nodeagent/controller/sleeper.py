@@ -2,12 +2,15 @@
 them when a server asks (any replica), through the scale subresource.
 
 Activity: servers report, per sleepable Service, the seconds since its last request and
-the requests in flight or held (`report`). Every replica keeps what it hears and writes
-the last request to the Service (`nodeagent.io/last-request`, at most once per
-`max(activity_interval, idle_after / 10)`), so the leader decides on what servers watching
-a standby reported too, and a new leader does not forget. The leader puts a Service's
-workload to sleep when no request was in flight or held in the last reports, the last
-request is older than `idle-after`, and the workload has been awake at least `min_awake`:
+the requests in flight or held (`report`). Every replica keeps what it hears, writes the
+last request to the Service (`nodeagent.io/last-request`, at most once per
+`max(activity_interval, idle_after / 10)`), and publishes the Services its servers report
+busy in a record of its own (`activityshare`), so the leader decides on what servers
+watching a standby reported too, and a new leader does not forget. The leader puts a
+Service's workload to sleep when no request was in flight or held in the last reports of
+any replica's servers, the last request is older than `idle-after`, the workload has been
+awake at least `min_awake`, and it has led for one record's validity at least (a report
+it has not heard yet is not idleness):
 it records the replica count on the workload (`nodeagent.io/replicas-before-sleep`),
 scales it to 0 and says so on the Service (`nodeagent.io/scale-to-zero`: state, since,
 workload) and in an Event.
@@ -36,6 +39,7 @@ from typing import Any
 import trio
 
 from nodeagent.configstream.protocol import ACTIVITY, ReportError, parse_activity, parse_wake
+from nodeagent.controller.activityshare import SharedActivity
 from nodeagent.controller.metrics import ControllerMetrics
 from nodeagent.controller.wakeroutes import (
     LAST_REQUEST,
@@ -118,6 +122,10 @@ class Sleeper:
     _workloads: dict[Key, tuple[str, str]] = field(default_factory=dict)
     _limited: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
     _events: EventRecorder | None = None
+    # The Services every replica's servers report busy (None: this replica's own only,
+    # as in tests of one replica), and since when this replica leads.
+    shared: SharedActivity | None = None
+    _leading_since: float | None = None
 
     def __post_init__(self) -> None:
         self._events = EventRecorder(self.kube, component="nodeagent-controller")
@@ -169,8 +177,24 @@ class Sleeper:
             if idle is not None:
                 entry.last_request = max(entry.last_request, now - idle)
             if in_flight > 0:
+                if entry.busy_until <= now and self.shared is not None:
+                    self.shared.changed()  # newly busy: the other replicas learn it now
                 entry.busy_until = max(entry.busy_until, now + busy_for)
                 entry.last_request = now
+
+    def busy(self) -> set[Key]:
+        """The awake Services this replica's servers report requests in flight or held
+        for: what the other replicas are told (activityshare). One asleep or waking is
+        left out (its requests are held, and the leader sleeps only an awake one): no
+        write to the API in the middle of every wake."""
+        now = self.clock()
+        out = set()
+        for key, entry in self.activity.items():
+            if entry.busy_until > now:
+                service = self.services.get(key[1], key[0])
+                if service is None or read_state(service).get("state", "awake") == "awake":
+                    out.add(key)
+        return out
 
     # -- waking (any replica) ----------------------------------------------------------
 
@@ -297,19 +321,35 @@ class Sleeper:
     # -- every replica: activity to the Service; the leader: sleep decisions ------------
 
     async def run(self, is_leader: Callable[[], bool]) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.shared is not None:
+                nursery.start_soon(self.shared.publish_forever, self.busy)
+            await self._passes(is_leader)
+
+    async def _passes(self, is_leader: Callable[[], bool]) -> None:
+        passes = 0
         while True:
             await trio.sleep(self.settings.tick)
+            leading = is_leader()
+            if not leading:
+                self._leading_since = None
+            elif self._leading_since is None:
+                self._leading_since = self.clock()
+            elsewhere = self.shared.busy() if leading and self.shared is not None else set()
             for key in list(self.enabled):
                 try:
                     await self._flush(key)
-                    if is_leader():
-                        await self._consider(key)
+                    if leading:
+                        await self._consider(key, busy_elsewhere=key in elsewhere)
                 except KubeError as exc:
                     self._limited.warning(f"pass:{key}", "scale to zero: API write failed; "
                                           "trying again", service=f"{key[0]}/{key[1]}",
                                           error=str(exc)[:200])
-            if is_leader():
+            if leading:
                 await self._wake_disabled()
+                passes += 1
+                if self.shared is not None and passes % 600 == 1:
+                    await self.shared.collect()
 
     async def _flush(self, key: Key) -> None:
         entry = self.activity.get(key)
@@ -331,7 +371,7 @@ class Sleeper:
         await self.kube.patch(SERVICES, key[1], namespace=key[0], patch={
             "metadata": {"annotations": {LAST_REQUEST: _now_text(entry.last_request)}}})
 
-    async def _consider(self, key: Key) -> None:
+    async def _consider(self, key: Key, *, busy_elsewhere: bool = False) -> None:
         settings = self.enabled[key]
         service = self.services.get(key[1], key[0])
         if service is None:
@@ -358,10 +398,18 @@ class Sleeper:
             if not entry.last_request:
                 entry.last_request = now
         last = max(entry.last_request, written, since)
-        if entry.busy_until > now or now - last < settings.idle_after or \
-                now - since < self.settings.min_awake:
+        if entry.busy_until > now or busy_elsewhere or now - last < settings.idle_after or \
+                now - since < self.settings.min_awake or not self._led_long_enough(now):
             return
         await self._sleep(key, service, now - last)
+
+    def _led_long_enough(self, now: float) -> bool:
+        """Led for one record's validity: every replica's busy Services were heard (a
+        report not heard yet is not idleness)."""
+        if self.shared is None:
+            return True
+        return self._leading_since is not None and \
+            now - self._leading_since >= self.shared.valid_for
 
     async def _sleep(self, key: Key, service: dict[str, Any], idle: float) -> None:
         label = f"{key[0]}/{key[1]}"

@@ -23,6 +23,7 @@ it (see there why). No I/O of its own: trio events and sleeps only.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ import trio
 
 from nodeagent.http.dispatch import Refusal
 from nodeagent.http.routetable import WakeSpec
+from nodeagent.ops.logs import get_logger
+
+log = get_logger("nodeagent.http.holds")
 
 # Buckets of the cold-start histogram (seconds from the first held request to forward).
 COLD_START_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, math.inf)
@@ -163,6 +167,9 @@ class HeldRequests:
                 if type(result) is not Refusal:
                     stats.forwarded += 1
                     stats.observe_cold_start(self._clock() - self.since.get(service, started))
+                    if log.isEnabledFor(logging.DEBUG):  # the steps of a wake, timed in logs
+                        log.debug("held request released", service=service,
+                                  held=f"{(self._clock() - started) * 1e3:.1f}ms")
                     return result
                 if result.wake is None or result.wake.service != service:
                     if result.status == 502:
@@ -207,9 +214,14 @@ async def dial_woken(target: T, recheck: Callable[[], T | Refusal],
     most every REDIAL_MOST, until `deadline` (the held request's wake deadline): then
     the last failure is raised."""
     delay = REDIAL_FIRST
+    started, attempts = trio.current_time(), 1
     while True:
         try:
-            return target, await dial(target)
+            dialed = await dial(target)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("woken backend dialed", attempts=attempts,
+                          took=f"{(trio.current_time() - started) * 1e3:.1f}ms")
+            return target, dialed
         except refused:
             if trio.current_time() + delay > deadline:
                 raise
@@ -219,3 +231,4 @@ async def dial_woken(target: T, recheck: Callable[[], T | Refusal],
         if isinstance(again, Refusal):
             return again
         target = again
+        attempts += 1

@@ -26,6 +26,7 @@ from typing import Protocol
 import trio
 
 from nodeagent.config import RoutesConfig
+from nodeagent.config.routes import WAKE_KEY
 from nodeagent.http.routetable import Backend
 from nodeagent.server.refusals import PolicyRefusals
 from tunnel import protocol as p
@@ -164,13 +165,15 @@ class DataPath:
                 f"the Service range)", backend=f"{backend.host}:{backend.port}"))
 
     async def open_to(self, node: str | None, host: str, port: int,
-                      origin: str) -> trio.abc.HalfCloseableStream:
+                      origin: str, *, wakes: bool = False) -> trio.abc.HalfCloseableStream:
         """A stream to host:port through `node` (or directly when node is None).
+        `wakes`: the target is a backend of a Service that scales to zero (WAKE_KEY).
         Raises StreamFailed (StreamRefusedError or DialFailed) with the reason."""
         if node is None:
             return await connect_tcp(host, port, connect_timeout=self.dial_timeout)
+        metadata = {"origin": origin, WAKE_KEY: "1"} if wakes else {"origin": origin}
         with trio.move_on_after(self.dial_timeout) as scope:
-            return await self._open_stream(node, p.Target(host, port), {"origin": origin})
+            return await self._open_stream(node, p.Target(host, port), metadata)
         assert scope.cancelled_caught
         raise StreamRefusedError(p.StreamReason.TIMEOUT,
                                  f"node {node} did not answer within {self.dial_timeout}s")

@@ -90,7 +90,7 @@ class HeldConnections:
         peer = peer_address(client)
         try:
             dialed = await dial_woken(outcome, pick, lambda m: self.relay.open_target(
-                m, peer), deadline, StreamFailed)
+                m, peer, wakes=True), deadline, StreamFailed)
         except StreamFailed as exc:
             self.holds.stats.failed += 1
             await self._close(name, client, Refusal(502, f"{name}: {exc}", wake=wake),

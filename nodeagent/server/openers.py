@@ -165,7 +165,8 @@ class HttpBackends:
                     await self._datapath.dial_direct_backend(backend, route.name))
             else:
                 stream = await self._datapath.open_to(backend.node, backend.host,
-                                                      backend.port, client)
+                                                      backend.port, client,
+                                                      wakes=route.wake is not None)
                 # One upstream stream serves a client connection's requests in turn.
                 self._notes.note(stream, f"http route {route.name}" + (
                     f" client {client}" if client else ""))

@@ -125,11 +125,12 @@ class TcpMappingRelay:
                 "connection finished", sent=result.a_to_b, received=result.b_to_a,
                 error=result.error or "")
 
-    async def open_target(self, mapping: TcpMapping, peer: str
+    async def open_target(self, mapping: TcpMapping, peer: str, *, wakes: bool = False
                           ) -> trio.abc.HalfCloseableStream:
-        """The stream to the mapping's target for client `peer`; raises StreamFailed."""
+        """The stream to the mapping's target for client `peer` (`wakes`: of a Service
+        that scales to zero, `DataPath.open_to`); raises StreamFailed."""
         stream = await self._datapath.open_to(mapping.node, mapping.target.host,
-                                              mapping.target.port, peer)
+                                              mapping.target.port, peer, wakes=wakes)
         name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
         self._notes.note(stream, name)
         return stream

@@ -58,12 +58,17 @@ UNREACHABLE_MAXIMUM = 1.0
 BACK_TIMEOUT = 30.0
 
 
-def dialing(agent: NodeagentProcess) -> dict[str, Any]:
-    """The agent's one address being dialed (its debug `tunnels` view), failing so far."""
+def debug_tunnels(agent: NodeagentProcess) -> dict[str, Any]:
+    """The agent's debug `tunnels` view: a row per tunnel held or address being dialed."""
     transport = httpx.HTTPTransport(uds=str(agent.socket))
     with httpx.Client(transport=transport, timeout=5) as client:
-        rows = client.get("http://debug/tunnels").json()["tunnels"]
-    (row,) = [r for r in rows if r["server_id"] is None]
+        view: dict[str, Any] = client.get("http://debug/tunnels").json()
+    return view
+
+
+def dialing(agent: NodeagentProcess) -> dict[str, Any]:
+    """The agent's one address being dialed (its debug `tunnels` view), failing so far."""
+    (row,) = [r for r in debug_tunnels(agent)["tunnels"] if r["server_id"] is None]
     return dict(row)
 
 

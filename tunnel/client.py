@@ -233,7 +233,8 @@ class TunnelClient:
     def dialing(self) -> list[dict[str, object]]:
         """For debug views: a row per address a tunnel is wanted through and not held
         yet (the public address while replicas are missing, a direct server that is
-        down): dialing now or waiting to, since when, and its last failure."""
+        down): dialing now or waiting to, since when, its last failure and the delay
+        chosen after it."""
         now = trio.current_time()
         rows: list[dict[str, object]] = []
         for dialer in self._dialers:
@@ -246,6 +247,10 @@ class TunnelClient:
                 "rtt_ms": None, "streams_open": 0, "bytes_in": 0, "bytes_out": 0,
                 "since_seconds": round(now - down, 1) if down is not None else None,
                 "last_error": dialer.last_error,
+                # The delay chosen after its last failure (the reconnect policy's pick:
+                # about a second while unreachable), so a test or an operator can see the
+                # schedule without timing it.
+                "retry_in_seconds": round(dialer.next_delay, 3),
             })
         return rows
 

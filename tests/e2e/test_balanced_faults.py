@@ -39,7 +39,7 @@ from nodeagent.testing.netns import NftBalancer, Topology, in_netns, netns_avail
 from nodeagent.testing.procs import NodeagentProcess, rss_kib
 from nodeagent.testing.standalone import TOKEN, QuietHTTPServer
 from nodeagent.trust import pki
-from tests.e2e.test_failures import lines, no_tracebacks
+from tests.e2e.test_failures import debug_tunnels, lines, no_tracebacks
 
 pytestmark = [pytest.mark.netns, pytest.mark.needs("nft")]
 
@@ -430,8 +430,13 @@ def test_kill_9_fails_only_requests_in_flight_on_that_replica(healthy: Site) -> 
     for thread in sloths:
         thread.join(20)
     failed = load.failed()
-    late = [r for r in failed if r.started > killed + 1.0]
-    after = [r for r in load.results if r.started > killed + 1.0]
+    # Requests started once the balancer had dropped the replica (its health check saw
+    # it gone): none may fail. Relative to that event, not to a fixed time after the
+    # kill, which a loaded machine stretches.
+    dropped = next(t for t, ready in site.health.changes
+                   if t >= killed and ready == ("replica-b",))
+    late = [r for r in failed if r.started > dropped]
+    after = [r for r in load.results if r.started > dropped]
     last = max((r.started - killed for r in failed), default=None)
     print(f"\nkill -9 under load: {len(load.results)} requests, {len(failed)} failed "
           f"(last one started {last if last is None else round(last, 3)} s after the "
@@ -477,6 +482,10 @@ def test_link_down_10s_streams_reset_node_back_soon_memory_flat(healthy: Site) -
         if noticed is None and not agent.status()["tunnels"]:
             noticed = time.monotonic() - down
         time.sleep(0.25)
+    # Back soon once the link returns: while it is down the agent retries on the
+    # unreachable schedule, about every second (the delay it chose, not a timing).
+    dialing = [row for row in debug_tunnels(agent)["tunnels"] if row["server_id"] is None]
+    assert dialing and all(0 < row["retry_in_seconds"] <= 1.0 for row in dialing), dialing
     site.topo.exec("edge", ["ip", "link", "set", site.edge_if, "up"])
     # The route the link took with it comes back (a network manager does this on a host).
     site.topo.route("edge", "default", "192.168.77.1")
@@ -486,19 +495,20 @@ def test_link_down_10s_streams_reset_node_back_soon_memory_flat(healthy: Site) -
     back = time.monotonic() - up
     for thread in streams:
         thread.join(35)
-    keepalive_timeout = KEEPALIVE["interval"] + KEEPALIVE["timeout"]
     print(f"\nlink down 10 s: agent noticed after {noticed} s (keepalive "
           f"{KEEPALIVE}), both tunnels back {back:.2f} s after the link returned; agent "
           f"RSS {base_rss} KiB before, max {max(rss)} KiB while down; streams: "
           f"{[(round(t - down, 2), what) for t, what in cut]}")
-    assert noticed is not None and noticed <= keepalive_timeout + 2, noticed
-    assert back <= 5.0, back
+    # Noticed while the link was down (10 s), by the keepalive: both tunnels ended so.
+    assert noticed is not None, noticed
+    assert debug_tunnels(agent)["reconnects"].get("keepalive_timeout", 0) >= len(REPLICAS), \
+        debug_tunnels(agent)
     assert max(rss) - base_rss < 20 * 1024, (base_rss, rss)
     # The streams in flight were cut (not hung until the client gave up at 30 s).
     # A stream cut before the node's response head crossed is answered 502 by the server
     # (the client gets a clean error); one cut after it ends short. Neither completes.
     assert len(cut) == 2 and all(not what.startswith("completed 200") for _, what in cut), cut
-    assert all(t - down < 20 for t, _ in cut), cut
+    assert not any("timeout" in what.lower() or "timed out" in what for _, what in cut), cut
     assert site.in_client(get, "/hello") == (200, b"hello from the edge")
 
 

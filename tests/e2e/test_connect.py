@@ -341,7 +341,9 @@ def test_a_dial_that_hangs_is_504_and_the_agent_refuses_what_its_own_rules_do_no
     started = time.monotonic()
     _, status, body = connect_uds(stack.uds, connect(f"edge-1.site.test:{stack.hang}"))
     assert status == 504, body
-    assert 2.5 < time.monotonic() - started < 8
+    # It waited out its dial timeout (a lower bound: load only lengthens it); the 504
+    # says it was a timeout, the socket's 10 s timeout is the hang guard.
+    assert time.monotonic() - started > 2.5
     # The server's routes allow this port on edge-1; the agent's control_plane rules do
     # not (its ordinary allow list does, which must not count): the agent refuses.
     _, status, body = connect_uds(stack.uds, connect(f"edge-1:{stack.forbidden_by_agent}"))

@@ -3,8 +3,10 @@ rolled with SIGTERM while a stream is in flight, peers vanishing and resetting. 
 asserted is what an operator sees: when the node is back, which streams survive, and the
 log lines (one per event, never a traceback).
 
-Times are asserted loosely (this machine is shared and noisy) and printed; the tight
-figures come from `python -m scripts.bench.reconnect_after_outage` over several runs."""
+Times are printed, never asserted (this machine is shared and noisy): what stands for
+"back soon" is the retry delay the agent chose (its debug `tunnels` view), checked while
+the server is still away; waits are generous hang guards. The figures come from
+`python -m scripts.bench.reconnect_after_outage` over several runs."""
 
 from __future__ import annotations
 
@@ -49,7 +51,39 @@ def no_tracebacks(*procs: NodeagentProcess) -> None:
         assert "Traceback" not in proc.logs(), proc.logs()
 
 
-def wait_agent_on(server: NodeagentProcess, timeout: float = 10.0) -> float:
+# The agent's retry delay while the server is unreachable is capped at this (the
+# reconnect policy's unreachable_maximum): it is back within about that of the server.
+UNREACHABLE_MAXIMUM = 1.0
+# Hang guard for the agent's return: generous, the machine is shared.
+BACK_TIMEOUT = 30.0
+
+
+def debug_tunnels(agent: NodeagentProcess) -> dict[str, Any]:
+    """The agent's debug `tunnels` view: a row per tunnel held or address being dialed."""
+    transport = httpx.HTTPTransport(uds=str(agent.socket))
+    with httpx.Client(transport=transport, timeout=5) as client:
+        view: dict[str, Any] = client.get("http://debug/tunnels").json()
+    return view
+
+
+def dialing(agent: NodeagentProcess) -> dict[str, Any]:
+    """The agent's one address being dialed (its debug `tunnels` view), failing so far."""
+    (row,) = [r for r in debug_tunnels(agent)["tunnels"] if r["server_id"] is None]
+    return dict(row)
+
+
+def retrying_soon(agent: NodeagentProcess) -> dict[str, Any]:
+    """Check the agent, while its server is away, retries on the unreachable schedule:
+    the delay it chose after its last failed attempt is at most about a second."""
+    status = agent.wait_for(lambda s: s["tunnel"]["failures"] >= 1, timeout=BACK_TIMEOUT,
+                            what="a failed attempt")
+    assert status["tunnel"]["last_failure"] == "unreachable", status["tunnel"]
+    row = dialing(agent)
+    assert 0 < row["retry_in_seconds"] <= UNREACHABLE_MAXIMUM, row
+    return row
+
+
+def wait_agent_on(server: NodeagentProcess, timeout: float = BACK_TIMEOUT) -> float:
     """Seconds until `server` (just ready) holds edge-1's tunnel."""
     started = time.monotonic()
     server.wait_for(lambda s: any(a["node"] == "edge-1" for a in s["agents"]),
@@ -72,12 +106,14 @@ def test_agent_is_back_soon_after_an_outage_of_any_length(
         wait_agent_on(server)
         server.kill()
         time.sleep(outage)
+        # However long the outage, the agent still retries about every second (a growing
+        # backoff would be at many seconds by now).
+        row = retrying_soon(agent)
         back = NodeagentProcess("server", scfg, tmp_path, "server-back").start()
         back.wait_ready()
         elapsed = wait_agent_on(back)
-        print(f"\noutage {outage}s: agent back {elapsed:.2f}s after the server was ready")
-        # Within ~1 s by design (retries about every second while unreachable); loose here.
-        assert elapsed < 4.0, f"agent took {elapsed:.2f}s after a {outage}s outage"
+        print(f"\noutage {outage}s: agent back {elapsed:.2f}s after the server was ready "
+              f"(its retry delay then: {row['retry_in_seconds']}s)")
         assert echo_through(listen_port(back, 0), b"again") == b"again"
     finally:
         server.kill()
@@ -145,10 +181,12 @@ def test_sigterm_drains_a_stream_in_flight_while_the_agent_moves_to_the_new_serv
         bcfg = server_config(tmp_path, certs, upstream, tunnel_port=tunnel_port)
         bcfg["debug_socket"] = str(tmp_path / "server-b.sock")
         new = NodeagentProcess("server", bcfg, tmp_path, "server-b").start()
+        # Meanwhile its dials to A's closed port are refused: retried about every second.
+        row = retrying_soon(agent)
         new.wait_ready()
         elapsed = wait_agent_on(new)
-        print(f"\nagent on the new server {elapsed:.2f}s after it was ready")
-        assert elapsed < 4.0, elapsed
+        print(f"\nagent on the new server {elapsed:.2f}s after it was ready "
+              f"(its retry delay then: {row['retry_in_seconds']}s)")
         assert echo_through(listen_port(new, 0), b"new") == b"new"
 
         # The stream in flight on A still works through the draining tunnel.
@@ -348,14 +386,19 @@ def test_agent_is_back_soon_after_its_path_dropped_packets(tmp_path: Path) -> No
         agent.wait_for(lambda s: s["tunnel"]["state"] != "connected", timeout=10,
                        what="agent notices the dead path")
         time.sleep(6)
-        assert agent.status()["tunnel"]["last_failure"] == "unreachable"
+        # Its TCP connect gave up on its own 2 s bound (not the kernel's SYN retries nor
+        # the whole dial's timeout), and the next attempt is about a second away.
+        agent.wait_for(lambda s: "no TCP connection within 2s" in
+                       (s["tunnel"]["last_error"] or ""), timeout=BACK_TIMEOUT,
+                       what="a TCP connect given up after 2 s")
+        row = retrying_soon(agent)
         topo.exec("cloud", ["nft", "delete", "table", "inet", "blackhole"])
         back = time.monotonic()
-        agent.wait_for(lambda s: s["tunnel"]["state"] == "connected", timeout=15,
+        agent.wait_for(lambda s: s["tunnel"]["state"] == "connected", timeout=BACK_TIMEOUT,
                        what="agent back")
         elapsed = time.monotonic() - back
-        print(f"\npath dropped 6 s: agent back {elapsed:.2f}s after it was restored")
-        assert elapsed < 4.0, elapsed
+        print(f"\npath dropped 6 s: agent back {elapsed:.2f}s after it was restored "
+              f"(its retry delay then: {row['retry_in_seconds']}s)")
     finally:
         for proc in procs:
             proc.kill()
@@ -387,6 +430,7 @@ def test_agent_sigterm_finishes_the_stream_in_flight_and_new_ones_fail_fast(
         agent.signal(signal.SIGTERM)
         agent.wait_for_log("draining")
         assert "streams=1" in agent.logs()
+        before = server.status()["streams_by_outcome"]
         started = time.monotonic()
         with socket.create_connection(("127.0.0.1", listen_port(server, 0)), timeout=5) as new:
             new.sendall(b"x")
@@ -396,7 +440,10 @@ def test_agent_sigterm_finishes_the_stream_in_flight_and_new_ones_fail_fast(
                 pass
         refused_in = time.monotonic() - started
         print(f"\na new stream to the draining agent failed in {refused_in * 1000:.0f} ms")
-        assert refused_in < 4.0, refused_in  # not the 10 s open timeout
+        # Refused at once: the server knows the node's tunnel is draining (its GOAWAY)
+        # and counts the refusal so, not as the open timeout running out.
+        after = server.status()["streams_by_outcome"]
+        assert after == {**before, "draining": before.get("draining", 0) + 1}, after
 
         stream.sendall(b"during the drain")
         got = b""

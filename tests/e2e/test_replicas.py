@@ -154,13 +154,18 @@ def test_a_replica_without_the_nodes_tunnel_answers_502_at_once_saying_so(
         through_a = httpx.get(f"http://127.0.0.1:{http_port(a)}/",
                               headers={"host": "app.test"}, timeout=5)
         assert through_a.status_code == 200, through_a.text
+        before = b.status()["streams_by_outcome"]
         started = time.monotonic()
         r = httpx.get(f"http://127.0.0.1:{http_port(b)}/", headers={"host": "app.test"},
                       timeout=5)
-        elapsed = time.monotonic() - started
+        print(f"\n502 from replica-b in {(time.monotonic() - started) * 1000:.0f} ms")
+        # At once: replica-b knows it holds no tunnel from edge-1 and says so (502, not
+        # the 504 of a timeout), counted as refused there (unreachable), not as a
+        # timeout nor a stream opened through a peer.
         assert r.status_code == 502, r.text
         assert "node edge-1 is not connected to server replica-b" in r.text
-        assert elapsed < 1.0, elapsed
+        after = b.status()["streams_by_outcome"]
+        assert after == {**before, "unreachable": before.get("unreachable", 0) + 1}, after
         assert not holds(b)
     finally:
         agent.kill()
@@ -185,12 +190,14 @@ def test_the_agent_holds_a_tunnel_to_each_replica_and_survives_one_killed(
             agent.status()["tunnel"]["already_connected"]
         assert "replaced" not in agent.logs()
 
+        connects = agent.status()["tunnel"]["connects"]
         a.kill()  # kill -9: no GOAWAY
         started = time.monotonic()
         assert echo_through(listen_port(b, 0), b"after") == b"after"
         print(f"node reachable through replica-b {time.monotonic() - started:.3f}s after "
               f"replica-a was killed")
-        assert time.monotonic() - started < 1.0
+        # At once: through the tunnel it already held, no new one dialed for it.
+        assert agent.status()["tunnel"]["connects"] == connects
         status = agent.wait_for(lambda s: [t["server_id"] for t in s["tunnels"]]
                                 == ["replica-b"], what="replica-a's tunnel gone")
         assert status["tunnel"]["state"] == "connected"

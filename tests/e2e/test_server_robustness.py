@@ -79,8 +79,10 @@ def drain_ended_by_a_second_signal(server: NodeagentProcess, held: socket.socket
     assert server.proc.poll() is None  # still draining: the stream is open
     started = time.monotonic()
     server.signal(signum)
+    # Ended by the signal, not by the 60 s drain: wait(10) bounds it (a hang guard, no
+    # timing of this shared machine).
     code = server.proc.wait(timeout=10)
-    assert time.monotonic() - started < 3, server.logs()
+    print(f"\nexited {time.monotonic() - started:.2f}s after the second signal")
     assert code == 0, server.logs()
     assert "Traceback" not in server.logs()
     assert "second signal: not waiting for the drain" in server.logs()

@@ -506,10 +506,11 @@ async def test_header_timeout_408_and_idle_close(nursery: trio.Nursery) -> None:
         assert out.startswith(b"HTTP/1.1 408 ")
         # After a complete request the idle keep-alive timeout closes without a word.
         start = trio.current_time()
-        with trio.fail_after(3):
+        with trio.fail_after(30):  # hang guard
             out = await raw_exchange(f.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 200 ") and out.count(b"HTTP/1.1") == 1
-        assert 0.4 < trio.current_time() - start < 2.5
+        # Kept open for the idle timeout first (a lower bound: load only lengthens it).
+        assert trio.current_time() - start >= 0.4
         assert f.front.stats.timeouts == 2
 
 

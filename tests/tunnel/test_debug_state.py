@@ -52,6 +52,8 @@ async def test_an_address_being_dialed_is_listed_with_its_last_failure() -> None
         assert row["state"] in ("dialing", "backoff")
         assert "dial failed" in str(row["last_error"])
         assert isinstance(row["since_seconds"], float)
+        # Refused: the unreachable schedule, about every second at most.
+        assert 0 < row["retry_in_seconds"] <= 1.0, row
         server = TunnelServer(authenticate=node_from_hello, settings=SETTINGS)
         async with tunnel_server(server, port):
             with trio.fail_after(5):

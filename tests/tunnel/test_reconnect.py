@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -121,9 +122,7 @@ async def test_an_overloaded_server_tells_the_client_when_to_come_back(
         with trio.fail_after(5):
             await second.wait_connected()
         waited = trio.current_time() - started
-        # Told 0.5 s (the next token at 2/s), waited 0.5-0.75 s: not the ~0.2 s of an
-        # unreachable retry, not the backoff of a rejected one.
-        assert 0.45 <= waited <= 1.5, waited
+        print(f"\nthe second client waited {waited:.2f}s")
         assert second.status.connects == 1
         assert refused == ["overloaded"] and server.refusals["overloaded"] == 1
         assert server.handshake_failures == 0  # a refusal is not a failure
@@ -132,6 +131,14 @@ async def test_an_overloaded_server_tells_the_client_when_to_come_back(
     assert len(lines) == 1 and lines[0]["reason"] == "overloaded"
     (failed,) = fields_of(caplog, "tunnel connect failed")
     assert failed["failure"] == "overloaded" and "server is busy" in failed["reason"]
+    # Told when to come back (about 0.5 s: the next token at 2/s), it chose a delay in
+    # [told, 1.5 * told] (the retry-after jitter): not the ~0.2 s of an unreachable
+    # retry, not the backoff of a rejected one; and it did wait that long. The told
+    # figure is logged to 0.1 s, hence the 0.05 s either side.
+    told = float(re.search(r"come back in ([0-9.]+)s", str(failed["reason"]))[1])
+    chosen = float(str(failed["retry_in"]).removesuffix("s"))
+    assert told - 0.05 <= chosen <= (told + 0.05) * 1.5 + 0.005, failed
+    assert waited >= chosen - 0.01, (waited, chosen)  # a lower bound: load only adds
 
 
 def fields_of(caplog: pytest.LogCaptureFixture, message: str) -> list[dict[str, object]]:
@@ -145,8 +152,11 @@ async def test_a_draining_server_refuses_handshakes_as_shutting_down() -> None:
     async with tunnel_server(server) as endpoint, trio.open_nursery() as nursery:
         c = client(endpoint, "edge-1")
         await nursery.start(c.run)
-        await trio.sleep(1)  # retries at 0.1-0.2 s, 0.2-0.4 s, ...
-        assert c.status.failures >= 2
+        # Refused, it retries soon (0.1-0.2 s, 0.2-0.4 s, ...): a second failure comes
+        # (30 s is a hang guard, not a timing of this shared machine).
+        with trio.fail_after(30):
+            while c.status.failures < 2:  # noqa: ASYNC110 - a counter, no event
+                await trio.sleep(0.02)
         assert c.status.last_failure == "unreachable"  # retried soon: elsewhere, or later
         assert "shutting down" in (c.status.last_error or "")
         assert server.refusals["shutting_down"] >= 2 and not server.sessions
@@ -155,22 +165,28 @@ async def test_a_draining_server_refuses_handshakes_as_shutting_down() -> None:
 
 async def test_client_is_back_within_a_second_of_the_server_returning_after_an_outage(
         caplog: pytest.LogCaptureFixture) -> None:
-    """Nothing listens for 4 s (connect refused): the client keeps retrying about every
-    second, logging one line, and is connected within ~1 s of the server listening."""
+    """Nothing listens for a while (connect refused): the client keeps retrying about
+    every second, logging one line, and connects once the server listens. "About every
+    second" is the delay it chose after its last failure, not a timing of this (shared,
+    noisy) machine: a growing backoff would be past 1 s by the 6th failure."""
     port = free_port()
     endpoint = Endpoint("tcp", "127.0.0.1", port)
     c = client(endpoint, "edge-1")
     async with trio.open_nursery() as nursery:
         await nursery.start(c.run)
-        await trio.sleep(4)
-        assert c.status.failures >= 4 and c.status.last_failure == "unreachable"
+        with trio.fail_after(30):  # hang guard
+            while c.status.failures < 6:  # noqa: ASYNC110 - a counter, no event
+                await trio.sleep(0.05)
+        assert c.status.last_failure == "unreachable"
+        [row] = c.dialing()
+        assert 0 < row["retry_in_seconds"] <= 1.0, row  # type: ignore[operator]
         server = TunnelServer(authenticate=node_from_hello, settings=SETTINGS)
         async with tunnel_server(server, port):
             back = trio.current_time()
-            with trio.fail_after(3):
+            with trio.fail_after(30):  # hang guard
                 await c.wait_connected()
-            elapsed = trio.current_time() - back
-            assert elapsed < 1.2, elapsed
+            print(f"\nback {trio.current_time() - back:.2f}s after the server listened "
+                  f"(its retry delay then: {row['retry_in_seconds']}s)")
             nursery.cancel_scope.cancel()
     failures = [r for r in caplog.records if r.getMessage() == "tunnel connect failed"]
     assert len(failures) == 1, [r.getMessage() for r in caplog.records]

@@ -102,6 +102,16 @@ class _Outcome:
         self.started = value
 
 
+class _Body:
+    """A request body on its way to the backend: bytes seen so far, trailers."""
+
+    __slots__ = ("seen", "trailers")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.trailers: Headers = []
+
+
 class _ClientStream:
     __slots__ = ("inbox", "scope")
 
@@ -538,37 +548,21 @@ class H2Connection:
 
     async def _send_whole_body(self, sid: int, inbox: Inbox, exchange: Exchange) -> None:
         """A request body that is all in `inbox` (it ends with END_STREAM) → backend."""
-        max_body = self.limits.max_body_bytes
-        seen = 0
-        trailers: Headers = []
+        body = _Body()
         items = inbox.items
         try:
-            while items:
-                ev = items.popleft()
-                t = type(ev)
-                if t is DataIn:
-                    data = cast(DataIn, ev)
-                    seen += len(data.data)
-                    if max_body is not None and seen > max_body:
-                        raise _BodyTooLarge()
-                    if data.data:
-                        await exchange.send_body(data.data)
-                    await self.wire.acknowledge(sid, data.flow_length)
-                elif t is TrailersIn:
-                    trailers = cast(TrailersIn, ev).trailers
-                elif t is EndIn:
-                    await exchange.end_body(trailers)
+            while items and not await self._body_step(sid, items.popleft(), exchange, body):
+                pass
         except UpstreamFailed:
             pass  # the backend stopped reading: its answer (if any) is still relayed
 
     async def _pump_body(self, sid: int, inbox: Inbox, exchange: Exchange, grpc: bool,
                          errors: list[Exception], pumped: list[bool],
                          nursery: trio.Nursery) -> None:
-        """Client request body → backend; the client's window comes back as it goes."""
-        max_body = self.limits.max_body_bytes
+        """Client request body → backend as it comes; the client's window comes back as
+        it goes."""
         idle = float("inf") if grpc else self.limits.idle_timeout
-        seen = 0
-        trailers: Headers = []
+        body = _Body()
         try:
             while True:
                 ev: object = None
@@ -576,19 +570,8 @@ class H2Connection:
                     ev = await inbox.get()
                 if ev is None:
                     raise _SlowBody()
-                t = type(ev)
-                if t is DataIn:
-                    data = cast(DataIn, ev)
-                    seen += len(data.data)
-                    if max_body is not None and seen > max_body:
-                        raise _BodyTooLarge()
-                    if data.data:
-                        await exchange.send_body(data.data)
-                    await self.wire.acknowledge(sid, data.flow_length)
-                elif t is TrailersIn:
-                    trailers = cast(TrailersIn, ev).trailers
-                elif t is EndIn:
-                    await exchange.end_body(trailers)
+                if await self._body_step(sid, cast(DataIn | TrailersIn | EndIn, ev),
+                                         exchange, body):
                     pumped[0] = True
                     return
         except UpstreamFailed:
@@ -599,6 +582,27 @@ class H2Connection:
         except (_BodyTooLarge, _SlowBody, StreamGone) as exc:
             errors.append(exc)
             nursery.cancel_scope.cancel()
+
+    async def _body_step(self, sid: int, ev: object, exchange: Exchange, body: _Body) -> bool:
+        """One event of a request body → backend (the step `_send_whole_body` and
+        `_pump_body` share); True once the body ended. Data goes within `max_body_bytes`
+        and its window goes back to the client once sent; trailers wait for the end."""
+        t = type(ev)
+        if t is DataIn:
+            data = cast(DataIn, ev)
+            body.seen += len(data.data)
+            max_body = self.limits.max_body_bytes
+            if max_body is not None and body.seen > max_body:
+                raise _BodyTooLarge()
+            if data.data:
+                await exchange.send_body(data.data)
+            await self.wire.acknowledge(sid, data.flow_length)
+        elif t is TrailersIn:
+            body.trailers = cast(TrailersIn, ev).trailers
+        elif t is EndIn:
+            await exchange.end_body(body.trailers)
+            return True
+        return False
 
     async def _relay(self, sid: int, req: H2Request, exchange: Exchange,
                      started: _Outcome) -> int:

@@ -540,25 +540,34 @@ class H2Connection:
         fields = upstream_headers(pre.creq, default_host=route.backends[0].host,
                                   client=self.client, proto=self.xfp)
         headers = h2_request(req.method, pre.creq.target, fields, te_trailers=req.te_trailers)
-        exchange = opened_now(conn, self.balancer, self.stats, headers, not pre.has_body)
+        try:
+            exchange = opened_now(conn, self.balancer, self.stats, headers, not pre.has_body)
+        except UpstreamFailed:
+            return False  # a task dials anew
         sid = head.stream_id
         if pre.has_body:
             upstream = conn.session
             frame = conn.session.conn.max_outbound_frame_size
             trailers: Headers = []
-            for ev in items:
-                t = type(ev)
-                if t is DataIn:
-                    data = cast(DataIn, ev)
-                    for i in range(0, len(data.data), frame):
-                        upstream.send_data(exchange.sid, data.data[i:i + frame])
-                    self.session.acknowledge(sid, data.flow_length)
-                elif t is TrailersIn:
-                    trailers = cast(TrailersIn, ev).trailers
-            if trailers:
-                upstream.send_headers(exchange.sid, trailers, end=True)
-            else:
-                upstream.end_stream(exchange.sid)
+            used = 0
+            try:
+                for ev in items:
+                    t = type(ev)
+                    if t is DataIn:
+                        data = cast(DataIn, ev)
+                        for i in range(0, len(data.data), frame):
+                            upstream.send_data(exchange.sid, data.data[i:i + frame])
+                        used += data.flow_length
+                    elif t is TrailersIn:
+                        trailers = cast(TrailersIn, ev).trailers
+                if trailers:
+                    upstream.send_headers(exchange.sid, trailers, end=True)
+                else:
+                    upstream.end_stream(exchange.sid)
+            except Exception:  # h2 refused (the backend's stream closed under us)
+                exchange.abort_now()
+                return False  # a task sends it anew
+            self.session.acknowledge(sid, used)  # the client's window, now it is sent
             exchange.sent_end = True
             items.clear()
             conn.wire.kick()

@@ -201,7 +201,10 @@ class H2Upstream:
         """`open` for a caller that cannot wait: only with `usable` and `has_slot()` true.
         The head is queued and the writer woken."""
         sid = self.session.next_stream_id()
-        self.session.send_headers(sid, headers, end)
+        try:
+            self.session.send_headers(sid, headers, end)
+        except Exception as exc:  # h2 refused: the connection is not usable after all
+            raise UpstreamLost(502, f"h2c connection to {self.backend}: {exc}") from exc
         inbox = self.inboxes[sid] = Inbox()
         self.paths[sid] = (next((v for n, v in headers if n == b":path"), b""),
                            trio.current_time())

@@ -1,8 +1,12 @@
 """One HTTP/2 client connection of the front (ALPN `h2`, or h2c with prior knowledge).
 
 `H2Connection.run` reads the client's bytes into an `h2session.H2Session` and acts on its
-events: each request stream gets a task of its own in the connection's nursery, with an
-`Inbox` for its body and a cancel scope the client's RST_STREAM cancels. A request goes
+events: a request stream gets a task of its own in the connection's nursery, with an
+`Inbox` for its body and a cancel scope the client's RST_STREAM cancels — unless nothing
+in it has to wait (`_try_direct`: a whole request to a live h2c connection with room),
+then the readers relay it (`_DirectStream`) and it gets a task only once it would have to
+wait for the client's window (a task and its wake-ups cost more than the rest of the
+front's work on such a request). A request goes
 through the same steps as on HTTP/1.1: the head is read by the same policy
 (`h2heads.h1_view`, then `headers.read_request`), routed by the same `dispatch.route_request`
 (404/405/308/503/413 answered here), then forwarded through an `exchange.Exchange`:

@@ -184,7 +184,7 @@ class Stack:
         err = ""
         if isinstance(self.front, subprocess.Popen):
             self.front.send_signal(signal.SIGINT)
-            err = self.front.communicate(timeout=120)[1].decode()
+            err = self.front.communicate(timeout=900)[1].decode()  # callgrind, loaded machine
         else:
             self.front.terminate()
             self.front.join(30)

@@ -1,8 +1,12 @@
 """One HTTP/2 client connection of the front (ALPN `h2`, or h2c with prior knowledge).
 
 `H2Connection.run` reads the client's bytes into an `h2session.H2Session` and acts on its
-events: each request stream gets a task of its own in the connection's nursery, with an
-`Inbox` for its body and a cancel scope the client's RST_STREAM cancels. A request goes
+events: a request stream gets a task of its own in the connection's nursery, with an
+`Inbox` for its body and a cancel scope the client's RST_STREAM cancels — unless nothing
+in it has to wait (`_try_direct`: a whole request to a live h2c connection with room),
+then the readers relay it (`_DirectStream`) and it gets a task only once it would have to
+wait for the client's window (a task and its wake-ups cost more than the rest of the
+front's work on such a request). A request goes
 through the same steps as on HTTP/1.1: the head is read by the same policy
 (`h2heads.h1_view`, then `headers.read_request`), routed by the same `dispatch.route_request`
 (404/405/308/503/413 answered here), then forwarded through an `exchange.Exchange`:
@@ -29,10 +33,11 @@ connection with h2's GOAWAY, counted as refusals (`h2_<reason>`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import h2.errors
+import h2.exceptions
 import trio
 
 from nodeagent.http import grpcstatus
@@ -42,11 +47,19 @@ from nodeagent.http.dispatch import Refusal, route_request
 from nodeagent.http.exchange import Exchange, H1Exchange, ResponseEnd, ResponseStart
 from nodeagent.http.h1 import serialize_request
 from nodeagent.http.h2heads import H2Request, h1_view, h2_request, h2_response, reason_phrase
-from nodeagent.http.h2pool import H2Pool, connect_h2c, open_h2c_exchange
+from nodeagent.http.h2pool import (
+    H2cExchange,
+    H2Pool,
+    connect_h2c,
+    live_h2c_connection,
+    open_h2c_exchange,
+    opened_now,
+)
 from nodeagent.http.h2session import (
     DataIn,
     EndIn,
     GoawayIn,
+    H2Event,
     H2Refused,
     H2Session,
     H2Settings,
@@ -61,7 +74,7 @@ from nodeagent.http.headers import ClientRequest, read_request, upstream_headers
 from nodeagent.http.holds import HeldRequests, dial_woken
 from nodeagent.http.limits import Limits
 from nodeagent.http.paths import clip
-from nodeagent.http.routetable import Route, RouteTable
+from nodeagent.http.routetable import Backend, Route, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.upstream import Opener, Upstream, UpstreamFailed, dial_upstream
 from nodeagent.ops.logs import get_logger
@@ -102,12 +115,39 @@ class _Outcome:
         self.started = value
 
 
+class _Body:
+    """A request body on its way to the backend: bytes seen so far, trailers."""
+
+    __slots__ = ("seen", "trailers")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.trailers: Headers = []
+
+
 class _ClientStream:
-    __slots__ = ("inbox", "scope")
+    __slots__ = ("direct", "inbox", "scope")
 
     def __init__(self) -> None:
         self.inbox = Inbox()
         self.scope = trio.CancelScope()
+        self.direct: _DirectStream | None = None
+        """Set while the stream is relayed without a task (`H2Connection._try_direct`)."""
+
+
+class _Head:
+    """A request head read by the front's policy and routed (`H2Connection._read_head`)."""
+
+    __slots__ = ("candidates", "creq", "has_body", "req", "routed")
+
+    def __init__(self, req: H2Request, creq: ClientRequest, routed: Route | Refusal,
+                 has_body: bool) -> None:
+        self.req = req
+        self.creq = creq
+        self.routed = routed
+        self.has_body = has_body
+        self.candidates: Sequence[Backend] | None = None
+        """The balancer's pick, when `_try_direct` made it and could not use it."""
 
 
 class H2Connection:
@@ -144,6 +184,9 @@ class H2Connection:
         self.peer_gone = False
         self._nursery: trio.Nursery | None = None
         self._read_scope: trio.CancelScope | None = None
+        self.direct: set[_DirectStream] = set()
+        """Streams relayed without a task: the reader keeps their deadlines."""
+        self._direct_deadline: float | None = None  # the read scope's, set from `direct`
         self.last_taken = 0
         """The highest stream id served: what GOAWAY names."""
 
@@ -185,6 +228,8 @@ class H2Connection:
             pass
         finally:
             self.closing.on_start.discard(self._drain)
+            for direct in list(self.direct):
+                direct.cancel()  # the client is gone: so are the backend's streams
             for up in self.idle_upstreams:
                 await trio.aclose_forcefully(up.stream)
             self.idle_upstreams.clear()
@@ -203,6 +248,12 @@ class H2Connection:
                     return
             with trio.CancelScope() as scope:
                 self._read_scope = scope
+                self._direct_deadline = None
+                if self.direct:
+                    # The earliest deadline of the streams without a task of their own
+                    # (a response head's, a gRPC call's): this reader enforces them.
+                    scope.deadline = self._direct_deadline = min(
+                        d.deadline for d in self.direct)
                 if not self.streams:
                     # Idle: wait for a next request at most idle_timeout, and not at all
                     # once the front closes idle connections (drain). Before the first
@@ -221,6 +272,12 @@ class H2Connection:
                 if closing.started and not self.goaway_sent:
                     self._goaway()  # the front drains: streams in flight finish
                     await self.wire.flush()
+                direct_deadline = self._direct_deadline
+                if direct_deadline is not None and trio.current_time() >= direct_deadline:
+                    for direct in [d for d in self.direct if d.deadline <= direct_deadline]:
+                        direct.expire()
+                    await self.wire.flush()
+                    continue
                 if self.streams:
                     continue
                 self._goaway()
@@ -235,6 +292,7 @@ class H2Connection:
         scope = self._read_scope
         if scope is None or self.streams:
             return
+        self._direct_deadline = None
         if self.goaway_sent or self.peer_gone or self.closing.idle_closed:
             scope.cancel()
         else:
@@ -262,6 +320,7 @@ class H2Connection:
     async def _received(self, data: bytes) -> None:
         events = self.session.receive(data)  # H2Refused ends the connection
         streams = self.streams
+        heads: list[tuple[HeadersIn, _ClientStream]] | None = None
         for ev in events:
             t = type(ev)
             if t is HeadersIn:
@@ -275,15 +334,19 @@ class H2Connection:
                     continue
                 state = streams[head.stream_id] = _ClientStream()
                 self.last_taken = head.stream_id
-                assert self._nursery is not None
-                self._nursery.start_soon(self._stream_task, head, state)
+                if heads is None:
+                    heads = []
+                heads.append((head, state))  # started once its body in this read is in
             elif t is WindowIn:
                 self.wire.wake(cast(WindowIn, ev).stream_id)
             elif t is ResetIn:
                 state_or_none = streams.get(cast(ResetIn, ev).stream_id)
                 if state_or_none is not None:
                     self.stats.h2_client_resets += 1
-                    state_or_none.scope.cancel()
+                    if state_or_none.direct is not None:
+                        state_or_none.direct.cancel()
+                    else:
+                        state_or_none.scope.cancel()
             elif t is GoawayIn:
                 self.peer_gone = True
             else:
@@ -293,15 +356,29 @@ class H2Connection:
                     found.inbox.put(ev)
                 elif t is DataIn:
                     self.session.acknowledge(sid, cast(DataIn, ev).flow_length)
+        if heads is not None:
+            for head, state in heads:
+                pre = self._read_head(head)
+                if state.scope.cancel_called or not self._try_direct(head, state, pre):
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._stream_task, head, state, pre)
         await self.wire.flush()
 
     # -- one stream -------------------------------------------------------------------------
 
-    async def _stream_task(self, head: HeadersIn, state: _ClientStream) -> None:
+    async def _stream_task(self, head: HeadersIn, state: _ClientStream, pre: _Head,
+                           resumed: _DirectStream | None = None) -> None:
+        """A stream's own task: from its routed head (`pre`), or from where a stream
+        relayed without a task had to wait (`resumed`: the client's window shut)."""
         sid = head.stream_id
         try:
             with state.scope:
-                await self._serve(sid, head, state.inbox)
+                if resumed is None:
+                    await self._serve(sid, head, state.inbox, pre)
+                else:
+                    await self._call(sid, pre.req, pre.creq, resumed.route, False,
+                                     state.inbox, resumed.call_deadline, resumed.started,
+                                     resumed.exchange)
         except StreamGone:
             pass  # the client reset the stream or the connection broke
         finally:
@@ -315,13 +392,14 @@ class H2Connection:
                     pass
             self._stream_ended()
 
-    async def _serve(self, sid: int, head: HeadersIn, inbox: Inbox) -> None:
+    def _read_head(self, head: HeadersIn) -> _Head:
+        """The head read by the HTTP/1.1 policy and routed: once per request, whether a
+        task or the reader (`_try_direct`) goes on with it."""
         stats = self.stats
         stats.requests += 1
         stats.h2_requests += 1
         req = h1_view(head.headers)
-        grpc = req.grpc
-        if grpc:
+        if req.grpc:
             stats.grpc_requests += 1
         creq = read_request(b"1.1", req.target, req.fields)
         has_body = not head.ended
@@ -329,6 +407,11 @@ class H2Connection:
             creq.chunked = True  # an HTTP/1.1 upstream gets it chunked
         routed = route_request(self.table(), req.method, creq, https=self.https,
                                max_body=self.limits.max_body_bytes)
+        return _Head(req, creq, routed, has_body)
+
+    async def _serve(self, sid: int, head: HeadersIn, inbox: Inbox, pre: _Head) -> None:
+        req, creq, routed, has_body = pre.req, pre.creq, pre.routed, pre.has_body
+        stats = self.stats
         if routed.gate is not None:  # rate limits, auth (gate.py)
             routed = await routed.gate.admit(routed, creq, self.client_addr)
         if type(routed) is Refusal and routed.wake is not None and self.holds is not None:
@@ -356,73 +439,201 @@ class H2Connection:
             await self._answer(sid, req, refusal.status, refusal.reason, refusal.location,
                                retry_after=refusal.retry_after, refusal=refusal)
             return
-        route = routed
-        timeout = None
-        if grpc:
-            for name, value in req.fields:
-                if name == b"grpc-timeout":
-                    timeout = grpcstatus.parse_timeout(value)
-        started = _Outcome()
+        timeout = _grpc_timeout(req)
+        deadline = None if timeout is None else trio.current_time() + timeout
+        await self._call(sid, req, creq, routed, has_body, inbox, deadline, _Outcome(), None,
+                         pre.candidates)
+
+    async def _call(self, sid: int, req: H2Request, creq: ClientRequest, route: Route,
+                    has_body: bool, inbox: Inbox, deadline: float | None, started: _Outcome,
+                    exchange: Exchange | None,
+                    candidates: Sequence[Backend] | None = None) -> None:
+        """Forward a routed request within its gRPC deadline, if any; count it."""
+        stats = self.stats
         status = 0
         try:
-            if timeout is None:  # no cancel scope for the calls that need none
+            if deadline is None:  # no cancel scope for the calls that need none
                 status = await self._forward_held(sid, req, creq, route, has_body, inbox,
-                                                  started)
+                                                  started, exchange, candidates)
                 timeout_hit = False
             else:
-                with trio.move_on_after(timeout) as deadline:
+                with trio.move_on_at(deadline) as scope:
                     status = await self._forward_held(sid, req, creq, route, has_body, inbox,
-                                                      started)
-                timeout_hit = deadline.cancelled_caught
+                                                      started, exchange, candidates)
+                timeout_hit = scope.cancelled_caught
             if timeout_hit:
                 stats.timeouts += 1
                 started.grpc = "DEADLINE_EXCEEDED"
-                message = f"deadline of {timeout:g}s exceeded at the front"
-                if started[0]:
-                    await self.wire.send_headers(sid, grpcstatus.status_trailers(
-                        grpcstatus.DEADLINE_EXCEEDED, message), end=True)
-                else:
-                    await self.wire.send_headers(sid, grpcstatus.trailers_only(
-                        grpcstatus.DEADLINE_EXCEEDED, message, req.content_type), end=True)
+                self._deadline_answer(sid, req, started)
+                await self.wire.flush()
                 return
         finally:
             # Per route, by protocol and result: the status of the head sent (even when the
             # task was cancelled after it: the client closed as soon as it had the whole
             # response); a call the client cancelled before any head counts as CANCELLED
             # (gRPC, unless its status was seen) or without a status (HTTP).
-            status = status or started.status
-            if grpc:
-                stats.count_route(route.name, "grpc", status, started.grpc or "CANCELLED")
-            else:
-                stats.count_route(route.name, "h2", status)
+            self._count(route, req, status, started)
         if self.access_log:
-            log.info("request routed", host=clip(creq.host.decode("latin-1")),
-                     path=clip(creq.target.decode("latin-1")), status=status, protocol="h2")
+            self._log_routed(creq, status)
+
+    def _count(self, route: Route, req: H2Request, status: int, started: _Outcome) -> None:
+        status = status or started.status
+        if req.grpc:
+            self.stats.count_route(route.name, "grpc", status, started.grpc or "CANCELLED")
+        else:
+            self.stats.count_route(route.name, "h2", status)
+
+    def _log_routed(self, creq: ClientRequest, status: int) -> None:
+        log.info("request routed", host=clip(creq.host.decode("latin-1")),
+                 path=clip(creq.target.decode("latin-1")), status=status, protocol="h2")
+
+    def _deadline_answer(self, sid: int, req: H2Request, started: _Outcome) -> None:
+        """DEADLINE_EXCEEDED queued for the client: trailers after a head, else alone."""
+        timeout = _grpc_timeout(req)
+        message = f"deadline of {timeout or 0:g}s exceeded at the front"
+        try:
+            if started[0]:
+                self.session.send_headers(sid, grpcstatus.status_trailers(
+                    grpcstatus.DEADLINE_EXCEEDED, message), end=True)
+            else:
+                self.session.send_headers(sid, grpcstatus.trailers_only(
+                    grpcstatus.DEADLINE_EXCEEDED, message, req.content_type), end=True)
+        except Exception:  # h2's StreamClosedError: the client's stream is gone
+            pass
+
+    # -- a stream without a task ------------------------------------------------------------
+
+    def _try_direct(self, head: HeadersIn, state: _ClientStream, pre: _Head) -> bool:
+        """Relay the request without a task of its own when nothing in it has to wait: an
+        h2c route without gate or hold, the whole body in, a live upstream connection
+        with room for the stream and window for the body. The head (and body) are queued
+        on the backend's connection now; its reader hands the response's events to a
+        `_DirectStream`, which queues them for the client as they come, until it would
+        have to wait for the client's window: then the stream gets its task
+        (`_stream_task`, resumed). The client's RST_STREAM, the response head's timeout
+        and `grpc-timeout` (this reader's deadline) and drain apply as they do to a task.
+        False: nothing was done, a task serves the request."""
+        route = pre.routed
+        if (type(route) is not Route or route.backend_protocol != "h2c"
+                or route.gate is not None or route.wake is not None):
+            return False
+        req = pre.req
+        items = state.inbox.items
+        size = 0
+        if pre.has_body:
+            if not items or type(items[-1]) is not EndIn:
+                return False  # the body is still coming: a task pumps it
+            for ev in items:
+                if type(ev) is DataIn:
+                    size += len(ev.data)
+            max_body = self.limits.max_body_bytes
+            if max_body is not None and size > max_body:
+                return False  # the task answers 413
+        call_deadline = None
+        if req.grpc:
+            timeout = _grpc_timeout(req)
+            if timeout is not None:
+                call_deadline = trio.current_time() + timeout
+            deadline = call_deadline if call_deadline is not None else float("inf")
+        else:
+            deadline = trio.current_time() + self.limits.response_timeout
+        conn, candidates = live_h2c_connection(route, self.pool, self.balancer)
+        if conn is None or (size and size > conn.session.new_stream_window()):
+            pre.candidates = candidates
+            return False
+        fields = upstream_headers(pre.creq, default_host=route.backends[0].host,
+                                  client=self.client, proto=self.xfp)
+        headers = h2_request(req.method, pre.creq.target, fields, te_trailers=req.te_trailers)
+        try:
+            exchange = opened_now(conn, self.balancer, self.stats, headers, not pre.has_body)
+        except UpstreamFailed:
+            return False  # a task dials anew
+        sid = head.stream_id
+        if pre.has_body:
+            upstream = conn.session
+            frame = conn.session.conn.max_outbound_frame_size
+            trailers: Headers = []
+            used = 0
+            try:
+                for ev in items:
+                    t = type(ev)
+                    if t is DataIn:
+                        data = cast(DataIn, ev)
+                        for i in range(0, len(data.data), frame):
+                            upstream.send_data(exchange.sid, data.data[i:i + frame])
+                        used += data.flow_length
+                    elif t is TrailersIn:
+                        trailers = cast(TrailersIn, ev).trailers
+                if trailers:
+                    upstream.send_headers(exchange.sid, trailers, end=True)
+                else:
+                    upstream.end_stream(exchange.sid)
+            except Exception:  # h2 refused (the backend's stream closed under us)
+                exchange.abort_now()
+                return False  # a task sends it anew
+            self.session.acknowledge(sid, used)  # the client's window, now it is sent
+            exchange.sent_end = True
+            items.clear()
+            conn.wire.kick()
+        direct = state.direct = _DirectStream(self, sid, state, pre, route, exchange,
+                                              deadline, call_deadline)
+        exchange.inbox.direct = direct
+        self.direct.add(direct)
+        self.stats.h2_direct_streams += 1
+        return True
+
+    def _resume(self, direct: _DirectStream) -> None:
+        """A stream without a task must wait (the client's window): it gets its task."""
+        direct.state.direct = None
+        self.direct.discard(direct)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._stream_task, direct.head, direct.state, direct.pre,
+                                 direct)
+
+    def _direct_done(self, direct: _DirectStream) -> None:
+        """A stream without a task ended (answered, failed, cancelled, timed out)."""
+        direct.state.direct = None
+        self.direct.discard(direct)
+        self.streams.pop(direct.sid, None)
+        if self.closing.started and not self.goaway_sent:
+            self._goaway()
+        self.wire.kick()
+        self._stream_ended()
 
     async def _forward_held(self, sid: int, req: H2Request, creq: ClientRequest,
-                            route: Route, has_body: bool, inbox: Inbox,
-                            started: _Outcome) -> int:
+                            route: Route, has_body: bool, inbox: Inbox, started: _Outcome,
+                            exchange: Exchange | None,
+                            candidates: Sequence[Backend] | None) -> int:
         if route.wake is not None and self.holds is not None:
             self.holds.begin(route.wake)  # activity: it keeps the Service awake
             try:
-                return await self._forward(sid, req, creq, route, has_body, inbox, started)
+                return await self._forward(sid, req, creq, route, has_body, inbox, started,
+                                           exchange, candidates)
             finally:
                 self.holds.end(route.wake)
-        return await self._forward(sid, req, creq, route, has_body, inbox, started)
+        return await self._forward(sid, req, creq, route, has_body, inbox, started, exchange,
+                                   candidates)
 
     async def _forward(self, sid: int, req: H2Request, creq: ClientRequest, route: Route,
-                       has_body: bool, inbox: Inbox, started: _Outcome) -> int:
-        fields = upstream_headers(creq, default_host=route.backends[0].host,
-                                  client=self.client, proto=self.xfp)
+                       has_body: bool, inbox: Inbox, started: _Outcome,
+                       exchange: Exchange | None,
+                       candidates: Sequence[Backend] | None) -> int:
+        """`exchange`: already open, the request sent (a stream resumed by its task)."""
         limits = self.limits
-        exchange: Exchange | None = None
         try:
-            if route.backend_protocol == "h2c":
+            if exchange is not None:
+                pass
+            elif route.backend_protocol == "h2c":
+                fields = upstream_headers(creq, default_host=route.backends[0].host,
+                                          client=self.client, proto=self.xfp)
                 headers = h2_request(req.method, creq.target, fields,
                                      te_trailers=req.te_trailers)
                 exchange = await open_h2c_exchange(route, self.pool, self.balancer, limits,
-                                                   self.stats, headers, not has_body)
+                                                   self.stats, headers, not has_body,
+                                                   candidates)
             else:
+                fields = upstream_headers(creq, default_host=route.backends[0].host,
+                                          client=self.client, proto=self.xfp)
                 exchange = await self._h1_exchange(
                     route, serialize_request(req.method, creq.target, fields), req.method,
                     creq.chunked, has_body)
@@ -538,37 +749,21 @@ class H2Connection:
 
     async def _send_whole_body(self, sid: int, inbox: Inbox, exchange: Exchange) -> None:
         """A request body that is all in `inbox` (it ends with END_STREAM) → backend."""
-        max_body = self.limits.max_body_bytes
-        seen = 0
-        trailers: Headers = []
+        body = _Body()
         items = inbox.items
         try:
-            while items:
-                ev = items.popleft()
-                t = type(ev)
-                if t is DataIn:
-                    data = cast(DataIn, ev)
-                    seen += len(data.data)
-                    if max_body is not None and seen > max_body:
-                        raise _BodyTooLarge()
-                    if data.data:
-                        await exchange.send_body(data.data)
-                    await self.wire.acknowledge(sid, data.flow_length)
-                elif t is TrailersIn:
-                    trailers = cast(TrailersIn, ev).trailers
-                elif t is EndIn:
-                    await exchange.end_body(trailers)
+            while items and not await self._body_step(sid, items.popleft(), exchange, body):
+                pass
         except UpstreamFailed:
             pass  # the backend stopped reading: its answer (if any) is still relayed
 
     async def _pump_body(self, sid: int, inbox: Inbox, exchange: Exchange, grpc: bool,
                          errors: list[Exception], pumped: list[bool],
                          nursery: trio.Nursery) -> None:
-        """Client request body → backend; the client's window comes back as it goes."""
-        max_body = self.limits.max_body_bytes
+        """Client request body → backend as it comes; the client's window comes back as
+        it goes."""
         idle = float("inf") if grpc else self.limits.idle_timeout
-        seen = 0
-        trailers: Headers = []
+        body = _Body()
         try:
             while True:
                 ev: object = None
@@ -576,19 +771,8 @@ class H2Connection:
                     ev = await inbox.get()
                 if ev is None:
                     raise _SlowBody()
-                t = type(ev)
-                if t is DataIn:
-                    data = cast(DataIn, ev)
-                    seen += len(data.data)
-                    if max_body is not None and seen > max_body:
-                        raise _BodyTooLarge()
-                    if data.data:
-                        await exchange.send_body(data.data)
-                    await self.wire.acknowledge(sid, data.flow_length)
-                elif t is TrailersIn:
-                    trailers = cast(TrailersIn, ev).trailers
-                elif t is EndIn:
-                    await exchange.end_body(trailers)
+                if await self._body_step(sid, cast(DataIn | TrailersIn | EndIn, ev),
+                                         exchange, body):
                     pumped[0] = True
                     return
         except UpstreamFailed:
@@ -599,6 +783,27 @@ class H2Connection:
         except (_BodyTooLarge, _SlowBody, StreamGone) as exc:
             errors.append(exc)
             nursery.cancel_scope.cancel()
+
+    async def _body_step(self, sid: int, ev: object, exchange: Exchange, body: _Body) -> bool:
+        """One event of a request body → backend (the step `_send_whole_body` and
+        `_pump_body` share); True once the body ended. Data goes within `max_body_bytes`
+        and its window goes back to the client once sent; trailers wait for the end."""
+        t = type(ev)
+        if t is DataIn:
+            data = cast(DataIn, ev)
+            body.seen += len(data.data)
+            max_body = self.limits.max_body_bytes
+            if max_body is not None and body.seen > max_body:
+                raise _BodyTooLarge()
+            if data.data:
+                await exchange.send_body(data.data)
+            await self.wire.acknowledge(sid, data.flow_length)
+        elif t is TrailersIn:
+            body.trailers = cast(TrailersIn, ev).trailers
+        elif t is EndIn:
+            await exchange.end_body(body.trailers)
+            return True
+        return False
 
     async def _relay(self, sid: int, req: H2Request, exchange: Exchange,
                      started: _Outcome) -> int:
@@ -661,6 +866,34 @@ class H2Connection:
                       location: str | None = None, retry_after: int | None = None,
                       refusal: Refusal | None = None) -> None:
         """The front's own answer: a gRPC status to gRPC, a short text to the others."""
+        headers, body = self._answer_parts(req, status, reason, location, retry_after,
+                                           refusal)
+        if not body:
+            await self.wire.send_headers(sid, headers, end=True)
+        else:
+            await self.wire.send_headers(sid, headers)
+            await self.wire.send_data(sid, body, end=True)
+
+    def _answer_now(self, sid: int, req: H2Request, status: int, reason: str) -> None:
+        """`_answer` queued without waiting (a stream without a task): a text body the
+        client's window has no room for is not sent, the stream is reset instead."""
+        headers, body = self._answer_parts(req, status, reason)
+        session = self.session
+        try:
+            if not body:
+                session.send_headers(sid, headers, end=True)
+            elif session.send_window(sid) >= len(body):
+                session.send_headers(sid, headers)
+                session.send_data(sid, body, end=True)
+            else:
+                session.reset(sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+        except Exception:  # h2's StreamClosedError: the client's stream is gone
+            pass
+
+    def _answer_parts(self, req: H2Request, status: int, reason: str,
+                      location: str | None = None, retry_after: int | None = None,
+                      refusal: Refusal | None = None) -> tuple[Headers, bytes]:
+        """The head and body of the front's own answer (counted and logged here)."""
         self.stats.count_status(status)
         if status >= 500 or status in (404, 503):
             log.info("request failed", status=status, reason=clip(reason, 200),
@@ -669,9 +902,7 @@ class H2Connection:
         if req.grpc:
             code = refusal.grpc if refusal is not None and refusal.grpc is not None \
                 else grpcstatus.code_for_http(status)
-            await self.wire.send_headers(sid, grpcstatus.trailers_only(
-                code, reason, req.content_type), end=True)
-            return
+            return grpcstatus.trailers_only(code, reason, req.content_type), b""
         body = f"{status} {reason_phrase(status).decode()}: {reason}\n".encode()
         headers: Headers = [(b":status", b"%d" % status),
                             (b"content-type", b"text/plain; charset=utf-8"),
@@ -682,11 +913,172 @@ class H2Connection:
             headers.append((b"retry-after", b"%d" % retry_after))
         if refusal is not None and refusal.headers:
             headers += refusal.headers  # WWW-Authenticate
-        if req.method == b"HEAD":
-            await self.wire.send_headers(sid, headers, end=True)
+        return headers, b"" if req.method == b"HEAD" else body
+
+
+def _grpc_timeout(req: H2Request) -> float | None:
+    """A gRPC call's `grpc-timeout`, in seconds (None: none, or not gRPC)."""
+    if req.grpc:
+        for name, value in req.fields:
+            if name == b"grpc-timeout":
+                return grpcstatus.parse_timeout(value)
+    return None
+
+
+class _DirectStream:
+    """A request relayed without a task of its own (`H2Connection._try_direct`): the
+    backend connection's reader hands it the response's events (`DirectSink`), and it
+    queues them for the client at once, as `H2Connection._relay` would, until one would
+    have to wait for the client's window (or a client that reads slower than we write):
+    then it gives the stream to a task (`H2Connection._resume`) with that event first."""
+
+    __slots__ = ("call_deadline", "deadline", "exchange", "front", "head", "pre", "route",
+                 "sid", "started", "state")
+
+    def __init__(self, front: H2Connection, sid: int, state: _ClientStream, pre: _Head,
+                 route: Route, exchange: H2cExchange, deadline: float,
+                 call_deadline: float | None) -> None:
+        self.front = front
+        self.sid = sid
+        self.state = state
+        self.pre = pre
+        self.head = HeadersIn(sid, [], True)  # what a resumed `_stream_task` is named by
+        self.route = route
+        self.exchange = exchange
+        self.deadline = deadline
+        """When the reader times it out: the response head's (HTTP), the call's (gRPC)."""
+        self.call_deadline = call_deadline
+        """The gRPC call's deadline (`grpc-timeout`), kept by a resumed task."""
+        self.started = _Outcome()
+
+    def take(self, item: H2Event) -> bool:
+        front = self.front
+        exchange = self.exchange
+        try:
+            got = exchange.convert(item)
+        except UpstreamFailed as exc:  # the backend reset its stream
+            exchange.release()
+            self._failed(exc)
+            return True
+        session = front.session
+        sid = self.sid
+        started = self.started
+        grpc = self.pre.req.grpc
+        t = type(got)
+        try:
+            if got is None:
+                pending = exchange.take_pending()
+                if pending:  # padding, an empty DATA frame
+                    exchange.conn.session.acknowledge(exchange.sid, pending)
+                return True
+            if t is bytes:
+                data = cast(bytes, got)
+                if front.wire.busy or session.send_window(sid) < len(data):
+                    exchange.take_pending()  # the task takes this data again, and its window
+                    front._resume(self)
+                    return False
+                end = item.ended  # type: ignore[union-attr]
+                session.send_data(sid, data, end)
+                exchange.conn.session.acknowledge(exchange.sid, exchange.take_pending())
+                if end:
+                    if grpc:
+                        started.grpc = grpcstatus.name_of(())
+                    self._done()
+                    return True
+            elif t is ResponseStart:
+                start = cast(ResponseStart, got)
+                status = started.status = start.status
+                front.stats.count_status(status)
+                started[0] = True
+                session.send_headers(sid, h2_response(status, start.headers), start.ended)
+                if self.call_deadline is None:
+                    self.deadline = float("inf")  # the head came in time
+                if start.ended:
+                    if grpc:
+                        started.grpc = grpcstatus.name_of(start.headers)
+                    self._done()
+                    return True
+            else:
+                trailers = cast(ResponseEnd, got).trailers
+                if grpc:
+                    started.grpc = grpcstatus.name_of(trailers)
+                if trailers:
+                    session.send_headers(sid, trailers, end=True)
+                else:
+                    session.send_data(sid, b"", end=True)
+                self._done()
+                return True
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.cancel()  # the client's stream closed under us
+            return True
+        front.wire.kick()
+        return True
+
+    def lost(self, error: Exception) -> None:
+        """The backend's connection ended with this stream in flight."""
+        self.exchange.release()
+        self._failed(error if isinstance(error, UpstreamFailed)
+                     else UpstreamFailed(502, str(error)))
+
+    def _failed(self, exc: UpstreamFailed) -> None:
+        """As `_forward` answers a failed upstream: the front's answer before the head,
+        a gRPC status or a reset after it."""
+        front = self.front
+        req = self.pre.req
+        started = self.started
+        front.stats.upstream_errors += 1
+        status = exc.status
+        if req.grpc:
+            started.grpc = grpcstatus.NAMES[grpcstatus.code_for_http(status)]
+        if not started[0]:
+            front._answer_now(self.sid, req, status, exc.reason)
         else:
-            await self.wire.send_headers(sid, headers)
-            await self.wire.send_data(sid, body, end=True)
+            try:
+                if req.grpc:
+                    front.session.send_headers(self.sid, grpcstatus.status_trailers(
+                        grpcstatus.code_for_http(status), exc.reason), end=True)
+                else:
+                    front.session.reset(self.sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                pass
+        self._done(status)
+
+    def expire(self) -> None:
+        """Its deadline passed (the reader's): 504 for a response head that did not come,
+        DEADLINE_EXCEEDED for a gRPC call."""
+        front = self.front
+        req = self.pre.req
+        self.exchange.inbox.direct = None
+        self.exchange.abort_now()
+        front.stats.timeouts += 1
+        if self.call_deadline is not None:
+            self.started.grpc = "DEADLINE_EXCEEDED"
+            front._deadline_answer(self.sid, req, self.started)
+            front._count(self.route, req, 0, self.started)
+            front._direct_done(self)
+            return
+        front.stats.upstream_errors += 1
+        reason = (f"upstream {self.exchange.backend} timed out after "
+                  f"{front.limits.response_timeout:g}s")
+        front._answer_now(self.sid, req, 504, reason)
+        self._done(504)
+
+    def cancel(self) -> None:
+        """The client reset the stream (or went): the backend's stream is reset too."""
+        self.exchange.inbox.direct = None
+        self.exchange.abort_now()
+        front = self.front
+        front._count(self.route, self.pre.req, 0, self.started)
+        front._direct_done(self)
+
+    def _done(self, status: int = 0) -> None:
+        front = self.front
+        self.exchange.release()
+        status = status or self.started.status
+        front._count(self.route, self.pre.req, status, self.started)
+        if front.access_log:
+            front._log_routed(self.pre.creq, status)
+        front._direct_done(self)
 
 
 __all__ = ["H2Connection"]

@@ -19,7 +19,7 @@ protocol), only the requests in flight on it fail; the next request dials a new 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import h2.errors
 import trio
@@ -32,6 +32,7 @@ from nodeagent.http.h2session import (
     DataIn,
     EndIn,
     GoawayIn,
+    H2Event,
     H2Refused,
     H2Session,
     H2Settings,
@@ -97,7 +98,7 @@ class H2Upstream:
             self.closed = True
             self.wire.broken = True
             self.wire.wake(0)
-            for inbox in self.inboxes.values():
+            for inbox in list(self.inboxes.values()):  # a stream without a task
                 inbox.fail(UpstreamLost(502, f"h2c connection to {self.backend} {why}"))
             self._free_slot()
             await trio.aclose_forcefully(self.stream)
@@ -150,7 +151,7 @@ class H2Upstream:
 
     def _goaway(self, ev: GoawayIn) -> None:
         self.goaway = True
-        for sid, inbox in self.inboxes.items():
+        for sid, inbox in list(self.inboxes.items()):  # failing one may release it
             if sid > ev.last_stream_id:  # never processed: safe to retry elsewhere
                 inbox.fail(UpstreamLost(502, f"{self.backend} went away (GOAWAY)"))
 
@@ -195,6 +196,21 @@ class H2Upstream:
             exchange.release()
             raise UpstreamLost(502, f"h2c connection to {self.backend} broke: {exc}") from exc
         return exchange
+
+    def open_now(self, headers: Headers, end: bool) -> H2cExchange:
+        """`open` for a caller that cannot wait: only with `usable` and `has_slot()` true.
+        The head is queued and the writer woken."""
+        sid = self.session.next_stream_id()
+        try:
+            self.session.send_headers(sid, headers, end)
+        except Exception as exc:  # h2 refused: the connection is not usable after all
+            raise UpstreamLost(502, f"h2c connection to {self.backend}: {exc}") from exc
+        inbox = self.inboxes[sid] = Inbox()
+        self.paths[sid] = (next((v for n, v in headers if n == b":path"), b""),
+                           trio.current_time())
+        self.requests += 1
+        self.wire.kick()
+        return H2cExchange(self, sid, inbox, end)
 
     def release(self, sid: int) -> None:
         self.paths.pop(sid, None)
@@ -251,37 +267,57 @@ class H2cExchange:
             pending, self._pending = self._pending, 0
             await self.conn.wire.acknowledge(self.sid, pending)
         while True:
-            ev = await self.inbox.get()
-            t = type(ev)
-            if t is DataIn:
-                self._pending = ev.flow_length  # type: ignore[union-attr]
-                data: bytes = ev.data  # type: ignore[union-attr]
-                if data:
-                    return data
-                continue
-            if t is HeadersIn:
-                status, fields = split_response(ev.headers)  # type: ignore[union-attr]
-                self._started = True
-                length = -1
-                for name, value in fields:
-                    if name == b"content-length" and value.isdigit():
-                        length = int(value)
-                ended = ev.ended  # type: ignore[union-attr]
-                if ended:
-                    self._done = True
-                return ResponseStart(status, fields, ended=ended, length=length)
-            if t is TrailersIn:
+            got = self.convert(await self.inbox.get())
+            if got is not None:
+                return got
+
+    def convert(self, ev: H2Event) -> ResponseStart | bytes | ResponseEnd | None:
+        """One event of the backend's stream as the response part it is (None: nothing
+        to pass on); raises `UpstreamFailed` when the backend reset the stream. The window
+        of data returned is owed to the backend (`take_pending`)."""
+        t = type(ev)
+        if t is DataIn:
+            self._pending = ev.flow_length  # type: ignore[union-attr]
+            data: bytes = ev.data  # type: ignore[union-attr]
+            return data or None
+        if t is HeadersIn:
+            status, fields = split_response(ev.headers)  # type: ignore[union-attr]
+            self._started = True
+            length = -1
+            for name, value in fields:
+                if name == b"content-length" and value.isdigit():
+                    length = int(value)
+            ended = ev.ended  # type: ignore[union-attr]
+            if ended:
                 self._done = True
-                return ResponseEnd(ev.trailers)  # type: ignore[union-attr]
-            if t is EndIn:
-                if self._done:
-                    continue  # after trailers or a trailers-only head: already told
-                self._done = True
-                return ResponseEnd([])
-            if t is ResetIn:
-                code = ev.code  # type: ignore[union-attr]
-                raise UpstreamFailed(502, f"{self.backend} reset the stream "
-                                          f"({_code_name(code)})")
+            return ResponseStart(status, fields, ended=ended, length=length)
+        if t is TrailersIn:
+            self._done = True
+            return ResponseEnd(ev.trailers)  # type: ignore[union-attr]
+        if t is EndIn:
+            if self._done:
+                return None  # after trailers or a trailers-only head: already told
+            self._done = True
+            return ResponseEnd([])
+        if t is ResetIn:
+            code = ev.code  # type: ignore[union-attr]
+            raise UpstreamFailed(502, f"{self.backend} reset the stream "
+                                      f"({_code_name(code)})")
+        return None
+
+    def take_pending(self) -> int:
+        """The window of the data `convert` returned last, now given back by the caller
+        (`H2Session.acknowledge` on `conn.session`)."""
+        pending, self._pending = self._pending, 0
+        return pending
+
+    def abort_now(self) -> None:
+        """`abort` for code that cannot wait: the reset is queued and the writer woken."""
+        if not self.conn.closed:
+            self.conn.session.reset(self.sid, h2.errors.ErrorCodes.CANCEL)
+            self.conn.wire.wake(self.sid)
+            self.conn.wire.kick()
+        self.release()
 
     def ends_next(self) -> bool:
         items = self.inbox.items
@@ -370,12 +406,39 @@ class H2Pool:
                  "goaway": c.goaway} for b, c in self.conns.items()]
 
 
+def live_h2c_connection(route: Route, pool: H2Pool, balancer: Balancer
+                        ) -> tuple[H2Upstream | None, Sequence[Backend]]:
+    """The balancer's pick for this request, with its connection when that is live and has
+    room (a stream opens on it without waiting: `H2Upstream.open_now`), else None; the
+    candidates, for `open_h2c_exchange` to go on with (the pick is made once)."""
+    candidates = balancer.candidates(route)
+    conn = pool.conns.get(candidates[0]) if candidates else None
+    if conn is not None and conn.usable and conn.has_slot():
+        return conn, candidates
+    return None, candidates
+
+
+def opened_now(conn: H2Upstream, balancer: Balancer, stats: HttpStats, headers: Headers,
+               end: bool) -> H2cExchange:
+    """A stream on `live_h2c_connection`'s connection, counted as `open_h2c_exchange`
+    counts one."""
+    exchange = conn.open_now(headers, end)
+    stats.upstream_reuses += conn.requests > 1
+    stats.upstream_opens += conn.requests == 1
+    balancer.succeeded(conn.backend)
+    return exchange
+
+
 async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limits: Limits,
-                            stats: HttpStats, headers: Headers, end: bool) -> H2cExchange:
-    """A request on one of `route`'s backends, balanced for this request alone; raises
-    `UpstreamFailed` with the last failure when no backend took it."""
+                            stats: HttpStats, headers: Headers, end: bool,
+                            candidates: Sequence[Backend] | None = None) -> H2cExchange:
+    """A request on one of `route`'s backends, balanced for this request alone (or over
+    `candidates`, the balancer's pick already made); raises `UpstreamFailed` with the last
+    failure when no backend took it."""
     failure: UpstreamFailed | None = None  # made only when one is needed (hot path)
-    for backend in balancer.candidates(route)[: limits.max_dial_attempts]:
+    if candidates is None:
+        candidates = balancer.candidates(route)
+    for backend in candidates[: limits.max_dial_attempts]:
         try:
             conn_or_none = pool.conns.get(backend)
             if conn_or_none is not None and conn_or_none.usable and conn_or_none.has_slot():
@@ -410,7 +473,8 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
     raise failure or UpstreamFailed(502, f"route {route.name}: no backend could be reached")
 
 
-__all__ = ["H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost", "open_h2c_exchange"]
+__all__ = ["H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost", "live_h2c_connection",
+           "open_h2c_exchange", "opened_now"]
 
 
 async def connect_h2c(route: Route, pool: H2Pool, balancer: Balancer, limits: Limits) -> None:

@@ -82,6 +82,8 @@ class DataIn:
     data: bytes
     flow_length: int
     """Window it used (padding included): give it back with `acknowledge` once forwarded."""
+    ended: bool = False
+    """The frame carried END_STREAM (an `EndIn` follows): the last piece of the body."""
 
 
 @dataclass(slots=True)
@@ -197,7 +199,8 @@ class H2Session:
         for ev in events:
             if isinstance(ev, ev_.DataReceived):
                 out.append(DataIn(ev.stream_id or 0, ev.data or b"",
-                                  ev.flow_controlled_length or 0))
+                                  ev.flow_controlled_length or 0,
+                                  ev.stream_ended is not None))
             elif isinstance(ev, ev_.RequestReceived | ev_.ResponseReceived):
                 self.streams_opened += not self.client_side
                 out.append(HeadersIn(ev.stream_id or 0, list(ev.headers or ()),
@@ -327,6 +330,12 @@ class H2Session:
             except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
                 # The stream is gone: only the connection window comes back.
                 self.conn.increment_flow_control_window(flow_length)
+
+    def new_stream_window(self) -> int:
+        """Bytes a stream opened now may send before the peer's first WINDOW_UPDATE."""
+        conn = self.conn
+        return min(conn.outbound_flow_control_window,
+                   int(conn.remote_settings.initial_window_size))
 
     def send_window(self, stream_id: int) -> int:
         """Bytes we may send on `stream_id` now (the smaller of its and the connection's)."""

@@ -23,6 +23,7 @@ queued beyond the window.
 from __future__ import annotations
 
 import collections
+from typing import Protocol
 
 import trio
 
@@ -96,6 +97,18 @@ class H2Wire:
                 await self._wait_round()
             return
         await self._write_directly()
+
+    def kick(self) -> None:
+        """Have what the session queued sent, from code that cannot wait (a stream relayed
+        without a task of its own, `h2connection`): the writer is woken; a caller that must
+        not queue more while the peer reads slower than we write checks `busy` first."""
+        if self._running:
+            self._kick.set()
+
+    @property
+    def busy(self) -> bool:
+        """The writer is blocked writing (the peer reads slower than we write)."""
+        return self._busy or self.broken
 
     async def drain(self) -> None:
         """Wait until everything queued so far is written (StreamGone if the write failed)."""
@@ -198,19 +211,40 @@ class H2Wire:
         except StreamGone:
             pass
 
+class DirectSink(Protocol):
+    """Takes a stream's events as they are read, without a task (`Inbox.direct`)."""
+
+    def take(self, item: H2Event) -> bool:
+        """Act on `item` now; False: it cannot be (it would have to wait), the inbox keeps
+        it and every later one for a task, and the sink is detached."""
+
+    def lost(self, error: Exception) -> None:
+        """The connection ended with the stream in flight."""
+
+
 class Inbox:
     """What the connection's reader received for one stream, in order, until the stream's
     task takes it. Bounded by the stream's receive window: the reader never acknowledges
-    data, the task does once it forwarded it (`H2Wire.acknowledge`)."""
+    data, the task does once it forwarded it (`H2Wire.acknowledge`).
 
-    __slots__ = ("_event", "error", "items")
+    With a `direct` sink, the reader hands each event to it as read instead; once the sink
+    declines one (it would have to wait), that event and the later ones queue here for a
+    task, as without a sink."""
+
+    __slots__ = ("_event", "direct", "error", "items")
 
     def __init__(self) -> None:
         self.items: collections.deque[H2Event] = collections.deque()
         self._event: trio.Event | None = None
         self.error: Exception | None = None
+        self.direct: DirectSink | None = None
 
     def put(self, item: H2Event) -> None:
+        direct = self.direct
+        if direct is not None:
+            if direct.take(item):
+                return
+            self.direct = None
         self.items.append(item)
         if self._event is not None:
             self._event.set()
@@ -218,6 +252,11 @@ class Inbox:
 
     def fail(self, error: Exception) -> None:
         """Nothing more will come: `get` raises `error` once the items are taken."""
+        direct = self.direct
+        if direct is not None:
+            self.direct = None
+            direct.lost(error)
+            return
         if self.error is None:
             self.error = error
         if self._event is not None:
@@ -233,4 +272,4 @@ class Inbox:
         return self.items.popleft()
 
 
-__all__ = ["H2Wire", "Inbox", "StreamGone", "WindowStalled"]
+__all__ = ["DirectSink", "H2Wire", "Inbox", "StreamGone", "WindowStalled"]

@@ -104,6 +104,9 @@ class HttpStats:
     """Requests with content-type application/grpc (also counted in `h2_requests`)."""
     h2_client_resets: int = 0
     """Streams a client reset while the front served them (gRPC cancellations)."""
+    h2_direct_streams: int = 0
+    """HTTP/2 requests to h2c backends relayed without a task of their own (the whole
+    request came with its head and the backend's connection had room)."""
     refused_h2_protocol_error: int = 0
     """HTTP/2 connections ended with GOAWAY for a protocol error (`h2` refused a frame)."""
     refused_h2_rapid_reset: int = 0

@@ -353,6 +353,8 @@ class RawH2:
         self.body: dict[int, int] = {}
         self.unread: dict[int, int] = {}  # window not given back yet, by stream
         self.status: dict[int, int] = {}
+        self.heads: dict[int, list[tuple[bytes, bytes]]] = {}  # response heads, trailers
+        self.resets: dict[int, int] = {}  # stream → RST_STREAM code received
         self.ended: set[int] = set()
         self.goaway: int | None = None
         self.refused: dict[int, int] = {}  # stream → RST_STREAM code, for hand-made streams
@@ -378,6 +380,29 @@ class RawH2:
         await self.flush()
         return sid
 
+    async def send(self, path: str, body: bytes = b"",
+                   headers: list[tuple[bytes, bytes]] | None = None) -> int:
+        """A request with its whole body (or none) and END_STREAM in one write."""
+        sid: int = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, [(b":method", b"POST" if body else b"GET"),
+                                     (b":scheme", b"http"), (b":authority", b"app.test"),
+                                     (b":path", path.encode()), *(headers or [])],
+                               end_stream=not body)
+        if body:
+            self.conn.send_data(sid, body, end_stream=True)
+        await self.flush()
+        return sid
+
+    async def reset(self, sid: int) -> None:
+        self.conn.reset_stream(sid, 8)  # CANCEL
+        await self.flush()
+
+    async def wait_for(self, done: Callable[[], bool], seconds: float = 10.0) -> None:
+        """Read (granting windows) until `done()`."""
+        with trio.fail_after(seconds):
+            while not done():
+                await self.pump(0.05, grant=True)
+
     async def pump(self, seconds: float, *, grant: bool) -> None:
         """Read for `seconds` (or until the server closes); `grant`: give the window back
         for what arrived, else keep it shut."""
@@ -401,6 +426,11 @@ class RawH2:
                 for ev in self.conn.receive_data(self._intercept(data)):
                     if isinstance(ev, h2.events.ResponseReceived):
                         self.status[ev.stream_id] = int(dict(ev.headers)[b":status"])  # type: ignore[arg-type, index]
+                        self.heads[ev.stream_id or 0] = list(ev.headers or ())  # type: ignore[arg-type]
+                    elif isinstance(ev, h2.events.TrailersReceived):
+                        self.heads.setdefault(ev.stream_id or 0, []).extend(ev.headers or ())  # type: ignore[arg-type]
+                    elif isinstance(ev, h2.events.StreamReset):
+                        self.resets[ev.stream_id or 0] = int(ev.error_code or 0)
                     elif isinstance(ev, h2.events.DataReceived):
                         sid = ev.stream_id or 0
                         self.body[sid] = self.body.get(sid, 0) + len(ev.data or b"")

@@ -340,3 +340,123 @@ async def test_a_slow_preface_or_frame_is_dropped_after_the_header_timeout(
                     pass
             await stream.aclose()
         assert f.front.stats.h2_connections == 2
+
+
+# -- requests relayed without a task of their own (h2c backends) -----------------------------
+
+
+async def _warm(client: RawH2) -> None:
+    """A first request dials the backend's h2c connection (a task does that); the next
+    ones find it live and go without a task."""
+    sid = await client.send("/warm")
+    await client.wait_for(lambda: sid in client.ended)
+
+
+async def test_whole_requests_to_an_h2c_backend_go_without_a_task(
+        nursery: trio.Nursery) -> None:
+    """Requests whose body came with their head (or that have none), to a live h2c
+    connection, are relayed by the connections' readers: answered with the body, the
+    trailers and the statuses as a task would, and counted per route."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        await _warm(client)
+        get = await client.send("/get")
+        post = await client.send("/post", b"z" * 5000, [(b"te", b"trailers")])
+        reset = await client.send("/reset")
+        await client.wait_for(lambda: {get, post, reset} <= client.ended)
+        assert client.status[get] == client.status[post] == 200
+        assert client.status[reset] == 502  # the backend reset its stream before a head
+        trailers = dict(client.heads[post])
+        assert trailers[b"x-body-sha256"] == hashlib.sha256(b"z" * 5000).hexdigest().encode()
+        assert [d["body_length"] for d in origin.requests if d["target"] == "/post"] == [5000]
+        stats = f.front.stats
+        assert stats.h2_direct_streams == 3, stats
+        assert stats.upstream_errors == 1  # the backend's reset
+        assert origin.connections == 1
+        await client.aclose()
+
+
+async def test_a_stream_without_a_task_honours_reset_and_deadlines(
+        nursery: trio.Nursery) -> None:
+    """Without a task, the client's RST_STREAM still resets the backend's stream, the
+    response head still times out (504) and a gRPC call's `grpc-timeout` still ends it
+    (DEADLINE_EXCEEDED), each resetting the backend's stream; a lost backend connection
+    fails the stream (502)."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    limits = Limits(response_timeout=0.5)
+    grpc = [(b"content-type", b"application/grpc"), (b"te", b"trailers")]
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))],
+                             limits) as f:
+        client = await RawH2.connect(f.port)
+        await _warm(client)
+        stats = f.front.stats
+        cancelled = await client.send("/hang")
+        with trio.fail_after(5):
+            while origin.open_streams < 1:
+                await client.pump(0.02, grant=True)
+        await client.reset(cancelled)
+        with trio.fail_after(5):
+            while origin.resets_received < 1:
+                await client.pump(0.02, grant=True)
+        assert stats.h2_client_resets == 1
+        slow = await client.send("/hang")
+        call = await client.send("/hang", b"\x00\x00\x00\x00\x00",
+                                 [*grpc, (b"grpc-timeout", b"300m")])
+        await client.wait_for(lambda: {slow, call} <= client.ended)
+        assert client.status[slow] == 504
+        head = dict(client.heads[call])
+        assert head[b"grpc-status"] == b"4", head  # DEADLINE_EXCEEDED
+        with trio.fail_after(5):
+            while origin.resets_received < 3:
+                await client.pump(0.02, grant=True)
+        assert stats.timeouts == 2
+        lost = await client.send("/hang")
+        with trio.fail_after(5):
+            while origin.open_streams < 1:
+                await client.pump(0.02, grant=True)
+        await origin.drop()
+        await client.wait_for(lambda: lost in client.ended)
+        assert client.status[lost] == 502
+        assert stats.h2_direct_streams == 4, stats
+        await client.aclose()
+
+
+async def test_a_stream_without_a_task_waits_for_the_window_in_a_task(
+        nursery: trio.Nursery) -> None:
+    """A response larger than the client's window: the stream goes on in a task of its
+    own once the window is shut, within the windows as before (64 KiB to a client that
+    does not read, the backend held at the front's stream window), and finishes when
+    the client reads."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        await _warm(client)
+        sid = await client.send("/big?n=8388608")
+        await client.pump(2.0, grant=False)
+        assert client.status[sid] == 200
+        assert client.body[sid] <= 65535
+        assert origin.body_bytes_sent <= 1024 * 1024 + 65535, origin.body_bytes_sent
+        await client.wait_for(lambda: sid in client.ended, 60)
+        assert client.body[sid] == 8 * 1024 * 1024
+        assert f.front.stats.h2_direct_streams == 1
+        await client.aclose()
+
+
+async def test_drain_lets_streams_without_a_task_finish(nursery: trio.Nursery) -> None:
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        await _warm(client)
+        sid = await client.send("/slow")
+        with trio.fail_after(5):
+            while origin.open_streams < 1:
+                await client.pump(0.02, grant=True)
+        f.front.drain(close_idle=False)
+        await client.wait_for(lambda: client.closed, 10)
+        assert client.goaway == sid and client.status[sid] == 200 and sid in client.ended
+        assert f.front.stats.h2_direct_streams == 1

@@ -1,0 +1,176 @@
+"""One bidirectional gRPC stream through the HTTP front alone (no tunnel), the front's
+HTTP/2 settings varied: what the windows and frame sizes the front announces do to it.
+
+A grpcio echo server (`nodeagent.testing.grpcservice`) in a process of its own, one front
+process per variant (an h2c route to that server), the grpcio client in this process:
+one stream echoing --kib KiB messages for --seconds, at most 8 messages ahead of their
+echoes. Variants, interleaved over --rounds rounds (median, min-max):
+
+  default     the front's `H2Settings`: 1 MiB stream windows, 8 MiB connection window,
+              16 KiB frames, on both legs (client and backend)
+  win4m       4 MiB stream windows, 32 MiB connection windows
+  frame1m     1 MiB frames accepted (SETTINGS_MAX_FRAME_SIZE): peers may send fewer, larger
+              DATA frames
+  both        both of these
+
+and `direct`: the client straight to the server (the floor on this machine). Prints the
+payload Gbit/s each way and the front's CPU per MiB moved (both ways, /proc).
+
+    .venv/bin/python -m scripts.bench.h2_bidi [--rounds 3] [--seconds 4] [--kib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import trio
+
+from nodeagent.http import Backend, Limits, Route, RouteSpec, RouteTable
+from nodeagent.http.balancer import Balancer
+from nodeagent.http.connection import GracefulClose
+from nodeagent.http.h2connection import H2Connection
+from nodeagent.http.h2pool import H2Pool
+from nodeagent.http.h2session import PREFACE, H2Settings
+from nodeagent.http.stats import HttpStats
+from nodeagent.testing.grpcservice import GrpcEcho, channel, method
+from nodeagent.testing.standalone import free_port
+from scripts.bench.http_front import _cpu_seconds, open_direct
+
+MIB = 1024 * 1024
+VARIANTS: dict[str, dict[str, int]] = {
+    "default": {},
+    "win4m": {"stream_window": 4 * MIB, "connection_window": 32 * MIB},
+    "frame1m": {"max_frame_size": MIB},
+    "both": {"stream_window": 4 * MIB, "connection_window": 32 * MIB,
+             "max_frame_size": MIB},
+}
+
+
+def _serve_grpc(port_out: Any) -> None:
+    server = GrpcEcho("bench").start()
+    port_out.put(server.port)
+    threading.Event().wait()
+
+
+def _run_front(port: int, backend_port: int, overrides: dict[str, int]) -> None:
+    """A front serving h2c only, built from its parts so that its settings can be chosen
+    (the product's `HttpFront` uses the defaults)."""
+    settings = dataclasses.replace(H2Settings(), **overrides)
+    route = Route("grpc", (Backend(None, "127.0.0.1", backend_port),),
+                  backend_protocol="h2c")
+    table = RouteTable.build([RouteSpec(None, "/", route)])
+    limits = Limits()
+    stats = HttpStats()
+    balancer = Balancer(limits.failed_backend_cooldown)
+    closing = GracefulClose()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            pool = H2Pool(nursery, open_direct, limits, settings=settings)
+
+            async def handle(stream: trio.SocketStream) -> None:
+                initial = await stream.receive_some(len(PREFACE))
+                await H2Connection(stream, lambda: table, open_direct, "http", "bench",
+                                   limits, stats, balancer, pool, False, closing,
+                                   bytes(initial), settings=settings).run()
+
+            await trio.serve_tcp(handle, port, host="127.0.0.1")
+
+    trio.run(main)
+
+
+def bidi(address: str, seconds: float, kib: int) -> tuple[float, int]:
+    """Gbit/s each way and bytes echoed."""
+    ch = channel(address)
+    stream = method(ch, "Bidi", "stream_stream")
+    message = b"b" * (kib * 1024)
+    ahead = threading.Semaphore(8)
+    stop = time.perf_counter() + seconds
+
+    def requests() -> Any:
+        while time.perf_counter() < stop:
+            ahead.acquire()
+            yield message
+
+    start = time.perf_counter()
+    got = 0
+    for reply in stream(requests(), timeout=seconds + 60):
+        got += len(reply)
+        ahead.release()
+    elapsed = time.perf_counter() - start
+    ch.close()
+    return got * 8 / elapsed / 1e9, got
+
+
+def _wait(port: int) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):,.2f} ({min(values):,.2f}-{max(values):,.2f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.h2_bidi", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--kib", type=int, default=1024)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    ports: multiprocessing.Queue[int] = multiprocessing.Queue()
+    server = multiprocessing.Process(target=_serve_grpc, args=(ports,), daemon=True)
+    server.start()
+    grpc_port = ports.get(timeout=20)
+    fronts: dict[str, tuple[int, multiprocessing.Process]] = {}
+    rows: dict[str, list[float]] = {}
+    try:
+        for name in args.variants.split(","):
+            port = free_port()
+            proc = multiprocessing.Process(target=_run_front,
+                                           args=(port, grpc_port, VARIANTS[name]), daemon=True)
+            proc.start()
+            fronts[name] = (port, proc)
+        for port, _ in fronts.values():
+            _wait(port)
+        bidi(f"127.0.0.1:{grpc_port}", 1, args.kib)  # warm
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
+            rate, _ = bidi(f"127.0.0.1:{grpc_port}", args.seconds, args.kib)
+            rows.setdefault("direct Gbit/s", []).append(rate)
+            for name, (port, proc) in fronts.items():
+                cpu = _cpu_seconds(proc.pid or 0)
+                rate, moved = bidi(f"127.0.0.1:{port}", args.seconds, args.kib)
+                used = _cpu_seconds(proc.pid or 0) - cpu
+                rows.setdefault(f"{name} Gbit/s", []).append(rate)
+                rows.setdefault(f"{name} front CPU ms/MiB", []).append(
+                    used * 1e3 / max(1, 2 * moved / MIB))
+    finally:
+        for _, proc in fronts.values():
+            proc.kill()
+        server.kill()
+    print(f"\n{'measure':30} median (min-max) over {args.rounds} rounds, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for name, values in rows.items():
+        print(f"{name:30} {summary(values)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

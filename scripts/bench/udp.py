@@ -10,9 +10,12 @@ a UDP echo. The baselines, measured in the same run and interleaved round by rou
   loss stays under 1 %, through the mapping, through `socat UDP4-LISTEN,fork` (plus a
   TCP socat for iperf3's control connection), and through `scripts.bench.udp_relay`, the
   least a trio program can do to relay UDP (one process, no tunnel): the Python floor;
-* dnsperf (Debian's), twice per path: saturated (8 clients x 64 queries in flight:
-  queries per second and p99) and at an offered rate of `--dns-rate` queries/s (10,000:
-  the p99 a resolver sees at that load), through the mapping and asking dnsmasq directly;
+* dnsperf (Debian's), twice per path: saturated with a bounded number of queries in
+  flight (`--dns-clients` x `--dns-in-flight`, default 1 x 16, as a resolver's forwarder
+  keeps them: queries per second and p99; by Little's law the latency is the number in
+  flight over the rate, so 8 x 64 measures mostly its own queue) and at an offered rate
+  of `--dns-rate` queries/s (10,000, open loop: up to 2,000 in flight, so a stall of the
+  path grows a queue the p99 shows), through the mapping and asking dnsmasq directly;
 * CPU per datagram: the server's and the agent's CPU time (user + system, /proc) per
   datagram carried at a fixed 150 Mbit/s, and per DNS query at the fixed rate: no
   scheduling delay in it, but batches grow with the machine's load, so compare trees
@@ -337,18 +340,19 @@ class Bench:
         return got
 
     def dnsperf(self, path: str, port: int, rate: int | None) -> dict[str, float]:
-        """dnsperf for a few seconds: saturated (rate None: 8 clients, 64 in flight) or
-        offering `rate` queries/s (up to 2,000 in flight). Queries answered per second,
-        p50 and p99 (ms), lost."""
+        """dnsperf for a few seconds: saturated (rate None: --dns-clients x
+        --dns-in-flight queries in flight) or offering `rate` queries/s (up to 2,000 in
+        flight). Queries answered per second, p50 and p99 (ms), lost."""
         seconds = 3 if self.args.quick else 5
         nan = float("nan")
         try:
             out = subprocess.run(
                 ["dnsperf", "-s", "127.0.0.1", "-p", str(port), "-d", str(self.queries),
-                 "-l", str(seconds), "-c", "8", "-t", "2", "-v",
+                 "-l", str(seconds), "-t", "2", "-v",
                  # at a fixed rate, room for every query in flight: a cap of 64 would
                  # throttle the offered rate as soon as latency passes 6 ms
-                 *(["-q", "64"] if rate is None else ["-q", "2000", "-Q", str(rate)])],
+                 *(["-c", str(self.args.dns_clients), "-q", str(self.args.dns_in_flight)]
+                   if rate is None else ["-c", "8", "-q", "2000", "-Q", str(rate)])],
                 capture_output=True, text=True, timeout=seconds + 30)
         except subprocess.TimeoutExpired:
             self.failed(path, f"dnsperf {'at ' + str(rate) if rate else 'saturated'} "
@@ -462,14 +466,16 @@ class Bench:
         steps: list[tuple[str, Callable[[], None]]] = []
         for _ in range(rounds):
             steps.append(("load average", lambda: loads.append(os.getloadavg()[0])))
-            for stack in self.stacks:
+            for stack in self.stacks if not self.args.dns_only else ():
                 steps.append((f"iperf3 via {stack.name}",
                               iperf_via(stack.name, stack.mapped_iperf)))
-            for stack in self.stacks:
+            for stack in self.stacks if not self.args.dns_only else ():
                 steps.append((f"CPU per datagram via {stack.name} at {CPU_RATE_MBIT} Mbit/s",
                               cpu_via(stack)))
-            steps += [("iperf3 via socat", iperf_via("socat", self.socat_iperf)),
-                      ("iperf3 via a bare trio relay", iperf_via("floor", self.floor_iperf))]
+            if not self.args.dns_only:
+                steps += [("iperf3 via socat", iperf_via("socat", self.socat_iperf)),
+                          ("iperf3 via a bare trio relay",
+                           iperf_via("floor", self.floor_iperf))]
             for at in (None, rate):
                 for stack in self.stacks:
                     steps.append((f"dnsperf via {stack.name}"
@@ -509,6 +515,7 @@ class Bench:
                        f"dns_p99_at{rate}_vs_other": ratio(f"nodeagent_at{rate}_p99_ms",
                                                            f"other_at{rate}_p99_ms")}
         return {"rounds": rounds, "datagram_bytes": DATAGRAM, "dns_rate": rate,
+                "dns_in_flight": f"{self.args.dns_clients} x {self.args.dns_in_flight}",
                 "tree": str(self.args.tree) if self.args.tree else None,
                 "stacks": [stack.name for stack in self.stacks], "raw": results,
                 "summary": summary, "load_average": loads,
@@ -524,6 +531,15 @@ def main() -> int:
                         help="idle flows per batch for the memory figure (default 3000)")
     parser.add_argument("--dns-rate", type=int, default=10_000,
                         help="the offered rate (queries/s) of the fixed-rate DNS runs")
+    parser.add_argument("--dns-clients", type=int, default=1,
+                        help="dnsperf clients (-c) of the saturated DNS runs (default 1)")
+    parser.add_argument("--dns-in-flight", type=int, default=16,
+                        help="queries each client keeps in flight (-q) in the saturated "
+                             "runs (default 16): by Little's law the latency they see is "
+                             "clients x in-flight / rate, so this sets the p99 as much as "
+                             "the path does")
+    parser.add_argument("--dns-only", action="store_true",
+                        help="only the DNS runs (and memory), no iperf3")
     parser.add_argument("--tree", type=Path,
                         help="another checkout whose server and agent run beside this one's")
     args = parser.parse_args()
@@ -580,7 +596,8 @@ def print_table(result: dict[str, Any]) -> None:
         line("  agent", f"{path}_agent_us_per_datagram", "us", 2)
     ratio("ratio CPU per datagram nodeagent / --tree", "cpu_per_datagram_vs_other")
     for path in ("nodeagent", "other", "direct"):
-        line(f"dnsperf saturated, {names[path]}", f"{path}_sat_qps", "q/s", 0)
+        line(f"dnsperf, {result.get('dns_in_flight', '')} in flight, {names[path]}",
+             f"{path}_sat_qps", "q/s", 0)
         line("  p99", f"{path}_sat_p99_ms", "ms", 2)
     ratio("ratio nodeagent / direct, q/s", "dns_qps_vs_direct")
     ratio("ratio nodeagent / --tree, q/s", "dns_qps_vs_other")

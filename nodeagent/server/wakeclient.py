@@ -37,6 +37,7 @@ REASK = 5.0  # seconds before a still-wanted Service is asked for again
 # A Service with no request for this long drops out of the reports (the controller keeps
 # its own record of the last request).
 FORGET_AFTER = 24 * 3600.0
+REPORT_RECHECK = 0.5  # seconds: how soon a shorter activity interval takes effect
 
 Post = Callable[[str, bytes], Awaitable[tuple[int, dict[str, Any]]]]
 
@@ -77,8 +78,17 @@ class WakeClient:
             self.reports += 1
 
     async def _report_forever(self) -> None:
+        last = trio.current_time()
         while True:
-            await trio.sleep(self.interval())
+            # The interval comes with the routes: a server starts on the default (10 s)
+            # and learns the cluster's (often under a second) from its first config. Slept
+            # whole, that first default held every report back ~10 s, long enough for the
+            # leader to take a Service with a connection open for idle. So the wait is
+            # looked at again every REPORT_RECHECK seconds (a poll: the routes that carry
+            # the interval are replaced whole, with no event to wait for).
+            while (wait := last + self.interval() - trio.current_time()) > 0:  # noqa: ASYNC110
+                await trio.sleep(min(wait, REPORT_RECHECK))
+            last = trio.current_time()
             try:
                 await self.report()
             except PostError as exc:

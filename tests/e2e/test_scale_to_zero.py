@@ -519,7 +519,10 @@ def test_endpoints_ready_to_held_request_answered_over_a_hundred_wakes(
     request's answer is recorded: the controller's watch and recompute, the config
     stream, the servers' route swap, the agent's allow list, the dial and the answer."""
     api, ports = sleepy["api"], sleepy["http"]
-    annotate(api, SERVICES, {"nodeagent.io/idle-after": "1h"})  # only the test sleeps it
+    # Only the test sleeps it, scaling the Deployment directly: with no pods left and no
+    # sleep of the controller's to remember it by, the workload must be named.
+    annotate(api, SERVICES, {"nodeagent.io/idle-after": "1h",
+                             "nodeagent.io/workload": "deployment/web"})
     annotate(api, DEPLOYMENTS, {START_DELAY: "0.2", REPLICAS_BEFORE_SLEEP: "1"})
     wait_for(lambda: get(ports[0], 5).status_code == 200, "served while awake", timeout=30)
     ready_to_answer: list[float] = []

@@ -145,6 +145,11 @@ def grpc_rate(address: str, authority: str | None, seconds: float, inflight: int
 def bidi_rate(address: str, seconds: float, kib: int) -> float:
     """Payload Gbit/s each way of one bidirectional stream echoing `kib` KiB messages, at
     most 8 messages ahead of their echoes (the window grpcio keeps anyway)."""
+    return bidi_echo(address, seconds, kib)[0]
+
+
+def bidi_echo(address: str, seconds: float, kib: int) -> tuple[float, int]:
+    """`bidi_rate`'s Gbit/s each way, and the bytes echoed."""
     ch = channel(address)
     stream = method(ch, "Bidi", "stream_stream")
     message = b"b" * (kib * 1024)
@@ -163,7 +168,7 @@ def bidi_rate(address: str, seconds: float, kib: int) -> float:
         ahead.release()
     elapsed = time.perf_counter() - start
     ch.close()
-    return got * 8 / elapsed / 1e9
+    return got * 8 / elapsed / 1e9, got
 
 
 def balance(address: str, authority: str, calls: int) -> dict[str, int]:

@@ -41,8 +41,9 @@ from nodeagent.http.h2connection import H2Connection
 from nodeagent.http.h2pool import H2Pool
 from nodeagent.http.h2session import PREFACE, H2Settings
 from nodeagent.http.stats import HttpStats
-from nodeagent.testing.grpcservice import GrpcEcho, channel, method
+from nodeagent.testing.grpcservice import GrpcEcho
 from nodeagent.testing.standalone import free_port
+from scripts.bench.h2 import bidi_echo
 from scripts.bench.http_front import _cpu_seconds, open_direct
 
 MIB = 1024 * 1024
@@ -88,29 +89,6 @@ def _run_front(port: int, backend_port: int, overrides: dict[str, int]) -> None:
     trio.run(main)
 
 
-def bidi(address: str, seconds: float, kib: int) -> tuple[float, int]:
-    """Gbit/s each way and bytes echoed."""
-    ch = channel(address)
-    stream = method(ch, "Bidi", "stream_stream")
-    message = b"b" * (kib * 1024)
-    ahead = threading.Semaphore(8)
-    stop = time.perf_counter() + seconds
-
-    def requests() -> Any:
-        while time.perf_counter() < stop:
-            ahead.acquire()
-            yield message
-
-    start = time.perf_counter()
-    got = 0
-    for reply in stream(requests(), timeout=seconds + 60):
-        got += len(reply)
-        ahead.release()
-    elapsed = time.perf_counter() - start
-    ch.close()
-    return got * 8 / elapsed / 1e9, got
-
-
 def _wait(port: int) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -149,14 +127,14 @@ def main() -> int:
             fronts[name] = (port, proc)
         for port, _ in fronts.values():
             _wait(port)
-        bidi(f"127.0.0.1:{grpc_port}", 1, args.kib)  # warm
+        bidi_echo(f"127.0.0.1:{grpc_port}", 1, args.kib)  # warm
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
-            rate, _ = bidi(f"127.0.0.1:{grpc_port}", args.seconds, args.kib)
+            rate, _ = bidi_echo(f"127.0.0.1:{grpc_port}", args.seconds, args.kib)
             rows.setdefault("direct Gbit/s", []).append(rate)
             for name, (port, proc) in fronts.items():
                 cpu = _cpu_seconds(proc.pid or 0)
-                rate, moved = bidi(f"127.0.0.1:{port}", args.seconds, args.kib)
+                rate, moved = bidi_echo(f"127.0.0.1:{port}", args.seconds, args.kib)
                 used = _cpu_seconds(proc.pid or 0) - cpu
                 rows.setdefault(f"{name} Gbit/s", []).append(rate)
                 rows.setdefault(f"{name} front CPU ms/MiB", []).append(

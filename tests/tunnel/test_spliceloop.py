@@ -83,6 +83,19 @@ async def recv_until_closed(sock: socket.socket) -> bytes:
             data += chunk
 
 
+async def send_then_eof(sock: socket.socket, view: memoryview, sent: int,
+                        chunk: int) -> None:
+    """From a non-blocking socket: `view` from byte `sent` on, `chunk` at a time as the
+    socket takes it, then EOF."""
+    while sent < len(view):
+        await trio.lowlevel.wait_writable(sock)
+        try:
+            sent += sock.send(view[sent:sent + chunk])
+        except BlockingIOError:
+            pass
+    sock.shutdown(socket.SHUT_WR)
+
+
 def handing_over(made: list[socket.socket], targets: list[socket.socket],
                  results: list[SpliceResult]) -> object:
     """An acceptor handler as the agent's: each stream relayed to a fresh TCP target and
@@ -197,19 +210,9 @@ async def test_a_socket_sender_stops_at_the_window_while_the_tunnel_reader_does_
         await other.send_all(b"x")
         assert await recv_exactly(targets[1], 1) == b"x"
 
-        async def send_rest() -> None:
-            nonlocal sent
-            while sent < len(payload):
-                await trio.lowlevel.wait_writable(target)
-                try:
-                    sent += target.send(view[sent:sent + 65536])
-                except BlockingIOError:
-                    pass
-            target.shutdown(socket.SHUT_WR)
-
         got = bytearray()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_rest)
+            nursery.start_soon(send_then_eof, target, view, sent, 65536)
             with trio.fail_after(30):
                 while chunk := await stream.receive_some():
                     got += chunk
@@ -283,20 +286,9 @@ async def test_a_socket_sender_limited_by_the_connection_window_is_woken_by_its_
     payload = os.urandom(6 * 1024 * 1024)
     async with one_relayed(settings) as relayed:
         stream, target = relayed.stream, relayed.target
-        async def send_all_then_eof() -> None:
-            view = memoryview(payload)
-            sent = 0
-            while sent < len(payload):
-                await trio.lowlevel.wait_writable(target)
-                try:
-                    sent += target.send(view[sent:sent + 262144])
-                except BlockingIOError:
-                    pass
-            target.shutdown(socket.SHUT_WR)
-
         got = bytearray()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all_then_eof)
+            nursery.start_soon(send_then_eof, target, memoryview(payload), 0, 262144)
             with trio.fail_after(30):
                 while chunk := await stream.receive_some():
                     got += chunk

@@ -55,8 +55,10 @@ STEPS: dict[str, list[tuple[str, str]]] = {
     ],
     "server": [
         ("httptools", "import httptools"),
-        ("h2 (HTTP/2: h2, hpack, hyperframe)", "import h2.connection"),
         ("nodeagent.server.main (the rest)", "import nodeagent.server.main"),
+        # Not at start: the front loads HTTP/2 on its first h2 connection or h2c backend.
+        ("later, HTTP/2 on first use (h2, hpack, hyperframe, the front's h2 modules)",
+         "import nodeagent.http.h2connection"),
     ],
     "agent": [
         ("nodeagent.agent.main (the rest)", "import nodeagent.agent.main"),

@@ -106,8 +106,12 @@ class Generator:
             return "None"
         if annotation in (int, float, str, bool, bytes):
             return str(annotation.__name__)
-        if annotation in _AS_TEXT:
-            return "str"
+        if annotation is Path:
+            return "Path"
+        if annotation in (ipaddress.IPv4Network, ipaddress.IPv6Network):
+            return "IPNetwork"
+        if annotation in (ipaddress.IPv4Address, ipaddress.IPv6Address):
+            return "IPAddress"
         if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
             return "str" if issubclass(annotation, str) else "int"
         if isinstance(annotation, type) and issubclass(annotation, Model):
@@ -131,9 +135,10 @@ class Generator:
             if "Any" in parts:
                 return "Any"
             flat = list(dict.fromkeys(p for part in parts for p in part.split(" | ")))
-            structs = [p for p in flat if p[:1].isupper() and p not in ("None",)
+            structs = [p for p in flat if p[:1].isupper()
+                       and p not in ("None", "Path", "IPNetwork", "IPAddress")
                        and not p.startswith(("Annotated", "Literal", "Any"))]
-            texts = [p for p in flat if p == "str" or p.startswith("Literal")]
+            texts = [p for p in flat if p in ("str", "Path") or p.startswith("Literal")]
             if len(structs) > 1 or len(texts) > 1:  # msgspec: one object, one string type
                 self.any_fields.append(where)
                 return "Any"
@@ -166,8 +171,20 @@ class Generator:
 
     def source(self) -> str:
         lines = ["from __future__ import annotations",
+                 "import ipaddress",
+                 "from pathlib import Path",
                  "from typing import Annotated, Any, Literal",
-                 "import msgspec", "from msgspec import Meta, field", ""]
+                 "import msgspec", "from msgspec import Meta, field",
+                 "IPNetwork = ipaddress._BaseNetwork",
+                 "IPAddress = ipaddress._BaseAddress",
+                 "def dec_hook(kind, value):",
+                 "    if kind is IPNetwork and isinstance(value, str):",
+                 "        return ipaddress.ip_network(value)",
+                 "    if kind is Path and isinstance(value, str):",
+                 "        return Path(value)",
+                 "    if kind is IPAddress and isinstance(value, str):",
+                 "        return ipaddress.ip_address(value)",
+                 "    raise NotImplementedError(kind)", ""]
         for model in self.order:
             name = model.__name__
             lines.append(f"class {name}(msgspec.Struct, kw_only=True, frozen=True, "
@@ -212,8 +229,11 @@ class Generator:
             return "default=None"
         if isinstance(value, enum.Enum):
             return f"default={value.value!r}"
+        if isinstance(value, Path):
+            return f"default_factory=lambda: Path({str(value)!r})"
         if isinstance(value, _AS_TEXT):
-            return f"default={str(value)!r}"
+            self.any_fields.append(f"{where} (default {value!r})")
+            return "default=None"
         if isinstance(value, dict | list) and not value:
             return f"default_factory={type(value).__name__}"
         if isinstance(value, frozenset | set):
@@ -326,7 +346,8 @@ else:
     def one(model, value):
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             doc = getattr(getattr(c, model, None) or _find(model), before[model])(value)
-            return settle(msgspec.convert(doc, getattr(structs, model)))
+            return settle(msgspec.convert(doc, getattr(structs, model),
+                                          dec_hook=structs.dec_hook))
         return settle(value)
     def _find(model):
         for mod in list(sys.modules.values()):
@@ -334,10 +355,11 @@ else:
                     and hasattr(mod, model):
                 return getattr(mod, model)
         raise LookupError(model)
-    config = settle(msgspec.convert(file_doc, getattr(structs, args["file_model"])))
+    config = settle(msgspec.convert(file_doc, getattr(structs, args["file_model"]),
+                                    dec_hook=structs.dec_hook))
     Line = msgspec.defstruct("Line", [("version", int),
                                       ("config", getattr(structs, args["line_model"]))])
-    parsed = msgspec.json.decode(line, type=Line)
+    parsed = msgspec.json.decode(line, type=Line, dec_hook=structs.dec_hook)
     streamed = settle(parsed.config)
     version = parsed.version
     assert "pydantic_core" not in sys.modules, "pydantic-core was loaded"
@@ -348,6 +370,160 @@ if args.get("verbose"):
 print(json.dumps({"rss": rss(), "modules": len(sys.modules), "checks": checks,
                   "pydantic": "pydantic_core" in sys.modules}))
 '''
+
+
+# --running: no pydantic in a copy of the tree. `pydantic/__init__.py` at the copy's root
+# (first on the processes' path): in an agent or a server, an inert pydantic whose
+# `model_validate` decodes with the generated structs (config_structs.py beside it) and
+# turns them into the product's own classes (plain classes there, with their methods); in
+# any other process, the real pydantic.
+_SWITCH = r"""
+import os, sys
+_role = next((a for a in sys.argv[1:6] if a in ("agent", "server", "controller")), None)
+if _role not in ("agent", "server"):
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    del sys.modules[__name__]
+    _saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _root]
+    try:
+        import pydantic as _real
+    finally:
+        sys.path[:] = _saved
+    sys.modules[__name__] = _real
+else:
+    import msgspec
+    import config_structs as _S
+    class _Meta(type):
+        def __new__(mcs, name, bases, ns, **kw):
+            cls = super().__new__(mcs, name, bases, ns)
+            fields = {}
+            for base in reversed(cls.__mro__):
+                fields.update({k: None for k in base.__dict__.get("__annotations__", {})
+                               if not k.startswith("_") and k != "model_config"})
+            cls.model_fields = fields
+            return cls
+    _products = {}
+    def _product_class(name):
+        if not _products:
+            for mod in list(sys.modules.values()):
+                if getattr(mod, "__name__", "").startswith("nodeagent.config"):
+                    _products.update({k: v for k, v in vars(mod).items()
+                                      if isinstance(v, _Meta)})
+        return _products[name]
+    def _one(model, value):
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            doc = getattr(_product_class(model), _S.BEFORE[model])(value)
+            return _settle(msgspec.convert(doc, getattr(_S, model), dec_hook=_S.dec_hook))
+        return _settle(value)
+    def _settle(obj):
+        if not isinstance(obj, msgspec.Struct):
+            return obj
+        changes = {}
+        for name, model in _S.STRING_FORMS.get(type(obj).__name__, {}).items():
+            value = getattr(obj, name)
+            new = (tuple(_one(model, v) for v in value) if isinstance(value, tuple)
+                   else _one(model, value))
+            if new is not value:
+                changes[name] = new
+        for f in msgspec.structs.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name in changes:
+                continue
+            if isinstance(value, msgspec.Struct):
+                changes[f.name] = _settle(value)
+            elif isinstance(value, tuple) and value and isinstance(value[0], msgspec.Struct):
+                changes[f.name] = tuple(_settle(v) for v in value)
+        return msgspec.structs.replace(obj, **changes) if changes else obj
+    class _Private:
+        def __init__(self, default=None, default_factory=None):
+            self.default, self.default_factory = default, default_factory
+    def _finish(inst):
+        # What pydantic does after validating: private attributes, model_post_init.
+        for klass in reversed(type(inst).__mro__):
+            for k, v in vars(klass).items():
+                if isinstance(v, _Private):
+                    inst.__dict__[k] = (v.default_factory() if v.default_factory
+                                        else v.default)
+        inst.model_post_init(None)
+        return inst
+    def _product(value):
+        if isinstance(value, msgspec.Struct):
+            inst = object.__new__(_product_class(type(value).__name__))
+            for f in msgspec.structs.fields(value):
+                inst.__dict__[f.name] = _product(getattr(value, f.name))
+            return _finish(inst)
+        if isinstance(value, tuple):
+            return tuple(_product(v) for v in value)
+        if isinstance(value, dict):
+            return {k: _product(v) for k, v in value.items()}
+        return value
+    def _builtins(value, **kw):
+        if isinstance(type(value), _Meta):
+            return {k: _builtins(v) for k, v in value.__dict__.items() if k[:1] != "_"}
+        if isinstance(value, (tuple, list)):
+            return [_builtins(v) for v in value]
+        if isinstance(value, dict):
+            return {k: _builtins(v) for k, v in value.items()}
+        return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+    class ValidationError(ValueError):
+        def errors(self, **kw):
+            return [{"loc": (), "msg": str(self), "type": "value_error"}]
+    class BaseModel(metaclass=_Meta):
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+            _finish(self)
+        def model_post_init(self, context):
+            pass
+        @classmethod
+        def model_validate(cls, doc, *, context=None, **kw):
+            try:
+                value = msgspec.convert(doc, getattr(_S, cls.__name__),
+                                        dec_hook=_S.dec_hook)
+            except msgspec.ValidationError as exc:
+                raise ValidationError(str(exc)) from None
+            return _product(_settle(value))
+        def model_dump(self, mode=None, exclude=None, **kw):
+            return {k: v for k, v in _builtins(self).items() if k not in (exclude or ())}
+        def model_copy(self, update=None, **kw):
+            new = object.__new__(type(self))
+            new.__dict__.update(self.__dict__)
+            new.__dict__.update(update or {})
+            return new
+        def model_dump_json(self, **kw):
+            return msgspec.json.encode(_builtins(self)).decode()
+        @classmethod
+        def model_validate_json(cls, data, **kw):
+            return cls.model_validate(msgspec.json.decode(data))
+    class ValidationInfo:
+        pass
+    class _Marker:
+        def __init__(self, *a, **kw):
+            self.args, self.kw = a, kw
+    def Field(default=None, **kw):
+        return default
+    PrivateAttr = _Private
+    def ConfigDict(**kw):
+        return kw
+    def field_validator(*a, **kw):
+        return lambda f: f
+    model_validator = field_validator
+    AfterValidator = BeforeValidator = WithJsonSchema = _Marker
+    def create_model(*a, **kw):
+        raise NotImplementedError("prototype: no pydantic in this agent")
+"""
+
+
+def running_tree(root: Path, gen: Generator, structs: str) -> None:
+    """A copy of this tree in `root` whose roles validate their config with msgspec."""
+    import shutil
+
+    for package in ("nodeagent", "tunnel", "netfilter"):
+        shutil.copytree(Path.cwd() / package, root / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "pydantic").mkdir()
+    (root / "pydantic" / "__init__.py").write_text(_SWITCH)
+    (root / "config_structs.py").write_text(
+        structs + f"\nSTRING_FORMS = {gen.string_forms!r}\nBEFORE = {gen.before!r}\n")
 
 
 def documents(work: Path) -> dict[str, dict[str, Path]]:
@@ -389,6 +565,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.config_without_pydantic",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--running", action="store_true",
+                        help="run memory_after_load on a copy of this tree whose server "
+                             "and agent validate their config with msgspec (~3 minutes)")
     parser.add_argument("--show-structs", action="store_true",
                         help="print the generated msgspec structs")
     args = parser.parse_args()
@@ -411,6 +590,14 @@ def main() -> int:
           f"{', '.join(sorted(gen.before))}; Python validators not run by the structs: "
           f"{gen.validators}; fields msgspec cannot type (decoded as Any): "
           f"{len(gen.any_fields)} {gen.any_fields}")
+    if args.running:
+        with tempfile.TemporaryDirectory() as tmp:
+            running_tree(Path(tmp), gen, structs)
+            print(f"memory_after_load on a copy of this tree ({tmp}) whose server and "
+                  f"agent validate their config with msgspec, without pydantic", flush=True)
+            return subprocess.run([sys.executable, "-m", "scripts.bench.memory_after_load",
+                                   "--tree", tmp, "--rounds", str(max(args.rounds, 1) + 1)],
+                                  check=False).returncode
     with tempfile.TemporaryDirectory() as tmp:
         docs = documents(Path(tmp))
         rows: dict[tuple[str, str], list[dict[str, Any]]] = {}

@@ -32,7 +32,8 @@ from nodeagent.http.balancer import Balancer
 from nodeagent.http.connection import GracefulClose, HttpConnection
 from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
-from nodeagent.http.ondemand import PREFACE, H2PoolSlot
+from nodeagent.http.ondemand import H2PoolSlot
+from nodeagent.http.preface import PREFACE
 from nodeagent.http.routetable import Backend, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import TlsConfig

@@ -31,7 +31,7 @@ import h2.exceptions
 import h2.settings
 import hyperframe.frame
 
-from nodeagent.http.ondemand import PREFACE  # the front tells h2c by it before h2 loads
+from nodeagent.http.preface import PREFACE  # the front tells h2c by it before h2 loads
 
 Headers = list[tuple[bytes, bytes]]
 

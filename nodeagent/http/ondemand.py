@@ -1,12 +1,12 @@
-"""HTTP/2 on demand: what the front needs of it before any connection speaks it.
+"""HTTP/2 on demand: the front's shared h2c pool, made when a request first needs it.
 
 The `h2` library (with hpack and hyperframe) and the front's h2 modules (`h2connection`,
 `h2session`, `h2wire`, `h2pool`, `h2heads`) are ~1.5-2 MiB of a server's RSS
 (docs/performance.md, "Memory at 1,000 idle connections"), and most fronts never see
 HTTP/2. They load on the first connection that speaks it (ALPN `h2`, or the h2c preface
-on plaintext: `front.serve_http_connection`) or the first request to a route whose
-backends speak h2c (`H2PoolSlot.get`). `tests/test_imports.py` checks a server starts
-without them.
+on plaintext, told by `preface`: `front.serve_http_connection`) or the first request to a
+route whose backends speak h2c (`H2PoolSlot.get`). `tests/test_imports.py` checks a server
+starts without them; `tests/http/test_h2_on_demand.py` that they load when first needed.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ if TYPE_CHECKING:
     from nodeagent.http.h2pool import Describe, H2Pool
     from nodeagent.http.limits import Limits
     from nodeagent.http.upstream import Opener
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-"""HTTP/2's connection preface (RFC 9113 §3.4): a plaintext connection that starts with it
-speaks h2c with prior knowledge."""
-
 
 class H2PoolSlot:
     """A front's shared h2c connections to backends (`h2pool.H2Pool`, their tasks in
@@ -60,4 +55,4 @@ class H2PoolSlot:
             self._pool.drain()
 
 
-__all__ = ["PREFACE", "H2PoolSlot"]
+__all__ = ["H2PoolSlot"]

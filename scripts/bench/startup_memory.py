@@ -57,7 +57,7 @@ STEPS: dict[str, list[tuple[str, str]]] = {
         ("httptools", "import httptools"),
         ("nodeagent.server.main (the rest)", "import nodeagent.server.main"),
         # Not at start: the front loads HTTP/2 on its first h2 connection or h2c backend.
-        ("HTTP/2, loaded on first use (h2, hpack, hyperframe, h2*)",
+        ("HTTP/2 on first use (h2, hpack, hyperframe)",
          "import nodeagent.http.h2connection"),
     ],
     "agent": [

@@ -563,7 +563,7 @@ def measure(role: str, variant: str, docs: dict[str, Path], gen: Generator,
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.config_without_pydantic",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--running", action="store_true",
                         help="run memory_after_load on a copy of this tree whose server "

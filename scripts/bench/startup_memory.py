@@ -125,7 +125,7 @@ def steps(role: str, cwd: Path) -> list[tuple[str, dict[str, float]]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.startup_memory",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--tree", type=Path, default=None,
                         help="measure this checkout's code instead (a before/after)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")

@@ -32,11 +32,15 @@ def test_a_role_does_not_import_what_it_does_not_use(module: str) -> None:
 
 # What a role loads only when its config asks for it (memory: docs/performance.md, "Memory
 # at 1,000 idle connections"): the nftables and iptables backends, the interception
-# proxies and dnslib only when the agent intercepts; socksio only to dial through a proxy.
+# proxies and dnslib only when the agent intercepts; socksio only to dial through a proxy;
+# HTTP/2 (the h2 library and the front's h2 modules, nodeagent/http/ondemand.py) only on
+# the first HTTP/2 connection or request to an h2c backend (tests/http/test_h2_on_demand).
 _ONLY_ON_USE = {"netfilter.nftables", "netfilter.iptables", "netfilter.detect",
                 "netfilter.routing", "nodeagent.agent.intercept.listener",
                 "nodeagent.agent.intercept.udpproxy", "dnslib", "socksio",
-                "tunnel.proxy.handshake"}
+                "tunnel.proxy.handshake", "h2", "hpack", "hyperframe",
+                "nodeagent.http.h2connection", "nodeagent.http.h2session",
+                "nodeagent.http.h2wire", "nodeagent.http.h2pool", "nodeagent.http.h2heads"}
 
 _CHECK_MODULES = """
 import sys, importlib
@@ -50,6 +54,8 @@ def test_a_role_loads_features_only_when_used(module: str) -> None:
     out = set(subprocess.run([sys.executable, "-c", _CHECK_MODULES, module], check=True,
                              capture_output=True, text=True, timeout=60).stdout.split())
     assert {"netfilter.model", "tunnel.endpoint"} <= out  # the check itself works
+    if module == "nodeagent.server.main":
+        assert "nodeagent.http.front" in out
     assert not _ONLY_ON_USE & out, sorted(_ONLY_ON_USE & out)
 
 

@@ -11,6 +11,9 @@ One job per module:
   the HTTP/1.1 view, pure; `grpcstatus`: gRPC deadlines and the front's own gRPC answers;
 - `exchange`: one request's exchange with a backend, HTTP/1.1 or h2c; `h2pool`: the shared
   h2c connections to backends (one per endpoint), each request balanced on its own;
+- `ondemand`: the h2c pool's slot, and `preface`: HTTP/2's connection preface, so that the
+  h2 modules above (and the `h2` library) load on the first HTTP/2 connection or h2c
+  request, not at start;
 - `headers`: the header policy both ways, pure (hop-by-hop, X-Forwarded-*, Host, framing);
 - `dispatch`: the route step, pure (a `Route`, or the 404/405/308/503/413 answered here);
 - `upstream`: the connection's upstream and dialing a route's backends;

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -63,8 +63,6 @@ from nodeagent.http.h1 import (
     encode_last_chunk,
     serialize_request,
 )
-from nodeagent.http.h2heads import h2_request, reason_phrase
-from nodeagent.http.h2pool import H2cExchange, H2Pool, connect_h2c, open_h2c_exchange
 from nodeagent.http.headers import (
     ClientRequest,
     frame_response,
@@ -94,6 +92,11 @@ from nodeagent.http.upstream import (
 )
 from nodeagent.ops.logs import get_logger
 from tunnel.splice import splice
+
+if TYPE_CHECKING:
+    # The h2c path's modules load when a route first needs them (`ondemand`).
+    from nodeagent.http.h2pool import H2cExchange
+    from nodeagent.http.ondemand import H2PoolSlot
 
 log = get_logger("nodeagent.http")
 
@@ -205,7 +208,7 @@ class HttpConnection:
         balancer: Balancer,
         access_log: bool,
         closing: GracefulClose | None = None,
-        pool: H2Pool | None = None,
+        pool: H2PoolSlot | None = None,
         holds: HeldRequests | None = None,
     ) -> None:
         self.stream = stream
@@ -447,7 +450,9 @@ class HttpConnection:
         if route.backend_protocol == "h1":
             await self._upstream(route)
         elif self.pool is not None:
-            await connect_h2c(route, self.pool, self.balancer, self.limits)
+            from nodeagent.http.h2pool import connect_h2c
+
+            await connect_h2c(route, self.pool.get(), self.balancer, self.limits)
 
     async def _starting_page(self, refusal: Refusal) -> bool:
         """503 with `Refresh`: a browser shows a small page and asks again shortly."""
@@ -576,6 +581,9 @@ class HttpConnection:
         creq = self.creq
         if self.pool is None or creq.upgrade is not None:
             return await self._error(502, "this backend speaks h2c: no protocol upgrades", req)
+        from nodeagent.http.h2heads import h2_request
+        from nodeagent.http.h2pool import open_h2c_exchange
+
         headers = h2_request(
             req.method,
             creq.target,
@@ -593,8 +601,9 @@ class HttpConnection:
             )
         has_body = type(first_body) is not EndOfRequest
         try:
+            pool = self.pool.get()
             exchange = await open_h2c_exchange(
-                route, self.pool, self.balancer, self.limits, self.stats, headers, not has_body
+                route, pool, self.balancer, self.limits, self.stats, headers, not has_body
             )
         except UpstreamFailed as exc:
             return await self._error(exc.status, exc.reason, req)
@@ -642,6 +651,8 @@ class HttpConnection:
 
     async def _relay_h2c(self, exchange: H2cExchange) -> int:
         """An h2c backend's response → the HTTP/1.1 client."""
+        from nodeagent.http.h2heads import reason_phrase
+
         limits = self.limits
         status = 0
         chunked = False

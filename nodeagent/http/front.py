@@ -10,6 +10,7 @@ Which protocol a connection speaks: on TLS, ALPN (`h2` offered before `http/1.1`
 plaintext, the first bytes (HTTP/2's connection preface is h2c with prior knowledge,
 anything else HTTP/1.1), so one port serves both. HTTP/2 connections are served by
 `h2connection`, HTTP/1.1 ones by `connection`; both route through the same `dispatch`.
+HTTP/2's modules and the h2c backends' pool load when first needed (`ondemand`).
 
 Connection caps (`Limits.max_connections`, `max_connections_per_client`) are checked on
 accept, before TLS or any parsing: over a cap, a plain-HTTP connection gets a fixed 503
@@ -23,22 +24,25 @@ from __future__ import annotations
 import functools
 import ipaddress
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.connection import GracefulClose, HttpConnection
-from nodeagent.http.h2connection import H2Connection
-from nodeagent.http.h2pool import Describe, H2Pool
-from nodeagent.http.h2session import PREFACE
 from nodeagent.http.holds import HeldRequests
 from nodeagent.http.limits import Limits
+from nodeagent.http.ondemand import H2PoolSlot
+from nodeagent.http.preface import PREFACE
 from nodeagent.http.routetable import Backend, RouteTable
 from nodeagent.http.stats import HttpStats
 from nodeagent.http.tls import TlsConfig
 from nodeagent.http.upstream import Opener
 from nodeagent.ops.logs import get_logger
 from nodeagent.proxyprotocol.receive import ProxyTrust, looks_like_proxy_header
+
+if TYPE_CHECKING:
+    from nodeagent.http.h2pool import Describe
 
 log = get_logger("nodeagent.http")
 
@@ -80,7 +84,7 @@ async def serve_http_connection(
     balancer: Balancer | None = None,
     access_log: bool = False,
     closing: GracefulClose | None = None,
-    pool: H2Pool | None = None,
+    pool: H2PoolSlot | None = None,
     h2: bool | None = None,
     holds: HeldRequests | None = None,
     proxy: ProxyTrust | None = None,
@@ -103,7 +107,8 @@ async def serve_http_connection(
                 stream, table=table, open_upstream=open_upstream, scheme=scheme,
                 client_addr=client_addr, limits=limits, stats=stats, balancer=balancer,
                 access_log=access_log, closing=closing, h2=h2, holds=holds,
-                pool=H2Pool(nursery, open_upstream, limits), proxy=proxy, listener=listener)
+                pool=H2PoolSlot(nursery, open_upstream, limits), proxy=proxy,
+                listener=listener)
             nursery.cancel_scope.cancel()
         return
     stats = stats if stats is not None else HttpStats()
@@ -123,8 +128,10 @@ async def serve_http_connection(
                 await trio.aclose_forcefully(stream)
                 return
     if h2:
+        from nodeagent.http.h2connection import H2Connection  # loaded on first use
+
         await H2Connection(stream, table, open_upstream, scheme, client_addr, limits, stats,
-                           balancer, pool, access_log, closing, initial,
+                           balancer, pool.get(), access_log, closing, initial,
                            holds=holds).run()
         return
     await HttpConnection(
@@ -201,7 +208,7 @@ class HttpFront:
         self.access_log = access_log
         self._ssl_context = tls.server_context() if tls is not None else None
         self._scope: trio.CancelScope | None = None
-        self.pool: H2Pool | None = None
+        self.pool: H2PoolSlot | None = None
         # drain(): keep-alive connections close after their current request.
         self.closing = GracefulClose()
         self.listeners: list[trio.SocketListener] = []
@@ -234,8 +241,8 @@ class HttpFront:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
                 # The h2c backends' shared connections live as long as the front.
-                self.pool = H2Pool(nursery, self.open_upstream, self.limits,
-                                   describe=self.describe_upstream)
+                self.pool = H2PoolSlot(nursery, self.open_upstream, self.limits,
+                                       describe=self.describe_upstream)
                 await nursery.start(
                     functools.partial(
                         trio.serve_listeners, self._handle, listeners, handler_nursery=nursery

@@ -31,10 +31,9 @@ import h2.exceptions
 import h2.settings
 import hyperframe.frame
 
-Headers = list[tuple[bytes, bytes]]
+from nodeagent.http.preface import PREFACE  # the front tells h2c by it before h2 loads
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-"""The client connection preface (RFC 9113 §3.4): prior-knowledge h2c starts with it."""
+Headers = list[tuple[bytes, bytes]]
 
 
 class H2Refused(Exception):

@@ -263,7 +263,7 @@ def fmt(rss: dict[str, float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.memory_after_load",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8, help="bulk streams at once")
     parser.add_argument("--mib", type=int, default=64, help="MiB each bulk stream echoes")

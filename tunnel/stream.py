@@ -505,6 +505,13 @@ class IncomingStream:
         return self.stream.metadata
 
     async def accept(self) -> TunnelStream:
+        self.accept_now()
+        await self.connection.send_queued()
+        return self.stream
+
+    def accept_now(self) -> TunnelStream:
+        """accept() for an owner that is not a task (a dial in the splice loop): the
+        ACCEPT is queued, and goes out with that owner's output."""
         self._answer()
         try:
             self.connection.accept_stream(self.stream.stream_id)
@@ -514,20 +521,26 @@ class IncomingStream:
             raise StreamResetError(p.StreamReason.CANCELLED,
                                    f"tunnel connection ended: {self.connection.end_reason}",
                                    ) from None
-        await self.connection.send_queued()
         return self.stream
 
     async def refuse(self, reason: p.StreamReason, message: str = "") -> None:
+        if self.refuse_now(reason, message):
+            await self.connection.send_queued()
+        else:
+            await trio.lowlevel.checkpoint()
+
+    def refuse_now(self, reason: p.StreamReason, message: str = "") -> bool:
+        """refuse() without waiting, as accept_now() is accept(): False if the connection
+        had already ended (nobody to tell), else the REFUSE is queued."""
         self._answer()
         try:
             self.connection.refuse_stream(self.stream.stream_id, reason, message)
         except p.ConnectionClosedError:
             self.stream.mark_closed()
-            await trio.lowlevel.checkpoint()
-            return  # nobody to tell
+            return False
         self.connection.forget(self.stream)
         self.stream.mark_closed()
-        await self.connection.send_queued()
+        return True
 
     def hand_over(self) -> None:
         """After accept(): another owner keeps the stream (e.g. a flow handed to
@@ -546,3 +559,8 @@ class IncomingStream:
 
 
 StreamHandler = Callable[[IncomingStream], Awaitable[None]]
+
+StreamTaker = Callable[[IncomingStream], bool]
+"""Called by the connection's reader with each stream the peer opens, before a handler
+task is made for it: True if it answered or took the stream without a task (it must not
+wait or raise), False to leave it to the `StreamHandler`'s task."""

@@ -339,7 +339,16 @@ class SpliceLoop:
                 except OSError as exc:
                     raise mark_failed(mark, exc) from None
             code = sock.connect_ex(address)
-            if code not in (0, errno.EINPROGRESS):
+            if code == errno.EINPROGRESS:
+                # A target on this host (loopback, a pod's veth) has usually answered
+                # before connect() returns: then the stream is answered now, with the
+                # reader's output, not from a loop round of its own.
+                try:
+                    sock.getpeername()
+                    code = 0
+                except OSError:
+                    pass  # still connecting (ENOTCONN), or failed: the loop learns which
+            elif code:
                 raise connect_failed(host, port, [(format_address(address),
                                                    _os_error(code))])
             if not self._started and not self.ended:

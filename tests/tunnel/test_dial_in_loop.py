@@ -29,6 +29,7 @@ from tunnel.endpoint import (
 from tunnel.errors import StreamFailed
 from tunnel.relay import relay_incoming_now
 from tunnel.splice import SpliceResult
+from tunnel.stream import TunnelStream
 from tunnel.tcp import DialFailed
 from tunnel.transports import PeerInfo
 
@@ -166,6 +167,37 @@ async def test_a_dial_that_connects_is_accepted_and_spliced_without_a_task_per_o
     assert taker.refused == []
     assert [(r.a_to_b, r.b_to_a, r.error) for r in taker.finished[1:]] == [
         (len(b"ping %d" % i), 4, None) for i in range(1, 21)]
+
+
+async def test_a_dial_that_connects_later_is_answered_from_the_loop() -> None:
+    """Not connected when connect() returns (a SYN the target dropped, retried by the
+    kernel a second later): the loop answers when the socket turns writable."""
+    with listener(0) as target:
+        filler = socket.create_connection(target.getsockname())
+        taker = Taker(target.getsockname(), timeout=30)
+        async with connections(taker) as pair, trio.open_nursery() as nursery:
+            opened: list[object] = []
+
+            async def open_one() -> None:
+                stream = await pair.opener.open_stream(p.Target(*taker.address))
+                opened.append(stream)
+
+            nursery.start_soon(open_one)
+            await trio.testing.wait_all_tasks_blocked()
+            assert (opened, taker.accepted) == ([], 0)  # pending: the backlog is full
+            first = await accept(target)  # the filler's: room for the retried SYN
+            with trio.fail_after(20):
+                while not opened:  # noqa: ASYNC110 (a task of this test, polled)
+                    await trio.sleep(0.05)
+            conn = await accept(target)
+            stream = opened[0]
+            assert isinstance(stream, TunnelStream)
+            await stream.send_all(b"late")
+            assert await recv_exactly(conn, 4) == b"late"
+            conn.close()
+            first.close()
+        filler.close()
+    assert (taker.accepted, taker.refused, taker.handler_tasks) == (1, [], 0)
 
 
 async def test_a_refused_dial_refuses_the_stream_with_the_reason() -> None:

@@ -654,9 +654,11 @@ class TunnelConnection:
     def refuse_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
         self._core.refuse_stream(stream_id, reason, message)
 
-    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
+    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str, *,
+                     wake: bool = True) -> None:
         self._core.reset_stream(stream_id, reason, message)
-        self._wake_writer()
+        if wake:
+            self._wake_writer()
 
     def acknowledge(self, stream_id: int, size: int) -> None:
         if self._core.is_closed:

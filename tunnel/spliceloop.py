@@ -268,6 +268,7 @@ class SpliceLoop:
         self._splices: dict[int, _Splice] = {}
         self._started = False
         self.ended = False
+        self._in_round = False  # the task is going over ready sockets (it sends after)
         # Dials under way, earliest deadline first (heapq; answered ones leave lazily),
         # and the one task that refuses those whose deadline passes: a timer per
         # connection, not a cancel scope per dial.
@@ -580,7 +581,10 @@ class SpliceLoop:
                 pass
         # Closing its only descriptor takes the socket out of the epoll set too.
         s.sock.close()
-        stream.abort_now(p.StreamReason.CANCELLED, "closed by the local side")
+        # Within a round the loop sends the round's output itself at its end: no
+        # writer wake-up for what this queues (the FIN just queued, if any, rides along).
+        stream.abort_now(p.StreamReason.CANCELLED, "closed by the local side",
+                         wake=not self._in_round)
         try:
             s.on_end(SpliceEnd(s.to_socket, s.to_tunnel, error))
         except Exception as exc:  # a bad callback must not end the others
@@ -598,6 +602,7 @@ class SpliceLoop:
                 # Always a yield point (other tasks run between rounds), and one epoll
                 # wait of trio's and one of ours per round, whether or not one is ready.
                 await trio.lowlevel.wait_readable(epoll.fileno())
+                self._in_round = True
                 for fd, flags in epoll.poll(0, _MAX_EVENTS):
                     s = splices.get(fd)
                     if s is None:
@@ -609,6 +614,7 @@ class SpliceLoop:
                         self.flush(s)
                     if not s.ended and s.mask & _IN:
                         self.read(s)
+                self._in_round = False
                 # Output for the tunnel, the whole round's: written from here when the
                 # transport takes it at once (no writer wake-up), and wait while behind.
                 await carrier.send_queued(now=True)
@@ -618,6 +624,7 @@ class SpliceLoop:
             # In the connection's nursery: a bug here costs these splices, not the tunnel.
             _log.error("splice loop failed", splices=len(splices), error=repr(exc))
         finally:
+            self._in_round = False
             self._forget()
             for s in list(splices.values()):
                 self.end(s, "tunnel connection ended")

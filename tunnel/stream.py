@@ -76,8 +76,10 @@ class StreamCarrier(Protocol):
         """Queue REFUSE for a stream the peer opened; same errors as accept_stream()."""
         ...
 
-    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
-        """Queue RST (a no-op for a stream already gone) and wake the writer."""
+    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str, *,
+                     wake: bool = True) -> None:
+        """Queue RST (a no-op for a stream already gone) and wake the writer (`wake=False`:
+        the caller gets its output moving itself, as the splice loop does after a round)."""
         ...
 
     def acknowledge(self, stream_id: int, size: int) -> None:
@@ -446,9 +448,9 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self.abort_now(reason, message)
         await trio.lowlevel.checkpoint()
 
-    def abort_now(self, reason: p.StreamReason, message: str) -> None:
+    def abort_now(self, reason: p.StreamReason, message: str, *, wake: bool = True) -> None:
         """abort() without the checkpoint, for owners that are not tasks (a flow handed
-        to tunnel.udp.FlowPoller)."""
+        to tunnel.udp.FlowPoller). `wake=False`: see StreamCarrier.reset_stream."""
         if self._closed:
             return
         self._closed = True
@@ -458,7 +460,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             self._buffered = 0
         self._conn.forget(self)
         if self._reset is None:
-            self._conn.reset_stream(self.stream_id, reason, message)
+            self._conn.reset_stream(self.stream_id, reason, message, wake=wake)
             self._reset = StreamResetError(reason, message)
         self._wake_receiver()
         self.window_opened()

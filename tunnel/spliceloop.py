@@ -102,6 +102,14 @@ class _Dial:
         self.on_accepted = on_accepted
         self.on_refused = on_refused
 
+    def answered(self) -> tuple[IncomingStream, Callable[[], None], OnRefused]:
+        """Off the heap's books: what an answer needs, dropped here so an entry still
+        in the heap (behind a slower dial) holds nothing of its stream."""
+        answer = self.incoming, self.on_accepted, self.on_refused
+        self.splice = None
+        del self.incoming, self.on_accepted, self.on_refused
+        return answer
+
 
 class _Splice:
     """One stream joined to one socket: the stream's direct sink, and the loop's record
@@ -395,9 +403,9 @@ class SpliceLoop:
                                                              _os_error(code))]))
             return
         s.dial = None
-        dial.splice = None
+        incoming, on_accepted, _ = dial.answered()
         try:
-            dial.incoming.accept_now()
+            incoming.accept_now()
         except StreamResetError as exc:
             self.end(s, _why(exc))
             return
@@ -407,7 +415,7 @@ class SpliceLoop:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        dial.on_accepted()
+        on_accepted()
         if not s.out:
             s.out = None
         if s.out is not None:
@@ -422,7 +430,7 @@ class SpliceLoop:
         dial = s.dial
         assert dial is not None
         s.dial = None
-        dial.splice = None
+        incoming, _, on_refused = dial.answered()
         s.ended = True
         if self._splices.get(s.fd) is s:
             del self._splices[s.fd]
@@ -431,7 +439,7 @@ class SpliceLoop:
             s.stream.consumed(sum(map(len, s.out)))
         s.out = None
         s.sock.close()
-        self._refuse(dial.incoming, dial.on_refused, failure)
+        self._refuse(incoming, on_refused, failure)
 
     @staticmethod
     def _refuse(incoming: IncomingStream, on_refused: OnRefused, failure: StreamFailed) -> None:
@@ -559,7 +567,7 @@ class SpliceLoop:
             return
         s.ended = True
         if s.dial is not None:  # ended while connecting (a reset, the connection's end)
-            s.dial.splice = None
+            s.dial.answered()
             s.dial = None
         if self._splices.get(s.fd) is s:
             del self._splices[s.fd]

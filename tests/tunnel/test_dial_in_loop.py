@@ -290,3 +290,29 @@ async def test_a_name_is_left_to_the_handler_task() -> None:
             await pair.opener.open_stream(p.Target("localhost", 9))
     assert caught.value.reason is p.StreamReason.INTERNAL  # the handler's refusal
     assert taker.handler_tasks == 1
+
+
+async def test_a_taker_that_raises_costs_its_stream_not_the_connection() -> None:
+    with listener() as target:
+        taker = Taker(target.getsockname())
+        calls = 0
+        take_as_usual = taker.take
+
+        def take(incoming: IncomingStream) -> bool:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug")
+            return take_as_usual(incoming)
+
+        taker.take = take  # type: ignore[method-assign]
+        async with connections(taker) as pair:
+            with pytest.raises(StreamRefusedError) as caught:
+                await pair.opener.open_stream(p.Target(*taker.address))
+            assert caught.value.reason is p.StreamReason.INTERNAL
+            stream = await pair.opener.open_stream(p.Target(*taker.address))  # still serves
+            conn = await accept(target)
+            await stream.send_all(b"ok")
+            assert await recv_exactly(conn, 2) == b"ok"
+            conn.close()
+    assert (taker.accepted, taker.handler_tasks) == (1, 0)

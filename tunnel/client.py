@@ -50,6 +50,7 @@ from tunnel.endpoint import (
 from tunnel.errors import end_label
 from tunnel.log import RateLimitedLog, StructuredLogger, get_logger
 from tunnel.proxy import DIRECT, ProxyRules
+from tunnel.stream import StreamTaker
 from tunnel.transports import DialError, Endpoint, TransportError
 
 # Dial failures that cost the server nothing (the kernel or a proxy answered for it).
@@ -153,6 +154,7 @@ class TunnelClient:
         *,
         hello: Callable[[], p.Hello],
         handler: StreamHandler | None,
+        take_stream: StreamTaker | None = None,
         ssl_context: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
         headers: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
@@ -170,6 +172,7 @@ class TunnelClient:
         self.proxy = proxy
         self._hello = hello
         self._handler = handler
+        self._take_stream = take_stream  # see tunnel.stream.StreamTaker
         # Read at every dial: replace it to present a renewed certificate from the next
         # connection on (the running one stays up; TLS checked validity at its handshake).
         self.ssl_context = ssl_context
@@ -394,7 +397,8 @@ class TunnelClient:
             self._failed(dialer, f"dial failed: {exc}", classify_dial_error(exc))
             return None
         conn = TunnelConnection(transport, p.Role.DIALER, self.settings, self._handler,
-                                log=dialer.log.bind(peer=transport.peer.address))
+                                log=dialer.log.bind(peer=transport.peer.address),
+                                take_stream=self._take_stream)
         hello = self._with_features(self._hello())
         hello = p.Hello(settings=hello.settings,
                         identity=p.with_held_servers(hello.identity, self.held_servers()),

@@ -44,7 +44,7 @@ from tunnel.errors import (
 )
 from tunnel.limits import OpenRateLimiter
 from tunnel.log import StructuredLogger, get_logger
-from tunnel.stream import IncomingStream, StreamHandler, TunnelStream
+from tunnel.stream import IncomingStream, StreamHandler, StreamTaker, TunnelStream
 from tunnel.transports import PeerInfo, Transport, TransportError
 
 # Stream senders wait while this much of our own output is queued.
@@ -101,12 +101,15 @@ class TunnelConnection:
     def __init__(self, transport: Transport, role: p.Role,
                  settings: EndpointSettings | None = None,
                  stream_handler: StreamHandler | None = None,
-                 log: StructuredLogger | None = None) -> None:
+                 log: StructuredLogger | None = None, *,
+                 take_stream: StreamTaker | None = None) -> None:
         self.transport = transport
         self.role = role
         self.settings = settings or EndpointSettings()
         self._core = p.Connection(role, self.settings.protocol)
         self._handler = stream_handler
+        # Looks at each stream the peer opens before a handler task is made for it.
+        self._take_stream = take_stream
         self.log = log or get_logger("tunnel.endpoint", peer=transport.peer.address)
         self.identity: dict[str, str] = {}
         self.connected_at = time.time()
@@ -350,7 +353,19 @@ class TunnelConnection:
                                      "stream open rate limit")
             return
         self._streams[event.stream_id] = stream
-        self._nursery.start_soon(self._run_handler, IncomingStream(self, stream))
+        incoming = IncomingStream(self, stream)
+        if self._take_stream is not None:
+            try:
+                if self._take_stream(incoming):
+                    return  # answered, or taken by an owner that needs no task
+            except Exception as exc:
+                # A bug here must cost one stream, never the connection's reader.
+                self.log.error("stream taker failed", stream=event.stream_id,
+                               target=str(event.target), error=repr(exc), exc_info=True)
+                if not incoming.answered:
+                    incoming.refuse_now(p.StreamReason.INTERNAL, "handler failed")
+                return
+        self._nursery.start_soon(self._run_handler, incoming)
 
     async def _run_handler(self, incoming: IncomingStream) -> None:
         assert self._handler is not None
@@ -639,9 +654,11 @@ class TunnelConnection:
     def refuse_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
         self._core.refuse_stream(stream_id, reason, message)
 
-    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
+    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str, *,
+                     wake: bool = True) -> None:
         self._core.reset_stream(stream_id, reason, message)
-        self._wake_writer()
+        if wake:
+            self._wake_writer()
 
     def acknowledge(self, stream_id: int, size: int) -> None:
         if self._core.is_closed:

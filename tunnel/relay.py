@@ -11,6 +11,12 @@ A caller that passes `on_finished` need not wait for the end: a stream joined to
 socket is handed to its connection's splice loop (tunnel/spliceloop.py), the call returns
 at once and the handler's task ends; `on_finished` gets the result when both directions
 are done. That is what makes an idle relayed stream cost no task.
+
+`relay_incoming_now` goes further for a stream whose upstream is a TCP address needing
+no wait before the connect (an IP literal the caller has already allowed): called by the
+connection's reader itself (a `tunnel.stream.StreamTaker`), it makes no task at all; the
+splice loop connects, answers and splices. Per new connection that saves the handler's
+task and the wake-ups around its dial and answer (docs/performance.md, "Per connection").
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import trio
 from tunnel.endpoint import IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.splice import SpliceResult, close_stream, result_of, splice
-from tunnel.spliceloop import SpliceEnd, SpliceHandle, SpliceOwner, splice_in_loop
+from tunnel.spliceloop import SpliceEnd, SpliceHandle, SpliceOwner, dial_in_loop, splice_in_loop
 from tunnel.stream import TunnelStream
+from tunnel.tcp import literal_family
 
 OpenUpstream = Callable[[], Awaitable[trio.abc.HalfCloseableStream]]
 OnFinished = Callable[[SpliceResult], None]
@@ -69,6 +76,27 @@ async def relay_incoming(incoming: IncomingStream, open_upstream: OpenUpstream, 
         return Relayed(spliced=result)
     on_finished(result)
     return Relayed()
+
+
+def relay_incoming_now(incoming: IncomingStream, host: str, port: int, *, timeout: float,
+                       mark: int | None, on_accepted: Callable[[], None],
+                       on_refused: Callable[[StreamFailed], None],
+                       on_finished: OnFinished) -> bool:
+    """`relay_incoming` to a TCP target, with `connect_tcp`'s dial, for a caller that
+    cannot wait (the connection's reader): False, with nothing done, unless `host` is
+    an IP literal (a name needs the resolver: the caller's task path). Else the stream
+    is refused (`on_refused`, with the failure `connect_tcp` would raise) or accepted
+    (`on_accepted`) and spliced (`on_finished` at the end) later, from the splice loop."""
+    family = literal_family(host)
+    if family is None:
+        return False
+
+    def on_end(end: SpliceEnd) -> None:
+        on_finished(result_of(end, True))
+
+    dial_in_loop(incoming, family, (host, port), timeout=timeout, mark=mark,
+                 on_accepted=on_accepted, on_refused=on_refused, on_end=on_end)
+    return True
 
 
 async def relay_connection(client: trio.abc.Stream, open_upstream: OpenUpstream, *,

@@ -30,6 +30,11 @@ carries: the loop owns its splices as a nursery owns its tasks.
 from __future__ import annotations
 
 import collections
+import errno
+import heapq
+import itertools
+import math
+import os
 import select
 import socket
 import struct
@@ -40,9 +45,17 @@ import trio
 import trio.lowlevel
 
 from tunnel import protocol as p
-from tunnel.errors import StreamResetError, TunnelClosedError
+from tunnel.errors import StreamFailed, StreamResetError, TunnelClosedError
 from tunnel.log import get_logger
-from tunnel.stream import StreamCarrier, TunnelStream
+from tunnel.stream import IncomingStream, StreamCarrier, TunnelStream
+from tunnel.tcp import (
+    SO_MARK,
+    connect_failed,
+    format_address,
+    mark_failed,
+    set_keepalive,
+    timed_out,
+)
 
 _log = get_logger("tunnel.spliceloop")
 
@@ -66,15 +79,45 @@ class SpliceEnd:
 
 
 OnEnd = Callable[[SpliceEnd], None]
+OnRefused = Callable[[StreamFailed], None]
+
+
+class _Dial:
+    """A connect() under way for a stream the peer opened (SpliceLoop.dial): answered
+    from the loop once the socket is writable (connected, or failed: SO_ERROR), or
+    refused by the loop's timer at `deadline`. The deadline heap holds these, not the
+    splice: a finished dial behind a slow one keeps only this small record alive."""
+
+    __slots__ = ("address", "deadline", "incoming", "on_accepted", "on_refused", "splice",
+                 "timeout")
+
+    def __init__(self, splice: _Splice, incoming: IncomingStream, address: tuple[str, int],
+                 deadline: float, timeout: float, on_accepted: Callable[[], None],
+                 on_refused: OnRefused) -> None:
+        self.splice: _Splice | None = splice  # None once answered
+        self.incoming = incoming
+        self.address = address
+        self.deadline = deadline
+        self.timeout = timeout
+        self.on_accepted = on_accepted
+        self.on_refused = on_refused
+
+    def answered(self) -> tuple[IncomingStream, Callable[[], None], OnRefused]:
+        """Off the heap's books: what an answer needs, dropped here so an entry still
+        in the heap (behind a slower dial) holds nothing of its stream."""
+        answer = self.incoming, self.on_accepted, self.on_refused
+        self.splice = None
+        del self.incoming, self.on_accepted, self.on_refused
+        return answer
 
 
 class _Splice:
     """One stream joined to one socket: the stream's direct sink, and the loop's record
     of the socket. Buffers exist only while data waits (`out`, `held`)."""
 
-    __slots__ = ("ended", "eof_pending", "fd", "free", "held", "loop", "mask", "on_end",
-                 "out", "owner", "reading", "sock", "stream", "to_socket", "to_tunnel",
-                 "writing")
+    __slots__ = ("dial", "ended", "eof_pending", "fd", "free", "held", "loop", "mask",
+                 "on_end", "out", "owner", "reading", "sock", "stream", "to_socket",
+                 "to_tunnel", "writing")
 
     def __init__(self, loop: SpliceLoop, stream: TunnelStream, sock: socket.socket,
                  on_end: OnEnd, owner: SpliceOwner | None) -> None:
@@ -94,6 +137,8 @@ class _Splice:
         self.to_socket = 0
         self.to_tunnel = 0
         self.ended = False
+        # While its socket connects: what comes from the tunnel meanwhile waits in `out`.
+        self.dial: _Dial | None = None
 
     # ---- tunnel.stream.DirectSink: called by the connection's reader
 
@@ -137,6 +182,11 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _os_error(code: int) -> OSError:
+    """The exception connect() would have raised for `code` (ConnectionRefusedError...)."""
+    return OSError(code, os.strerror(code))
+
+
 # One loop per tunnel connection, made on first use, dropped when its task ends (the
 # connection's end) or cannot start.
 _LOOPS: weakref.WeakKeyDictionary[StreamCarrier, SpliceLoop] = weakref.WeakKeyDictionary()
@@ -148,6 +198,22 @@ def loop_for(carrier: StreamCarrier) -> SpliceLoop:
     if loop is None or loop.ended:
         loop = _LOOPS[carrier] = SpliceLoop(carrier)
     return loop
+
+
+def dial_in_loop(incoming: IncomingStream, family: socket.AddressFamily,
+                 address: tuple[str, int], *, timeout: float, mark: int | None,
+                 on_accepted: Callable[[], None], on_refused: OnRefused,
+                 on_end: OnEnd) -> None:
+    """Connect to `address` (an IP literal of `family`) for a stream the peer opened, in
+    the loop of the stream's connection, and return at once: no task waits for it. The
+    loop accepts the stream when the socket connects (then `on_accepted`) and splices the
+    two as `splice_in_loop` does (`on_end` at the end); a connect that fails or takes
+    longer than `timeout` refuses the stream with the reason a `connect_tcp` failure
+    gives (then `on_refused`, and no `on_end`). Callbacks must not raise or wait. Called
+    from the connection's reader (a `StreamTaker`): the answer goes out with its output."""
+    loop_for(incoming.stream.connection).dial(
+        incoming, family, address, timeout=timeout, mark=mark, on_accepted=on_accepted,
+        on_refused=on_refused, on_end=on_end)
 
 
 def splice_in_loop(stream: TunnelStream, sock: trio.SocketStream, *, on_end: OnEnd,
@@ -210,6 +276,14 @@ class SpliceLoop:
         self._splices: dict[int, _Splice] = {}
         self._started = False
         self.ended = False
+        self._in_round = False  # the task is going over ready sockets (it sends after)
+        # Dials under way, earliest deadline first (heapq; answered ones leave lazily),
+        # and the one task that refuses those whose deadline passes: a timer per
+        # connection, not a cancel scope per dial.
+        self._deadlines: list[tuple[float, int, _Dial]] = []
+        self._dial_order = itertools.count()
+        self._timer_started = False
+        self._timer: trio.CancelScope | None = None  # the timer's wait, while it waits
 
     def __len__(self) -> int:
         return len(self._splices)
@@ -254,6 +328,130 @@ class SpliceLoop:
         if not splice.ended:
             self.update(splice)
         return handle
+
+    def dial(self, incoming: IncomingStream, family: socket.AddressFamily,
+             address: tuple[str, int], *, timeout: float, mark: int | None,
+             on_accepted: Callable[[], None], on_refused: OnRefused, on_end: OnEnd) -> None:
+        """See `dial_in_loop`."""
+        stream = incoming.stream
+        host, port = address
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        except OSError as exc:  # out of descriptors or memory: this node's trouble
+            self._refuse(incoming, on_refused,
+                         StreamFailed(p.StreamReason.INTERNAL, f"no socket: {exc}"))
+            return
+        try:
+            if mark is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+                except OSError as exc:
+                    raise mark_failed(mark, exc) from None
+            code = sock.connect_ex(address)
+            if code == errno.EINPROGRESS:
+                # A target on this host (loopback, a pod's veth) has usually answered
+                # before connect() returns: then the stream is answered now, with the
+                # reader's output, not from a loop round of its own.
+                try:
+                    sock.getpeername()
+                    code = 0
+                except OSError:
+                    pass  # still connecting (ENOTCONN), or failed: the loop learns which
+            elif code:
+                raise connect_failed(host, port, [(format_address(address),
+                                                   _os_error(code))])
+            if not self._started and not self.ended:
+                self._started = self._carrier.start_task(self._run)
+            if not self._started:
+                raise StreamFailed(p.StreamReason.INTERNAL, "tunnel connection ended")
+        except StreamFailed as failure:
+            sock.close()
+            self._refuse(incoming, on_refused, failure)
+            return
+        splice = _Splice(self, stream, sock, on_end, None)
+        splice.out = collections.deque()  # the tunnel's bytes wait here until connected
+        dial = splice.dial = _Dial(splice, incoming, address,
+                                   trio.current_time() + timeout, timeout, on_accepted,
+                                   on_refused)
+        self._splices[splice.fd] = splice
+        stream.attach_sink(splice)
+        if code == 0:
+            self.connected(splice)
+            return
+        try:
+            self._epoll.register(splice.fd, _OUT)
+        except OSError as exc:
+            self.dial_failed(splice, StreamFailed(p.StreamReason.INTERNAL, _why(exc)))
+            return
+        splice.mask = _OUT
+        heapq.heappush(self._deadlines, (dial.deadline, next(self._dial_order), dial))
+        timer = self._timer
+        if timer is not None:
+            if dial.deadline < timer.deadline:
+                timer.deadline = dial.deadline
+        elif not self._timer_started:
+            self._timer_started = self._carrier.start_task(self._expire_dials)
+
+    def connected(self, s: _Splice) -> None:
+        """The socket of a dial is writable: connected (accept and splice) or failed."""
+        dial = s.dial
+        assert dial is not None
+        code = s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code:
+            host, port = dial.address
+            self.dial_failed(s, connect_failed(host, port, [(format_address(dial.address),
+                                                             _os_error(code))]))
+            return
+        s.dial = None
+        incoming, on_accepted, _ = dial.answered()
+        try:
+            incoming.accept_now()
+        except StreamResetError as exc:
+            self.end(s, _why(exc))
+            return
+        sock = s.sock
+        set_keepalive(sock)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        on_accepted()
+        if not s.out:
+            s.out = None
+        if s.out is not None:
+            self.flush(s)
+        elif s.eof_pending:
+            self.shut_write(s)
+        if not s.ended:
+            self.update(s)
+
+    def dial_failed(self, s: _Splice, failure: StreamFailed) -> None:
+        """Refuse the stream of a dial that failed; its splice ends without `on_end`."""
+        dial = s.dial
+        assert dial is not None
+        s.dial = None
+        incoming, _, on_refused = dial.answered()
+        s.ended = True
+        if self._splices.get(s.fd) is s:
+            del self._splices[s.fd]
+        s.stream.attach_sink(None)
+        if s.out:  # data the opener sent before the answer: its credit goes back
+            s.stream.consumed(sum(map(len, s.out)))
+        s.out = None
+        s.sock.close()
+        self._refuse(incoming, on_refused, failure)
+
+    @staticmethod
+    def _refuse(incoming: IncomingStream, on_refused: OnRefused, failure: StreamFailed) -> None:
+        try:
+            incoming.refuse_now(failure.reason, failure.message)
+        except StreamResetError:
+            return  # the opener gave up first: nobody to answer
+        try:
+            on_refused(failure)
+        except Exception as exc:  # a bad callback must not end the others
+            _log.error("dial refusal callback failed", stream=incoming.stream.stream_id,
+                       target=str(incoming.target), error=repr(exc))
 
     # ---- the record's moves (called by _Splice and the loop)
 
@@ -368,6 +566,9 @@ class SpliceLoop:
         if s.ended:
             return
         s.ended = True
+        if s.dial is not None:  # ended while connecting (a reset, the connection's end)
+            s.dial.answered()
+            s.dial = None
         if self._splices.get(s.fd) is s:
             del self._splices[s.fd]
         if s.owner is not None:
@@ -388,7 +589,10 @@ class SpliceLoop:
                 pass
         # Closing its only descriptor takes the socket out of the epoll set too.
         s.sock.close()
-        stream.abort_now(p.StreamReason.CANCELLED, "closed by the local side")
+        # Within a round the loop sends the round's output itself at its end: no
+        # writer wake-up for what this queues (the FIN just queued, if any, rides along).
+        stream.abort_now(p.StreamReason.CANCELLED, "closed by the local side",
+                         wake=not self._in_round)
         try:
             s.on_end(SpliceEnd(s.to_socket, s.to_tunnel, error))
         except Exception as exc:  # a bad callback must not end the others
@@ -406,14 +610,19 @@ class SpliceLoop:
                 # Always a yield point (other tasks run between rounds), and one epoll
                 # wait of trio's and one of ours per round, whether or not one is ready.
                 await trio.lowlevel.wait_readable(epoll.fileno())
+                self._in_round = True
                 for fd, flags in epoll.poll(0, _MAX_EVENTS):
                     s = splices.get(fd)
                     if s is None:
+                        continue
+                    if s.dial is not None:
+                        self.connected(s)
                         continue
                     if s.out and flags & ~_IN:  # writable, or an error to learn of
                         self.flush(s)
                     if not s.ended and s.mask & _IN:
                         self.read(s)
+                self._in_round = False
                 # Output for the tunnel, the whole round's: written from here when the
                 # transport takes it at once (no writer wake-up), and wait while behind.
                 await carrier.send_queued(now=True)
@@ -423,10 +632,39 @@ class SpliceLoop:
             # In the connection's nursery: a bug here costs these splices, not the tunnel.
             _log.error("splice loop failed", splices=len(splices), error=repr(exc))
         finally:
+            self._in_round = False
             self._forget()
             for s in list(splices.values()):
                 self.end(s, "tunnel connection ended")
             epoll.close()
+            self._deadlines.clear()
+            if self._timer is not None:
+                self._timer.cancel()
+
+    async def _expire_dials(self) -> None:
+        """Refuse the dials whose deadline passed (TIMEOUT, as `connect_tcp` says it).
+        One cancel scope at a time, whose deadline is the earliest pending dial's (a dial
+        with an earlier one moves it; none pending: no deadline): a wake-up per deadline
+        that comes, never one per dial."""
+        deadlines = self._deadlines
+        try:
+            while not self.ended:
+                while deadlines and deadlines[0][2].splice is None:
+                    heapq.heappop(deadlines)  # answered already
+                with trio.CancelScope(deadline=deadlines[0][0] if deadlines
+                                      else math.inf) as self._timer:
+                    await trio.sleep_forever()
+                self._timer = None
+                now = trio.current_time()
+                while deadlines and deadlines[0][0] <= now:
+                    dial = heapq.heappop(deadlines)[2]
+                    if dial.splice is not None:
+                        host, port = dial.address
+                        self.dial_failed(dial.splice, timed_out(host, port, dial.timeout))
+                self._carrier.flush()
+        finally:
+            self._timer = None
+            self._timer_started = False
 
     def _forget(self) -> None:
         """Out of the registry: it holds the connection strongly through this loop, so

@@ -76,8 +76,10 @@ class StreamCarrier(Protocol):
         """Queue REFUSE for a stream the peer opened; same errors as accept_stream()."""
         ...
 
-    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str) -> None:
-        """Queue RST (a no-op for a stream already gone) and wake the writer."""
+    def reset_stream(self, stream_id: int, reason: p.StreamReason, message: str, *,
+                     wake: bool = True) -> None:
+        """Queue RST (a no-op for a stream already gone) and wake the writer (`wake=False`:
+        the caller gets its output moving itself, as the splice loop does after a round)."""
         ...
 
     def acknowledge(self, stream_id: int, size: int) -> None:
@@ -446,9 +448,9 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self.abort_now(reason, message)
         await trio.lowlevel.checkpoint()
 
-    def abort_now(self, reason: p.StreamReason, message: str) -> None:
+    def abort_now(self, reason: p.StreamReason, message: str, *, wake: bool = True) -> None:
         """abort() without the checkpoint, for owners that are not tasks (a flow handed
-        to tunnel.udp.FlowPoller)."""
+        to tunnel.udp.FlowPoller). `wake=False`: see StreamCarrier.reset_stream."""
         if self._closed:
             return
         self._closed = True
@@ -458,7 +460,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             self._buffered = 0
         self._conn.forget(self)
         if self._reset is None:
-            self._conn.reset_stream(self.stream_id, reason, message)
+            self._conn.reset_stream(self.stream_id, reason, message, wake=wake)
             self._reset = StreamResetError(reason, message)
         self._wake_receiver()
         self.window_opened()
@@ -505,6 +507,13 @@ class IncomingStream:
         return self.stream.metadata
 
     async def accept(self) -> TunnelStream:
+        self.accept_now()
+        await self.connection.send_queued()
+        return self.stream
+
+    def accept_now(self) -> TunnelStream:
+        """accept() for an owner that is not a task (a dial in the splice loop): the
+        ACCEPT is queued, and goes out with that owner's output."""
         self._answer()
         try:
             self.connection.accept_stream(self.stream.stream_id)
@@ -514,20 +523,26 @@ class IncomingStream:
             raise StreamResetError(p.StreamReason.CANCELLED,
                                    f"tunnel connection ended: {self.connection.end_reason}",
                                    ) from None
-        await self.connection.send_queued()
         return self.stream
 
     async def refuse(self, reason: p.StreamReason, message: str = "") -> None:
+        if self.refuse_now(reason, message):
+            await self.connection.send_queued()
+        else:
+            await trio.lowlevel.checkpoint()
+
+    def refuse_now(self, reason: p.StreamReason, message: str = "") -> bool:
+        """refuse() without waiting, as accept_now() is accept(): False if the connection
+        had already ended (nobody to tell), else the REFUSE is queued."""
         self._answer()
         try:
             self.connection.refuse_stream(self.stream.stream_id, reason, message)
         except p.ConnectionClosedError:
             self.stream.mark_closed()
-            await trio.lowlevel.checkpoint()
-            return  # nobody to tell
+            return False
         self.connection.forget(self.stream)
         self.stream.mark_closed()
-        await self.connection.send_queued()
+        return True
 
     def hand_over(self) -> None:
         """After accept(): another owner keeps the stream (e.g. a flow handed to
@@ -546,3 +561,8 @@ class IncomingStream:
 
 
 StreamHandler = Callable[[IncomingStream], Awaitable[None]]
+
+StreamTaker = Callable[[IncomingStream], bool]
+"""Called by the connection's reader with each stream the peer opens, before a handler
+task is made for it: True if it answered or took the stream without a task (it must not
+wait or raise), False to leave it to the `StreamHandler`'s task."""

@@ -56,7 +56,7 @@ def format_address(sockaddr: tuple[object, ...] | str) -> str:
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
-def set_keepalive(sock: trio.socket.SocketType) -> None:
+def set_keepalive(sock: trio.socket.SocketType | socket.socket) -> None:
     """Turn on TCP keepalive with the timings above (Linux names them; elsewhere the
     system's timings apply). Best effort: a socket that refuses is left as it is."""
     try:
@@ -84,20 +84,47 @@ async def connect_tcp(host: str, port: int, *, connect_timeout: float | None,
     with trio.move_on_after(connect_timeout) as scope:
         return await _connect(host, port, mark)
     assert scope.cancelled_caught
-    raise DialFailed("timeout", f"connecting to {host}:{port} timed out after "
-                                f"{connect_timeout:g}s")
+    raise timed_out(host, port, connect_timeout)
 
 
-def _literal(host: str, port: int) -> list[tuple[socket.AddressFamily, socket.SocketKind, int,
-                                                 str, tuple[str, int]]] | None:
-    """getaddrinfo's answer for an IP literal, without the resolver's round trip."""
+def literal_family(host: str) -> socket.AddressFamily | None:
+    """The address family of an IP literal; None for a name (one the resolver must answer)."""
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
             socket.inet_pton(family, host)
         except OSError:
             continue
-        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+        return family
     return None
+
+
+def _literal(host: str, port: int) -> list[tuple[socket.AddressFamily, socket.SocketKind, int,
+                                                 str, tuple[str, int]]] | None:
+    """getaddrinfo's answer for an IP literal, without the resolver's round trip."""
+    family = literal_family(host)
+    if family is None:
+        return None
+    return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+
+
+def timed_out(host: str, port: int, timeout: float) -> DialFailed:
+    return DialFailed("timeout", f"connecting to {host}:{port} timed out after {timeout:g}s")
+
+
+def mark_failed(mark: int, exc: OSError) -> DialFailed:
+    return DialFailed("mark", f"cannot set SO_MARK {mark} (needs CAP_NET_ADMIN): "
+                              f"{exc.strerror}")
+
+
+def connect_failed(host: str, port: int, attempts: list[tuple[str, OSError]]) -> DialFailed:
+    """The failure of a dial whose every address failed (`attempts`, at least one)."""
+    if all(isinstance(e, ConnectionRefusedError) for _, e in attempts):
+        return DialFailed("refused", f"{host}:{port} refused the connection",
+                          attempts=tuple(attempts))
+    cause: DialCause = ("unreachable" if any(e.errno in _UNREACHABLE for _, e in attempts)
+                        else "refused")
+    last = attempts[-1][1]
+    return DialFailed(cause, f"{host}:{port}: {last.strerror or last}", attempts=tuple(attempts))
 
 
 async def _connect(host: str, port: int, mark: int | None) -> trio.SocketStream:
@@ -117,8 +144,7 @@ async def _connect(host: str, port: int, mark: int | None) -> trio.SocketStream:
                 try:
                     sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
                 except OSError as exc:
-                    raise DialFailed("mark", f"cannot set SO_MARK {mark} (needs "
-                                             f"CAP_NET_ADMIN): {exc.strerror}") from None
+                    raise mark_failed(mark, exc) from None
             await sock.connect(sockaddr)
         except OSError as exc:
             sock.close()
@@ -129,10 +155,4 @@ async def _connect(host: str, port: int, mark: int | None) -> trio.SocketStream:
             raise
         set_keepalive(sock)
         return trio.SocketStream(sock)  # which sets TCP_NODELAY (once: not here too)
-    if all(isinstance(e, ConnectionRefusedError) for _, e in attempts):
-        raise DialFailed("refused", f"{host}:{port} refused the connection",
-                         attempts=tuple(attempts))
-    cause: DialCause = ("unreachable" if any(e.errno in _UNREACHABLE for _, e in attempts)
-                        else "refused")
-    last = attempts[-1][1]
-    raise DialFailed(cause, f"{host}:{port}: {last.strerror or last}", attempts=tuple(attempts))
+    raise connect_failed(host, port, attempts)

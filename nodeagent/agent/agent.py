@@ -48,7 +48,7 @@ from tunnel.client import TunnelClient
 from tunnel.endpoint import EndpointSettings, IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.log import RateLimitedLog
-from tunnel.relay import relay_incoming
+from tunnel.relay import relay_incoming, relay_incoming_now
 from tunnel.splice import SpliceResult
 from tunnel.tcp import connect_tcp
 from tunnel.udp import FlowCounters, FlowPoller, connect_udp, flow_idle_timeout
@@ -108,7 +108,8 @@ class Agent:
                                     ping_timeout=config.keepalive.timeout,
                                     on_rtt=self.metrics.tunnel_rtt.observe)
         self.client = TunnelClient(
-            endpoint, hello=hello, handler=self.handle_stream, ssl_context=ssl_context,
+            endpoint, hello=hello, handler=self.handle_stream, take_stream=self.take_stream,
+            ssl_context=ssl_context,
             server_hostname=config.tls.server_name, settings=settings,
             socket_mark=config.socket_mark,
             direct=[parse_endpoint(url) for url in config.direct_servers],
@@ -198,6 +199,42 @@ class Agent:
                       intercept_rules=len(node_config.intercept.rules)
                       if node_config.intercept else 0)
 
+    def take_stream(self, incoming: IncomingStream) -> bool:
+        """The common case without a task (the tunnel connection's reader calls this for
+        every stream the server opens, before it makes a handler task): a plain tcp
+        stream to an IP literal is checked against the allow list here, at once, and
+        refused, or dialed and spliced by the connection's splice loop. Anything that
+        may wait before its dial (a name to resolve, a wake stream waiting for a config
+        that allows it) or is not a plain stream (udp, health, control plane) is left to
+        `handle_stream`'s task (False)."""
+        target = incoming.target
+        metadata = incoming.metadata
+        if target.protocol != "tcp" or PURPOSE_KEY in metadata:
+            return False
+        origin = metadata.get("origin", "")
+        stream_id = incoming.stream.stream_id
+        # Deny by default: nothing is dialed before the config in force allows it.
+        if not self.node_config.allows(target.host, target.port, "tcp"):
+            if metadata.get(WAKE_KEY) == "1":
+                return False  # may wait for a newer config (_allowed_soon)
+            self.stream_notes.note(incoming.stream, opener_from_metadata(metadata))
+            failure = StreamFailed(p.StreamReason.FORBIDDEN,
+                                   f"{target} is not allowed on node {self.config.node}")
+            incoming.refuse_now(failure.reason, failure.message)
+            self._refused(failure, stream_id, target, origin, control=False)
+            return True
+        if not relay_incoming_now(
+                incoming, target.host, target.port, timeout=self.config.dial_timeout,
+                mark=self.config.socket_mark, on_accepted=functools.partial(
+                    self._count, "accepted"),
+                on_refused=functools.partial(self._refused, stream_id=stream_id,
+                                             target=target, origin=origin, control=False),
+                on_finished=functools.partial(self._stream_finished, stream_id, target,
+                                              origin)):
+            return False
+        self.stream_notes.note(incoming.stream, opener_from_metadata(metadata))
+        return True
+
     async def handle_stream(self, incoming: IncomingStream) -> None:
         target = incoming.target
         if target.protocol == "udp":
@@ -255,24 +292,30 @@ class Agent:
                 on_finished=functools.partial(self._stream_finished,
                                               incoming.stream.stream_id, target, origin))
         if relayed.failure is not None:
-            failure = relayed.failure
-            self._count(prefix + failure.outcome)
-            if failure.reason is p.StreamReason.FORBIDDEN:
-                # Keyed by the reason, not the target the server asked for: a bounded key
-                # set, so a flood of odd targets is one line a minute with a count.
-                self._forbidden_log.warning(
-                    prefix + "forbidden",
-                    "stream refused: target not allowed on this node" + (
-                        " for control-plane streams" if control else ""),
-                    reason=prefix + "forbidden", stream=incoming.stream.stream_id,
-                    target=str(target), origin=origin)
-            else:
-                self.log.info("stream refused: dial failed", stream=incoming.stream.stream_id,
-                              target=str(target), origin=origin, reason=failure.outcome,
-                              error=failure.message)
+            self._refused(relayed.failure, incoming.stream.stream_id, target, origin,
+                          control=control)
             return
         if relayed.spliced is not None:
             self._stream_finished(incoming.stream.stream_id, target, origin, relayed.spliced)
+
+    def _refused(self, failure: StreamFailed, stream_id: int, target: p.Target, origin: str,
+                 *, control: bool) -> None:
+        """Count and log a stream refused (not allowed, or its dial failed)."""
+        prefix = "control_plane_" if control else ""
+        self._count(prefix + failure.outcome)
+        if failure.reason is p.StreamReason.FORBIDDEN:
+            # Keyed by the reason, not the target the server asked for: a bounded key
+            # set, so a flood of odd targets is one line a minute with a count.
+            self._forbidden_log.warning(
+                prefix + "forbidden",
+                "stream refused: target not allowed on this node" + (
+                    " for control-plane streams" if control else ""),
+                reason=prefix + "forbidden", stream=stream_id, target=str(target),
+                origin=origin)
+        else:
+            self.log.info("stream refused: dial failed", stream=stream_id,
+                          target=str(target), origin=origin, reason=failure.outcome,
+                          error=failure.message)
 
     async def _allowed_soon(self, allowed: Callable[[], bool]) -> bool:
         """Whether a config applied within CONFIG_WAIT allows the target (see there)."""

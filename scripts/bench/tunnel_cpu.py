@@ -2,8 +2,10 @@
 
 Two TunnelConnections (dialer and acceptor) in one trio process over a loopback TCP
 connection (plain StreamTransport; with --tls over the tunnel's TLSStream), streams handled by an
-echo/sink handler. Measures process CPU time, which a busy shared machine disturbs far
-less than wall-clock throughput. Run from the repository root:
+echo/sink handler (`--relays`: streams relayed to a TCP echo as the agent relays them,
+dialed by the splice loop with no task where the tree can, `--handler-task`: by a
+handler task per stream as before). Measures process CPU time, which a busy shared
+machine disturbs far less than wall-clock throughput. Run from the repository root:
 
     .venv/bin/python -m scripts.bench.tunnel_cpu [--mib 512] [--tls] [--no-fast-path]
 
@@ -40,6 +42,18 @@ T = p.Target("127.0.0.1", 9)
 RELAY_TARGET: list[int] = []  # the C echo's port, when --relays asks for one
 # Trees from before tunnel/spliceloop.py have no on_finished (tunnel_instructions --tree).
 HANDS_OVER = "on_finished" in inspect.signature(relay_incoming).parameters
+# Trees from before the reader's StreamTaker dial every stream in a handler task.
+TAKES_STREAMS = "take_stream" in inspect.signature(TunnelConnection).parameters
+
+
+def take_relay(incoming: IncomingStream) -> bool:
+    """The agent's path where the tree has it (Agent.take_stream): a stream to an IP
+    literal is dialed, answered and spliced by the splice loop, with no task."""
+    if incoming.metadata.get("mode") != "relay":
+        return False
+    from tunnel.relay import relay_incoming_now
+    return relay_incoming_now(incoming, "127.0.0.1", RELAY_TARGET[0], timeout=5, mark=None,
+                              on_accepted=_ignore, on_refused=_ignore, on_finished=_ignore)
 
 
 async def sink_or_echo(incoming: IncomingStream) -> None:
@@ -64,7 +78,7 @@ async def relay_to_echo(incoming: IncomingStream) -> None:
         await relay_incoming(incoming, dial)
 
 
-def _ignore(result: object) -> None:
+def _ignore(*args: object) -> None:
     pass
 
 
@@ -95,7 +109,8 @@ async def echo_target() -> AsyncIterator[int]:
 
 
 async def main(mib: int, rr_count: int, opens: int, parallel: int,
-               tls: bool, fast_path: bool = False, relays: int = 0) -> dict[str, float]:
+               tls: bool, fast_path: bool = False, relays: int = 0,
+               handler_task: bool = False) -> dict[str, float]:
     a, b = tcp_pair()
     sa: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
     sb: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(b))
@@ -115,8 +130,9 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
     if not fast_path:  # (set only when asked: older trees, run for A/B, lack the field)
         settings.send_fast_path = False
     d = TunnelConnection(StreamTransport(sa, PeerInfo("a")), p.Role.DIALER, settings, None)
+    takes = {"take_stream": take_relay} if TAKES_STREAMS and not handler_task else {}
     acc = TunnelConnection(StreamTransport(sb, PeerInfo("b")), p.Role.ACCEPTOR, settings,
-                           sink_or_echo)
+                           sink_or_echo, **takes)
     out: dict[str, float] = {}
     async with trio.open_nursery() as nursery:
         nursery.start_soon(acc.accept_handshake, allow_any_peer)
@@ -196,7 +212,10 @@ if __name__ == "__main__":
     parser.add_argument("--tls", action="store_true", help="the tunnel's TLS layer too")
     parser.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                         help="EndpointSettings.send_fast_path off (the writer's async send)")
+    parser.add_argument("--handler-task", action="store_true",
+                        help="relay in a handler task per stream even where the tree can "
+                             "dial from the splice loop (relay_incoming_now)")
     args = parser.parse_args()
     print(json.dumps({k: round(v, 3) for k, v in trio.run(
         main, args.mib, args.rr, args.opens, args.parallel, args.tls,
-        args.fast_path, args.relays).items()}))
+        args.fast_path, args.relays, args.handler_task).items()}))

@@ -18,6 +18,7 @@ counted.
     .venv/bin/python -m scripts.bench.http_tunnel                          # CPU µs per request
     .venv/bin/python -m scripts.bench.http_tunnel --tree /work/base        # A/B, interleaved
     .venv/bin/python -m scripts.bench.http_tunnel --tree /work/base --instructions
+    .venv/bin/python -m scripts.bench.http_tunnel --steps   # the front's sans-IO steps alone
 
 CPU mode: the measured process's CPU time (/proc) over `--requests` requests after a
 warm-up. `--instructions`: callgrind counts the process's instructions for two runs
@@ -262,6 +263,64 @@ def one_run(tree: Path, args: argparse.Namespace, upstream_port: int, certs: Pat
         return spent
 
 
+def steps(count: int = 30000) -> dict[str, float]:
+    """CPU µs per request of the front's sans-IO steps alone (no I/O, no trio), in this
+    process: what a request costs before any socket, task or tunnel is involved."""
+    from nodeagent.http.dispatch import route_request
+    from nodeagent.http.h1 import ResponseParser, serialize_request
+    from nodeagent.http.headers import frame_response, read_request, upstream_headers
+    from nodeagent.http.request import RequestHead, RequestReader
+    from nodeagent.http.routetable import Backend, Route, RouteSpec, RouteTable
+    from nodeagent.http.stats import HttpStats
+
+    route = Route("bench", (Backend("node", "127.0.0.1", 80),))
+    table = RouteTable.build([RouteSpec("bench.test", "/", route)])
+    stats = HttpStats()
+    reader = RequestReader(65536)
+    parser = ResponseParser(65536)
+    spent: dict[str, float] = {}
+    clock = time.process_time
+    for _ in range(count):
+        t0 = clock()
+        reader.feed(REQUEST)
+        req = reader.next()
+        assert type(req) is RequestHead
+        t1 = clock()
+        creq = read_request(req.http_version, req.target, req.headers)
+        t2 = clock()
+        route_request(table, req.method, creq, https=False, max_body=None)
+        t3 = clock()
+        serialize_request(req.method, creq.target, upstream_headers(
+            creq, default_host="node", client=b"10.0.0.1", proto=b"http"))
+        reader.next()  # EndOfRequest
+        t4 = clock()
+        parser.start(False)
+        parser.next()
+        parser.feed(RESPONSE)
+        head = parser.next()
+        parser.next()
+        parser.next()
+        t5 = clock()
+        frame_response(head.status, head.reason, head.headers,  # type: ignore[union-attr]
+                       length=parser.length, head_request=False, http11=True,
+                       keep_alive=True)
+        t6 = clock()
+        stats.requests += 1
+        stats.count_status(200)
+        stats.count_route("bench", "h1", 200)
+        reader.start_next()
+        t7 = clock()
+        for name, a, b in (("parse the request head (llhttp)", t0, t1),
+                           ("header policy (read_request)", t1, t2),
+                           ("route lookup (route_request)", t2, t3),
+                           ("upstream head (upstream_headers, serialize)", t3, t4),
+                           ("parse the response (ResponseParser)", t4, t5),
+                           ("client's response head (frame_response)", t5, t6),
+                           ("counters, next request", t6, t7)):
+            spent[name] = spent.get(name, 0.0) + b - a
+    return {name: round(v / count * 1e6, 2) for name, v in spent.items()}
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(int(sys.argv[2]), "--front-only" in sys.argv, Path(sys.argv[3]))
@@ -280,7 +339,13 @@ def main() -> None:
     parser.add_argument("--profile", type=Path,
                         help="py-spy record this tree's process during the load (CPU "
                              "mode) into this file (raw format)")
+    parser.add_argument("--steps", action="store_true",
+                        help="only the front's sans-IO steps, CPU µs each, in this process")
     args = parser.parse_args()
+    if args.steps:
+        result = steps()
+        print(json.dumps(result | {"total": round(sum(result.values()), 2)}, indent=1))
+        return
     if args.instructions and shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package: valgrind)")
     requests = args.requests or (3000 if args.instructions else 20000)

@@ -304,25 +304,24 @@ class HttpConnection:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _receive(self, wait_first: bool = False) -> bytes:
-        """The client's next bytes (b"" when it closed). `wait_first`: they are unlikely
-        to be there yet (a keep-alive client reads the response before it sends the next
-        request), so wait for readiness before reading, not after a failed read."""
+    async def _receive(self) -> bytes:
+        """The client's next bytes (b"" when it closed)."""
         sock = self.sock
         if sock is not None:
             # A plaintext client: the socket read directly, as trio's SocketStream would
-            # (try, else wait until readable) without its layers.
+            # (try, else wait until readable) without its layers. Trying first pays: with
+            # many connections the next request is often there by the time the front
+            # looks (waiting for readiness first measured ~3 % more instructions).
             self.unyielded = 0
-            if not wait_first:
-                try:
-                    data = os.read(sock.fileno(), self.limits.read_size)
-                except BlockingIOError:
-                    pass
-                except OSError as exc:  # reset, or closed under us (fileno() -1: EBADF)
-                    raise _ClientGone() from exc
-                else:
-                    await trio.lowlevel.cancel_shielded_checkpoint()  # as trio's own does
-                    return data
+            try:
+                data = os.read(sock.fileno(), self.limits.read_size)
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # reset, or closed under us (fileno() -1: EBADF)
+                raise _ClientGone() from exc
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()  # as trio's own does
+                return data
             while True:
                 try:
                     await trio.lowlevel.wait_readable(sock)
@@ -381,7 +380,7 @@ class HttpConnection:
                 with trio.move_on_after(limits.idle_timeout) as idle:
                     closing.idle.add(idle)
                     try:
-                        data = await self._receive(wait_first=True)
+                        data = await self._receive()
                     finally:
                         closing.idle.discard(idle)
                 if data is None:

@@ -343,7 +343,7 @@ class HttpConnection:
             # common case), without trio's send_all layers and their task switch (~7 µs a
             # request); what it does not take goes through send_all, which waits. Every
             # 16th write in a row without a wait in between still lets other tasks run
-            # (pipelined requests answered by the front itself never wait).
+            # (a response whose pieces are all ready at once would otherwise never wait).
             try:
                 sent = os.write(sock.fileno(), data)
             except BlockingIOError:

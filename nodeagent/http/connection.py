@@ -47,6 +47,7 @@ connection's task (only a request body gets a second task, to stream both ways a
 from __future__ import annotations
 
 import html
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -187,11 +188,13 @@ class HttpConnection:
         "pool",
         "reader",
         "scheme",
+        "sock",
         "started",
         "stats",
         "status",
         "stream",
         "table",
+        "unyielded",
         "up",
         "xfp",
     )
@@ -212,6 +215,9 @@ class HttpConnection:
         holds: HeldRequests | None = None,
     ) -> None:
         self.stream = stream
+        # A plaintext client's socket, read and written directly (`_receive`, `_send`).
+        self.sock = stream.socket if type(stream) is trio.SocketStream else None
+        self.unyielded = 0  # writes since this task last let others run (`_send`)
         self.pool = pool
         self.holds = holds
         self.closing = closing if closing is not None else GracefulClose()
@@ -302,6 +308,31 @@ class HttpConnection:
             await trio.aclose_forcefully(stream)
 
     async def _receive(self) -> bytes:
+        """The client's next bytes (b"" when it closed)."""
+        sock = self.sock
+        if sock is not None:
+            # A plaintext client: the socket read directly, as trio's SocketStream would
+            # (try, else wait until readable) without its layers. Trying first pays: with
+            # many connections the next request is often there by the time the front
+            # looks (waiting for readiness first measured ~3 % more instructions).
+            self.unyielded = 0
+            try:
+                data = os.read(sock.fileno(), self.limits.read_size)
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # reset, or closed under us (fileno() -1: EBADF)
+                raise _ClientGone() from exc
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()  # as trio's own does
+                return data
+            while True:
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                    return os.read(sock.fileno(), self.limits.read_size)
+                except BlockingIOError:
+                    continue
+                except (trio.ClosedResourceError, OSError) as exc:
+                    raise _ClientGone() from exc
         try:
             # trio may hand out a bytearray; the reader takes either.
             return cast(bytes, await self.stream.receive_some(self.limits.read_size))
@@ -309,6 +340,26 @@ class HttpConnection:
             raise _ClientGone() from exc
 
     async def _send(self, data: bytes) -> None:
+        sock = self.sock
+        if sock is not None:
+            # A plaintext client: written directly when its socket takes it all (the
+            # common case), without trio's send_all layers and their task switch (~7 µs a
+            # request); what it does not take goes through send_all, which waits. Every
+            # 16th write in a row without a wait in between still lets other tasks run
+            # (a response whose pieces are all ready at once would otherwise never wait).
+            try:
+                sent = os.write(sock.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise _ClientGone() from exc
+            if sent == len(data):
+                self.unyielded += 1
+                if self.unyielded >= 16:
+                    self.unyielded = 0
+                    await trio.lowlevel.checkpoint()
+                return
+            data = memoryview(data)[sent:]  # type: ignore[assignment]
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -876,12 +927,20 @@ class HttpConnection:
         self.stats.upgrades += 1
         self.up = None  # the upstream now belongs to this upgraded connection only
         client_rest = self.reader.trailing_data
+        ustream = up.stream
+        upstream_rest = up.parser.rest()
+        release = getattr(ustream, "release", None)
+        if release is not None:
+            # A wrapper over a bare stream that splice() carries faster (the server's
+            # TunnelUpstream): the bare stream, and what the wrapper held after the rest.
+            ustream, held = release()
+            upstream_rest += held
         await splice(
             self.stream,
-            up.stream,
+            ustream,
             chunk=self.limits.read_size,
             a_leftover=client_rest,
-            b_leftover=up.parser.rest(),
+            b_leftover=upstream_rest,
         )
 
     # -- answers made here ------------------------------------------------------------------

@@ -32,11 +32,13 @@ from nodeagent.ops.streamviews import StreamNotes, opener_from_metadata
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.dnat import POLICY_REASONS, DnatPath
 from nodeagent.server.refusals import PolicyRefusals
+from nodeagent.server.tunnelupstream import TunnelUpstream
 from tunnel import protocol as p
 from tunnel.endpoint import IncomingStream
 from tunnel.errors import StreamFailed
 from tunnel.relay import relay_incoming
 from tunnel.splice import SpliceResult
+from tunnel.stream import TunnelStream
 from tunnel.udp import FlowCounters, FlowPoller, flow_idle_timeout
 
 
@@ -170,6 +172,10 @@ class HttpBackends:
                 # One upstream stream serves a client connection's requests in turn.
                 self._notes.note(stream, f"http route {route.name}" + (
                     f" client {client}" if client else ""))
+                if route.backend_protocol == "h1" and isinstance(stream, TunnelStream):
+                    # Fewer task switches per request (tunnelupstream.py); h2c's shared
+                    # connections keep the bare stream their debug view describes.
+                    stream = TunnelUpstream(stream)
         except StreamFailed as exc:
             self._outcomes.outbound(exc.outcome)
             status = 504 if exc.reason is p.StreamReason.TIMEOUT else 502

@@ -733,3 +733,26 @@ async def test_any_half_closeable_stream_is_an_upstream(nursery: trio.Nursery) -
             assert sum([len(x) async for x in resp.aiter_raw()]) == 3 * MiB
     assert opens == 1
     front.stop()
+
+
+async def test_a_client_that_reads_late_gets_the_whole_response(nursery: trio.Nursery) -> None:
+    """The plaintext client's socket is written directly while it takes everything; once
+    its buffers are full the rest waits in send_all (nothing lost, nothing reordered)."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    size = 32 * 1024 * 1024  # more than the loopback socket buffers hold
+    async with running_front([RouteSpec(None, "/", route_to(port))]) as f:
+        stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+        await stream.send_all(
+            b"GET /big?n=%d HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n" % size)
+        await trio.sleep(1)  # the front fills the socket and has to wait
+        got = bytearray()
+        with trio.fail_after(60):
+            while chunk := await stream.receive_some(1 << 20):
+                got += chunk
+        await stream.aclose()
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert body.endswith(b"\r\n0\r\n\r\n")
+    assert body.count(b"x") == size

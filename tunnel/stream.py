@@ -352,6 +352,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                 raise trio.ClosedResourceError("send_eof() was called")
             view = memoryview(data)
             conn = self._conn
+            waited = False
             while view:
                 if self._reset is not None:
                     raise self._reset
@@ -363,11 +364,13 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                             p.StreamReason.CANCELLED, "stream closed")
                     self._window_ready = ready
                     await ready.wait()
+                    waited = True
                     continue
                 view = view[sent:]
                 self.bytes_sent += sent
                 await conn.send_queued()
-            await trio.lowlevel.checkpoint()
+            if not waited:  # a wait for the window was this call's checkpoint already
+                await trio.lowlevel.checkpoint()
 
     async def wait_send_all_might_not_block(self) -> None:
         # Returning at once is allowed ("may return early"), but like send_all() it is
@@ -399,6 +402,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         with self._recv_guard:
             if self._sink is not None:
                 raise trio.BusyResourceError("a direct sink receives this stream's data")
+            waited = False  # a wait for data is this call's checkpoint: one is enough
             while True:
                 if self._closed:
                     raise trio.ClosedResourceError("stream is closed")
@@ -415,15 +419,18 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                     self._buffered -= len(data)
                     self.bytes_received += len(data)
                     self._conn.acknowledge(self.stream_id, len(data))
-                    await trio.lowlevel.checkpoint()
+                    if not waited:
+                        await trio.lowlevel.checkpoint()
                     return data
                 if self._eof:
-                    await trio.lowlevel.checkpoint()
+                    if not waited:
+                        await trio.lowlevel.checkpoint()
                     return b""
                 if self._reset is not None:
                     raise self._reset
                 ready = self._data_ready = trio.Event()
                 await ready.wait()
+                waited = True
 
     @staticmethod
     def _coalesce(buffer: collections.deque[bytes], data: bytes, limit: int) -> bytes:

@@ -115,13 +115,20 @@ class _Outcome:
         self.started = value
 
 
-class _Body:
-    """A request body on its way to the backend: bytes seen so far, trailers."""
+_GIVE_BACK = 64 * 1024
+"""Window owed to a client (or a backend) given back at least every this many bytes, and
+whenever its stream's inbox is empty: one `h2` acknowledgement per read, not per frame."""
 
-    __slots__ = ("seen", "trailers")
+
+class _Body:
+    """A request body on its way to the backend: bytes seen so far, trailers, and the
+    window of the data forwarded and not given back to the client yet."""
+
+    __slots__ = ("owed", "seen", "trailers")
 
     def __init__(self) -> None:
         self.seen = 0
+        self.owed = 0
         self.trailers: Headers = []
 
 
@@ -756,6 +763,8 @@ class H2Connection:
                 pass
         except UpstreamFailed:
             pass  # the backend stopped reading: its answer (if any) is still relayed
+        finally:
+            self._give_back(sid, body)
 
     async def _pump_body(self, sid: int, inbox: Inbox, exchange: Exchange, grpc: bool,
                          errors: list[Exception], pumped: list[bool],
@@ -764,8 +773,11 @@ class H2Connection:
         it goes."""
         idle = float("inf") if grpc else self.limits.idle_timeout
         body = _Body()
+        items = inbox.items
         try:
             while True:
+                if body.owed and (not items or body.owed >= _GIVE_BACK):
+                    self._give_back(sid, body)  # all forwarded so far, before waiting
                 ev: object = None
                 with trio.move_on_after(idle):
                     ev = await inbox.get()
@@ -783,6 +795,14 @@ class H2Connection:
         except (_BodyTooLarge, _SlowBody, StreamGone) as exc:
             errors.append(exc)
             nursery.cancel_scope.cancel()
+        finally:
+            self._give_back(sid, body)
+
+    def _give_back(self, sid: int, body: _Body) -> None:
+        """The client's window of the body data forwarded so far."""
+        if body.owed:
+            owed, body.owed = body.owed, 0
+            self.wire.give_back(sid, owed)
 
     async def _body_step(self, sid: int, ev: object, exchange: Exchange, body: _Body) -> bool:
         """One event of a request body → backend (the step `_send_whole_body` and
@@ -797,7 +817,7 @@ class H2Connection:
                 raise _BodyTooLarge()
             if data.data:
                 await exchange.send_body(data.data)
-            await self.wire.acknowledge(sid, data.flow_length)
+            body.owed += data.flow_length  # given back by the caller (`_give_back`)
         elif t is TrailersIn:
             body.trailers = cast(TrailersIn, ev).trailers
         elif t is EndIn:

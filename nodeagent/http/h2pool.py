@@ -51,6 +51,9 @@ from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.http")
 
+_GIVE_BACK = 64 * 1024
+"""Window owed to the backend given back at least every this many bytes (`receive`)."""
+
 Describe = Callable[[trio.abc.HalfCloseableStream, Callable[[], list[dict[str, object]]]], None]
 """`describe(stream, streams_view)`: how the pool shows the debug views what an upstream
 stream carries (`StreamNotes.describe` on the server)."""
@@ -239,7 +242,7 @@ class H2cExchange:
         self.backend = conn.backend
         self.sid = sid
         self.inbox = inbox
-        self._pending = 0  # window of the data `receive` returned last, not yet given back
+        self._pending = 0  # window of the data returned so far, not yet given back
         self._started = False
         self._done = False
 
@@ -263,11 +266,16 @@ class H2cExchange:
             raise self._gone(exc) from exc
 
     async def receive(self) -> ResponseStart | bytes | ResponseEnd:
-        if self._pending:
-            pending, self._pending = self._pending, 0
-            await self.conn.wire.acknowledge(self.sid, pending)
+        """The next part of the response. The window of the data returned so far goes back
+        to the backend before waiting for more, or every `_GIVE_BACK` bytes: one `h2`
+        acknowledgement per read, not per frame."""
+        inbox = self.inbox
         while True:
-            got = self.convert(await self.inbox.get())
+            pending = self._pending
+            if pending and (not inbox.items or pending >= _GIVE_BACK):
+                self._pending = 0
+                self.conn.wire.give_back(self.sid, pending)
+            got = self.convert(await inbox.get())
             if got is not None:
                 return got
 
@@ -277,7 +285,7 @@ class H2cExchange:
         of data returned is owed to the backend (`take_pending`)."""
         t = type(ev)
         if t is DataIn:
-            self._pending = ev.flow_length  # type: ignore[union-attr]
+            self._pending += ev.flow_length  # type: ignore[union-attr]
             data: bytes = ev.data  # type: ignore[union-attr]
             return data or None
         if t is HeadersIn:
@@ -306,8 +314,8 @@ class H2cExchange:
         return None
 
     def take_pending(self) -> int:
-        """The window of the data `convert` returned last, now given back by the caller
-        (`H2Session.acknowledge` on `conn.session`)."""
+        """The window of the data `convert` returned (since the last `take_pending`), now
+        given back by the caller (`H2Session.acknowledge` on `conn.session`)."""
         pending, self._pending = self._pending, 0
         return pending
 

@@ -17,6 +17,13 @@ and `direct`: the client straight to the server (the floor on this machine). Pri
 payload Gbit/s each way and the front's CPU per MiB moved (both ways, /proc).
 
     .venv/bin/python -m scripts.bench.h2_bidi [--rounds 3] [--seconds 4] [--kib 1024]
+    .venv/bin/python -m scripts.bench.h2_bidi --variants default --tree /work/base  # A/B
+    .venv/bin/python -m scripts.bench.h2_bidi --profile 4   # cProfile, default variant
+
+`--tree PATH` adds the default variant run from another checkout (its own .venv and code,
+`PATH` rows), interleaved with this tree's in each round: CPU per MiB before and after a
+change, in the same run. `--profile SECONDS` streams for that long through the default
+variant under cProfile and prints the front's top functions.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import multiprocessing
 import os
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -62,7 +71,8 @@ def _serve_grpc(port_out: Any) -> None:
     threading.Event().wait()
 
 
-def _run_front(port: int, backend_port: int, overrides: dict[str, int]) -> None:
+def _run_front(port: int, backend_port: int, overrides: dict[str, int],
+               profile: str | None = None) -> None:
     """A front serving h2c only, built from its parts so that its settings can be chosen
     (the product's `HttpFront` uses the defaults)."""
     settings = dataclasses.replace(H2Settings(), **overrides)
@@ -86,7 +96,30 @@ def _run_front(port: int, backend_port: int, overrides: dict[str, int]) -> None:
 
             await trio.serve_tcp(handle, port, host="127.0.0.1")
 
+    if profile is None:
+        trio.run(main)
+        return
+    import cProfile
+    import signal
+
+    prof = cProfile.Profile()
+
+    def stop(*_: object) -> None:
+        prof.disable()
+        prof.dump_stats(profile)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    prof.enable()
     trio.run(main)
+
+
+def _tree_front(tree: str, port: int, backend_port: int) -> subprocess.Popen[bytes]:
+    """The default variant's front from another checkout (its .venv, its code)."""
+    code = ("from scripts.bench.h2_bidi import _run_front; "
+            f"_run_front({port}, {backend_port}, {{}})")
+    return subprocess.Popen([os.path.join(tree, ".venv/bin/python"), "-P", "-c", code],
+                            cwd=tree, env=dict(os.environ, PYTHONPATH=tree))
 
 
 def _wait(port: int) -> None:
@@ -104,6 +137,32 @@ def summary(values: list[float]) -> str:
     return f"{statistics.median(values):,.2f} ({min(values):,.2f}-{max(values):,.2f})"
 
 
+def _profile(grpc_port: int, seconds: float, kib: int,
+             server: multiprocessing.Process) -> int:
+    import pstats
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "front.prof")
+        port = free_port()
+        proc = multiprocessing.Process(target=_run_front, args=(port, grpc_port, {}, out),
+                                       daemon=True)
+        proc.start()
+        try:
+            _wait(port)
+            rate, moved = bidi_echo(f"127.0.0.1:{port}", seconds, kib)
+        finally:
+            proc.terminate()
+            proc.join(30)
+            server.kill()
+        print(f"{rate:.2f} Gbit/s each way, {moved / MIB:,.0f} MiB echoed")
+        pstats.Stats(out).sort_stats("tottime").print_stats(45)
+        if os.environ.get("H2_BIDI_KEEP_PROFILE"):
+            import shutil
+
+            shutil.copy(out, os.environ["H2_BIDI_KEEP_PROFILE"])
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.h2_bidi", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,20 +170,27 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--kib", type=int, default=1024)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--tree", help="another checkout: its default variant beside ours")
+    parser.add_argument("--profile", type=float, metavar="SECONDS")
     args = parser.parse_args()
     ports: multiprocessing.Queue[int] = multiprocessing.Queue()
     server = multiprocessing.Process(target=_serve_grpc, args=(ports,), daemon=True)
     server.start()
     grpc_port = ports.get(timeout=20)
-    fronts: dict[str, tuple[int, multiprocessing.Process]] = {}
+    if args.profile:
+        return _profile(grpc_port, args.profile, args.kib, server)
+    fronts: dict[str, tuple[int, multiprocessing.Process | subprocess.Popen[bytes]]] = {}
     rows: dict[str, list[float]] = {}
     try:
         for name in args.variants.split(","):
             port = free_port()
-            proc = multiprocessing.Process(target=_run_front,
-                                           args=(port, grpc_port, VARIANTS[name]), daemon=True)
+            proc: multiprocessing.Process | subprocess.Popen[bytes] = multiprocessing.Process(
+                target=_run_front, args=(port, grpc_port, VARIANTS[name]), daemon=True)
             proc.start()
             fronts[name] = (port, proc)
+        if args.tree:
+            port = free_port()
+            fronts[args.tree] = (port, _tree_front(args.tree, port, grpc_port))
         for port, _ in fronts.values():
             _wait(port)
         bidi_echo(f"127.0.0.1:{grpc_port}", 1, args.kib)  # warm

@@ -233,7 +233,8 @@ class H2Upstream:
 class H2cExchange:
     """One request on a backend's shared h2c connection (`exchange.Exchange`)."""
 
-    __slots__ = ("_done", "_pending", "_started", "backend", "conn", "inbox", "sent_end", "sid")
+    __slots__ = ("_done", "_pending", "_started", "backend", "conn", "inbox", "join_limit",
+                 "sent_end", "sid")
 
     def __init__(self, conn: H2Upstream, sid: int, inbox: Inbox, sent_end: bool) -> None:
         self.sent_end = sent_end
@@ -245,6 +246,9 @@ class H2cExchange:
         self._pending = 0  # window of the data returned so far, not yet given back
         self._started = False
         self._done = False
+        self.join_limit = 0
+        """Body data queued together is returned joined, up to this many bytes (0: frame
+        by frame): set by the caller to what its side takes in one frame."""
 
     def _gone(self, exc: Exception) -> UpstreamFailed:
         return UpstreamLost(502, f"h2c stream to {self.backend} failed: {exc}")
@@ -285,8 +289,11 @@ class H2cExchange:
         of data returned is owed to the backend (`take_pending`)."""
         t = type(ev)
         if t is DataIn:
-            self._pending += ev.flow_length  # type: ignore[union-attr]
             data: bytes = ev.data  # type: ignore[union-attr]
+            more = 0
+            if self.join_limit:
+                data, more = self.inbox.join_data(data, self.join_limit)
+            self._pending += ev.flow_length + more  # type: ignore[union-attr]
             return data or None
         if t is HeadersIn:
             status, fields = split_response(ev.headers)  # type: ignore[union-attr]

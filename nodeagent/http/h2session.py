@@ -378,6 +378,11 @@ class H2Session:
         except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
             return -1
 
+    @property
+    def max_frame_out(self) -> int:
+        """The largest frame the peer accepts (its SETTINGS_MAX_FRAME_SIZE)."""
+        return int(self.conn.max_outbound_frame_size)
+
     def next_stream_id(self) -> int:
         return self.conn.get_next_available_stream_id()
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import trio
 
-from nodeagent.http.h2session import H2Event, H2Session, Headers
+from nodeagent.http.h2session import DataIn, H2Event, H2Session, Headers
 
 
 class StreamGone(Exception):
@@ -277,6 +277,27 @@ class Inbox:
         if self._event is not None:
             self._event.set()
             self._event = None
+
+    def join_data(self, data: bytes, limit: int) -> tuple[bytes, int]:
+        """`data` with the body data queued right behind it joined on, up to `limit` bytes
+        in all; the bytes and the window the joined frames used (`DataIn.flow_length`).
+        A peer's 16 KiB frames leave as one frame of up to `limit` where the other side
+        accepts it: `h2`'s work per frame sent costs far more than the copy."""
+        items = self.items
+        if not items or type(items[0]) is not DataIn:
+            return data, 0
+        parts = [data]
+        size = len(data)
+        flow = 0
+        while items:
+            ev = items[0]
+            if type(ev) is not DataIn or size + len(ev.data) > limit:
+                break
+            items.popleft()
+            parts.append(ev.data)
+            size += len(ev.data)
+            flow += ev.flow_length
+        return (b"".join(parts) if len(parts) > 1 else data), flow
 
     async def get(self) -> H2Event:
         while not self.items:

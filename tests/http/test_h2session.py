@@ -272,3 +272,19 @@ def test_a_backends_goaway_among_frames_split_anywhere() -> None:
         assert [type(e).__name__ for e in events if type(e).__name__ in
                 ("GoawayIn", "EndIn")] == ["GoawayIn", "EndIn"], cut
         assert session.goaway_received and session.pending_input() == 0
+
+
+def test_body_frames_queued_together_are_joined_up_to_a_limit() -> None:
+    """`Inbox.join_data`: the data queued behind a frame, up to the limit, with its window;
+    never past trailers or the end, whose order must stay."""
+    from nodeagent.http.h2wire import Inbox
+
+    inbox = Inbox()
+    for piece in (b"b" * 10, b"c" * 10, b"d" * 10):
+        inbox.items.append(DataIn(1, piece, len(piece) + 1))
+    inbox.items.append(TrailersIn(1, [(b"x", b"1")]))
+    inbox.items.append(DataIn(1, b"e", 1))
+    assert inbox.join_data(b"a" * 10, 35) == (b"a" * 10 + b"b" * 10 + b"c" * 10, 22)
+    assert inbox.join_data(b"", 100) == (b"d" * 10, 11)
+    assert inbox.join_data(b"z", 100) == (b"z", 0)  # trailers next: nothing joined
+    assert [type(e) for e in inbox.items] == [TrailersIn, DataIn]

@@ -59,6 +59,15 @@ Describe = Callable[[trio.abc.HalfCloseableStream, Callable[[], list[dict[str, o
 stream carries (`StreamNotes.describe` on the server)."""
 
 
+UPSTREAM_SETTINGS = H2Settings(max_frame_size=256 * 1024)
+"""What the front announces to h2c backends: its defaults, but frames of up to 256 KiB.
+A response body then comes in a sixteenth of the frames (grpcio sends frames as large as
+allowed), and `h2`'s work per frame received is the largest cost left on the data path
+(`scripts.bench.h2_bidi`, variant `up16k`). Only backends, whose connections the front
+opens (one per endpoint), may send such frames: the incomplete frame `h2` holds per
+connection stays bounded by 16 KiB for clients, whose connections anyone can open."""
+
+
 class UpstreamLost(UpstreamFailed):
     """The backend's h2c connection ended with this request in flight."""
 
@@ -376,7 +385,7 @@ class H2Pool:
         self.nursery = nursery
         self.opener = opener
         self.limits = limits
-        self.settings = settings or H2Settings()
+        self.settings = settings or UPSTREAM_SETTINGS
         self.conns: dict[Backend, H2Upstream] = {}
         self._dialing: dict[Backend, trio.Event] = {}
 
@@ -488,8 +497,8 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
     raise failure or UpstreamFailed(502, f"route {route.name}: no backend could be reached")
 
 
-__all__ = ["H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost", "live_h2c_connection",
-           "open_h2c_exchange", "opened_now"]
+__all__ = ["UPSTREAM_SETTINGS", "H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost",
+           "live_h2c_connection", "open_h2c_exchange", "opened_now"]
 
 
 async def connect_h2c(route: Route, pool: H2Pool, balancer: Balancer, limits: Limits) -> None:

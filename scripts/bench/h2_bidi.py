@@ -6,12 +6,13 @@ process per variant (an h2c route to that server), the grpcio client in this pro
 one stream echoing --kib KiB messages for --seconds, at most 8 messages ahead of their
 echoes. Variants, interleaved over --rounds rounds (median, min-max):
 
-  default     the front's `H2Settings`: 1 MiB stream windows, 8 MiB connection window,
-              16 KiB frames, on both legs (client and backend)
+  default     the front's settings: 1 MiB stream windows, 8 MiB connection window on
+              both legs, 16 KiB frames from the client, 256 KiB from the backend
   win4m       4 MiB stream windows, 32 MiB connection windows
   frame1m     1 MiB frames accepted (SETTINGS_MAX_FRAME_SIZE): peers may send fewer, larger
               DATA frames
   both        both of these
+  up16k       16 KiB frames from the backend too (`h2pool.UPSTREAM_SETTINGS` takes 256 KiB)
 
 and `direct`: the client straight to the server (the floor on this machine). Prints the
 payload Gbit/s each way and the front's CPU per MiB moved (both ways, /proc).
@@ -47,7 +48,7 @@ from nodeagent.http import Backend, Limits, Route, RouteSpec, RouteTable
 from nodeagent.http.balancer import Balancer
 from nodeagent.http.connection import GracefulClose
 from nodeagent.http.h2connection import H2Connection
-from nodeagent.http.h2pool import H2Pool
+from nodeagent.http.h2pool import UPSTREAM_SETTINGS, H2Pool
 from nodeagent.http.h2session import PREFACE, H2Settings
 from nodeagent.http.stats import HttpStats
 from nodeagent.testing.grpcservice import GrpcEcho
@@ -62,6 +63,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "frame1m": {"max_frame_size": MIB},
     "both": {"stream_window": 4 * MIB, "connection_window": 32 * MIB,
              "max_frame_size": MIB},
+    "up16k": {"pool_max_frame_size": 16 * 1024},
 }
 
 
@@ -75,7 +77,12 @@ def _run_front(port: int, backend_port: int, overrides: dict[str, int],
                profile: str | None = None) -> None:
     """A front serving h2c only, built from its parts so that its settings can be chosen
     (the product's `HttpFront` uses the defaults)."""
-    settings = dataclasses.replace(H2Settings(), **overrides)
+    settings = dataclasses.replace(H2Settings(), **{
+        k: v for k, v in overrides.items() if not k.startswith("pool_")})
+    pool_settings = dataclasses.replace(UPSTREAM_SETTINGS, **{
+        k: v for k, v in overrides.items() if not k.startswith("pool_")})
+    pool_settings = dataclasses.replace(pool_settings, **{
+        k[5:]: v for k, v in overrides.items() if k.startswith("pool_")})
     route = Route("grpc", (Backend(None, "127.0.0.1", backend_port),),
                   backend_protocol="h2c")
     table = RouteTable.build([RouteSpec(None, "/", route)])
@@ -86,7 +93,7 @@ def _run_front(port: int, backend_port: int, overrides: dict[str, int],
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            pool = H2Pool(nursery, open_direct, limits, settings=settings)
+            pool = H2Pool(nursery, open_direct, limits, settings=pool_settings)
 
             async def handle(stream: trio.SocketStream) -> None:
                 initial = await stream.receive_some(len(PREFACE))

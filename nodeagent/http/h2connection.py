@@ -1016,7 +1016,8 @@ class _DirectStream:
                 return True
             if t is bytes:
                 data = cast(bytes, got)
-                if front.wire.busy or session.send_window(sid) < len(data):
+                if (session.send_window(sid) < len(data)
+                        or not front.wire.may_queue(len(data))):
                     exchange.take_pending()  # the task takes this data again, and its window
                     front._resume(self)
                     return False

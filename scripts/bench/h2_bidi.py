@@ -21,10 +21,12 @@ payload Gbit/s each way and the front's CPU per MiB moved (both ways, /proc).
     .venv/bin/python -m scripts.bench.h2_bidi --variants default --tree /work/base  # A/B
     .venv/bin/python -m scripts.bench.h2_bidi --profile 4   # cProfile, default variant
 
-`--tree PATH` adds the default variant run from another checkout (its own .venv and code,
-`PATH` rows), interleaved with this tree's in each round: CPU per MiB before and after a
-change, in the same run. `--profile SECONDS` streams for that long through the default
-variant under cProfile and prints the front's top functions.
+`--unary` also makes unary calls through each front (small messages, 16 in flight on one
+channel, as `scripts.bench.h2`): calls/s and the front's CPU per call. `--tree PATH` adds
+the default variant run from another checkout (its own .venv and code, `PATH` rows),
+interleaved with this tree's in each round: before and after a change, in the same run.
+`--profile SECONDS` streams for that long (or makes unary calls, with `--unary`) through
+the default variant under cProfile and prints the front's top functions.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from nodeagent.http.h2session import PREFACE, H2Settings
 from nodeagent.http.stats import HttpStats
 from nodeagent.testing.grpcservice import GrpcEcho
 from nodeagent.testing.standalone import free_port
-from scripts.bench.h2 import bidi_echo
+from scripts.bench.h2 import bidi_echo, grpc_calls
 from scripts.bench.http_front import _cpu_seconds, open_direct
 
 MIB = 1024 * 1024
@@ -145,7 +147,7 @@ def summary(values: list[float]) -> str:
 
 
 def _profile(grpc_port: int, seconds: float, kib: int,
-             server: multiprocessing.Process) -> int:
+             server: multiprocessing.Process, unary: bool) -> int:
     import pstats
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,12 +158,16 @@ def _profile(grpc_port: int, seconds: float, kib: int,
         proc.start()
         try:
             _wait(port)
-            rate, moved = bidi_echo(f"127.0.0.1:{port}", seconds, kib)
+            if unary:
+                rate, calls = grpc_calls(f"127.0.0.1:{port}", None, seconds, 16)
+            else:
+                rate, moved = bidi_echo(f"127.0.0.1:{port}", seconds, kib)
         finally:
             proc.terminate()
             proc.join(30)
             server.kill()
-        print(f"{rate:.2f} Gbit/s each way, {moved / MIB:,.0f} MiB echoed")
+        print(f"{rate:,.0f} calls/s, {calls} calls" if unary else
+              f"{rate:.2f} Gbit/s each way, {moved / MIB:,.0f} MiB echoed")
         pstats.Stats(out).sort_stats("tottime").print_stats(45)
         if os.environ.get("H2_BIDI_KEEP_PROFILE"):
             import shutil
@@ -179,13 +185,16 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--tree", help="another checkout: its default variant beside ours")
     parser.add_argument("--profile", type=float, metavar="SECONDS")
+    parser.add_argument("--unary", action="store_true",
+                        help="also unary calls (16 in flight, one channel) through each "
+                             "front for --seconds: calls/s and the front's CPU per call")
     args = parser.parse_args()
     ports: multiprocessing.Queue[int] = multiprocessing.Queue()
     server = multiprocessing.Process(target=_serve_grpc, args=(ports,), daemon=True)
     server.start()
     grpc_port = ports.get(timeout=20)
     if args.profile:
-        return _profile(grpc_port, args.profile, args.kib, server)
+        return _profile(grpc_port, args.profile, args.kib, server, args.unary)
     fronts: dict[str, tuple[int, multiprocessing.Process | subprocess.Popen[bytes]]] = {}
     rows: dict[str, list[float]] = {}
     try:
@@ -212,6 +221,13 @@ def main() -> int:
                 rows.setdefault(f"{name} Gbit/s", []).append(rate)
                 rows.setdefault(f"{name} front CPU ms/MiB", []).append(
                     used * 1e3 / max(1, 2 * moved / MIB))
+                if args.unary:
+                    cpu = _cpu_seconds(proc.pid or 0)
+                    rate, calls = grpc_calls(f"127.0.0.1:{port}", None, args.seconds, 16)
+                    used = _cpu_seconds(proc.pid or 0) - cpu
+                    rows.setdefault(f"{name} unary calls/s", []).append(rate)
+                    rows.setdefault(f"{name} unary front µs/call", []).append(
+                        used * 1e6 / max(1, calls))
     finally:
         for _, proc in fronts.values():
             proc.kill()

@@ -25,8 +25,11 @@ payload Gbit/s each way and the front's CPU per MiB moved (both ways, /proc).
 channel, as `scripts.bench.h2`): calls/s and the front's CPU per call. `--tree PATH` adds
 the default variant run from another checkout (its own .venv and code, `PATH` rows),
 interleaved with this tree's in each round: before and after a change, in the same run.
-`--profile SECONDS` streams for that long (or makes unary calls, with `--unary`) through
-the default variant under cProfile and prints the front's top functions.
+`--instructions` counts the front's instructions per MiB moved (per call with `--unary`)
+under callgrind, this tree's and --tree's: two runs each (--seconds and three times that,
+~50x slower than native), the difference over the difference in work. `--profile SECONDS`
+streams for that long (or makes unary calls, with `--unary`) through the default variant
+under cProfile and prints the front's top functions.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import argparse
 import dataclasses
 import multiprocessing
 import os
+import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -123,16 +128,53 @@ def _run_front(port: int, backend_port: int, overrides: dict[str, int],
     trio.run(main)
 
 
-def _tree_front(tree: str, port: int, backend_port: int) -> subprocess.Popen[bytes]:
-    """The default variant's front from another checkout (its .venv, its code)."""
+def _tree_front(tree: str, port: int, backend_port: int, callgrind: str | None = None
+                ) -> subprocess.Popen[bytes]:
+    """The default variant's front from a checkout (its .venv, its code), under callgrind
+    when asked (instructions written to `callgrind`)."""
     code = ("from scripts.bench.h2_bidi import _run_front; "
             f"_run_front({port}, {backend_port}, {{}})")
-    return subprocess.Popen([os.path.join(tree, ".venv/bin/python"), "-P", "-c", code],
-                            cwd=tree, env=dict(os.environ, PYTHONPATH=tree))
+    argv = [os.path.join(tree, ".venv/bin/python"), "-P", "-c", code]
+    if callgrind is not None:
+        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *argv]
+    return subprocess.Popen(argv, cwd=tree, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE if callgrind else None,
+                            env=dict(os.environ, PYTHONPATH=tree, PYTHONHASHSEED="0"))
 
 
-def _wait(port: int) -> None:
-    deadline = time.monotonic() + 20
+def _instructions(tree: str, grpc_port: int, seconds: float, kib: int, unary: bool
+                  ) -> float:
+    """Instructions the front spends per MiB moved (both ways), or per unary call: two runs
+    under callgrind, `seconds` and three times that, the difference over the difference
+    in work (start-up cancels out)."""
+    points: list[tuple[int, float]] = []
+    for span in (seconds, 3 * seconds):
+        with tempfile.TemporaryDirectory() as tmp:
+            port = free_port()
+            proc = _tree_front(tree, port, grpc_port, os.path.join(tmp, "out"))
+            try:
+                _wait(port, 600)  # ~50x slower under callgrind
+                if unary:
+                    work = float(grpc_calls(f"127.0.0.1:{port}", None, span, 16)[1])
+                else:
+                    work = 2 * bidi_echo(f"127.0.0.1:{port}", span, kib)[1] / MIB
+            finally:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    err = proc.communicate(timeout=120)[1].decode()
+                except subprocess.TimeoutExpired:
+                    proc.terminate()  # valgrind still writes its summary
+                    err = proc.communicate(timeout=120)[1].decode()
+            found = re.search(r"Collected : (\d+)", err)
+            if found is None:
+                raise RuntimeError(f"no callgrind summary:\n{err[-2000:]}")
+            points.append((int(found.group(1)), work))
+    (i1, w1), (i2, w2) = points
+    return (i2 - i1) / max(w2 - w1, 1e-9)
+
+
+def _wait(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -188,11 +230,24 @@ def main() -> int:
     parser.add_argument("--unary", action="store_true",
                         help="also unary calls (16 in flight, one channel) through each "
                              "front for --seconds: calls/s and the front's CPU per call")
+    parser.add_argument("--instructions", action="store_true",
+                        help="callgrind: instructions per MiB (per call with --unary) of "
+                             "this tree's front and --tree's, one run each")
     args = parser.parse_args()
     ports: multiprocessing.Queue[int] = multiprocessing.Queue()
     server = multiprocessing.Process(target=_serve_grpc, args=(ports,), daemon=True)
     server.start()
     grpc_port = ports.get(timeout=20)
+    if args.instructions:
+        try:
+            here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            unit = "call" if args.unary else "MiB moved"
+            for tree in (here, *([args.tree] if args.tree else [])):
+                count = _instructions(tree, grpc_port, args.seconds, args.kib, args.unary)
+                print(f"{tree}: {count:,.0f} instructions per {unit} (front, callgrind)")
+        finally:
+            server.kill()
+        return 0
     if args.profile:
         return _profile(grpc_port, args.profile, args.kib, server, args.unary)
     fronts: dict[str, tuple[int, multiprocessing.Process | subprocess.Popen[bytes]]] = {}

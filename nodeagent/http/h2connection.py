@@ -394,6 +394,9 @@ class H2Connection:
             pass  # the client reset the stream or the connection broke
         finally:
             self.streams.pop(sid, None)
+            owed = state.inbox.drop()  # body data never forwarded: the window comes back
+            if owed:
+                self.wire.give_back(sid, owed)
             if self.closing.started and not self.goaway_sent:
                 self._goaway()
                 try:
@@ -606,6 +609,9 @@ class H2Connection:
         direct.state.direct = None
         self.direct.discard(direct)
         self.streams.pop(direct.sid, None)
+        owed = direct.state.inbox.drop()  # a body's data that came after its end was sent
+        if owed:
+            self.session.acknowledge(direct.sid, owed)
         if self.closing.started and not self.goaway_sent:
             self._goaway()
         self.wire.kick()

@@ -224,9 +224,16 @@ class H2Upstream:
         self.wire.kick()
         return H2cExchange(self, sid, inbox, end)
 
-    def release(self, sid: int) -> None:
+    def release(self, sid: int, owed: int = 0) -> None:
+        """The stream is done with; `owed`: window of data taken and not given back."""
         self.paths.pop(sid, None)
-        if self.inboxes.pop(sid, None) is not None:
+        inbox = self.inboxes.pop(sid, None)
+        if inbox is not None:
+            # The window of what the stream left unforwarded (a client that reset a large
+            # download) goes back to the connection, shared by every call to the backend.
+            owed += inbox.drop()
+            if owed and not self.closed:
+                self.wire.give_back(sid, owed)
             self._free_slot()
             if self.closing and not self.inboxes:
                 self._scope.cancel()
@@ -348,7 +355,7 @@ class H2cExchange:
         return bool(items) and type(items[0]) is EndIn and not self._done
 
     def release(self) -> None:
-        self.conn.release(self.sid)
+        self.conn.release(self.sid, self.take_pending())
 
     async def finish(self) -> bool:
         if self._pending:

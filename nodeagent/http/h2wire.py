@@ -300,6 +300,17 @@ class Inbox:
             self._event.set()
             self._event = None
 
+    def drop(self) -> int:
+        """Empty the inbox (its stream is done with); the window its data used, which the
+        caller gives back to the connection: data dropped unread must not shrink the
+        window of the connection's other streams for good."""
+        owed = 0
+        for ev in self.items:
+            if type(ev) is DataIn:
+                owed += ev.flow_length
+        self.items.clear()
+        return owed
+
     def join_data(self, data: bytes, limit: int) -> tuple[bytes, int]:
         """`data` with the body data queued right behind it joined on, up to `limit` bytes
         in all; the bytes and the window the joined frames used (`DataIn.flow_length`).

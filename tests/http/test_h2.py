@@ -510,3 +510,54 @@ async def test_backends_send_frames_of_up_to_256_kib_and_no_larger(
                 assert r.status_code == 502, r.text
                 r = await c.get(f"{f.url}/fits")
                 assert r.status_code == 200 and len(r.content) == 256 * 1024
+
+
+async def test_cancelled_downloads_give_the_shared_connections_window_back(
+        nursery: trio.Nursery) -> None:
+    """A client that stops reading a large response and then resets it leaves up to a
+    stream window (1 MiB) of the backend's data unforwarded at the front: the window of
+    what was dropped goes back to the backend's shared h2c connection (8 MiB), or a few
+    such calls would stall every later call on it."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        for _ in range(12):  # 12 MiB dropped, over the connection's 8 MiB window
+            sent = origin.body_bytes_sent
+            sid = await client.request("/big?n=4194304")
+            with trio.fail_after(10):
+                while origin.body_bytes_sent - sent < 1024 * 1024:  # the stream window
+                    await client.pump(0.05, grant=False)
+            await client.reset(sid)
+        await client.aclose()
+        async with h2c_client() as c:
+            with trio.fail_after(10):
+                r = await c.get(f"{f.url}/big?n=1048576")
+            assert r.status_code == 200 and len(r.content) == 1024 * 1024
+
+
+async def test_request_bodies_left_unread_give_the_clients_window_back(
+        nursery: trio.Nursery) -> None:
+    """Uploads refused part way (over max_body_bytes, no Content-Length): what the client
+    sent beyond the refusal is dropped with its stream, and its window goes back to the
+    client's connection (8 MiB), or a few such uploads would stall the connection."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    limits = Limits(max_body_bytes=100_000)
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        client = await RawH2.connect(f.port)
+        await client.pump(0.2, grant=True)  # the front's SETTINGS and connection window
+        sids = []
+        for _ in range(12):  # ~12 MiB sent, over the connection's 8 MiB window
+            sid = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"http"),
+                                           (b":authority", b"app.test"), (b":path", b"/up")])
+            for _ in range(63):
+                client.conn.send_data(sid, b"u" * 16384)
+            await client.flush()
+            sids.append(sid)
+            await client.wait_for(lambda s=sid: s in client.status or s in client.resets)
+        assert all(client.status.get(s) == 413 for s in sids), client.status
+        await client.pump(0.5, grant=True)
+        assert client.conn.outbound_flow_control_window > 4 * 1024 * 1024
+        await client.aclose()

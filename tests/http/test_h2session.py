@@ -272,6 +272,15 @@ def test_a_backends_goaway_among_frames_split_anywhere() -> None:
         assert [type(e).__name__ for e in events if type(e).__name__ in
                 ("GoawayIn", "EndIn")] == ["GoawayIn", "EndIn"], cut
         assert session.goaway_received and session.pending_input() == 0
+    for step in (1, 5, 1000, 7000):  # frames cut across many reads, GOAWAY's too
+        session, stream = connected()
+        events = []
+        for at in range(0, len(stream), step):
+            events += session.receive(stream[at:at + step])
+        body = b"".join(e.data for e in events if isinstance(e, DataIn))
+        assert body == b"a" * 20000 + b"b" * 100, step
+        assert [type(e).__name__ for e in events if type(e).__name__ in
+                ("GoawayIn", "EndIn")] == ["GoawayIn", "EndIn"], step
 
 
 def test_body_frames_queued_together_are_joined_up_to_a_limit() -> None:

@@ -115,13 +115,24 @@ class _Outcome:
         self.started = value
 
 
-class _Body:
-    """A request body on its way to the backend: bytes seen so far, trailers."""
+_JOIN = 256 * 1024
+"""Body data queued together is forwarded as one piece of up to this many bytes (within
+the frame size the receiving side accepts): `Inbox.join_data`."""
 
-    __slots__ = ("seen", "trailers")
+_GIVE_BACK = 64 * 1024
+"""Window owed to a client (or a backend) given back at least every this many bytes, and
+whenever its stream's inbox is empty: one `h2` acknowledgement per read, not per frame."""
+
+
+class _Body:
+    """A request body on its way to the backend: bytes seen so far, trailers, and the
+    window of the data forwarded and not given back to the client yet."""
+
+    __slots__ = ("owed", "seen", "trailers")
 
     def __init__(self) -> None:
         self.seen = 0
+        self.owed = 0
         self.trailers: Headers = []
 
 
@@ -383,6 +394,9 @@ class H2Connection:
             pass  # the client reset the stream or the connection broke
         finally:
             self.streams.pop(sid, None)
+            owed = state.inbox.drop()  # body data never forwarded: the window comes back
+            if owed:
+                self.wire.give_back(sid, owed)
             if self.closing.started and not self.goaway_sent:
                 self._goaway()
                 try:
@@ -595,6 +609,9 @@ class H2Connection:
         direct.state.direct = None
         self.direct.discard(direct)
         self.streams.pop(direct.sid, None)
+        owed = direct.state.inbox.drop()  # a body's data that came after its end was sent
+        if owed:
+            self.session.acknowledge(direct.sid, owed)
         if self.closing.started and not self.goaway_sent:
             self._goaway()
         self.wire.kick()
@@ -752,27 +769,38 @@ class H2Connection:
         body = _Body()
         items = inbox.items
         try:
-            while items and not await self._body_step(sid, items.popleft(), exchange, body):
+            while items and not await self._body_step(sid, items.popleft(), exchange, body,
+                                                      inbox):
                 pass
         except UpstreamFailed:
             pass  # the backend stopped reading: its answer (if any) is still relayed
+        finally:
+            self._give_back(sid, body)
 
     async def _pump_body(self, sid: int, inbox: Inbox, exchange: Exchange, grpc: bool,
                          errors: list[Exception], pumped: list[bool],
                          nursery: trio.Nursery) -> None:
         """Client request body → backend as it comes; the client's window comes back as
         it goes."""
-        idle = float("inf") if grpc else self.limits.idle_timeout
+        idle = self.limits.idle_timeout
         body = _Body()
+        items = inbox.items
         try:
             while True:
+                if body.owed and (not items or body.owed >= _GIVE_BACK):
+                    self._give_back(sid, body)  # all forwarded so far, before waiting
                 ev: object = None
-                with trio.move_on_after(idle):
-                    ev = await inbox.get()
-                if ev is None:
-                    raise _SlowBody()
+                if items:
+                    ev = items.popleft()  # a cancel scope only when there is a wait
+                elif grpc:
+                    ev = await inbox.get()  # a gRPC stream may be idle for long
+                else:
+                    with trio.move_on_after(idle):
+                        ev = await inbox.get()
+                    if ev is None:
+                        raise _SlowBody()
                 if await self._body_step(sid, cast(DataIn | TrailersIn | EndIn, ev),
-                                         exchange, body):
+                                         exchange, body, inbox):
                     pumped[0] = True
                     return
         except UpstreamFailed:
@@ -783,21 +811,40 @@ class H2Connection:
         except (_BodyTooLarge, _SlowBody, StreamGone) as exc:
             errors.append(exc)
             nursery.cancel_scope.cancel()
+        finally:
+            self._give_back(sid, body)
 
-    async def _body_step(self, sid: int, ev: object, exchange: Exchange, body: _Body) -> bool:
+    @staticmethod
+    def _join_limit(exchange: Exchange) -> int:
+        """How much request body to forward as one piece: a frame the backend takes (h2c),
+        or `_JOIN` (an HTTP/1.1 backend: one write, one chunk)."""
+        if isinstance(exchange, H2cExchange):
+            return min(_JOIN, exchange.conn.session.max_frame_out)
+        return _JOIN
+
+    def _give_back(self, sid: int, body: _Body) -> None:
+        """The client's window of the body data forwarded so far."""
+        if body.owed:
+            owed, body.owed = body.owed, 0
+            self.wire.give_back(sid, owed)
+
+    async def _body_step(self, sid: int, ev: object, exchange: Exchange, body: _Body,
+                         inbox: Inbox) -> bool:
         """One event of a request body → backend (the step `_send_whole_body` and
-        `_pump_body` share); True once the body ended. Data goes within `max_body_bytes`
-        and its window goes back to the client once sent; trailers wait for the end."""
+        `_pump_body` share); True once the body ended. Data goes within `max_body_bytes`,
+        joined with the data queued behind it (`Inbox.join_data`), and its window goes
+        back to the client once sent; trailers wait for the end."""
         t = type(ev)
         if t is DataIn:
             data = cast(DataIn, ev)
-            body.seen += len(data.data)
+            chunk, more = inbox.join_data(data.data, self._join_limit(exchange))
+            body.seen += len(chunk)
             max_body = self.limits.max_body_bytes
             if max_body is not None and body.seen > max_body:
                 raise _BodyTooLarge()
-            if data.data:
-                await exchange.send_body(data.data)
-            await self.wire.acknowledge(sid, data.flow_length)
+            if chunk:
+                await exchange.send_body(chunk)
+            body.owed += data.flow_length + more  # given back by the caller (`_give_back`)
         elif t is TrailersIn:
             body.trailers = cast(TrailersIn, ev).trailers
         elif t is EndIn:
@@ -810,6 +857,8 @@ class H2Connection:
         """Backend response → client, within the client's windows."""
         wire = self.wire
         status = 0
+        if isinstance(exchange, H2cExchange):  # the response's frames joined, as they fit
+            exchange.join_limit = min(_JOIN, self.session.max_frame_out)
         head_timeout = None if req.grpc else self.limits.response_timeout
         if head_timeout is not None:
             with trio.move_on_after(head_timeout):
@@ -973,7 +1022,8 @@ class _DirectStream:
                 return True
             if t is bytes:
                 data = cast(bytes, got)
-                if front.wire.busy or session.send_window(sid) < len(data):
+                if (session.send_window(sid) < len(data)
+                        or not front.wire.may_queue(len(data))):
                     exchange.take_pending()  # the task takes this data again, and its window
                     front._resume(self)
                     return False

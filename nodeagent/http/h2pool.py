@@ -51,9 +51,21 @@ from nodeagent.ops.logs import get_logger
 
 log = get_logger("nodeagent.http")
 
+_GIVE_BACK = 64 * 1024
+"""Window owed to the backend given back at least every this many bytes (`receive`)."""
+
 Describe = Callable[[trio.abc.HalfCloseableStream, Callable[[], list[dict[str, object]]]], None]
 """`describe(stream, streams_view)`: how the pool shows the debug views what an upstream
 stream carries (`StreamNotes.describe` on the server)."""
+
+
+UPSTREAM_SETTINGS = H2Settings(max_frame_size=256 * 1024)
+"""What the front announces to h2c backends: its defaults, but frames of up to 256 KiB.
+A response body then comes in a sixteenth of the frames (grpcio sends frames as large as
+allowed), and `h2`'s work per frame received is the largest cost left on the data path
+(`scripts.bench.h2_bidi`, variant `up16k`). Only backends, whose connections the front
+opens (one per endpoint), may send such frames: the incomplete frame `h2` holds per
+connection stays bounded by 16 KiB for clients, whose connections anyone can open."""
 
 
 class UpstreamLost(UpstreamFailed):
@@ -212,9 +224,16 @@ class H2Upstream:
         self.wire.kick()
         return H2cExchange(self, sid, inbox, end)
 
-    def release(self, sid: int) -> None:
+    def release(self, sid: int, owed: int = 0) -> None:
+        """The stream is done with; `owed`: window of data taken and not given back."""
         self.paths.pop(sid, None)
-        if self.inboxes.pop(sid, None) is not None:
+        inbox = self.inboxes.pop(sid, None)
+        if inbox is not None:
+            # The window of what the stream left unforwarded (a client that reset a large
+            # download) goes back to the connection, shared by every call to the backend.
+            owed += inbox.drop()
+            if owed and not self.closed:
+                self.wire.give_back(sid, owed)
             self._free_slot()
             if self.closing and not self.inboxes:
                 self._scope.cancel()
@@ -230,7 +249,8 @@ class H2Upstream:
 class H2cExchange:
     """One request on a backend's shared h2c connection (`exchange.Exchange`)."""
 
-    __slots__ = ("_done", "_pending", "_started", "backend", "conn", "inbox", "sent_end", "sid")
+    __slots__ = ("_done", "_pending", "_started", "backend", "conn", "inbox", "join_limit",
+                 "sent_end", "sid")
 
     def __init__(self, conn: H2Upstream, sid: int, inbox: Inbox, sent_end: bool) -> None:
         self.sent_end = sent_end
@@ -239,9 +259,12 @@ class H2cExchange:
         self.backend = conn.backend
         self.sid = sid
         self.inbox = inbox
-        self._pending = 0  # window of the data `receive` returned last, not yet given back
+        self._pending = 0  # window of the data returned so far, not yet given back
         self._started = False
         self._done = False
+        self.join_limit = 0
+        """Body data queued together is returned joined, up to this many bytes (0: frame
+        by frame): set by the caller to what its side takes in one frame."""
 
     def _gone(self, exc: Exception) -> UpstreamFailed:
         return UpstreamLost(502, f"h2c stream to {self.backend} failed: {exc}")
@@ -263,11 +286,16 @@ class H2cExchange:
             raise self._gone(exc) from exc
 
     async def receive(self) -> ResponseStart | bytes | ResponseEnd:
-        if self._pending:
-            pending, self._pending = self._pending, 0
-            await self.conn.wire.acknowledge(self.sid, pending)
+        """The next part of the response. The window of the data returned so far goes back
+        to the backend before waiting for more, or every `_GIVE_BACK` bytes: one `h2`
+        acknowledgement per read, not per frame."""
+        inbox = self.inbox
         while True:
-            got = self.convert(await self.inbox.get())
+            pending = self._pending
+            if pending and (not inbox.items or pending >= _GIVE_BACK):
+                self._pending = 0
+                self.conn.wire.give_back(self.sid, pending)
+            got = self.convert(await inbox.get())
             if got is not None:
                 return got
 
@@ -277,8 +305,11 @@ class H2cExchange:
         of data returned is owed to the backend (`take_pending`)."""
         t = type(ev)
         if t is DataIn:
-            self._pending = ev.flow_length  # type: ignore[union-attr]
             data: bytes = ev.data  # type: ignore[union-attr]
+            more = 0
+            if self.join_limit:
+                data, more = self.inbox.join_data(data, self.join_limit)
+            self._pending += ev.flow_length + more  # type: ignore[union-attr]
             return data or None
         if t is HeadersIn:
             status, fields = split_response(ev.headers)  # type: ignore[union-attr]
@@ -306,8 +337,8 @@ class H2cExchange:
         return None
 
     def take_pending(self) -> int:
-        """The window of the data `convert` returned last, now given back by the caller
-        (`H2Session.acknowledge` on `conn.session`)."""
+        """The window of the data `convert` returned (since the last `take_pending`), now
+        given back by the caller (`H2Session.acknowledge` on `conn.session`)."""
         pending, self._pending = self._pending, 0
         return pending
 
@@ -324,7 +355,7 @@ class H2cExchange:
         return bool(items) and type(items[0]) is EndIn and not self._done
 
     def release(self) -> None:
-        self.conn.release(self.sid)
+        self.conn.release(self.sid, self.take_pending())
 
     async def finish(self) -> bool:
         if self._pending:
@@ -361,7 +392,7 @@ class H2Pool:
         self.nursery = nursery
         self.opener = opener
         self.limits = limits
-        self.settings = settings or H2Settings()
+        self.settings = settings or UPSTREAM_SETTINGS
         self.conns: dict[Backend, H2Upstream] = {}
         self._dialing: dict[Backend, trio.Event] = {}
 
@@ -473,8 +504,8 @@ async def open_h2c_exchange(route: Route, pool: H2Pool, balancer: Balancer, limi
     raise failure or UpstreamFailed(502, f"route {route.name}: no backend could be reached")
 
 
-__all__ = ["H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost", "live_h2c_connection",
-           "open_h2c_exchange", "opened_now"]
+__all__ = ["UPSTREAM_SETTINGS", "H2Pool", "H2Upstream", "H2cExchange", "UpstreamLost",
+           "live_h2c_connection", "open_h2c_exchange", "opened_now"]
 
 
 async def connect_h2c(route: Route, pool: H2Pool, balancer: Balancer, limits: Limits) -> None:

@@ -9,8 +9,9 @@ streams' frames share one write, and a stream task cancelled mid-write cannot cu
 and the frames of every stream that ran since the writer last did, leave in one `send_all`,
 at the cost of one wake-up of the writer, not one round trip to it per frame (each costs
 two task switches, more than the `h2` work of a small frame). While the writer is busy in
-`send_all` (the peer reads slower than we write), `flush()` waits for the next round: what a
-connection holds unsent is bounded by what its streams queue in one round, each waits then.
+`send_all` (the peer reads slower than we write), `flush()` waits for the next round once
+the round's allowance of body bytes is spent (`_BUSY_ALLOWANCE`): what a connection holds
+unsent is bounded by what its streams queue in one round, each waits then.
 `drain()` waits until everything queued is written (before a connection closes).
 
 `send_data` honours flow control: it sends what the stream's and the connection's windows
@@ -27,7 +28,15 @@ from typing import Protocol
 
 import trio
 
-from nodeagent.http.h2session import H2Event, H2Session, Headers
+from nodeagent.http.h2session import DataIn, H2Event, H2Session, Headers
+
+_BUSY_ALLOWANCE = 64 * 1024
+"""Bytes of body data that may be queued while the writer is in `send_all` before a stream
+waits for its round (`flush`) or a stream without a task gets one (`may_queue`). trio's
+`send_all` yields once even when the kernel took everything at once, and a stream that runs
+then is not facing a slow peer: waiting a round (or a task) for it cost a wake-up or a task
+per write. Beyond the allowance the peer does read slower than we write: streams wait, and
+what a connection holds unsent stays bounded by a round plus the allowance."""
 
 
 class StreamGone(Exception):
@@ -51,6 +60,7 @@ class H2Wire:
         self._next_done = trio.Event()  # set when the next round has been sent
         self._running = False
         self._busy = False  # the writer is in send_all
+        self._queued_busy = 0  # body bytes queued since, within `_BUSY_ALLOWANCE`
         self.broken = False
         """The transport failed: every write from now on raises StreamGone."""
 
@@ -68,6 +78,7 @@ class H2Wire:
                 self._kick = trio.Event()
                 done, self._next_done = self._next_done, trio.Event()
                 data = self.session.data_to_send()
+                self._queued_busy = 0
                 if data:
                     self._busy = True
                     try:
@@ -83,32 +94,40 @@ class H2Wire:
             self._running = False
             self._next_done.set()
 
-    async def flush(self) -> None:
-        """Have what the session queued sent. With the writer running (`run`) and idle, it
-        is only woken: many tasks' frames leave in one write once they all ran; with the
-        writer busy writing, wait until the next round is on its way (the backpressure of a
-        peer that stops reading TCP). Without the writer (before it starts, after it ends:
-        a last GOAWAY), the caller writes."""
+    async def flush(self, size: int = 0) -> None:
+        """Have what the session queued sent (`size`: the body bytes just queued). With
+        the writer running (`run`) and idle, it is only woken: many tasks' frames leave in
+        one write once they all ran; with the writer busy writing and the allowance spent
+        (`may_queue`), wait until the next round is on its way (the backpressure of a peer
+        that stops reading TCP). Without the writer (before it starts, after it ends: a
+        last GOAWAY), the caller writes."""
         if self.broken:
             raise StreamGone("connection closed")
         if self._running:
             self._kick.set()
-            if self._busy:
+            if self._busy and not self.may_queue(size):
                 await self._wait_round()
             return
         await self._write_directly()
 
+    def may_queue(self, size: int) -> bool:
+        """Whether `size` more body bytes may be queued without waiting: the writer is idle,
+        or busy with `_BUSY_ALLOWANCE` not spent yet in this round (then it is counted)."""
+        if self.broken:
+            return False
+        if not self._busy:
+            return True
+        if self._queued_busy + size > _BUSY_ALLOWANCE:
+            return False
+        self._queued_busy += size
+        return True
+
     def kick(self) -> None:
         """Have what the session queued sent, from code that cannot wait (a stream relayed
         without a task of its own, `h2connection`): the writer is woken; a caller that must
-        not queue more while the peer reads slower than we write checks `busy` first."""
+        not queue more while the peer reads slower than we write checks `may_queue` first."""
         if self._running:
             self._kick.set()
-
-    @property
-    def busy(self) -> bool:
-        """The writer is blocked writing (the peer reads slower than we write)."""
-        return self._busy or self.broken
 
     async def drain(self) -> None:
         """Wait until everything queued so far is written (StreamGone if the write failed)."""
@@ -159,7 +178,17 @@ class H2Wire:
         """Send `data` as the windows allow: every frame they allow is queued, then one
         flush (a write per frame cost a syscall per 16 KiB)."""
         session = self.session
+        if not self.broken and session.send_window(stream_id) >= len(data):
+            # The usual case (a piece no larger than a frame, the window open): one frame,
+            # without a view and the copy of its slice.
+            try:
+                session.send_data(stream_id, data, end)
+            except Exception as exc:  # the stream closed under us
+                raise StreamGone(str(exc)) from exc
+            await self.flush(len(data))
+            return
         view = memoryview(data)
+        queued = 0
         while True:
             if self.broken:
                 raise StreamGone("connection closed")
@@ -172,7 +201,8 @@ class H2Wire:
                 event = self._windows.get(stream_id)
                 if event is None:
                     event = self._windows[stream_id] = trio.Event()
-                await self.flush()
+                await self.flush(queued)
+                queued = 0
                 with trio.move_on_after(self.stall_timeout):
                     await event.wait()
                     continue
@@ -184,8 +214,9 @@ class H2Wire:
                 session.send_data(stream_id, bytes(piece), end and last)
             except Exception as exc:  # the stream closed under us
                 raise StreamGone(str(exc)) from exc
+            queued += len(piece)
             if last:
-                await self.flush()
+                await self.flush(queued)
                 return
 
     async def end_stream(self, stream_id: int) -> None:
@@ -203,6 +234,12 @@ class H2Wire:
             await self.flush()
         except StreamGone:
             pass
+
+    def give_back(self, stream_id: int, flow_length: int) -> None:
+        """`acknowledge` without waiting: a WINDOW_UPDATE, when `h2` makes one, leaves with
+        the writer's next round (a window given back needs no backpressure)."""
+        self.session.acknowledge(stream_id, flow_length)
+        self.kick()
 
     async def acknowledge(self, stream_id: int, flow_length: int) -> None:
         self.session.acknowledge(stream_id, flow_length)
@@ -262,6 +299,38 @@ class Inbox:
         if self._event is not None:
             self._event.set()
             self._event = None
+
+    def drop(self) -> int:
+        """Empty the inbox (its stream is done with); the window its data used, which the
+        caller gives back to the connection: data dropped unread must not shrink the
+        window of the connection's other streams for good."""
+        owed = 0
+        for ev in self.items:
+            if type(ev) is DataIn:
+                owed += ev.flow_length
+        self.items.clear()
+        return owed
+
+    def join_data(self, data: bytes, limit: int) -> tuple[bytes, int]:
+        """`data` with the body data queued right behind it joined on, up to `limit` bytes
+        in all; the bytes and the window the joined frames used (`DataIn.flow_length`).
+        A peer's 16 KiB frames leave as one frame of up to `limit` where the other side
+        accepts it: `h2`'s work per frame sent costs far more than the copy."""
+        items = self.items
+        if not items or type(items[0]) is not DataIn:
+            return data, 0
+        parts = [data]
+        size = len(data)
+        flow = 0
+        while items:
+            ev = items[0]
+            if type(ev) is not DataIn or size + len(ev.data) > limit:
+                break
+            items.popleft()
+            parts.append(ev.data)
+            size += len(ev.data)
+            flow += ev.flow_length
+        return (b"".join(parts) if len(parts) > 1 else data), flow
 
     async def get(self) -> H2Event:
         while not self.items:

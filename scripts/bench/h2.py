@@ -106,6 +106,12 @@ def h2load(url: str, *, h1: bool, seconds: float, log: Path) -> dict[str, float]
 
 def grpc_rate(address: str, authority: str | None, seconds: float, inflight: int) -> float:
     """Unary calls/s of one channel keeping `inflight` calls in flight."""
+    return grpc_calls(address, authority, seconds, inflight)[0]
+
+
+def grpc_calls(address: str, authority: str | None, seconds: float, inflight: int
+               ) -> tuple[float, int]:
+    """`grpc_rate`'s calls/s, and the calls made (50 warm-up calls included)."""
     ch = channel(address, authority)
     unary = method(ch, "Unary")
     for _ in range(50):
@@ -139,7 +145,7 @@ def grpc_rate(address: str, authority: str | None, seconds: float, inflight: int
     finished.wait(seconds + 30)
     elapsed = time.perf_counter() - start
     ch.close()
-    return done / elapsed
+    return done / elapsed, done + 50
 
 
 def bidi_rate(address: str, seconds: float, kib: int) -> float:

@@ -460,3 +460,104 @@ async def test_drain_lets_streams_without_a_task_finish(nursery: trio.Nursery) -
         await client.wait_for(lambda: client.closed, 10)
         assert client.goaway == sid and client.status[sid] == 200 and sid in client.ended
         assert f.front.stats.h2_direct_streams == 1
+
+
+async def test_backends_send_frames_of_up_to_256_kib_and_no_larger(
+        nursery: trio.Nursery) -> None:
+    """The front takes 256 KiB frames from h2c backends (`h2pool.UPSTREAM_SETTINGS`: a
+    body in a sixteenth of the frames) and still 16 KiB from clients; a backend's frame
+    over 256 KiB breaks its connection (the call fails with 502, refused on the frame's
+    header, not buffered to its end), and the front goes on."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    announced: list[int] = []
+
+    async def backend(stream: trio.SocketStream) -> None:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        await stream.send_all(conn.data_to_send())
+        while data := await stream.receive_some(65536):
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.RemoteSettingsChanged):
+                    announced.append(conn.max_outbound_frame_size)
+                if not isinstance(ev, h2.events.RequestReceived):
+                    continue
+                sid = ev.stream_id
+                path = dict(ev.headers or ())[b":path"]
+                if path == b"/fits":
+                    conn.send_headers(sid, [(b":status", b"200")])
+                    conn.send_data(sid, b"f" * 256 * 1024, end_stream=True)  # one frame
+                else:  # a frame header announcing 256 KiB + 1, then its bytes trickle
+                    await stream.send_all(b"\x04\x00\x01\x00\x00" + sid.to_bytes(4, "big"))
+                    for _ in range(65):  # refused once more than 256 KiB + 9 is in
+                        await stream.send_all(b"o" * 4096)
+            await stream.send_all(conn.data_to_send())
+
+    port = await start_tcp(nursery, backend)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        raw = await RawH2.connect(f.port)
+        assert raw.conn.max_outbound_frame_size == 16384  # what clients may send
+        await raw.aclose()
+        async with h2c_client() as c:
+            with trio.fail_after(10):
+                r = await c.get(f"{f.url}/fits")
+                assert r.status_code == 200 and r.content == b"f" * 256 * 1024
+                assert announced == [256 * 1024]
+                r = await c.get(f"{f.url}/over")
+                assert r.status_code == 502, r.text
+                r = await c.get(f"{f.url}/fits")
+                assert r.status_code == 200 and len(r.content) == 256 * 1024
+
+
+async def test_cancelled_downloads_give_the_shared_connections_window_back(
+        nursery: trio.Nursery) -> None:
+    """A client that stops reading a large response and then resets it leaves up to a
+    stream window (1 MiB) of the backend's data unforwarded at the front: the window of
+    what was dropped goes back to the backend's shared h2c connection (8 MiB), or a few
+    such calls would stall every later call on it."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
+        client = await RawH2.connect(f.port)
+        for _ in range(12):  # 12 MiB dropped, over the connection's 8 MiB window
+            sent = origin.body_bytes_sent
+            sid = await client.request("/big?n=4194304")
+            with trio.fail_after(10):
+                while origin.body_bytes_sent - sent < 1024 * 1024:  # the stream window
+                    await client.pump(0.05, grant=False)
+            await client.reset(sid)
+        await client.aclose()
+        async with h2c_client() as c:
+            with trio.fail_after(10):
+                r = await c.get(f"{f.url}/big?n=1048576")
+            assert r.status_code == 200 and len(r.content) == 1024 * 1024
+
+
+async def test_request_bodies_left_unread_give_the_clients_window_back(
+        nursery: trio.Nursery) -> None:
+    """Uploads refused part way (over max_body_bytes, no Content-Length): what the client
+    sent beyond the refusal is dropped with its stream, and its window goes back to the
+    client's connection (8 MiB), or a few such uploads would stall the connection."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    limits = Limits(max_body_bytes=100_000)
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        client = await RawH2.connect(f.port)
+        await client.pump(0.2, grant=True)  # the front's SETTINGS and connection window
+        sids = []
+        for _ in range(12):  # ~12 MiB sent, over the connection's 8 MiB window
+            sid = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"http"),
+                                           (b":authority", b"app.test"), (b":path", b"/up")])
+            for _ in range(63):
+                client.conn.send_data(sid, b"u" * 16384)
+            await client.flush()
+            sids.append(sid)
+            await client.wait_for(lambda s=sid: s in client.status or s in client.resets)
+        assert all(client.status.get(s) == 413 for s in sids), client.status
+        await client.pump(0.5, grant=True)
+        assert client.conn.outbound_flow_control_window > 4 * 1024 * 1024
+        await client.aclose()

@@ -215,3 +215,85 @@ def test_sending_past_the_window_is_a_flow_control_error() -> None:
     with pytest.raises(H2Refused) as info:
         server.receive(raw)
     assert info.value.reason == "flow_control"
+
+
+def test_frame_reprs_for_h2s_trace_log_stay_hyperframes_and_are_cheap() -> None:
+    """`h2` builds `repr(frame)` for every frame received; the front's `_raw_data_repr`
+    replaces hyperframe's (which hexlified whole bodies) with the same output."""
+    import binascii
+
+    from nodeagent.http import h2session
+
+    assert hf._raw_data_repr is h2session._raw_data_repr  # type: ignore[attr-defined]
+
+    def hyperframes(data: bytes) -> str:  # hyperframe 6.1's, as it was
+        if not data:
+            return "None"
+        r = binascii.hexlify(data).decode("ascii")
+        return "<hex:" + (r[:20] + "..." if len(r) > 20 else r) + ">"
+
+    for size in (0, 1, 9, 10, 11, 16384):
+        data = bytes(range(256)) * 64
+        assert h2session._raw_data_repr(data[:size]) == hyperframes(data[:size])
+    frame = hf.DataFrame(1, data=b"\x01" * 16384)
+    assert repr(frame).endswith("<hex:01010101010101010101...>")
+
+
+def test_a_backends_goaway_among_frames_split_anywhere() -> None:
+    """Client side, the backend's GOAWAY is taken out of the bytes before `h2` sees them
+    (a drain: streams up to its last id go on), wherever the reads cut the frames."""
+
+    def connected() -> tuple[H2Session, bytes]:
+        backend = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=False, header_encoding=None))
+        front = H2Session(client_side=True)
+        backend.initiate_connection()
+        front.start()
+        backend.receive_data(front.data_to_send())
+        front.receive(backend.data_to_send())
+        backend.receive_data(front.data_to_send())
+        front.send_headers(1, REQUEST, end=True)
+        backend.receive_data(front.data_to_send())
+        backend.send_headers(1, [(b":status", b"200")])
+        backend.send_data(1, b"a" * 16384)
+        backend.send_data(1, b"a" * 3616)
+        goaway = hf.GoAwayFrame(0)
+        goaway.last_stream_id = 1
+        stream = backend.data_to_send() + goaway.serialize()
+        backend.send_data(1, b"b" * 100, end_stream=True)
+        return front, stream + backend.data_to_send()
+
+    _, stream = connected()
+    for cut in (1, 7, 9, 10, 4096, 16393, 16402, len(stream) - 1, len(stream)):
+        session, stream = connected()
+        events = session.receive(stream[:cut]) + session.receive(stream[cut:])
+        body = b"".join(e.data for e in events if isinstance(e, DataIn))
+        assert body == b"a" * 20000 + b"b" * 100, cut
+        assert [type(e).__name__ for e in events if type(e).__name__ in
+                ("GoawayIn", "EndIn")] == ["GoawayIn", "EndIn"], cut
+        assert session.goaway_received and session.pending_input() == 0
+    for step in (1, 5, 1000, 7000):  # frames cut across many reads, GOAWAY's too
+        session, stream = connected()
+        events = []
+        for at in range(0, len(stream), step):
+            events += session.receive(stream[at:at + step])
+        body = b"".join(e.data for e in events if isinstance(e, DataIn))
+        assert body == b"a" * 20000 + b"b" * 100, step
+        assert [type(e).__name__ for e in events if type(e).__name__ in
+                ("GoawayIn", "EndIn")] == ["GoawayIn", "EndIn"], step
+
+
+def test_body_frames_queued_together_are_joined_up_to_a_limit() -> None:
+    """`Inbox.join_data`: the data queued behind a frame, up to the limit, with its window;
+    never past trailers or the end, whose order must stay."""
+    from nodeagent.http.h2wire import Inbox
+
+    inbox = Inbox()
+    for piece in (b"b" * 10, b"c" * 10, b"d" * 10):
+        inbox.items.append(DataIn(1, piece, len(piece) + 1))
+    inbox.items.append(TrailersIn(1, [(b"x", b"1")]))
+    inbox.items.append(DataIn(1, b"e", 1))
+    assert inbox.join_data(b"a" * 10, 35) == (b"a" * 10 + b"b" * 10 + b"c" * 10, 22)
+    assert inbox.join_data(b"", 100) == (b"d" * 10, 11)
+    assert inbox.join_data(b"z", 100) == (b"z", 0)  # trailers next: nothing joined
+    assert [type(e) for e in inbox.items] == [TrailersIn, DataIn]

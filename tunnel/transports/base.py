@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 # The tunnel moves bulk data: read big chunks, so the protocol core sees few, large calls.
-STREAM_RECEIVE_SIZE = 256 * 1024
+STREAM_RECEIVE_SIZE = 1024 * 1024
 
 
 # WebSocket figures live here, not in websocket.py, so that dialing and config code can

@@ -109,6 +109,12 @@ class Transport(abc.ABC):
         Raises TransportError if the transport broke.
         """
 
+    async def receive_view(self) -> bytes | memoryview:
+        """receive(), for a caller that uses the bytes before it awaits anything and
+        copies what it keeps (the tunnel's reader): a transport may return a view of a
+        buffer it reuses (a TLS stream's records decrypted in place, no copy per read)."""
+        return await self.receive()
+
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close; idempotent, never raises for an already-broken transport."""

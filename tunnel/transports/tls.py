@@ -16,7 +16,7 @@ import operator
 import os
 import ssl
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -83,6 +83,18 @@ def _shared_read_buffer(size: int) -> memoryview:
     if len(_read_buffer) < size:
         _read_buffer = mmap.mmap(-1, size)
     return memoryview(_read_buffer)[:size]
+
+
+# What receive_shared() decrypts into, for the same reasons: one for the process, valid
+# until the next receive_shared() of any TLSStream.
+_plain_buffer = mmap.mmap(-1, STREAM_RECEIVE_SIZE)
+
+
+def _shared_plain_buffer(size: int) -> memoryview:
+    global _plain_buffer
+    if len(_plain_buffer) < size:
+        _plain_buffer = mmap.mmap(-1, size)
+    return memoryview(_plain_buffer)[:size]
 
 
 class TLSStream(trio.abc.Stream):
@@ -309,6 +321,67 @@ class TLSStream(trio.abc.Stream):
         elif not waited:
             await trio.lowlevel.checkpoint()
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def receive_shared(self, max_bytes: int) -> memoryview:
+        """receive_some() without a bytes object per record and the join of them: the
+        records are decrypted into one buffer of the process, returned as a view that is
+        valid until the next receive_shared() of any TLSStream, so only for a caller that
+        uses it before it awaits anything and copies what it keeps (the tunnel's reader:
+        the protocol core copies each frame it hands out)."""
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        self._receiving = True
+        try:
+            return await self._receive_shared(max_bytes)
+        finally:
+            self._receiving = False
+
+    async def _receive_shared(self, max_bytes: int) -> memoryview:
+        self._check()
+        if not self._handshake_done:
+            raise RuntimeError("TLSStream: do_handshake() first")
+        # The checkpoint comes first: nothing may run between filling the shared buffer
+        # and returning it.
+        await trio.lowlevel.checkpoint()
+        if self._zero_return:
+            return memoryview(b"")
+        out = _shared_plain_buffer(max_bytes)
+        # With a buffer, read() fills it and returns the count (typeshed says bytes).
+        read = cast(Callable[[int, memoryview], int], self.ssl_object.read)
+        while True:
+            try:
+                size = read(min(max_bytes, TLS_RECORD_SIZE), out)
+                if not size:  # the peer's close_notify
+                    self._zero_return = True
+                break
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLZeroReturnError:
+                self._zero_return = True
+                size = 0
+                break
+            except ssl.SSLError as exc:
+                raise self._fail(exc) from exc
+            await self._flush_if_idle()
+            await self._read_socket()
+        total = size
+        while size and total < max_bytes:
+            try:
+                size = read(min(max_bytes - total, TLS_RECORD_SIZE), out[total:])
+            except ssl.SSLZeroReturnError:
+                self._zero_return = True
+                break
+            except ssl.SSLError:
+                break  # want-read, or an error the next call reports
+            if not size:
+                self._zero_return = True
+                break
+            total += size
+        if self._outgoing.pending:  # (rare: a key update's answer) flushing awaits
+            kept = memoryview(out[:total].tobytes())
+            await self._flush_if_idle()
+            return kept
+        return out[:total]
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         with self._sending_now():

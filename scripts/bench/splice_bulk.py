@@ -162,13 +162,17 @@ def _drain(sock: socket.socket) -> int:
 class Pair:
     """A server and an agent process of one tree, with a sink and a source target."""
 
-    def __init__(self, tree: Path | None, certs: Path) -> None:
+    def __init__(self, tree: Path | None, certs: Path, callgrind: Path | None = None) -> None:
+        self.callgrind = callgrind
         self.sink = socket.create_server(("127.0.0.1", 0))
         self.source = socket.create_server(("127.0.0.1", 0))
         ports = [_free_port() for _ in range(3)]
         self.up_port, self.down_port = ports[1], ports[2]
         env = dict(os.environ)
         cmd = [sys.executable]
+        if callgrind is not None:  # instructions: counters zeroed and dumped per transfer
+            cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=yes",
+                   f"--callgrind-out-file={callgrind}/callgrind.%p", *cmd]
         env["PYTHONPATH"] = str(ROOT) if tree is None else f"{tree}:{ROOT}"
         cmd.append("-P")  # not this script's directory first on sys.path
         # By path: the other tree may not have this module, only its `tunnel` is wanted.
@@ -191,6 +195,10 @@ class Pair:
     def transfer(self, direction: str, size: int) -> dict[str, float]:
         """One stream of `size` bytes; CPU s/GB of each endpoint and Gbit/s."""
         pids = {"server": self.server.pid, "agent": self.agent.pid}
+        if self.callgrind is not None:
+            for pid in pids.values():
+                subprocess.run(["callgrind_control", "-z", str(pid)], check=True,
+                               capture_output=True)
         before = {k: _cpu(v) for k, v in pids.items()}
         t0 = time.perf_counter()
         client = socket.create_connection(
@@ -209,7 +217,21 @@ class Pair:
         assert got == [size], (got, size)
         out = {f"{k}_s_per_gb": (_cpu(v) - before[k]) / (size / 1e9) for k, v in pids.items()}
         out["gbps"] = size * 8 / elapsed / 1e9
+        if self.callgrind is not None:
+            for k, pid in pids.items():
+                out[f"{k}_instructions_per_mib"] = self._instructions(pid) / (size / BUF)
         return out
+
+    def _instructions(self, pid: int) -> int:
+        """Instructions since the last zeroing (callgrind_control -d dumps and zeroes)."""
+        assert self.callgrind is not None
+        before = set(self.callgrind.glob(f"callgrind.{pid}*"))
+        subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+        (dump,) = set(self.callgrind.glob(f"callgrind.{pid}*")) - before
+        for line in dump.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"no totals in {dump}")
 
     def close(self) -> None:
         for proc in (self.agent, self.server):
@@ -240,6 +262,9 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=1024, help="bytes per transfer")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tree", type=Path, help="another checkout to compare with")
+    parser.add_argument("--instructions", action="store_true",
+                        help="the endpoints under valgrind's callgrind: instructions per MiB "
+                             "too (~50x slower: use --mib 32)")
     args = parser.parse_args()
     trees: dict[str, Path | None] = {"this": None}
     if args.tree is not None:
@@ -250,9 +275,10 @@ def main() -> None:
         _certs(certs)
         for rnd in range(args.rounds):
             for name, tree in trees.items():
-                pair = Pair(tree, certs)
+                grind = Path(tempfile.mkdtemp(dir=tmp)) if args.instructions else None
+                pair = Pair(tree, certs, grind)
                 try:
-                    pair.transfer("up", 64 * BUF)  # warm up
+                    pair.transfer("up", (4 if grind else 64) * BUF)  # warm up
                     for direction in ("up", "down"):
                         r = pair.transfer(direction, args.mib * BUF)
                         runs.setdefault(f"{name} {direction}", []).append(r)

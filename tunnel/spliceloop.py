@@ -47,11 +47,12 @@ from tunnel.stream import StreamCarrier, TunnelStream
 
 _log = get_logger("tunnel.spliceloop")
 
-# One read per readable socket per round, at most this much. Bulk costs less CPU per
-# byte the more each read moves (the rounds, frames and writes per MiB are fewer:
-# `python -m scripts.bench.splice_bulk`); reads land in one buffer for the process and
-# only what was read is copied out (see `read`).
-CHUNK = 1024 * 1024
+# One read per readable socket per round, at most this much; reads land in one buffer
+# for the process and only what was read is copied out (see `read`). Not more: a round's
+# reads are queued before the loop waits for the connection's output to drain, and a
+# shaped tunnel (tunnel/shaping.py) sends them at its rate before a PING behind them:
+# 1 MiB at 256 KiB/s outlasted a 2 s ping timeout (tests/e2e/test_shaping.py).
+CHUNK = 256 * 1024
 _MAX_EVENTS = 256
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT

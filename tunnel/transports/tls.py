@@ -340,14 +340,15 @@ class TLSStream(trio.abc.Stream):
         self._check()
         if not self._handshake_done:
             raise RuntimeError("TLSStream: do_handshake() first")
-        # The checkpoint comes first: nothing may run between filling the shared buffer
-        # and returning it.
-        await trio.lowlevel.checkpoint()
         if self._zero_return:
+            await trio.lowlevel.checkpoint()
             return memoryview(b"")
         out = _shared_plain_buffer(max_bytes)
         # With a buffer, read() fills it and returns the count (typeshed says bytes).
         read = cast(Callable[[int, memoryview], int], self.ssl_object.read)
+        # Nothing may run between filling the shared buffer and returning it: the
+        # checkpoint is the socket read's (it always yields), before the fill.
+        waited = False
         while True:
             try:
                 size = read(min(max_bytes, TLS_RECORD_SIZE), out)
@@ -364,6 +365,7 @@ class TLSStream(trio.abc.Stream):
                 raise self._fail(exc) from exc
             await self._flush_if_idle()
             await self._read_socket()
+            waited = True
         total = size
         while size and total < max_bytes:
             try:
@@ -377,9 +379,14 @@ class TLSStream(trio.abc.Stream):
                 self._zero_return = True
                 break
             total += size
-        if self._outgoing.pending:  # (rare: a key update's answer) flushing awaits
+        if self._outgoing.pending or not waited:
+            # Rare: a key update's answer to flush, or records left from an earlier read
+            # (no socket read, so no checkpoint yet): both await, so a copy is returned.
             kept = memoryview(out[:total].tobytes())
-            await self._flush_if_idle()
+            if self._outgoing.pending:
+                await self._flush_if_idle()
+            else:
+                await trio.lowlevel.checkpoint()
             return kept
         return out[:total]
 

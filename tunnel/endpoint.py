@@ -258,7 +258,9 @@ class TunnelConnection:
                                                _READER_WINDOW_CAP)
         while True:
             try:
-                data = await self.transport.receive()
+                # A view the transport may reuse: the core copies what it keeps, and
+                # nothing awaits before it is done with it.
+                data = await self.transport.receive_view()
             except TransportError as exc:
                 self._end(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR)
                 return

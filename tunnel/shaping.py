@@ -133,6 +133,11 @@ class ShapedTransport(Transport):
                 await trio.sleep(wait)
         return data
 
+    async def receive_view(self) -> bytes | memoryview:
+        if self.shaper.in_bucket is not None:  # paced: a wait follows the read
+            return await self.receive()
+        return await self.inner.receive_view()
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 

@@ -670,6 +670,35 @@ async def test_tls_stream_passes_trios_stream_conformance(certs: Certs) -> None:
                                                 partial(_tls_pair, certs, _lockstep_pair))
 
 
+async def test_tls_streams_receiving_into_the_shared_buffer_each_get_their_own_bytes(
+        certs: Certs) -> None:
+    """receive_shared() decrypts into one buffer for the process: two streams received
+    at once, each through it (and a lockstep pair, whose reads wait), get exactly what
+    their peer sent, in order, then the clean end (close_notify) as an empty view."""
+    pairs = [await _tls_pair(certs, _tcp_pair), await _tls_pair(certs, _tcp_pair),
+             await _tls_pair(certs, _lockstep_pair)]
+    payloads = [os.urandom(3 * 1024 * 1024 + 17), os.urandom(2 * 1024 * 1024 + 5),
+                os.urandom(200_000)]
+    got: list[bytearray] = [bytearray() for _ in pairs]
+
+    async def send(stream: TLSStream, payload: bytes) -> None:
+        for offset in range(0, len(payload), 100_000):
+            await stream.send_all(payload[offset:offset + 100_000])
+        await stream.aclose()  # close_notify
+
+    async def receive(stream: TLSStream, into: bytearray) -> None:
+        while view := await stream.receive_shared(1024 * 1024):
+            into += view  # copied before the next await, as the contract says
+        await stream.aclose()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for (client, server), payload, into in zip(pairs, payloads, got, strict=True):
+                nursery.start_soon(send, client, payload)
+                nursery.start_soon(receive, server, into)
+    assert [bytes(g) for g in got] == payloads
+
+
 async def test_a_broken_tls_stream_is_freed_without_the_cyclic_gc(certs: Certs) -> None:
     """A TLSStream whose peer vanished, once closed and dropped, is freed by reference
     counting alone. It remembers the failure (later calls raise it as their cause), but

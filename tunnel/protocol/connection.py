@@ -581,8 +581,10 @@ class Connection:
 
     # ---------------------------------------------------------------- input
 
-    def receive_data(self, data: bytes) -> list[Event]:
-        """Feed bytes from the transport; b"" means the transport reached EOF."""
+    def receive_data(self, data: bytes | memoryview) -> list[Event]:
+        """Feed bytes from the transport; b"" means the transport reached EOF. Keeps no
+        reference to `data` once it returns (events carry copies): the caller may reuse
+        its buffer."""
         if self.state is ConnectionState.CLOSED:
             return []
         events: list[Event] = []
@@ -621,7 +623,8 @@ class Connection:
         return (self.local_settings.max_frame_size if self.remote_hello is not None
                 else HANDSHAKE_FRAME_LIMIT)
 
-    def _parse(self, buf: bytes | bytearray, offset: int, events: list[Event]) -> int:
+    def _parse(self, buf: bytes | bytearray | memoryview, offset: int,
+               events: list[Event]) -> int:
         """Handle every complete frame in buf[offset:]; returns where the first
         incomplete one starts."""
         end = len(buf)

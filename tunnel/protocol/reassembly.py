@@ -12,7 +12,7 @@ from tunnel.protocol.errors import ErrorCode, RemoteProtocolError
 from tunnel.protocol.wire import HEADER_SIZE
 
 
-def complete_pending(inbuf: bytearray, data: bytes, limit: int) -> int:
+def complete_pending(inbuf: bytearray, data: bytes | memoryview, limit: int) -> int:
     """Move bytes from `data` into the partial frame in `inbuf` until that frame is
     complete. Returns how many bytes of `data` it took, or -1 when `data` ran out first
     (then all of it is in `inbuf`). A frame longer than `limit` is a protocol error."""

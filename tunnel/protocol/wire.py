@@ -127,7 +127,7 @@ class Settings:
     """Limits one side announces about itself in its HELLO; the peer must respect them."""
 
     max_frame_size: int = 64 * 1024  # largest payload we accept
-    initial_stream_window: int = 1024 * 1024  # credit the peer gets on each new stream
+    initial_stream_window: int = 2 * 1024 * 1024  # credit the peer gets on each new stream
     connection_window: int = 8 * 1024 * 1024  # credit the peer gets for the connection
     max_streams: int = 10_000  # streams the peer may have open towards us at once
     max_open_size: int = 8 * 1024  # largest OPEN payload (target + metadata) we accept

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 # The tunnel moves bulk data: read big chunks, so the protocol core sees few, large calls.
-STREAM_RECEIVE_SIZE = 256 * 1024
+STREAM_RECEIVE_SIZE = 1024 * 1024
 
 
 # WebSocket figures live here, not in websocket.py, so that dialing and config code can
@@ -108,6 +108,12 @@ class Transport(abc.ABC):
 
         Raises TransportError if the transport broke.
         """
+
+    async def receive_view(self) -> bytes | memoryview:
+        """receive(), for a caller that uses the bytes before it awaits anything and
+        copies what it keeps (the tunnel's reader): a transport may return a view of a
+        buffer it reuses (a TLS stream's records decrypted in place, no copy per read)."""
+        return await self.receive()
 
     @abc.abstractmethod
     async def aclose(self) -> None:

@@ -196,6 +196,18 @@ class StreamTransport(StreamOwner, Transport):
             raise TransportClosed("transport is closed")
         return await self._receive_some(self._receive_size)
 
+    async def receive_view(self) -> bytes | memoryview:
+        stream = self._stream
+        if not isinstance(stream, TLSStream) or self._pushback or self._eof:
+            return await self.receive()
+        if self._closed:
+            raise TransportClosed("transport is closed")
+        with self._map_errors("receiving"):
+            received = await stream.receive_shared(self._receive_size)
+        if not received:
+            self._eof = True
+        return received
+
     async def aclose(self) -> None:
         if self._closed:
             await trio.lowlevel.checkpoint()

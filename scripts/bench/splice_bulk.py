@@ -1,0 +1,312 @@
+"""One TCP stream through the tunnel's production path, CPU per GB of each endpoint.
+
+`scripts.bench.tunnel` measures throughput against `ssh -R` in network namespaces, where
+two cores shared by iperf3, the tunnel and ssh decide the ratio. This measures what the
+tunnel's own code costs per byte, which the machine's load moves far less: a server and
+an agent, each in a process of its own, over TLS on loopback (the `tls://` transport's
+`TLSStream`); the server's TCP listener splices each client connection into a stream
+(`relay_connection` with `on_finished`: the splice loop), the agent relays each stream to
+its target (`relay_incoming`: the splice loop). Up (client → target: the server's splice
+loop reads and sends, the agent's reader writes into the target's socket) and down
+(target → client: the agent sends). The client and the target are threads of this
+process (blocking sockets, 1 MiB buffers), so their CPU is not counted; each endpoint's
+CPU is read from /proc before and after each transfer.
+
+    .venv/bin/python -m scripts.bench.splice_bulk                          # this tree
+    .venv/bin/python -m scripts.bench.splice_bulk --tree /work/base-bulk   # A/B, interleaved
+
+With `--tree`, the other checkout's `tunnel` package runs the endpoints of every other
+run (PYTHONPATH, -P), round by round. Prints each run and then one JSON object: per tree,
+direction and side, the median CPU s/GB with its min-max, and the ratios of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BUF = 1024 * 1024
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------ the endpoints
+
+
+def _endpoint(role: str, tunnel_port: int, certs: Path, ports: list[int]) -> None:
+    """A child process: one tunnel endpoint (server: acceptor with TCP listeners that map
+    listener i to target ports[i] on the agent's side; agent: dialer relaying to targets)."""
+    import functools
+    import ssl
+
+    import trio
+
+    from tunnel import protocol as p
+    from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
+    from tunnel.relay import relay_connection, relay_incoming
+    from tunnel.tcp import connect_tcp
+    from tunnel.transports import PeerInfo, StreamTransport, TLSStream
+
+    def done(result: object) -> None:
+        pass
+
+    async def allow(hello: p.Hello, peer: PeerInfo) -> p.Hello:
+        return p.Hello(identity={"server": "bench"})
+
+    settings = EndpointSettings(ping_interval=0)
+
+    async def server() -> None:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(certs / "cert.pem", certs / "key.pem")
+        lst = trio.socket.socket()
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await lst.bind(("127.0.0.1", tunnel_port))
+        lst.listen()
+        print("listening", flush=True)
+        sock, _ = await lst.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls = TLSStream(trio.SocketStream(sock), ctx, server_side=True)
+        await tls.do_handshake()
+        conn = TunnelConnection(StreamTransport(tls, PeerInfo("agent")), p.Role.ACCEPTOR,
+                                settings, None)
+        await conn.accept_handshake(allow)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(conn.run)
+
+            async def serve(port: int, target: int, *,
+                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                            ) -> None:
+                listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+                task_status.started()
+
+                async def handle(client: trio.SocketStream) -> None:
+                    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    await relay_connection(client, functools.partial(
+                        conn.open_stream, p.Target("127.0.0.1", target)), on_finished=done)
+
+                await trio.serve_listeners(handle, listeners)
+
+            for i in range(0, len(ports), 2):
+                await nursery.start(serve, ports[i], ports[i + 1])
+            print("ready", flush=True)
+
+    async def agent() -> None:
+        ctx = ssl.create_default_context(cafile=certs / "cert.pem")
+        stream = await trio.open_tcp_stream("127.0.0.1", tunnel_port)
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls = TLSStream(stream, ctx, server_hostname="localhost")
+        await tls.do_handshake()
+
+        async def handler(incoming: IncomingStream) -> None:
+            t = incoming.target
+            await relay_incoming(incoming, functools.partial(
+                connect_tcp, t.host, t.port, connect_timeout=5), on_finished=done)
+
+        conn = TunnelConnection(StreamTransport(tls, PeerInfo("server")), p.Role.DIALER,
+                                settings, handler)
+        await conn.dial_handshake(p.Hello(identity={"node": "bench"}))
+        print("ready", flush=True)
+        await conn.run()
+
+    profile_to = os.environ.get("SPLICE_BULK_PROFILE")  # a directory: cProfile each side
+    if profile_to:
+        import cProfile
+        import signal
+        profiler = cProfile.Profile()
+
+        def stop(*_: object) -> None:
+            profiler.disable()
+            profiler.dump_stats(f"{profile_to}/{role}.prof")
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        profiler.enable()
+    trio.run(server if role == "server" else agent)
+
+
+# ------------------------------------------------------------------ the driver
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def _send(sock: socket.socket, size: int) -> None:
+    buf = memoryview(b"x" * BUF)
+    left = size
+    while left:
+        n = sock.send(buf[:min(left, BUF)])
+        left -= n
+    sock.shutdown(socket.SHUT_WR)
+
+
+def _drain(sock: socket.socket) -> int:
+    buf = bytearray(BUF)
+    total = 0
+    while n := sock.recv_into(buf):
+        total += n
+    sock.shutdown(socket.SHUT_WR)  # both ways ended: the splice ends at both ends
+    return total
+
+
+class Pair:
+    """A server and an agent process of one tree, with a sink and a source target."""
+
+    def __init__(self, tree: Path | None, certs: Path, callgrind: Path | None = None) -> None:
+        self.callgrind = callgrind
+        self.sink = socket.create_server(("127.0.0.1", 0))
+        self.source = socket.create_server(("127.0.0.1", 0))
+        ports = [_free_port() for _ in range(3)]
+        self.up_port, self.down_port = ports[1], ports[2]
+        env = dict(os.environ)
+        cmd = [sys.executable]
+        if callgrind is not None:  # instructions: counters zeroed and dumped per transfer
+            cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=yes",
+                   f"--callgrind-out-file={callgrind}/callgrind.%p", *cmd]
+        env["PYTHONPATH"] = str(ROOT) if tree is None else f"{tree}:{ROOT}"
+        cmd.append("-P")  # not this script's directory first on sys.path
+        # By path: the other tree may not have this module, only its `tunnel` is wanted.
+        cmd += [str(Path(__file__).resolve()), "--endpoint"]
+        common = [str(ports[0]), str(certs)]
+        targets = [str(ports[1]), str(self.sink.getsockname()[1]),
+                   str(ports[2]), str(self.source.getsockname()[1])]
+        self.server = subprocess.Popen([*cmd, "server", *common, *targets], env=env,
+                                       stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.server.stdout is not None
+        assert self.server.stdout.readline().strip() == "listening"
+        self.agent = subprocess.Popen([*cmd, "agent", *common], env=env,
+                                      stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.agent.stdout is not None
+        assert self.agent.stdout.readline().strip() == "ready"
+        assert self.server.stdout.readline().strip() == "ready"
+        print(f"server pid {self.server.pid}, agent pid {self.agent.pid}", file=sys.stderr,
+              flush=True)
+
+    def transfer(self, direction: str, size: int) -> dict[str, float]:
+        """One stream of `size` bytes; CPU s/GB of each endpoint and Gbit/s."""
+        pids = {"server": self.server.pid, "agent": self.agent.pid}
+        if self.callgrind is not None:
+            for pid in pids.values():
+                subprocess.run(["callgrind_control", "-z", str(pid)], check=True,
+                               capture_output=True)
+        before = {k: _cpu(v) for k, v in pids.items()}
+        t0 = time.perf_counter()
+        client = socket.create_connection(
+            ("127.0.0.1", self.up_port if direction == "up" else self.down_port))
+        target, _ = (self.sink if direction == "up" else self.source).accept()
+        sender, receiver = (client, target) if direction == "up" else (target, client)
+        got: list[int] = []
+        reader = threading.Thread(target=lambda: got.append(_drain(receiver)))
+        reader.start()
+        _send(sender, size)
+        reader.join()
+        sender.recv(1)  # the other way's EOF: the splice is over at both ends
+        elapsed = time.perf_counter() - t0
+        client.close()
+        target.close()
+        assert got == [size], (got, size)
+        out = {f"{k}_s_per_gb": (_cpu(v) - before[k]) / (size / 1e9) for k, v in pids.items()}
+        out["gbps"] = size * 8 / elapsed / 1e9
+        if self.callgrind is not None:
+            for k, pid in pids.items():
+                out[f"{k}_instructions_per_mib"] = self._instructions(pid) / (size / BUF)
+        return out
+
+    def _instructions(self, pid: int) -> int:
+        """Instructions since the last zeroing (callgrind_control -d dumps and zeroes)."""
+        assert self.callgrind is not None
+        before = set(self.callgrind.glob(f"callgrind.{pid}*"))
+        subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+        (dump,) = set(self.callgrind.glob(f"callgrind.{pid}*")) - before
+        for line in dump.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"no totals in {dump}")
+
+    def close(self) -> None:
+        for proc in (self.agent, self.server):
+            proc.terminate()
+            proc.wait()
+        self.sink.close()
+        self.source.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _certs(path: Path) -> None:
+    from nodeagent.trust import pki
+    ca = pki.create_ca("bench")
+    cert = pki.issue_server_certificate(ca, ["localhost"], [])
+    # The CA signs the leaf: the client trusts the chain through it.
+    (path / "cert.pem").write_bytes(cert.certificate_pem + ca.certificate_pem)
+    (path / "key.pem").write_bytes(cert.key_pem)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.splice_bulk",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024, help="bytes per transfer")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tree", type=Path, help="another checkout to compare with")
+    parser.add_argument("--instructions", action="store_true",
+                        help="the endpoints under valgrind's callgrind: instructions per MiB "
+                             "too (~50x slower: use --mib 32)")
+    args = parser.parse_args()
+    trees: dict[str, Path | None] = {"this": None}
+    if args.tree is not None:
+        trees["other"] = args.tree.resolve()
+    runs: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        certs = Path(tmp)
+        _certs(certs)
+        for rnd in range(args.rounds):
+            for name, tree in trees.items():
+                grind = Path(tempfile.mkdtemp(dir=tmp)) if args.instructions else None
+                pair = Pair(tree, certs, grind)
+                try:
+                    pair.transfer("up", (4 if grind else 64) * BUF)  # warm up
+                    for direction in ("up", "down"):
+                        r = pair.transfer(direction, args.mib * BUF)
+                        runs.setdefault(f"{name} {direction}", []).append(r)
+                        print(f"round {rnd + 1} {name:5} {direction:4} "
+                              + " ".join(f"{k}={v:.3f}" for k, v in r.items()),
+                              file=sys.stderr, flush=True)
+                finally:
+                    pair.close()
+    summary: dict[str, object] = {"load_average": os.getloadavg()}
+    for key, rs in runs.items():
+        summary[key] = {k: [round(statistics.median(r[k] for r in rs), 3),
+                            round(min(r[k] for r in rs), 3), round(max(r[k] for r in rs), 3)]
+                        for k in rs[0]}
+    if "other" in trees:
+        ratios = {}
+        for direction in ("up", "down"):
+            this, other = runs[f"this {direction}"], runs[f"other {direction}"]
+            for k in this[0]:
+                rr = [a[k] / b[k] for a, b in zip(this, other, strict=True)]
+                ratios[f"{direction} {k}"] = [round(statistics.median(rr), 3),
+                                              round(min(rr), 3), round(max(rr), 3)]
+        summary["this/other, per round (median, min, max)"] = ratios
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--endpoint":
+        role, tport, certdir, *rest = sys.argv[2:]
+        _endpoint(role, int(tport), Path(certdir), [int(x) for x in rest])
+    else:
+        main()

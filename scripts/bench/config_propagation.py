@@ -453,8 +453,9 @@ def main() -> int:
                         help="checkout to run the controller from (default: this one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "config.json")
     args = parser.parse_args()
-    result = trio.run(functools.partial(bench, delivery=args.delivery), args.nodes, args.hosts, args.events, args.client_procs,
-                      args.idle, args.quiet, args.source.resolve())
+    result = trio.run(functools.partial(bench, delivery=args.delivery), args.nodes,
+                      args.hosts, args.events, args.client_procs, args.idle, args.quiet,
+                      args.source.resolve())
     for key, value in result.items():
         print(f"{key:30} {value:,.1f}" if isinstance(value, float) else f"{key:30} {value}")
     print(f"targets: p99 <= 1000 ms (targeted {result['targeted_p99_ms']:.0f}, fan-out "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import random
 import ssl
 import sys
 import time
@@ -59,24 +60,30 @@ VERSION_PREFIX = b'{"version":'
 async def receive_only(port: int, context: ssl.SSLContext, name: str,
                        applied: Callable[[int], Awaitable[None]]) -> None:
     """One watch that reads bytes and notes each config line's arrival (see the module
-    docstring); the body's chunk framing (`3f2\\r`, `\\r`) splits on the same newlines
-    and is skipped, as are heartbeats and the response head."""
-    stream = TLSStream(await trio.open_tcp_stream("127.0.0.1", port), context,
-                       server_hostname="127.0.0.1")
-    async with stream:
-        await stream.do_handshake()
-        await stream.send_all(f"GET /v1/config/nodes/{name}?after=-1 HTTP/1.1\r\n"
-                              "Host: 127.0.0.1\r\n\r\n".encode())
-        buffer = b""
-        while data := await stream.receive_some(1 << 16):
-            buffer += data
-            if b"\n" not in data:
-                continue
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if line.startswith(VERSION_PREFIX):
-                    end = line.index(b",", len(VERSION_PREFIX))
-                    await applied(int(line[len(VERSION_PREFIX):end]))
+    docstring), reconnecting as the agents' watch does; the body's chunk framing
+    (`3f2\\r`, `\\r`) splits on the same newlines and is skipped, as are heartbeats and
+    the response head."""
+    while True:
+        try:
+            stream = TLSStream(await trio.open_tcp_stream("127.0.0.1", port), context,
+                               server_hostname="127.0.0.1")
+            async with stream:
+                await stream.do_handshake()
+                await stream.send_all(f"GET /v1/config/nodes/{name}?after=-1 HTTP/1.1\r\n"
+                                      "Host: 127.0.0.1\r\n\r\n".encode())
+                buffer = b""
+                while data := await stream.receive_some(1 << 16):
+                    buffer += data
+                    if b"\n" not in data:
+                        continue
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if line.startswith(VERSION_PREFIX):
+                            end = line.index(b",", len(VERSION_PREFIX))
+                            await applied(int(line[len(VERSION_PREFIX):end]))
+        except (OSError, trio.BrokenResourceError):
+            pass
+        await trio.sleep(0.2 + random.random())
 
 
 async def run(port: int, ca: pki.CertificateAuthority, first: int, count: int,

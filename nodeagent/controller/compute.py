@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
-from collections.abc import Generator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -479,34 +479,6 @@ def compute(*, nodes: Iterable[Obj], tunnels: list[Tunnel], translation: Ingress
     --workers). The servers' routes count pods (each server multiplies by its own workers
     when it announces); a node's `server_replicas` counts every server process it must
     hold a tunnel to: pods x workers."""
-    steps = compute_steps(nodes=nodes, tunnels=tunnels, translation=translation,
-                          services=services, endpoint_slices=endpoint_slices,
-                          namespace=namespace, memo=memo, server_workers=server_workers,
-                          load_balancers=load_balancers)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            computed: Computed = done.value
-            return computed
-
-
-# Node configs final before the whole computation is: (name, config) pairs.
-Ready = list[tuple[str, NodeConfig]]
-
-
-def compute_steps(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
-                  translation: IngressTranslation, services: Iterable[Obj],
-                  endpoint_slices: Iterable[Obj], namespace: str | None = None,
-                  memo: ComputeMemo | None = None, server_workers: int = 1,
-                  load_balancers: LoadBalancerTranslation | None = None, step: int = 0
-                  ) -> Generator[Ready, None, Computed]:
-    """`compute`, handing out node configs as soon as they are final, `step` at a time
-    (0: never; only the returned `Computed`, which holds them all too): so the config
-    stream can send the first nodes' lines while the others are computed, instead of
-    nothing until 5,000 are. A node's config is final once its part is built, unless it
-    is a cloud node of a tunnel's `cloudNodeSelector` (the DNAT path adds rules from
-    every other node's addresses, at the end); those come only in the `Computed`."""
     memo = memo if memo is not None else ComputeMemo()
     tunnels = memo.tunnels(tunnels)
     services, endpoint_slices = list(services), list(endpoint_slices)
@@ -530,8 +502,6 @@ def compute_steps(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
         for name, extra in balancers.node_targets.items():
             targets[name] = targets.get(name, NO_TARGETS) | extra
     bandwidth: dict[str, NodeBandwidth] = {}
-    cloud_tunnels = [t for t in tunnels if t.spec.cloud_node_selector is not None]
-    ready: Ready = []
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
@@ -556,13 +526,6 @@ def compute_steps(*, nodes: Iterable[Obj], tunnels: list[Tunnel],
         if part.connect is not None:
             connect_nodes[name] = part.connect
         node_configs[name] = part.config
-        if step and not any(t.spec.is_cloud_node(part.labels) for t in cloud_tunnels):
-            ready.append((name, part.config))
-            if len(ready) >= step:
-                yield ready
-                ready = []
-    if ready:
-        yield ready
     memo.forget_except(set(node_configs))
     dnat = dnat_paths(tunnels, all_labels, ip_addresses,
                       {t: [n for n, _ in c] for t, c in covered.items()}, connect_nodes,

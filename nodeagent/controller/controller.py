@@ -32,11 +32,10 @@ from nodeagent.controller.activityshare import ACTIVITY_LABEL, SharedActivity
 from nodeagent.controller.bootstrap import CA_SECRET, SERVER_SERVICE, TUNNEL_SERVICE, Bootstrap
 from nodeagent.controller.clustertunnel import CLUSTER_TUNNELS
 from nodeagent.controller.compute import (
-    Computed,
     ComputeMemo,
     ConfigVersions,
     Tunnel,
-    compute_steps,
+    compute,
     parse_tunnels,
 )
 from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
@@ -101,8 +100,6 @@ log = get_logger("nodeagent.controller")
 # this process. RBAC cannot enforce a field selector on type: the ClusterRole still grants
 # list/watch of every Secret (manifests/rbac.yaml says so).
 TLS_SECRET_TYPE = "kubernetes.io/tls"
-# Node configs published at a time while a recompute builds the others (compute_steps).
-PUBLISH_STEP = 250
 SECRET_FIELD_SELECTOR = {"type": TLS_SECRET_TYPE}
 
 
@@ -303,12 +300,12 @@ class Controller:
         # See gcpause.py: a recompute allocates much and frees most, and what it keeps
         # (5,000 NodeConfigs in a fan-out) lives until a change replaces it.
         with gc_paused(freeze=self.settings.freeze_gc):
-            await self._recompute()
+            self._recompute()
         self.metrics.recompute_seconds.observe(time.perf_counter() - started)
         if self.is_leader:
             self.leader.mark(*LeaderWrite)
 
-    async def _recompute(self) -> None:
+    def _recompute(self) -> None:
         c = self.caches
         ingresses = c["ingresses"].list()
         self._secret_refs = secret_references(ingresses)
@@ -351,32 +348,13 @@ class Controller:
         for reason, count in sorted(translation.refused_backends.items()):
             self._refusals.warning(f"backend:{reason}", "Ingress backends refused",
                                    reason=reason, count=count)
-        steps = compute_steps(nodes=nodes, tunnels=tunnels, translation=translation,
-                              services=services, endpoint_slices=endpoint_slices,
-                              namespace=self.settings.namespace, memo=self.compute_memo,
-                              server_workers=self.settings.server_workers,
-                              load_balancers=balancers, step=PUBLISH_STEP)
-        # Each node's config is published (and its watches woken) as soon as it is
-        # final, PUBLISH_STEP at a time, and the watches send while the rest is
-        # computed: at a fan-out to 5,000 nodes nothing was sent until all were built.
-        published: set[str] = set()
-        changed: list[str] = []
-        while True:
-            try:
-                ready = next(steps)
-            except StopIteration as done:
-                out: Computed = done.value
-                break
-            now = [name for name, config in ready
+        out = compute(nodes=nodes, tunnels=tunnels, translation=translation,
+                      services=services, endpoint_slices=endpoint_slices,
+                      namespace=self.settings.namespace, memo=self.compute_memo,
+                      server_workers=self.settings.server_workers,
+                      load_balancers=balancers)
+        changed = [name for name, config in out.nodes.items()
                    if self.versions.update(f"node/{name}", config)]
-            published.update(name for name, _ in ready)
-            if now:
-                self.stream.notify(f"node/{n}" for n in now)
-                changed += now
-                await trio.lowlevel.checkpoint()  # the woken watches send
-        early = len(changed)
-        changed += [name for name, config in out.nodes.items() if name not in published
-                    and self.versions.update(f"node/{name}", config)]
         for key in self.versions.keys():
             # A deleted Node's agent (still connected, or coming back) allows nothing.
             if key.startswith("node/") and key[5:] not in out.nodes and \
@@ -390,7 +368,7 @@ class Controller:
         problems = tunnel_problems + out.problems + list(wake.problems)
         self.recomputes += 1
         if changed or servers_changed:
-            self.stream.notify([*(f"node/{n}" for n in changed[early:]),
+            self.stream.notify([*(f"node/{n}" for n in changed),
                                 *(["servers"] if servers_changed else [])])
             log.info("config recomputed", nodes_changed=len(changed),
                      servers_changed=servers_changed, ingress_rules=len(

@@ -9,7 +9,6 @@ from nodeagent.configstream.protocol import config_line
 from nodeagent.controller.compute import (
     ConfigVersions,
     compute,
-    compute_steps,
     parse_tunnels,
     server_replicas,
 )
@@ -291,38 +290,6 @@ def test_cloud_nodes_catch_dials_to_the_other_covered_nodes_addresses() -> None:
     # Unchanged input: no new version for anyone.
     again = run([*nodes, node("edge-4", "192.168.1.40")], tunnels)
     assert not any(versions.update(f"node/{n}", c) for n, c in again.nodes.items())
-
-
-def test_steps_hand_out_final_node_configs_early_and_the_same_result() -> None:
-    """compute_steps: the node configs come `step` at a time while the others are
-    computed (the config stream sends them meanwhile), each already what `compute`
-    gives it; a cloud node's, which the DNAT path completes from every other node, only
-    in the result; and the result is `compute`'s."""
-    tunnels, _ = parse_tunnels([tunnel("t", {
-        "allowedNodePorts": [10250], "cloudNodeSelector": {"cloud": "true"}})])
-    nodes = [node(f"edge-{i}", f"192.168.1.{i}") for i in range(1, 6)]
-    nodes.insert(2, node("cloud-1", "10.0.0.4", {"cloud": "true"}))
-    whole = run(nodes, tunnels)
-    steps = compute_steps(nodes=nodes, tunnels=tunnels, translation=translation(),
-                          services=[], endpoint_slices=[], step=2)
-    batches = []
-    while True:
-        try:
-            batches.append(next(steps))
-        except StopIteration as done:
-            out = done.value
-            break
-    assert [[name for name, _ in batch] for batch in batches] == [
-        ["edge-1", "edge-2"], ["edge-3", "edge-4"], ["edge-5"]]
-    for batch in batches:
-        for name, config in batch:
-            assert config == whole.nodes[name]
-    assert _dnat_rules(out.nodes["cloud-1"]) and \
-        out.nodes["cloud-1"] == whole.nodes["cloud-1"]
-    assert out.nodes == whole.nodes and out.routes == whole.routes
-    # step 0 (compute's own): nothing handed out early
-    assert list(compute_steps(nodes=nodes, tunnels=tunnels, translation=translation(),
-                              services=[], endpoint_slices=[])) == []
 
 
 def test_no_cloud_node_selector_no_dnat_path_and_bad_ones_are_problems() -> None:

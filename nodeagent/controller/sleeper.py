@@ -98,6 +98,15 @@ class SleeperSettings:
     tick: float = 1.0  # seconds between the leader's passes
 
 
+# The Services cache's index of those with a state annotation (`_has_state`).
+STATE_INDEX = "nodeagent-scale-to-zero-state"
+
+
+def _has_state(service: dict[str, Any]) -> tuple[str, ...]:
+    annotations = (service.get("metadata") or {}).get("annotations") or {}
+    return (STATE,) if annotations.get(STATE) else ()
+
+
 @dataclass
 class Sleeper:
     kube: KubeClient
@@ -129,6 +138,10 @@ class Sleeper:
 
     def __post_init__(self) -> None:
         self._events = EventRecorder(self.kube, component="nodeagent-controller")
+        # The Services carrying our state annotation, kept by the cache as they change:
+        # `_wake_disabled` runs every tick and reads only those (walking every Service
+        # for it cost ~40 ms a second at 10,000 Services, in the middle of fan-outs).
+        self.services.add_index(STATE_INDEX, _has_state)
 
     def set_enabled(self, enabled: dict[Key, WakeSettings], feature_on: bool) -> None:
         """The latest recompute's sleepable Services; what this replica remembers of the
@@ -450,7 +463,7 @@ class Sleeper:
     async def _wake_disabled(self) -> None:
         """Services left asleep when the feature was switched off or their annotation
         removed: woken (their workload restored) and their state removed."""
-        for service in self.services.list():
+        for service in self.services.by_index(STATE_INDEX, STATE):
             meta = service.get("metadata") or {}
             key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
             if key in self.enabled and self.feature_on:

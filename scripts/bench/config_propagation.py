@@ -19,6 +19,14 @@ Cases, `--events` of each:
     that node applies a new config, and no other node receives anything (checked for
     `--quiet` seconds after the write).
 (b) fan-out: a ClusterTunnel edit (allowedNodePorts) that changes every node's config.
+(c) with `--delivery`, after (b): the simulated agents are replaced by watches that only
+    note when each config line's last byte arrived (`config_clients --receive-only`),
+    and (b) runs again: the controller's delivery without 5,000 agents' parsing competing
+    for the same cores (on a cluster each agent parses on its own node). Reported next to
+    (b), never instead of it, with each agent's own parse-and-apply CPU from (b). It runs
+    on a controller that has just seen 5,000 watches close and 5,000 open: pessimistic
+    (see docs/performance.md). `--receive-only` measures (c) alone, on a fresh controller,
+    with receive-only watches from the start (and no (b)).
 Reported: apply latency p50/p99/max per case (write → node applied, across processes on
 CLOCK_MONOTONIC), the controller's recompute duration per change (wall time, from its
 nodeagent_controller_recompute_seconds histogram) and the CPU the controller process used
@@ -32,11 +40,13 @@ targets, and writes bench-results/config.json. From the repository root:
 
     .venv/bin/python -m scripts.bench.config_propagation --nodes 5000 --hosts 10000
         [--events 5] [--client-procs 4] [--idle 130] [--source DIR]
+        [--delivery | --receive-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -236,9 +246,76 @@ def _free_port() -> int:
         return port
 
 
+async def start_clients(nursery: trio.Nursery, clients: list[trio.Process], applies: Applies,
+                        port: int, tmp: Path, nodes: int, client_procs: int, *,
+                        receive_only: bool = False) -> None:
+    share = -(-nodes // client_procs)
+    for first in range(0, nodes, share):
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", CLIENTS, "--port", str(port), "--ca-cert",
+             str(tmp / "ca.crt"), "--ca-key", str(tmp / "ca.key"), "--first", str(first),
+             "--count", str(min(share, nodes - first)),
+             *(["--receive-only"] if receive_only else [])],
+            cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=(tmp / f"clients-{first}.log").open("ab"))
+        clients.append(proc)
+        assert proc.stdout is not None
+        nursery.start_soon(read_lines, proc.stdout, applies)
+
+
+async def stop(procs: list[trio.Process]) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+    with trio.move_on_after(10):
+        for proc in procs:
+            await proc.wait()
+
+
+async def fanouts(kube: KubeClient, changes: range, name: str, controller: trio.Process,
+                  clients: list[trio.Process], metrics_port: int, applies: Applies,
+                  nodes: int, result: dict[str, Any]) -> None:
+    """ClusterTunnel edits (allowedNodePorts) that change every node's config, one per
+    element of `changes` (the first of all creates the tunnel); `result[name + "_..."]`:
+    the latency to every node's apply, the controller's and the clients' CPU."""
+    fanout, recomputes, cpu_used, clients_used = [], [], [], []
+    for e in changes:
+        totals = await recompute_totals(metrics_port)
+        cpu = cpu_seconds(controller.pid)
+        clients_cpu = sum(cpu_seconds(p.pid) for p in clients)
+        before = applies.counts()
+        applies.expect(set(range(nodes)))
+        start = time.monotonic()
+        spec = {"allowedNodePorts": [9000 + e]}
+        if e == 0:
+            await kube.create(CLUSTER_TUNNELS, {
+                "apiVersion": "nodeagent.io/v1alpha1", "kind": "ClusterTunnel",
+                "metadata": {"name": "t0"}, "spec": spec})
+        else:
+            await kube.patch(CLUSTER_TUNNELS, "t0", {"spec": spec})
+        await applies.arrived(120)
+        fanout += [applies.by_node[n][before.get(n, 0)][1] - start for n in range(nodes)]
+        await trio.sleep(1.0)
+        cpu_used.append(cpu_seconds(controller.pid) - cpu)
+        clients_used.append(sum(cpu_seconds(p.pid) for p in clients) - clients_cpu)
+        after = await recompute_totals(metrics_port)
+        recomputes.append((after[0] - totals[0], after[1] - totals[1]))
+    result[f"{name}_controller_cpu_ms"] = 1000 * statistics.median(cpu_used)
+    # The simulated agents' CPU for the same fan-out, all of them: on the same cores as
+    # the controller, what they spend delays the last apply.
+    result[f"{name}_agents_cpu_ms"] = 1000 * statistics.median(clients_used)
+    result[f"{name}_applies"] = len(fanout)
+    result[f"{name}_p50_ms"] = statistics.median(fanout) * 1000
+    result[f"{name}_p99_ms"] = pct(fanout, 0.99) * 1000
+    result[f"{name}_max_ms"] = max(fanout) * 1000
+    result[f"{name}_recompute_ms"] = 1000 * sum(s for s, _ in recomputes) / max(
+        1, sum(c for _, c in recomputes))
+
+
 async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: float,
                 quiet: float, source: Path = ROOT, settle: float = 10.0,
-                say: Any = print, directory: Path | None = None) -> dict[str, Any]:
+                say: Any = print, directory: Path | None = None,
+                delivery: bool = False, receive_only: bool = False) -> dict[str, Any]:
     """Run the cases; the figures, and the functional facts (`targeted_unconcerned_applies`
     must be 0; every node applies every fan-out) that tests/controller/test_scale.py
     checks on a small cluster."""
@@ -273,17 +350,8 @@ async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: fl
             key_path = tmp / "ca.key"
             key_path.touch(mode=0o600)
             key_path.write_text(key)
-            share = -(-nodes // client_procs)
-            for first in range(0, nodes, share):
-                proc = await trio.lowlevel.open_process(
-                    [sys.executable, "-m", CLIENTS, "--port", str(port), "--ca-cert",
-                     str(tmp / "ca.crt"), "--ca-key", str(key_path), "--first", str(first),
-                     "--count", str(min(share, nodes - first))],
-                    cwd=ROOT, stdout=subprocess.PIPE,
-                    stderr=(tmp / f"clients-{first}.log").open("wb"))
-                clients.append(proc)
-                assert proc.stdout is not None
-                nursery.start_soon(read_lines, proc.stdout, applies)
+            await start_clients(nursery, clients, applies, port, tmp, nodes, client_procs,
+                                receive_only=receive_only)
             await applies.until(lambda: applies.connected_procs == len(clients), 900,
                                 "every node's first config")
             result["all_connected_s"] = time.monotonic() - started
@@ -332,51 +400,42 @@ async def bench(nodes: int, hosts: int, events: int, client_procs: int, idle: fl
                     f"{result['targeted_p99_ms']:.0f} ms, unconcerned nodes' applies {leaked}")
 
                 # (b) fan-out: a ClusterTunnel edit changes every node's config.
-                fanout, recomputes, cpu_used, clients_used = [], [], [], []
-                for e in range(events):
-                    totals = await recompute_totals(metrics_port)
-                    cpu = cpu_seconds(controller.pid)
-                    clients_cpu = sum(cpu_seconds(p.pid) for p in clients)
-                    before = applies.counts()
-                    applies.expect(set(range(nodes)))
-                    start = time.monotonic()
-                    spec = {"allowedNodePorts": [9000 + e]}
-                    if e == 0:
-                        await kube.create(CLUSTER_TUNNELS, {
-                            "apiVersion": "nodeagent.io/v1alpha1", "kind": "ClusterTunnel",
-                            "metadata": {"name": "t0"}, "spec": spec})
-                    else:
-                        await kube.patch(CLUSTER_TUNNELS, "t0", {"spec": spec})
-                    await applies.arrived(120)
-                    fanout += [applies.by_node[n][before[n]][1] - start for n in range(nodes)]
-                    await trio.sleep(1.0)
-                    cpu_used.append(cpu_seconds(controller.pid) - cpu)
-                    clients_used.append(sum(cpu_seconds(p.pid) for p in clients)
-                                        - clients_cpu)
-                    after = await recompute_totals(metrics_port)
-                    recomputes.append((after[0] - totals[0], after[1] - totals[1]))
-                result["fanout_controller_cpu_ms"] = 1000 * statistics.median(cpu_used)
-                # The simulated agents' CPU for the same fan-out, all of them: on the
-                # same cores as the controller, what they spend delays the last apply.
-                result["fanout_agents_cpu_ms"] = 1000 * statistics.median(clients_used)
-                result["fanout_applies"] = len(fanout)
-                result["fanout_p50_ms"] = statistics.median(fanout) * 1000
-                result["fanout_p99_ms"] = pct(fanout, 0.99) * 1000
-                result["fanout_max_ms"] = max(fanout) * 1000
-                result["fanout_recompute_ms"] = 1000 * sum(s for s, _ in recomputes) / max(
-                    1, sum(c for _, c in recomputes))
-                say(f"(b) fan-out: p50 {result['fanout_p50_ms']:.0f} ms, p99 "
-                    f"{result['fanout_p99_ms']:.0f} ms")
+                if receive_only:  # to receive-only watches from the start: (c) alone
+                    await fanouts(kube, range(events), "delivered", controller, clients,
+                                  metrics_port, applies, nodes, result)
+                    say(f"(c) fan-out delivered (receive-only watches from the start): "
+                        f"p50 {result['delivered_p50_ms']:.0f} ms, p99 "
+                        f"{result['delivered_p99_ms']:.0f} ms")
+                else:
+                    await fanouts(kube, range(events), "fanout", controller, clients,
+                                  metrics_port, applies, nodes, result)
+                    say(f"(b) fan-out: p50 {result['fanout_p50_ms']:.0f} ms, p99 "
+                        f"{result['fanout_p99_ms']:.0f} ms")
+                if delivery and not receive_only:
+                    # (c) the same, to watches that only note each line's arrival: the
+                    # controller's delivery without 5,000 agents' parsing on its cores.
+                    await stop(clients)
+                    clients = []
+                    applies.connected_procs = 0
+                    await start_clients(nursery, clients, applies, port, tmp, nodes,
+                                        client_procs, receive_only=True)
+                    await applies.until(lambda: applies.connected_procs == len(clients),
+                                        900, "every node's first config")
+                    await trio.sleep(settle)
+                    await fanouts(kube, range(events, 2 * events), "delivered", controller,
+                                  clients, metrics_port, applies, nodes, result)
+                    # A real agent's own cost to parse and apply its line, on its own
+                    # CPU: what the simulated agents spent per node in (b).
+                    result["agent_apply_cpu_us"] = 1000 * result["fanout_agents_cpu_ms"] / nodes
+                    say(f"(c) fan-out delivered (receive-only watches): p50 "
+                        f"{result['delivered_p50_ms']:.0f} ms, p99 "
+                        f"{result['delivered_p99_ms']:.0f} ms; each agent's own parse and "
+                        f"apply: {result['agent_apply_cpu_us']:.0f} us of CPU")
             status = proc_status(controller.pid)
             result["rss_end_mib"] = status["VmRSS"]
             result["rss_peak_mib"] = status["VmHWM"]
         finally:
-            for proc in [*clients, controller]:
-                if proc.returncode is None:
-                    proc.terminate()
-            with trio.move_on_after(10):
-                for proc in [*clients, controller]:
-                    await proc.wait()
+            await stop([*clients, controller])
             log.close()
             nursery.cancel_scope.cancel()
     result["controller_log"] = str(tmp / "controller.log")
@@ -396,16 +455,30 @@ def main() -> int:
     parser.add_argument("--quiet", type=float, default=2.0,
                         help="seconds after a targeted change in which no other node may "
                              "receive anything")
+    parser.add_argument("--delivery", action="store_true",
+                        help="then (c): the same fan-outs to watches that only note each "
+                             "line's arrival (new client processes, --receive-only): the "
+                             "controller's delivery without the simulated agents' parsing "
+                             "on the same cores; also prints each agent's own parse and "
+                             "apply CPU from (b)")
+    parser.add_argument("--receive-only", action="store_true",
+                        help="(c) alone, on a fresh controller: the fan-outs go to "
+                             "receive-only watches from the start, and no agents' (b)")
     parser.add_argument("--source", type=Path, default=ROOT,
                         help="checkout to run the controller from (default: this one)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "config.json")
     args = parser.parse_args()
-    result = trio.run(bench, args.nodes, args.hosts, args.events, args.client_procs,
-                      args.idle, args.quiet, args.source.resolve())
+    result = trio.run(functools.partial(bench, delivery=args.delivery,
+                                        receive_only=args.receive_only), args.nodes,
+                      args.hosts, args.events, args.client_procs, args.idle, args.quiet,
+                      args.source.resolve())
     for key, value in result.items():
         print(f"{key:30} {value:,.1f}" if isinstance(value, float) else f"{key:30} {value}")
-    print(f"targets: p99 <= 1000 ms (targeted {result['targeted_p99_ms']:.0f}, fan-out "
-          f"{result['fanout_p99_ms']:.0f}); unconcerned applies 0 "
+    print(f"targets: p99 <= 1000 ms (targeted {result['targeted_p99_ms']:.0f}" + (
+          f", fan-out {result['fanout_p99_ms']:.0f} with the agents' parsing on the same "
+          "cores" if "fanout_p99_ms" in result else "") + (
+              f", delivered to receive-only watches {result['delivered_p99_ms']:.0f}"
+              if "delivered_p99_ms" in result else "") + f"); unconcerned applies 0 "
           f"({result['targeted_unconcerned_applies']}); RSS <= 500 MiB (peak "
           f"{result['rss_peak_mib']:.0f}); idle CPU ~0 ({result['idle_cpu_percent']:.1f} %)")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,12 +4,18 @@ count, scales to 0 and says so; nothing sleeps while a server reports requests."
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import trio
 
-from nodeagent.controller.sleeper import Sleeper, SleeperSettings
-from nodeagent.controller.wakeroutes import REPLICAS_BEFORE_SLEEP, read_state, wake_settings
+from nodeagent.controller.sleeper import STATE_INDEX, Sleeper, SleeperSettings
+from nodeagent.controller.wakeroutes import (
+    REPLICAS_BEFORE_SLEEP,
+    STATE,
+    read_state,
+    wake_settings,
+)
 from nodeagent.kube import KubeClient, SharedInformers
 from nodeagent.kube.resources import ENDPOINTSLICES, PODS, SERVICES
 from nodeagent.testing.fakekube import FakeKube
@@ -153,3 +159,34 @@ async def test_a_workload_found_from_pods_is_forgotten_once_its_service_no_longe
     sleeper.set_enabled({KEY: settings}, True)
     assert (await sleeper.wake(KEY))[0] == 202
     assert replicaset_reads() == 2
+
+
+async def test_a_service_left_asleep_when_it_opts_out_is_woken_and_its_state_removed(
+        fake_kube: FakeKube, kube: KubeClient, nursery: trio.Nursery) -> None:
+    """The leader's pass wakes a Service left asleep (its annotation removed, or the
+    feature switched off) and removes its state; it finds it among thousands of others
+    without walking them (the Services cache keeps an index of the annotated ones)."""
+    fake_kube.put_object(deployment(0, **{REPLICAS_BEFORE_SLEEP: "2"}))
+    asleep = service()
+    asleep["metadata"]["annotations"][STATE] = json.dumps(
+        {"state": "sleeping", "workload": "deployments/web", "replicas": 2})
+    fake_kube.put_object(asleep)
+    for i in range(50):  # others, never asleep
+        fake_kube.put_object({"apiVersion": "v1", "kind": "Service", "metadata": {
+            "name": f"other-{i}", "namespace": NS}, "spec": {"ports": [{"port": 80}]}})
+    (leader,) = await sleepers(fake_kube, kube, nursery, 1, tick=0.05)
+    with trio.fail_after(5):
+        while len(leader.services) < 51:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    assert [s["metadata"]["name"] for s in
+            leader.services.by_index(STATE_INDEX, STATE)] == ["web"]
+    leader.set_enabled({}, True)  # it opted out while asleep
+    nursery.start_soon(leader.run, lambda: True)
+    with trio.fail_after(10):
+        while read_state(fake_kube.get_object("services", "web", NS) or {}):  # noqa: ASYNC110
+            await trio.sleep(0.05)
+    got = fake_kube.get_object("deployments", "web", NS, group="apps")
+    assert got is not None and got["spec"]["replicas"] == 2
+    with trio.fail_after(5):
+        while leader.services.by_index(STATE_INDEX, STATE):  # noqa: ASYNC110
+            await trio.sleep(0.01)

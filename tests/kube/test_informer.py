@@ -52,6 +52,11 @@ async def test_initial_sync_then_follow(kube: KubeClient, fake_kube: FakeKube,
     await nursery.start(informer.run)
     assert informer.has_synced
     assert names(informer.cache.list()) == [f"c{i}" for i in range(5)]
+    # The sorted list is kept between changes, but each call hands out a list of its own.
+    informer.cache.list().clear()
+    assert names(informer.cache.list()) == [f"c{i}" for i in range(5)]
+    assert names(informer.cache.list(namespace="default")) == [f"c{i}" for i in range(5)]
+    assert informer.cache.list(namespace="other") == []
     assert [e.type for e in events] == ["ADDED"] * 5
     assert informer.cache.get("c0", "default")["kind"] == "ConfigMap"  # type: ignore[index]
     lists = fake_kube.requests_matching(method="GET", path="/configmaps", watch=False)

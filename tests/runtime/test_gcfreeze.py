@@ -59,3 +59,58 @@ def test_survivors_are_frozen_and_frozen_garbage_cycles_are_still_collected() ->
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+GROWTH_SCRIPT = textwrap.dedent("""
+    import gc, weakref
+    import trio
+    from nodeagent.runtime.gcfreeze import freeze_survivors_forever
+
+    class Node:
+        pass
+
+    def cycles(n):
+        out = []
+        for _ in range(n):
+            node = Node()
+            node.me = node
+            out.append(node)
+        return out
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            # The periodic collection never comes in this test: only growth can free.
+            nursery.start_soon(lambda: freeze_survivors_forever(
+                check_every=0.01, full_every=3600.0, growth=1.25, min_between=0.0))
+            await trio.sleep(0.05)
+            at_start = gc.get_freeze_count()
+            # A burst of connections' cycles, frozen while alive, then all dropped (a
+            # reconnect storm's dead side): garbage only a collection of everything sees.
+            dead = cycles(at_start // 2)
+            freed = []
+            weakref.finalize(dead[0], freed.append, True)
+            gc.collect()
+            await trio.sleep(0.1)
+            del dead
+            gc.collect()
+            assert not freed, "frozen garbage stays until everything is collected"
+            # Their replacements arrive and are frozen too: the frozen heap grew past
+            # the trigger, so everything is collected without waiting for the hour.
+            alive = cycles(at_start // 2)
+            gc.collect()
+            with trio.fail_after(5):
+                while not freed:
+                    await trio.sleep(0.05)
+            assert len(alive) == at_start // 2
+            nursery.cancel_scope.cancel()
+        print("ok")
+
+    trio.run(main)
+""")
+
+
+def test_frozen_garbage_is_collected_early_when_the_frozen_heap_grows() -> None:
+    done = subprocess.run([sys.executable, "-c", GROWTH_SCRIPT], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

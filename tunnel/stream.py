@@ -530,6 +530,13 @@ class IncomingStream:
             raise StreamResetError(p.StreamReason.CANCELLED,
                                    f"tunnel connection ended: {self.connection.end_reason}",
                                    ) from None
+        except p.StreamClosedError:
+            # The peer reset the stream in the same read as its OPEN (an opener that gave
+            # up at once): the core has dropped it, and the reset reaches this stream right
+            # after the reader's taker returns. A routine race, not a crash.
+            raise StreamResetError(p.StreamReason.CANCELLED,
+                                   "the opener reset the stream before it was answered",
+                                   ) from None
         return self.stream
 
     async def refuse(self, reason: p.StreamReason, message: str = "") -> None:
@@ -547,6 +554,8 @@ class IncomingStream:
         except p.ConnectionClosedError:
             self.stream.mark_closed()
             return False
+        except p.StreamClosedError:
+            return False  # reset by the opener in the same read: its reset ends the stream
         self.connection.forget(self.stream)
         self.stream.mark_closed()
         return True

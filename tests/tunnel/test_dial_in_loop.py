@@ -316,3 +316,42 @@ async def test_a_taker_that_raises_costs_its_stream_not_the_connection() -> None
             assert await recv_exactly(conn, 2) == b"ok"
             conn.close()
     assert (taker.accepted, taker.handler_tasks) == (1, 0)
+
+
+async def test_an_open_reset_in_the_same_read_is_answered_quietly(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An opener that gives up at once sends its RST in the same write as the OPEN, so the
+    core has dropped the stream when the reader hands the OPEN to the taker: the dial
+    ends as a reset, with no error logged and no socket left behind."""
+    with listener() as target:
+        taker = Taker(target.getsockname())
+        async with connections(taker) as pair:
+            first = await pair.opener.open_stream(p.Target(*target.getsockname()))
+            (await accept(target)).close()  # the loop and its epoll exist from here on
+            await first.aclose()
+            with trio.fail_after(10):
+                while pair.dialer.open_streams() or not taker.finished:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            fds = open_fds()
+            for _ in range(20):
+                with trio.CancelScope() as cancelled:
+                    cancelled.cancel()  # open queued, then abandoned: OPEN + RST together
+                    await pair.opener.open_stream(p.Target(*target.getsockname()))
+            with trio.fail_after(10):
+                while pair.dialer.open_streams() or len(taker.finished) < 21:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+            while True:  # the target's side of the connections that got through
+                try:
+                    target.accept()[0].close()
+                except BlockingIOError:
+                    break
+            assert open_fds() == fds
+            assert pair.dialer.end_reason is None
+    # Each abandoned open ended as a reset: answered first when its RST came in a later
+    # read, or never answered when the RST came with the OPEN (the race under test).
+    assert all(r.error and "StreamResetError" in r.error for r in taker.finished[1:])
+    assert any("before it was answered" in (r.error or "") for r in taker.finished)
+    assert (taker.refused, taker.handler_tasks) == ([], 0)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [], [r.getMessage() for r in errors]

@@ -34,7 +34,6 @@ import errno
 import heapq
 import itertools
 import math
-import mmap
 import os
 import select
 import socket
@@ -46,6 +45,7 @@ import trio
 import trio.lowlevel
 
 from tunnel import protocol as p
+from tunnel.buffers import SharedBuffer
 from tunnel.errors import StreamFailed, StreamResetError, TunnelClosedError
 from tunnel.log import get_logger
 from tunnel.stream import IncomingStream, StreamCarrier, TunnelStream
@@ -70,9 +70,10 @@ _MAX_EVENTS = 256
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 _LINGER_RESET = struct.pack("ii", 1, 0)
-# Every loop runs in the process's trio thread and copies a read out before it yields.
-# Anonymous memory: a page is resident once a read reached it, not before.
-_READ_BUFFER = mmap.mmap(-1, CHUNK)
+# Every loop runs in the process's trio thread and copies a read out before it yields
+# (see tunnel.buffers). Reads never exceed CHUNK, so the mapping never grows and one
+# view of it serves every read.
+_READ_BUFFER = SharedBuffer(CHUNK).whole
 _READ_VIEW = memoryview(_READ_BUFFER)
 
 

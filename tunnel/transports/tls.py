@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import mmap
 import operator
 import os
 import ssl
@@ -20,6 +19,7 @@ from typing import Any, cast
 
 import trio
 
+from tunnel.buffers import SharedBuffer
 from tunnel.transports.base import STREAM_RECEIVE_SIZE
 
 __all__ = ["TLS_RECORD_SIZE", "TLSStream", "describe_error", "is_tls_error"]
@@ -70,31 +70,10 @@ def _detached(exc: BaseException, depth: int = 0) -> BaseException:
 
 TLS_RECORD_SIZE = 16 * 1024  # largest TLS record payload
 _TLS_WRITE_CHUNK = 256 * 1024  # encrypt at most this much before sending it
-# What a socket read lands in before the BIO copies it: one buffer for the process (all
-# TLSStreams run in one thread and copy out before they yield). A fresh bytes object per
-# read (trio's receive_some) is an allocation above glibc's mmap threshold: an mmap, a
-# munmap and a page fault per 4 KiB every read, more CPU than the copy itself. Anonymous
-# memory: a page is resident once a read reached it.
-_read_buffer = mmap.mmap(-1, STREAM_RECEIVE_SIZE)
-
-
-def _shared_read_buffer(size: int) -> memoryview:
-    global _read_buffer
-    if len(_read_buffer) < size:
-        _read_buffer = mmap.mmap(-1, size)
-    return memoryview(_read_buffer)[:size]
-
-
-# What receive_shared() decrypts into, for the same reasons: one for the process, valid
-# until the next receive_shared() of any TLSStream.
-_plain_buffer = mmap.mmap(-1, STREAM_RECEIVE_SIZE)
-
-
-def _shared_plain_buffer(size: int) -> memoryview:
-    global _plain_buffer
-    if len(_plain_buffer) < size:
-        _plain_buffer = mmap.mmap(-1, size)
-    return memoryview(_plain_buffer)[:size]
+# What a socket read lands in before the BIO copies it (see tunnel.buffers), and what
+# receive_shared() decrypts into, valid until the next receive_shared() of any TLSStream.
+_READ_BUFFER = SharedBuffer(STREAM_RECEIVE_SIZE)
+_PLAIN_BUFFER = SharedBuffer(STREAM_RECEIVE_SIZE)
 
 
 class TLSStream(trio.abc.Stream):
@@ -218,7 +197,7 @@ class TLSStream(trio.abc.Stream):
             if fd < 0:
                 raise trio.ClosedResourceError("the socket was closed")
             try:
-                size = os.readv(fd, (_shared_read_buffer(self._receive_size),))
+                size = os.readv(fd, (_READ_BUFFER.view(self._receive_size),))
                 break
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(sock)
@@ -226,7 +205,7 @@ class TLSStream(trio.abc.Stream):
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
         if size:
-            with _shared_read_buffer(size) as view:
+            with _READ_BUFFER.view(size) as view:
                 self._incoming.write(view)
         else:
             self._incoming.write_eof()
@@ -343,7 +322,7 @@ class TLSStream(trio.abc.Stream):
         if self._zero_return:
             await trio.lowlevel.checkpoint()
             return memoryview(b"")
-        out = _shared_plain_buffer(max_bytes)
+        out = _PLAIN_BUFFER.view(max_bytes)
         # With a buffer, read() fills it and returns the count (typeshed says bytes).
         read = cast(Callable[[int, memoryview], int], self.ssl_object.read)
         # Nothing may run between filling the shared buffer and returning it: the

@@ -7,9 +7,7 @@ refusal is counted and logged as the handler task's always were."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,21 +21,9 @@ from nodeagent.testing.standalone import (
     free_port,
     server_config,
 )
+from tests.tunnel.test_dial_in_loop import full_backlog, listener
 
 pytestmark = pytest.mark.needs("root")  # the agent's SO_MARK needs CAP_NET_ADMIN
-
-
-@contextlib.contextmanager
-def counting_listener(backlog: int = 16) -> Iterator[socket.socket]:
-    """A listener the test looks into: any connection that reached it is pending."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(backlog)
-    sock.setblocking(False)
-    try:
-        yield sock
-    finally:
-        sock.close()
 
 
 def assert_reset(port: int) -> None:
@@ -50,14 +36,13 @@ def assert_reset(port: int) -> None:
 
 def test_the_agent_dials_only_allowed_targets_and_refuses_failed_dials(
         tmp_path: Path, certs: Certs, upstream: Upstream) -> None:
-    with counting_listener() as denied, counting_listener(0) as blackhole:
-        # A backlog-0 listener with one connection pending drops further SYNs.
-        filler = socket.create_connection(blackhole.getsockname())
+    # `denied` is looked into at the end: any connection that reached it is pending.
+    with listener() as denied, full_backlog() as blackhole:
         closed_port = free_port()  # nothing listens there: the kernel answers RST
         scfg = server_config(tmp_path, certs, upstream)
         ports = {name: free_port() for name in ("denied", "blackhole", "closed")}
         targets = {"denied": f"127.0.0.1:{denied.getsockname()[1]}",
-                   "blackhole": f"127.0.0.1:{blackhole.getsockname()[1]}",
+                   "blackhole": f"127.0.0.1:{blackhole[1]}",
                    "closed": f"127.0.0.1:{closed_port}"}
         scfg["tcp"] += [{"name": name, "listen": f"127.0.0.1:{port}", "node": "edge-1",
                          "target": targets[name]} for name, port in ports.items()]
@@ -91,4 +76,3 @@ def test_the_agent_dials_only_allowed_targets_and_refuses_failed_dials(
         finally:
             agent.stop()
             server.stop()
-            filler.close()

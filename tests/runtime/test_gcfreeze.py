@@ -54,11 +54,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_survivors_are_frozen_and_frozen_garbage_cycles_are_still_collected() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True,
+def run_script(script: str) -> None:
+    """Run `script` in a fresh interpreter; it prints "ok" when its asserts held."""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_survivors_are_frozen_and_frozen_garbage_cycles_are_still_collected() -> None:
+    run_script(SCRIPT)
 
 
 GROWTH_SCRIPT = textwrap.dedent("""
@@ -110,7 +115,4 @@ GROWTH_SCRIPT = textwrap.dedent("""
 
 
 def test_frozen_garbage_is_collected_early_when_the_frozen_heap_grows() -> None:
-    done = subprocess.run([sys.executable, "-c", GROWTH_SCRIPT], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    run_script(GROWTH_SCRIPT)

@@ -61,6 +61,7 @@ from nodeagent.http.stats import HttpStats
 from nodeagent.testing.grpcservice import GrpcEcho
 from nodeagent.testing.standalone import free_port
 from scripts.bench.h2 import bidi_echo, grpc_calls
+from scripts.bench.h2_front import run_profiled
 from scripts.bench.http_front import _cpu_seconds, open_direct
 
 MIB = 1024 * 1024
@@ -110,22 +111,7 @@ def _run_front(port: int, backend_port: int, overrides: dict[str, int],
 
             await trio.serve_tcp(handle, port, host="127.0.0.1")
 
-    if profile is None:
-        trio.run(main)
-        return
-    import cProfile
-    import signal
-
-    prof = cProfile.Profile()
-
-    def stop(*_: object) -> None:
-        prof.disable()
-        prof.dump_stats(profile)
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    prof.enable()
-    trio.run(main)
+    run_profiled(main, profile)
 
 
 def _tree_front(tree: str, port: int, backend_port: int, callgrind: str | None = None

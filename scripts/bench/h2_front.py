@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -58,8 +59,14 @@ def _run_front(port: int, h1_port: int, h2c_port: int, profile: str | None) -> N
     h2c = Route("h2c", (Backend(None, "127.0.0.1", h2c_port),), backend_protocol="h2c")
     table = RouteTable.build([RouteSpec(None, "/", h1), RouteSpec("h2c.test", "/", h2c)])
     front = HttpFront(table=lambda: table, open_upstream=open_direct)
+    run_profiled(lambda: front.run("127.0.0.1", port), profile)
+
+
+def run_profiled(main: Callable[[], Awaitable[object]], profile: str | None) -> None:
+    """`trio.run(main)`; with `profile`, under cProfile, its stats written to that path
+    when the process is sent SIGTERM (how the benchmarks stop a front)."""
     if profile is None:
-        trio.run(front.run, "127.0.0.1", port)
+        trio.run(main)
         return
     import cProfile
 
@@ -72,7 +79,7 @@ def _run_front(port: int, h1_port: int, h2c_port: int, profile: str | None) -> N
 
     signal.signal(signal.SIGTERM, stop)
     prof.enable()
-    trio.run(front.run, "127.0.0.1", port)
+    trio.run(main)
 
 
 def h2load(port: int, path: str, requests: int) -> tuple[float, int]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import hpack
@@ -19,7 +21,7 @@ import trustme
 from nodeagent.http import Backend, CertStore, Limits, Route, RouteSpec, TlsConfig
 from nodeagent.http.h2session import PREFACE
 from nodeagent.http.tls import context_from_pem
-from tests.http.helpers import H2Origin, RawH2, Upstream, running_front, start_tcp
+from tests.http.helpers import Front, H2Origin, RawH2, Upstream, running_front, start_tcp
 
 
 def client(**kwargs: Any) -> httpx.AsyncClient:
@@ -345,11 +347,20 @@ async def test_a_slow_preface_or_frame_is_dropped_after_the_header_timeout(
 # -- requests relayed without a task of their own (h2c backends) -----------------------------
 
 
-async def _warm(client: RawH2) -> None:
-    """A first request dials the backend's h2c connection (a task does that); the next
-    ones find it live and go without a task."""
-    sid = await client.send("/warm")
-    await client.wait_for(lambda: sid in client.ended)
+@asynccontextmanager
+async def warm_h2c_front(nursery: trio.Nursery, limits: Limits | None = None,
+                         ) -> AsyncIterator[tuple[H2Origin, Front, RawH2]]:
+    """An h2c origin behind a front and a client of it, after a first request: that one
+    dials the backend's h2c connection (a task does that); the next ones find it live and
+    go without a task. Yields the origin, the running front and the client."""
+    origin = H2Origin()
+    port = await start_tcp(nursery, origin.handle)
+    routes = [RouteSpec(None, "/", route_to(port, protocol="h2c"))]
+    async with running_front(routes, limits) as f:
+        client = await RawH2.connect(f.port)
+        sid = await client.send("/warm")
+        await client.wait_for(lambda: sid in client.ended)
+        yield origin, f, client
 
 
 async def test_whole_requests_to_an_h2c_backend_go_without_a_task(
@@ -357,11 +368,7 @@ async def test_whole_requests_to_an_h2c_backend_go_without_a_task(
     """Requests whose body came with their head (or that have none), to a live h2c
     connection, are relayed by the connections' readers: answered with the body, the
     trailers and the statuses as a task would, and counted per route."""
-    origin = H2Origin()
-    port = await start_tcp(nursery, origin.handle)
-    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
-        client = await RawH2.connect(f.port)
-        await _warm(client)
+    async with warm_h2c_front(nursery) as (origin, f, client):
         get = await client.send("/get")
         post = await client.send("/post", b"z" * 5000, [(b"te", b"trailers")])
         reset = await client.send("/reset")
@@ -384,14 +391,8 @@ async def test_a_stream_without_a_task_honours_reset_and_deadlines(
     response head still times out (504) and a gRPC call's `grpc-timeout` still ends it
     (DEADLINE_EXCEEDED), each resetting the backend's stream; a lost backend connection
     fails the stream (502)."""
-    origin = H2Origin()
-    port = await start_tcp(nursery, origin.handle)
-    limits = Limits(response_timeout=0.5)
     grpc = [(b"content-type", b"application/grpc"), (b"te", b"trailers")]
-    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))],
-                             limits) as f:
-        client = await RawH2.connect(f.port)
-        await _warm(client)
+    async with warm_h2c_front(nursery, Limits(response_timeout=0.5)) as (origin, f, client):
         stats = f.front.stats
         cancelled = await client.send("/hang")
         with trio.fail_after(5):
@@ -430,11 +431,7 @@ async def test_a_stream_without_a_task_waits_for_the_window_in_a_task(
     own once the window is shut, within the windows as before (64 KiB to a client that
     does not read, the backend held at the front's stream window), and finishes when
     the client reads."""
-    origin = H2Origin()
-    port = await start_tcp(nursery, origin.handle)
-    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
-        client = await RawH2.connect(f.port)
-        await _warm(client)
+    async with warm_h2c_front(nursery) as (origin, f, client):
         sid = await client.send("/big?n=8388608")
         await client.pump(2.0, grant=False)
         assert client.status[sid] == 200
@@ -447,11 +444,7 @@ async def test_a_stream_without_a_task_waits_for_the_window_in_a_task(
 
 
 async def test_drain_lets_streams_without_a_task_finish(nursery: trio.Nursery) -> None:
-    origin = H2Origin()
-    port = await start_tcp(nursery, origin.handle)
-    async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
-        client = await RawH2.connect(f.port)
-        await _warm(client)
+    async with warm_h2c_front(nursery) as (origin, f, client):
         sid = await client.send("/slow")
         with trio.fail_after(5):
             while origin.open_streams < 1:

@@ -12,6 +12,7 @@ streams arrive through the tunnel listener (openers.AgentStreams).
 from __future__ import annotations
 
 import functools
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -89,21 +90,33 @@ class TcpMappingListener(Listener):
         listeners = await open_tcp_listeners(mapping.listen.port, host=mapping.listen.host,
                                              reuse_port=self._reuse_port)
         self.addresses = [socket_address(lst) for lst in listeners]
-        # Connections carried by tunnel connections' splice loops, not by tasks here:
-        # stopping the mapping ends them all the same.
+        # Connections carried by tunnel connections' splice loops, not by tasks here (one
+        # accept loop per listening socket, no task per connection: tcpmappings.py):
+        # stopping the mapping ends them all the same, those still opening too.
         owner = SpliceOwner()
+        sockets = [_detached(lst) for lst in listeners]
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(trio.serve_listeners,
-                                    functools.partial(self._relay.serve, mapping, owner=owner),
-                                    listeners)
+                for sock in sockets:
+                    nursery.start_soon(self._relay.accept_loop, mapping, sock, owner, nursery)
                 task_status.started(self.addresses)
         finally:
             owner.abort_all("tcp mapping stopped")
+            for sock in sockets:
+                sock.close()
 
     def details(self) -> dict[str, Any]:
         return {"node": self.mapping.node, "target": str(self.mapping.target),
                 "proxy_protocol": self.mapping.proxy_protocol}
+
+
+def _detached(listener: trio.SocketListener) -> socket.socket:
+    """The listening socket out of trio's wrappers: the accept loop takes connections
+    itself, as plain sockets."""
+    tsock = listener.socket
+    sock = socket.socket(tsock.family, tsock.type, tsock.proto, tsock.detach())
+    sock.setblocking(False)
+    return sock
 
 
 class UdpMappingListener(Listener):

@@ -105,7 +105,15 @@ class TcpMappingRelay:
                         error=str(exc))
                     await trio.sleep(0.1)
                     break
-                stream = self.take(mapping, sock, address, owner, nursery)
+                try:
+                    stream = self.take(mapping, sock, address, owner, nursery)
+                except Exception as exc:
+                    # A bug here must cost one connection, never the mapping's listener.
+                    self.log.error("tcp mapping connection failed", error=repr(exc),
+                                   listener=mapping.name or f":{mapping.listen.port}",
+                                   exc_info=True)
+                    reset_socket(sock)
+                    continue
                 if stream is not None and stream.connection not in carriers:
                     carriers.append(stream.connection)
             # The batch's OPENs in one write, and no more accepting while the node's

@@ -88,6 +88,11 @@ class Mapping:
     def outcome(self, name: str) -> int:
         return self.server.outcomes.counts[name]
 
+    def streams_open(self) -> int:
+        """Streams (and opens) the server's connection to the node still holds."""
+        conn = self.server.tunnel.connection_for("edge-1")
+        return conn.info().streams_open if conn is not None else 0
+
     def opening_rows(self) -> list[dict[str, Any]]:
         rows = self.server.streams()["streams"]
         return [r for r in rows if r["state"] == "opening"]
@@ -228,6 +233,7 @@ async def test_an_open_never_answered_times_out_and_resets_both_ends(tmp_path: P
         # The abandoned open was reset toward the node too: its stream is gone there.
         await until(lambda: agent.held[0].stream.reset_reason is not None)
         assert m.opening_rows() == []
+        assert m.streams_open() == 0  # nothing left on the books for the abandoned open
 
 
 async def test_a_client_that_resets_before_the_answer_ends_its_open_at_once(
@@ -243,6 +249,7 @@ async def test_a_client_that_resets_before_the_answer_ends_its_open_at_once(
         await until(lambda: agent.held[0].stream.reset_reason is not None)
         assert m.outcome("cancelled") == 1
         assert m.opening_rows() == []
+        assert m.streams_open() == 0
         assert m.outcome("accepted") == 0
 
 

@@ -12,7 +12,6 @@ streams arrive through the tunnel listener (openers.AgentStreams).
 from __future__ import annotations
 
 import functools
-import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -28,7 +27,7 @@ from nodeagent.ops.health import HealthServer
 from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.listener import Listener, socket_address
 from nodeagent.server.server import Server
-from nodeagent.server.tcpmappings import TcpMappingRelay
+from nodeagent.server.tcpmappings import TcpMappingRelay, detached
 from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.accept import serve
 from tunnel.listeners import bind_udp, open_tcp_listeners
@@ -94,11 +93,13 @@ class TcpMappingListener(Listener):
         # accept loop per listening socket, no task per connection: tcpmappings.py):
         # stopping the mapping ends them all the same, those still opening too.
         owner = SpliceOwner()
-        sockets = [_detached(lst) for lst in listeners]
+        sockets = [detached(lst) for lst in listeners]
         try:
             async with trio.open_nursery() as nursery:
+                take = functools.partial(self._relay.take, mapping, owner=owner,
+                                         nursery=nursery)
                 for sock in sockets:
-                    nursery.start_soon(self._relay.accept_loop, mapping, sock, owner, nursery)
+                    nursery.start_soon(self._relay.accept_loop, self.name, sock, take)
                 task_status.started(self.addresses)
         finally:
             owner.abort_all("tcp mapping stopped")
@@ -108,15 +109,6 @@ class TcpMappingListener(Listener):
     def details(self) -> dict[str, Any]:
         return {"node": self.mapping.node, "target": str(self.mapping.target),
                 "proxy_protocol": self.mapping.proxy_protocol}
-
-
-def _detached(listener: trio.SocketListener) -> socket.socket:
-    """The listening socket out of trio's wrappers: the accept loop takes connections
-    itself, as plain sockets."""
-    tsock = listener.socket
-    sock = socket.socket(tsock.family, tsock.type, tsock.proto, tsock.detach())
-    sock.setblocking(False)
-    return sock
 
 
 class UdpMappingListener(Listener):

@@ -51,6 +51,10 @@ from tunnel.splice import SpliceResult
 from tunnel.spliceloop import SpliceEnd, SpliceOwner, reset_socket
 from tunnel.stream import StreamCarrier, TunnelStream
 
+Take = Callable[[socket.socket, tuple[str, int]], "TunnelStream | None"]
+"""One accepted connection and its peer's address, handed over without a task: the stream
+opened for it, if any (its connection's output is flushed after the accept batch)."""
+
 # Connections taken per wake-up of the accept loop before their OPENs go out together.
 ACCEPT_BATCH = 64
 # accept() failures that cost the connection being accepted, not the loop (trio's list).
@@ -81,11 +85,10 @@ class TcpMappingRelay:
         self._stream_bytes = stream_bytes
         self.log = log
 
-    async def accept_loop(self, mapping: TcpMapping, listener: socket.socket,
-                          owner: SpliceOwner, nursery: trio.Nursery) -> None:
-        """Accept `mapping`'s connections on `listener` (non-blocking) until cancelled,
-        each handed to `take` on behalf of `owner`; `nursery` runs `serve`'s task for a
-        connection that needs one (a trusted balancer's)."""
+    async def accept_loop(self, name: str, listener: socket.socket, take: Take) -> None:
+        """Accept connections on `listener` (non-blocking; `name` for the log) until
+        cancelled, each handed to `take` (`functools.partial(relay.take, mapping, ...)`,
+        or a load balancer port's choice of mapping first)."""
         while True:
             await trio.lowlevel.wait_readable(listener)
             carriers: list[StreamCarrier] = []
@@ -100,18 +103,16 @@ class TcpMappingRelay:
                     if exc.errno not in _CAPACITY_ERRNOS:
                         raise
                     self._accept_log.warning(
-                        f"accept:{mapping.listen}", "out of file descriptors; accept "
-                        "paused", listener=mapping.name or f":{mapping.listen.port}",
-                        error=str(exc))
+                        f"accept:{name}", "out of file descriptors; accept paused",
+                        listener=name, error=str(exc))
                     await trio.sleep(0.1)
                     break
                 try:
-                    stream = self.take(mapping, sock, address, owner, nursery)
+                    stream = take(sock, address)
                 except Exception as exc:
                     # A bug here must cost one connection, never the mapping's listener.
                     self.log.error("tcp mapping connection failed", error=repr(exc),
-                                   listener=mapping.name or f":{mapping.listen.port}",
-                                   exc_info=True)
+                                   listener=name, exc_info=True)
                     reset_socket(sock)
                     continue
                 if stream is not None and stream.connection not in carriers:
@@ -124,7 +125,7 @@ class TcpMappingRelay:
                 except TunnelClosedError:
                     pass  # its opens are failed by the connection's end
 
-    def take(self, mapping: TcpMapping, sock: socket.socket, address: tuple[str, int],
+    def take(self, mapping: TcpMapping, sock: socket.socket, address: tuple[str, int], *,
              owner: SpliceOwner, nursery: trio.Nursery) -> TunnelStream | None:
         """One accepted connection (`address`: its peer), without a task: its OPEN queued
         (`open_to_now`), or it is reset and counted. The stream opened, if any."""
@@ -264,6 +265,15 @@ class TcpMappingRelay:
     def _mapping_log(self, mapping: TcpMapping, peer: str) -> StructuredLogger:
         return self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
                              node=mapping.node, target=str(mapping.target), client=peer)
+
+
+def detached(listener: trio.SocketListener) -> socket.socket:
+    """A listening socket out of trio's wrappers, non-blocking: `accept_loop` takes
+    connections itself, as plain sockets."""
+    tsock = listener.socket
+    sock = socket.socket(tsock.family, tsock.type, tsock.proto, tsock.detach())
+    sock.setblocking(False)
+    return sock
 
 
 def socket_addresses(stream: trio.SocketStream) -> tuple[tuple[str, int] | None,

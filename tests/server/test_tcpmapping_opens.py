@@ -25,6 +25,7 @@ import trio.testing
 from nodeagent.ops.listener import Listeners
 from nodeagent.server.listeners import server_listeners
 from nodeagent.server.server import Server
+from nodeagent.testing.standalone import free_port
 from tests.server.test_policy import SETTINGS, TOKEN, make_server
 from tests.tunnel.memtransport import memory_transport_pair
 from tests.tunnel.test_dial_in_loop import SpawnCounter, accept, listener
@@ -100,10 +101,14 @@ class Mapping:
 
 @asynccontextmanager
 async def mapping(tmp_path: Path, agent: Agent, *, dial_timeout: float = 30,
-                  connected: bool = True, **extra: Any) -> AsyncIterator[Mapping]:
+                  connected: bool = True, balanced_port: int | None = None,
+                  **extra: Any) -> AsyncIterator[Mapping]:
+    target = f"{agent.target[0]}:{agent.target[1]}"
+    balanced = {"load_balancer_host": "127.0.0.1", "load_balancers": [
+        {"name": "apps/echo", "ports": [{"port": balanced_port, "backends": [
+            {"node": "edge-1", "target": target}]}]}]} if balanced_port else {}
     server = make_server({"tcp": [{"name": "app", "listen": "127.0.0.1:0", "node": "edge-1",
-                                   "target": f"{agent.target[0]}:{agent.target[1]}",
-                                   **extra}]},
+                                   "target": target, **extra}], **balanced},
                          debug_socket=str(tmp_path / "server.sock"), dial_timeout=dial_timeout)
     listeners = server.listeners = Listeners(server_listeners(
         server, tunnel_context=None, reuse_port=False, runs_connect_front=False))
@@ -346,3 +351,38 @@ async def test_a_proxy_protocol_mapping_sends_its_header_before_the_clients_byte
                     header = (f"PROXY TCP4 127.0.0.1 127.0.0.1 {port} {m.address[1]}\r\n"
                               .encode())
                     assert await recv_exactly(conn, len(header) + 5) == header + b"hello"
+
+
+async def test_a_load_balancer_ports_connections_take_no_task_either(tmp_path: Path) -> None:
+    """A LoadBalancer Service port picks the backend per connection and opens it as a
+    mapping does; closing the port (its Service gone) resets the connections it carries."""
+    balanced = free_port()
+    with listener() as target:
+        agent = Agent(target.getsockname())
+        async with mapping(tmp_path, agent, balanced_port=balanced) as m:
+            lb = m.server.load_balancers
+            await until(lambda: lb.ports[("tcp", balanced)].state == "listening")
+            with client_of(("127.0.0.1", balanced)) as first:  # the loops start here
+                (await accept(target)).close()
+                assert await recv_until_closed(first) == b""
+            counter = SpawnCounter()
+            trio.lowlevel.add_instrument(counter)
+            try:
+                clients, conns = [], []
+                for i in range(10):
+                    client = client_of(("127.0.0.1", balanced))
+                    conn = await accept(target)
+                    client.send(b"%d" % i)
+                    assert await recv_exactly(conn, len(b"%d" % i)) == b"%d" % i
+                    clients.append(client)
+                    conns.append(conn)
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            assert counter.spawned == 0
+            assert lb.ports[("tcp", balanced)].accepted == 11
+            lb.update(())  # the Service is gone: its port closes
+            for client in clients:
+                with client, pytest.raises(ConnectionResetError):
+                    await recv_until_closed(client)
+            for conn in conns:
+                conn.close()

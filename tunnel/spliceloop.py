@@ -95,6 +95,9 @@ class SpliceEnd:
 
 OnEnd = Callable[[SpliceEnd], None]
 OnRefused = Callable[[StreamFailed], None]
+OnLost = Callable[[socket.socket], bool]
+"""Offered the client socket of an open whose tunnel connection ended before the answer:
+True if it took it (opened again through a newer connection), else it is reset."""
 
 
 class _Dial:
@@ -139,21 +142,23 @@ class _Open:
     `_Dial`. Accepted, the socket joins the splice (`to_tunnel` first); anything else
     resets the client and calls `on_refused`."""
 
-    __slots__ = ("deadline", "on_accepted", "on_refused", "splice", "timeout", "to_tunnel")
+    __slots__ = ("deadline", "on_accepted", "on_lost", "on_refused", "splice", "timeout",
+                 "to_tunnel")
 
     def __init__(self, timeout: float, to_tunnel: bytes, on_accepted: Callable[[], None],
-                 on_refused: OnRefused) -> None:
+                 on_refused: OnRefused, on_lost: OnLost | None) -> None:
         self.splice: _Splice | None = None  # set by SpliceLoop.open; None once answered
         self.deadline = math.inf
         self.timeout = timeout
         self.to_tunnel = to_tunnel
         self.on_accepted = on_accepted
         self.on_refused = on_refused
+        self.on_lost = on_lost
 
-    def answered(self) -> tuple[bytes, Callable[[], None], OnRefused]:
-        answer = self.to_tunnel, self.on_accepted, self.on_refused
+    def answered(self) -> tuple[bytes, Callable[[], None], OnRefused, OnLost | None]:
+        answer = self.to_tunnel, self.on_accepted, self.on_refused, self.on_lost
         self.splice = None
-        del self.to_tunnel, self.on_accepted, self.on_refused
+        del self.to_tunnel, self.on_accepted, self.on_refused, self.on_lost
         return answer
 
     # ---- tunnel.stream.OpenAnswer: called by the connection's reader, or at its end
@@ -295,7 +300,8 @@ class StreamOpener(Protocol):
 def open_in_loop(opener: StreamOpener, target: p.Target, metadata: dict[str, str],
                  sock: socket.socket, *, timeout: float, on_accepted: Callable[[], None],
                  on_refused: OnRefused, on_end: OnEnd, to_tunnel: bytes = b"",
-                 owner: SpliceOwner | None = None) -> TunnelStream | None:
+                 owner: SpliceOwner | None = None,
+                 on_lost: OnLost | None = None) -> TunnelStream | None:
     """Open a stream to `target` for the client connection `sock` (a non-blocking socket
     this call owns from now on) and return at once: no task waits for the answer. The
     OPEN is queued (the caller gets it moving: `send_queued` after a batch). Accepted
@@ -303,8 +309,10 @@ def open_in_loop(opener: StreamOpener, target: p.Target, metadata: dict[str, str
     `splice_in_loop` does, `to_tunnel` first (`on_end` at the end); refused, unanswered
     within `timeout`, the connection lost or the client reset first: the client is reset,
     the stream (if any) too, and `on_refused` says why (no `on_end`). Callbacks must not
-    raise or wait. The stream, for notes; None if it could not even be opened."""
-    pending = _Open(timeout, to_tunnel, on_accepted, on_refused)
+    raise or wait. The stream, for notes; None if it could not even be opened. `on_lost`:
+    the tunnel connection ended first (an agent that reconnected replaces its old one),
+    and the client socket may be opened again elsewhere (see OnLost)."""
+    pending = _Open(timeout, to_tunnel, on_accepted, on_refused, on_lost)
     try:
         stream = opener.open_stream_nowait(target, metadata, pending)
     except (StreamFailed, TunnelClosedError) as exc:
@@ -596,7 +604,7 @@ class SpliceLoop:
         pending = s.dial
         assert isinstance(pending, _Open)
         s.dial = None
-        to_tunnel, on_accepted, _ = pending.answered()
+        to_tunnel, on_accepted, _, _ = pending.answered()
         try:
             on_accepted()
         except Exception as exc:  # a bad callback must not end the others
@@ -620,7 +628,7 @@ class SpliceLoop:
         pending = s.dial
         assert isinstance(pending, _Open)
         s.dial = None
-        _, _, on_refused = pending.answered()
+        _, _, on_refused, on_lost = pending.answered()
         s.ended = True
         if self._splices.get(s.fd) is s:
             del self._splices[s.fd]
@@ -632,6 +640,21 @@ class SpliceLoop:
             stream.consumed(sum(map(len, s.out)))
         s.out = None
         stream.abort_now(p.StreamReason.CANCELLED, "open abandoned", wake=not self._in_round)
+        if (on_lost is not None and failure.reason is p.StreamReason.UNREACHABLE
+                and stream.connection.end_reason is not None):
+            # The connection ended under the open: the client may get another one.
+            if s.mask:
+                try:
+                    self._epoll.unregister(s.fd)
+                except (OSError, ValueError):
+                    pass  # closed with the loop already
+                s.mask = 0
+            try:
+                if on_lost(s.sock):
+                    return
+            except Exception as exc:  # a bad callback must not end the others
+                _log.error("open lost callback failed", target=str(stream.target),
+                           error=repr(exc))
         reset_socket(s.sock)
         _answer_refused(on_refused, failure, stream.target)
 

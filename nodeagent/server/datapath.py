@@ -191,24 +191,41 @@ class DataPath:
     def open_to_now(self, node: str, host: str, port: int, origin: str,
                     client: socket.socket, *, to_tunnel: bytes, owner: SpliceOwner | None,
                     on_accepted: Callable[[], None], on_refused: OnRefused,
-                    on_end: OnEnd) -> TunnelStream | None:
+                    on_end: OnEnd, retried: bool = False) -> TunnelStream | None:
         """`open_to` for a caller that does not wait (a TCP mapping's accept loop): a
         stream to host:port through `node`, joined to the client connection `client` by
         the node's tunnel connection's splice loop once accepted (tunnel/spliceloop.py
         `open_in_loop`, `to_tunnel` first), within the dial timeout. Any failure (not
         connected, refused, timed out, the tunnel lost, the client gone) resets the
-        client and goes to `on_refused`. The stream, or None if none was opened."""
-        assert self._live_connection is not None
+        client and goes to `on_refused`; the tunnel lost while a newer connection of the
+        node is up (the agent reconnected), the open is tried there once, as
+        TunnelServer.open_stream does. The stream, or None if none was opened."""
+        live = self._live_connection
+        assert live is not None
         try:
-            conn = self._live_connection(node)
+            conn = live(node)
         except StreamFailed as exc:
             reset_socket(client)
             on_refused(exc)
             return None
+
+        def reopen(sock: socket.socket) -> bool:
+            try:
+                newer = live(node)
+            except StreamFailed:
+                return False
+            if newer is conn:
+                return False
+            self.open_to_now(node, host, port, origin, sock, to_tunnel=to_tunnel,
+                             owner=owner, on_accepted=on_accepted, on_refused=on_refused,
+                             on_end=on_end, retried=True)
+            newer.flush()  # its OPEN: nobody else flushes this connection now
+            return True
+
         return open_in_loop(conn, p.Target(host, port), {"origin": origin}, client,
                             timeout=self.dial_timeout, on_accepted=on_accepted,
                             on_refused=on_refused, on_end=on_end, to_tunnel=to_tunnel,
-                            owner=owner)
+                            owner=owner, on_lost=None if retried else reopen)
 
     async def open_flow(self, node: str, target: p.Target, origin: str,
                         idle_timeout: float) -> TunnelStream:

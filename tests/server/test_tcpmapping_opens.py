@@ -386,3 +386,31 @@ async def test_a_load_balancer_ports_connections_take_no_task_either(tmp_path: P
                     await recv_until_closed(client)
             for conn in conns:
                 conn.close()
+
+
+async def test_opens_pending_when_the_agent_reconnects_go_through_its_new_connection(
+        tmp_path: Path) -> None:
+    """The agent's new connection replaces its old one (REPLACED) while OPENs wait on the
+    old: each is sent again through the new one, once, as a task's open_stream does."""
+    with listener() as target:
+        old = Agent(target.getsockname(), hold=True)
+        async with mapping(tmp_path, old) as m:
+            clients = [client_of(m.address) for _ in range(3)]
+            await until(lambda: len(old.held) == 3)
+            new = Agent(target.getsockname())
+            ours, theirs = memory_transport_pair()
+            m.nursery.start_soon(m.server.tunnel.handle_transport, theirs)
+            conn = TunnelConnection(ours, p.Role.DIALER, SETTINGS, new.handler,
+                                    take_stream=new.take)
+            await conn.dial_handshake(p.Hello(identity={"node": "edge-1", "token": TOKEN}))
+            await m.nursery.start(conn.run)
+            for i, client in enumerate(clients):
+                client.send(b"%d" % i)
+            conns = [await accept(target) for _ in range(3)]
+            received = sorted([await recv_exactly(c, 1) for c in conns])
+            assert received == [b"0", b"1", b"2"]
+            for sock in [*clients, *conns]:
+                sock.close()
+            await until(lambda: len(new.finished) == 3)
+            assert m.outcome("accepted") == 3
+            assert m.outcome("unreachable") == 0

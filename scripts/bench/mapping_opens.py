@@ -19,7 +19,9 @@ packages, in interleaved rounds; one run with a single connection is subtracted
 (interpreter, imports, handshake), so what is left is per connection. Prints one JSON
 object: median instructions per connection for each tree, and the median, min and max
 of the rounds' ratios (this / other). `--cpu`: CPU µs per connection of this process and
-of the agent's (from /proc), wall-clock-free but load-sensitive.
+of the agent's (from /proc), wall-clock-free but load-sensitive, and the tasks spawned
+and task steps per connection in this process (trio instrument; these do not move with
+the load; the client's task takes 3 of the steps).
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "0123456789abcdef0123"
+
+
+class _Steps(trio.abc.Instrument):
+    """Tasks spawned and task steps run in this process (load-independent counts)."""
+
+    def __init__(self) -> None:
+        self.spawned = 0
+        self.steps = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.spawned += 1
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
 
 
 def _cpu_of(pid: int) -> float:
@@ -104,11 +120,17 @@ async def server_side(conns: int, close_first: bool, echo_port: int) -> dict[str
                     await trio.sleep(0.01)
             address = (host, int(port))
             await _connection(address, close_first)  # warm: the loops start here
+            steps = _Steps()
+            trio.lowlevel.add_instrument(steps)
             agent_cpu, t0 = _cpu_of(agent.pid), time.process_time()
             for _ in range(conns):
                 await _connection(address, close_first)
             out["server_cpu_us_per_conn"] = (time.process_time() - t0) / conns * 1e6
             out["agent_cpu_us_per_conn"] = (_cpu_of(agent.pid) - agent_cpu) / conns * 1e6
+            trio.lowlevel.remove_instrument(steps)
+            # The client's own task is one step per wait (connect, echo, EOF): 3.
+            out["server_tasks_spawned_per_conn"] = steps.spawned / conns
+            out["server_task_steps_per_conn"] = steps.steps / conns
             accepted = server.outcomes.counts["accepted"]
             if accepted != conns + 1:
                 raise SystemExit(f"{accepted} of {conns + 1} connections accepted: "

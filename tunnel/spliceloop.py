@@ -306,7 +306,8 @@ def open_in_loop(opener: StreamOpener, target: p.Target, metadata: dict[str, str
     this call owns from now on) and return at once: no task waits for the answer. The
     OPEN is queued (the caller gets it moving: `send_queued` after a batch). Accepted
     (then `on_accepted`), the loop of the stream's connection splices the two as
-    `splice_in_loop` does, `to_tunnel` first (`on_end` at the end); refused, unanswered
+    `splice_in_loop` does, `to_tunnel` first (the opener's bytes, a PROXY header: not
+    counted in `on_end`'s figures) (`on_end` at the end); refused, unanswered
     within `timeout`, the connection lost or the client reset first: the client is reset,
     the stream (if any) too, and `on_refused` says why (no `on_end`). Callbacks must not
     raise or wait. The stream, for notes; None if it could not even be opened. `on_lost`:
@@ -610,8 +611,10 @@ class SpliceLoop:
         except Exception as exc:  # a bad callback must not end the others
             _log.error("open accept callback failed", stream=s.stream.stream_id,
                        target=str(s.stream.target), error=repr(exc))
-        if to_tunnel and not self.to_tunnel(s, to_tunnel):
-            if s.ended:
+        if to_tunnel:
+            sent_all = self.to_tunnel(s, to_tunnel)
+            s.to_tunnel -= len(to_tunnel)  # the owner's bytes (a header): not the client's
+            if not sent_all and s.ended:
                 return
         if not s.out:
             s.out = None

@@ -351,6 +351,9 @@ async def test_a_proxy_protocol_mapping_sends_its_header_before_the_clients_byte
                     header = (f"PROXY TCP4 127.0.0.1 127.0.0.1 {port} {m.address[1]}\r\n"
                               .encode())
                     assert await recv_exactly(conn, len(header) + 5) == header + b"hello"
+            sent = m.server.metrics.registry.get_sample_value  # the client's bytes alone
+            await until(lambda: sent("nodeagent_stream_bytes_total", {"direction": "out"})
+                        == 5)
 
 
 async def test_a_load_balancer_ports_connections_take_no_task_either(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from tests.tunnel.memtransport import memory_transport_pair
 from tests.tunnel.test_dial_in_loop import SpawnCounter, accept, listener
 from tests.tunnel.test_spliceloop import recv_exactly, recv_until_closed
 from tunnel import protocol as p
-from tunnel.endpoint import IncomingStream, TunnelConnection
+from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
 from tunnel.log import _FIELDS
 from tunnel.relay import relay_incoming_now
 from tunnel.splice import SpliceResult
@@ -102,7 +102,7 @@ class Mapping:
 @asynccontextmanager
 async def mapping(tmp_path: Path, agent: Agent, *, dial_timeout: float = 30,
                   connected: bool = True, balanced_port: int | None = None,
-                  **extra: Any) -> AsyncIterator[Mapping]:
+                  settings: EndpointSettings = SETTINGS, **extra: Any) -> AsyncIterator[Mapping]:
     target = f"{agent.target[0]}:{agent.target[1]}"
     balanced = {"load_balancer_host": "127.0.0.1", "load_balancers": [
         {"name": "apps/echo", "ports": [{"port": balanced_port, "backends": [
@@ -118,7 +118,7 @@ async def mapping(tmp_path: Path, agent: Agent, *, dial_timeout: float = 30,
         if connected:
             ours, theirs = memory_transport_pair()
             nursery.start_soon(server.tunnel.handle_transport, theirs)
-            conn = agent.connection = TunnelConnection(ours, p.Role.DIALER, SETTINGS,
+            conn = agent.connection = TunnelConnection(ours, p.Role.DIALER, settings,
                                                        agent.handler, take_stream=agent.take)
             await conn.dial_handshake(p.Hello(identity={"node": "edge-1", "token": TOKEN}))
             await nursery.start(conn.run)
@@ -417,3 +417,18 @@ async def test_opens_pending_when_the_agent_reconnects_go_through_its_new_connec
             await until(lambda: len(new.finished) == 3)
             assert m.outcome("accepted") == 3
             assert m.outcome("unreachable") == 0
+
+
+async def test_opens_beyond_the_nodes_stream_limit_are_refused_as_overloaded(
+        tmp_path: Path) -> None:
+    agent = Agent(hold=True)
+    limited = EndpointSettings(ping_interval=0, protocol=p.Settings(max_streams=2))
+    async with mapping(tmp_path, agent, settings=limited) as m:
+        waiting = [client_of(m.address) for _ in range(2)]
+        await until(lambda: len(agent.held) == 2)
+        with client_of(m.address) as third, pytest.raises(ConnectionResetError):
+            await recv_until_closed(third)
+        assert m.outcome("overloaded") == 1
+        assert len(m.opening_rows()) == 2
+        for client in waiting:
+            client.close()

@@ -622,6 +622,10 @@ class SpliceLoop:
             self.flush(s)
         elif s.eof_pending:
             self.shut_write(s)
+        if not s.ended and s.reading and s.held is None:
+            # What the client sent while the OPEN waited (its request: most clients
+            # speak first) goes now, with the reader's output: no loop round for it.
+            self.read(s)
         if not s.ended:
             self.update(s)
 

@@ -137,12 +137,7 @@ class TcpMappingRelay:
                 self.serve, mapping, trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
                 owner=owner))
             return None
-        try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:  # reset before we got to it
-            reset_socket(sock)
-            return None
+        sock.setblocking(False)  # (TCP_NODELAY comes from the listener: `detached`)
         self._check_health(mapping)
         peer = format_address(source)
         header = b""
@@ -269,10 +264,12 @@ class TcpMappingRelay:
 
 def detached(listener: trio.SocketListener) -> socket.socket:
     """A listening socket out of trio's wrappers, non-blocking: `accept_loop` takes
-    connections itself, as plain sockets."""
+    connections itself, as plain sockets. TCP_NODELAY is set here: Linux gives every
+    accepted connection the listener's (a setsockopt per connection saved)."""
     tsock = listener.socket
     sock = socket.socket(tsock.family, tsock.type, tsock.proto, tsock.detach())
     sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 

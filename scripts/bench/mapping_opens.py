@@ -21,7 +21,8 @@ object: median instructions per connection for each tree, and the median, min an
 of the rounds' ratios (this / other). `--cpu`: CPU µs per connection of this process and
 of the agent's (from /proc), wall-clock-free but load-sensitive, and the tasks spawned
 and task steps per connection in this process (trio instrument; these do not move with
-the load; the client's task takes 3 of the steps).
+the load; the client's task takes 3 of the steps), and the median wall-clock time of
+one connection (connect to the client's close; this one moves with the load).
 """
 
 from __future__ import annotations
@@ -123,14 +124,18 @@ async def server_side(conns: int, close_first: bool, echo_port: int) -> dict[str
             steps = _Steps()
             trio.lowlevel.add_instrument(steps)
             agent_cpu, t0 = _cpu_of(agent.pid), time.process_time()
+            latencies = []
             for _ in range(conns):
+                started = time.perf_counter()
                 await _connection(address, close_first)
+                latencies.append(time.perf_counter() - started)
             out["server_cpu_us_per_conn"] = (time.process_time() - t0) / conns * 1e6
             out["agent_cpu_us_per_conn"] = (_cpu_of(agent.pid) - agent_cpu) / conns * 1e6
             trio.lowlevel.remove_instrument(steps)
             # The client's own task is one step per wait (connect, echo, EOF): 3.
             out["server_tasks_spawned_per_conn"] = steps.spawned / conns
             out["server_task_steps_per_conn"] = steps.steps / conns
+            out["latency_p50_us"] = statistics.median(latencies) * 1e6
             accepted = server.outcomes.counts["accepted"]
             if accepted != conns + 1:
                 raise SystemExit(f"{accepted} of {conns + 1} connections accepted: "

@@ -432,3 +432,19 @@ async def test_opens_beyond_the_nodes_stream_limit_are_refused_as_overloaded(
         assert len(m.opening_rows()) == 2
         for client in waiting:
             client.close()
+
+
+async def test_a_node_draining_its_tunnel_refuses_new_connections_as_draining(
+        tmp_path: Path) -> None:
+    """The agent said GOAWAY (it is shutting down): no new OPEN on that connection; the
+    client is reset at once and the refusal counted, as a task's open_stream did."""
+    agent = Agent(hold=True)
+    async with mapping(tmp_path, agent) as m:
+        assert agent.connection is not None
+        agent.connection.goaway("agent shutting down")
+        await until(lambda: m.server.tunnel.connection_for("edge-1") is not None
+                    and m.server.tunnel.connection_for("edge-1").goaway_received.is_set())
+        with client_of(m.address) as client, pytest.raises(ConnectionResetError):
+            await recv_until_closed(client)
+        assert m.outcome("draining") == 1
+        assert agent.held == []

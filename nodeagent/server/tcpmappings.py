@@ -13,7 +13,9 @@ as a task waiting for its stream did.
 
 `TcpMappingRelay.serve` is the same with a task per connection, for the connections
 that must wait for something before their OPEN: a trusted balancer's (its PROXY header
-is read first), a held connection's (heldconnections.py), a load balancer port's.
+is read first) and a held connection's (heldconnections.py, a sleeping Service's). A
+LoadBalancer Service's port (loadbalancers.py) uses the accept loop too, its backend
+picked per connection before `take`.
 
 PROXY protocol (docs/proxy-protocol.md): a connection from a trusted load balancer starts
 with its v2 header, read first (`ProxyTrust.client_of`), and its client is the one logged

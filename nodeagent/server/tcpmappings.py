@@ -82,6 +82,10 @@ class TcpMappingRelay:
         # tried (as with every backend unhealthy), and said so once a minute.
         self._unhealthy = unhealthy
         self._health_log = RateLimitedLog(log, period=60.0)
+        # Refusals (node not connected, the agent refused, no answer): whoever can reach a
+        # mapping's port can cause one per connection, so a few lines per mapping and
+        # reason every 10 s, each with how many were left out since.
+        self._refusal_log = RateLimitedLog(log, period=10.0, burst=3)
         self._notes = notes
         self._outcomes = outcomes
         self._stream_bytes = stream_bytes
@@ -170,8 +174,11 @@ class TcpMappingRelay:
 
     def _refused(self, mapping: TcpMapping, peer: str, failure: StreamFailed) -> None:
         self._outcomes.outbound(failure.outcome)
-        self._mapping_log(mapping, peer).info("connection refused", reason=failure.outcome,
-                                              error=failure.message)
+        self._refusal_log.warning(
+            f"{mapping.name or mapping.listen.port}:{failure.outcome}", "connection refused",
+            listener=mapping.name or f":{mapping.listen.port}", node=mapping.node,
+            target=str(mapping.target), client=peer, reason=failure.outcome,
+            error=failure.message)
 
     def _ended(self, mapping: TcpMapping, peer: str, end: SpliceEnd) -> None:
         # The client is the splice's socket: what it sent went into the tunnel ("out").

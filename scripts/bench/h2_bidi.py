@@ -72,6 +72,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "both": {"stream_window": 4 * MIB, "connection_window": 32 * MIB,
              "max_frame_size": MIB},
     "up16k": {"pool_max_frame_size": 16 * 1024},
+    "win4m-conn8m": {"stream_window": 4 * MIB},
+    "frame256k": {"max_frame_size": 256 * 1024},
+    "win4m-conn8m-frame256k": {"stream_window": 4 * MIB, "max_frame_size": 256 * 1024},
 }
 
 

@@ -171,21 +171,68 @@ def test_too_many_concurrent_streams() -> None:
     assert server.streams_opened <= 10
 
 
-def test_continuation_flood_is_bounded() -> None:
-    """2024's CONTINUATION flood: a header block that never ends. h2 keeps at most 64
-    CONTINUATION frames of one block (~1 MiB at most), then GOAWAY."""
+@pytest.mark.parametrize("frame_size", [16_000, 256 * 1024 - 100])
+def test_continuation_flood_is_bounded(frame_size: int) -> None:
+    """2024's CONTINUATION flood: a header block that never ends. `h2` would hold 64
+    CONTINUATION frames of one block (16 MiB of the 256 KiB frames clients may send)
+    before refusing; the session refuses once the block held is over the header list size
+    (64 KiB), what it would refuse once decoded anyway."""
     _client, server = pair()
+    assert server.conn.max_inbound_frame_size == 256 * 1024
     frame = hf.HeadersFrame(1)
     frame.data = hpack.Encoder().encode(REQUEST)
     raw = frame.serialize()
-    with pytest.raises(H2Refused):
+    fed = 0
+    with pytest.raises(H2Refused) as info:
         for _ in range(10_000):
             cont = hf.ContinuationFrame(1)
-            cont.data = b"\x00" * 16_000
+            cont.data = b"\x00" * frame_size
             raw += cont.serialize()
+            fed += len(raw)
             server.receive(raw)
             raw = b""
+            assert server.pending_header_block() <= 64 * 1024
+    assert info.value.reason == "header_list_too_large"
     assert server.streams_opened == 0
+    # Refused within the header list size and one frame, not after 64 frames.
+    assert fed <= 64 * 1024 + frame_size + 100, fed
+
+
+def test_a_header_block_within_the_limit_in_continuations_passes() -> None:
+    """The header block bound counts what `h2` holds (`pending_header_block` sees it): a
+    legitimate head split over CONTINUATION frames, under the limit, is taken."""
+    _client, server = pair()
+    block = hpack.Encoder().encode([*REQUEST, (b"x-big", b"v" * 40_000)])
+    frame = hf.HeadersFrame(1)
+    frame.data = block[:20_000]
+    server.receive(frame.serialize())
+    assert server.pending_header_block() == 20_000
+    cont = hf.ContinuationFrame(1)
+    cont.data = block[20_000:]
+    cont.flags.add("END_HEADERS")
+    events = server.receive(cont.serialize())
+    assert [type(e) for e in events] == [HeadersIn] and server.pending_header_block() == 0
+
+
+def test_a_client_may_send_256_kib_frames_and_no_larger() -> None:
+    """Clients may send DATA frames of up to 256 KiB (`H2Settings.max_frame_size`); a frame
+    announcing more is refused as soon as more than one largest frame is held, not when
+    its announced length has arrived."""
+    client, server = pair()
+    assert client.max_outbound_frame_size == 256 * 1024
+    client.send_headers(1, REQUEST)
+    client.send_data(1, b"d" * 256 * 1024)
+    raw = client.data_to_send()
+    assert len(raw) < 256 * 1024 + 200  # one DATA frame
+    events = server.receive(raw)
+    assert sum(len(e.data) for e in events if isinstance(e, DataIn)) == 256 * 1024
+    over = (256 * 1024 + 1).to_bytes(3, "big") + b"\x00\x00" + (3).to_bytes(4, "big")
+    with pytest.raises(H2Refused) as info:
+        for _ in range(100):
+            server.receive(over + b"\x00" * 8191 if over else b"\x00" * 8192)
+            over = b""
+    assert info.value.reason == "frame_too_large"
+    assert server.pending_input() <= 256 * 1024 + 9 + 8192
 
 
 def test_hpack_bomb_is_refused() -> None:

@@ -79,7 +79,9 @@ class H2Upstream:
         self.stream = stream
         self.session = H2Session(client_side=True, settings=settings)
         self.wire = H2Wire(self.session, stream, stall_timeout=limits.idle_timeout)
-        self.read_size = limits.read_size
+        # A whole frame of the largest size the backend may send in one read: h2 parses a
+        # frame once it is whole, and each read costs the reader a round of its loop.
+        self.read_size = max(limits.read_size, settings.max_frame_size + 9)
         self.max_streams = settings.max_concurrent_streams
         self.inboxes: dict[int, Inbox] = {}
         self.paths: dict[int, tuple[bytes, float]] = {}  # stream → (:path, opened at)

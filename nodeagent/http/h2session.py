@@ -22,6 +22,7 @@ Framing, HPACK, stream states and flow-control accounting are `h2`'s; this modul
 from __future__ import annotations
 
 import binascii
+import logging
 from dataclasses import dataclass
 
 import h2.config
@@ -58,6 +59,36 @@ def _install_repr() -> None:
 
 
 _install_repr()
+
+
+class _NoDebugLog:
+    """Stands for hpack's module loggers: their `debug` does nothing."""
+
+    __slots__ = ()
+
+    def debug(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> object:  # warning(), error()...: the real logger's
+        return getattr(logging.getLogger("hpack"), name)
+
+
+def _quiet_hpack() -> None:
+    """hpack logs at debug level per integer and per header field it encodes or decodes,
+    ~70 `Logger.debug` calls per unary gRPC call crossing the front (both sides' heads and
+    trailers), each ~0.2 µs more than a call that does nothing even with debug off. The
+    lines are HPACK's internals, never wanted in a front's log: its module loggers are
+    replaced by one whose `debug` does nothing (tests/http/test_h2session.py checks it is
+    in place, where hpack has a module logger to replace)."""
+    import hpack.hpack
+    import hpack.table
+
+    for module in (hpack.hpack, hpack.table):
+        if isinstance(getattr(module, "log", None), logging.Logger):
+            module.log = _NoDebugLog()  # type: ignore[attr-defined]
+
+
+_quiet_hpack()
 
 
 class H2Refused(Exception):

@@ -286,6 +286,40 @@ def test_frame_reprs_for_h2s_trace_log_stay_hyperframes_and_are_cheap() -> None:
     assert repr(frame).endswith("<hex:01010101010101010101...>")
 
 
+def test_hpacks_per_field_debug_logging_is_off() -> None:
+    """hpack's module loggers (a debug line per header field and integer) are replaced by
+    one that drops debug lines: a head still encodes and decodes, and hpack's debug
+    calls go nowhere even with debug logging on."""
+    import logging
+
+    import hpack.hpack
+    import hpack.table
+
+    from nodeagent.http import h2session
+
+    assert isinstance(hpack.hpack.log, h2session._NoDebugLog)  # type: ignore[attr-defined]
+    assert isinstance(hpack.table.log, h2session._NoDebugLog)  # type: ignore[attr-defined]
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.DEBUG)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        block = hpack.Encoder().encode(REQUEST)
+        assert hpack.Decoder().decode(block, raw=True) == REQUEST
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert not [r for r in records if r.name.startswith("hpack")]
+    assert hpack.hpack.log.isEnabledFor(logging.WARNING)  # other levels: hpack's logger
+
+
 def test_a_backends_goaway_among_frames_split_anywhere() -> None:
     """Client side, the backend's GOAWAY is taken out of the bytes before `h2` sees them
     (a drain: streams up to its last id go on), wherever the reads cut the frames."""

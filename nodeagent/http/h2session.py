@@ -50,12 +50,29 @@ def _raw_data_repr(data: bytes | None) -> str:
     return "<hex:" + shown + ("..." if len(data) > 10 else "") + ">"
 
 
+def _data_body_repr(frame: hyperframe.frame.DataFrame) -> str:
+    """A DATA frame's body in its repr, as hyperframe's (`Frame._body_repr`: the serialized
+    body, padding included, through `_raw_data_repr`) without serializing it: that joined
+    the whole body into a new bytes, a copy of up to 256 KiB per frame received, for the
+    first ten bytes shown."""
+    head = frame.serialize_padding_data()
+    size = len(head) + len(frame.data) + frame.pad_length
+    if not size:
+        return "None"
+    shown = (head + bytes(frame.data[:10]) + b"\0" * min(frame.pad_length, 10))[:10]
+    return "<hex:" + binascii.hexlify(shown).decode("ascii") + ("..." if size > 10 else "") + ">"
+
+
 def _install_repr() -> None:
-    """Put `_raw_data_repr` in hyperframe's place, where hyperframe still has the function
-    it replaces (checked by tests/http/test_h2session.py: same output, and installed)."""
+    """Put `_raw_data_repr` in hyperframe's place, and `_data_body_repr` as DataFrame's,
+    where hyperframe still has what they replace (checked by tests/http/test_h2session.py:
+    same output, and installed)."""
     original = getattr(hyperframe.frame, "_raw_data_repr", None)
     if original is not None and getattr(original, "__module__", "") == "hyperframe.frame":
         hyperframe.frame._raw_data_repr = _raw_data_repr
+        data_frame = hyperframe.frame.DataFrame
+        if "_body_repr" not in vars(data_frame):  # Frame's: serialize_body() whole
+            data_frame._body_repr = _data_body_repr  # type: ignore[method-assign,assignment]
 
 
 _install_repr()

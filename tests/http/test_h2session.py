@@ -284,6 +284,17 @@ def test_frame_reprs_for_h2s_trace_log_stay_hyperframes_and_are_cheap() -> None:
         assert h2session._raw_data_repr(data[:size]) == hyperframes(data[:size])
     frame = hf.DataFrame(1, data=b"\x01" * 16384)
     assert repr(frame).endswith("<hex:01010101010101010101...>")
+    # DATA frames' bodies: what hyperframe's Frame._body_repr shows (the serialized body),
+    # padded or not, short or long, without serializing them.
+    assert hf.DataFrame._body_repr is h2session._data_body_repr  # type: ignore[attr-defined]
+    for size in (0, 1, 9, 10, 11, 16384):
+        for pad in (None, 0, 3, 20):
+            frame = hf.DataFrame(1, data=bytes(range(256))[:size] * (1 + size // 256))
+            frame.data = frame.data[:size]
+            if pad is not None:
+                frame.flags.add("PADDED")
+                frame.pad_length = pad
+            assert frame._body_repr() == hyperframes(frame.serialize_body()), (size, pad)
 
 
 def test_hpacks_per_field_debug_logging_is_off() -> None:

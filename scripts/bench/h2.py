@@ -211,7 +211,8 @@ def summary(values: list[float]) -> str:
 
 
 class _VariantProcess(NodeagentProcess):
-    """A server whose front announces other HTTP/2 settings (`scripts.bench.h2_settings_run`)."""
+    """A server whose front announces other HTTP/2 settings, or a server or agent with
+    other tunnel settings (`scripts.bench.h2_settings_run`)."""
 
     overrides: dict[str, int] = {}
 
@@ -276,12 +277,19 @@ def _start_pair(work: Path, name: str, backends: dict[str, Any],
     else:
         server = NodeagentProcess("server", config, work, f"{name}-server", log_level="info",
                                   cwd=tree)
-    agent = NodeagentProcess("agent", {
+    agent_config = {
         "node": "edge-1", "server": f"tls://127.0.0.1:{ports['tunnel']}", "token": TOKEN,
         "tls": {"ca_file": str(work / "ca.crt")},
         "allow": [backends["h1"], backends["h2c"], *target],
         "debug_socket": str(work / f"{name}-agent.sock"),
-    }, work, f"{name}-agent", log_level="info", cwd=tree)
+    }
+    agent: NodeagentProcess
+    if overrides and any(k.startswith("tunnel_") for k in overrides):
+        agent = _VariantProcess("agent", agent_config, work, f"{name}-agent", log_level="info")
+        agent.overrides = {k: v for k, v in overrides.items() if k.startswith("tunnel_")}
+    else:
+        agent = NodeagentProcess("agent", agent_config, work, f"{name}-agent",
+                                 log_level="info", cwd=tree)
     server.start().wait_ready()
     agent.start().wait_ready()
     server.wait_for(lambda s: s["agents"], what="agent connected")
@@ -330,6 +338,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     "frame1m": {"max_frame_size": MIB},
     "win4m-conn8m-frame256k": {"stream_window": 4 * MIB, "max_frame_size": 256 * 1024},
     "both": {"stream_window": 4 * MIB, "connection_window": 32 * MIB, "max_frame_size": MIB},
+    "tunnel4m": {"tunnel_initial_stream_window": 4 * MIB},
+    "tunnel8m": {"tunnel_initial_stream_window": 8 * MIB},
+    "old": {"stream_window": MIB, "max_frame_size": 16 * 1024,
+            "pool_max_frame_size": 256 * 1024},
 }
 PARTS = ("load", "grpc", "bidi", "balance")
 

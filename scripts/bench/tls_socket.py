@@ -1,27 +1,31 @@
-"""The tunnel's TLS on an `ssl.SSLSocket` (OpenSSL reads and writes the socket) against
-today's `TLSStream` (an `ssl.SSLObject` over memory BIOs), CPU per GB of each side.
+"""The tunnel's TLS on an `ssl.SSLSocket` against its `TLSStream`, CPU per GB per side.
 
-A measured prototype, not product code: `SocketTLSStream` below is `TLSStream` with its
-socket I/O handed to OpenSSL (a non-blocking `SSLSocket` on the TCP socket's descriptor,
-records decrypted straight into the shared plaintext buffer, `SSLWantWrite` retried with
-the same bytes), so no bytes cross a `MemoryBIO`. Two ways of running it:
+`TLSStream` runs an `ssl.SSLObject` over memory BIOs. A measured prototype, not product
+code: `SocketTLSStream` below is `TLSStream` with its socket I/O handed to OpenSSL (a
+non-blocking `SSLSocket` on the TCP socket's descriptor, records decrypted straight into
+the shared plaintext buffer, `SSLWantWriteError` retried with the same bytes), so no
+bytes cross a `MemoryBIO`. Two ways of running it:
 
-    .venv/bin/python -m scripts.bench.tls_socket                  # TLS alone, ~2 min
-    .venv/bin/python -m scripts.bench.tls_socket --splice         # the tunnel, ~3 min
+    .venv/bin/python -m scripts.bench.tls_socket --rounds 8       # TLS alone, ~1 min
+    .venv/bin/python -m scripts.bench.tls_socket --splice --rounds 4  # the tunnel, ~6 min
 
 Without `--splice`: a sender process (`send_all` of 256 KiB) and a receiver process
-(`receive_shared` of 1 MiB) over loopback, per variant and round (interleaved): `bio`
-(TLSStream), `socket` (the prototype), `socket+ra` (OpenSSL's read-ahead into a 256 KiB
-buffer: one read(2) per 256 KiB instead of two per record; Python's ssl has no API for
-it, so it is set through ctypes on the SSL* — measuring only), `socket+ra+cork` (also
-TCP_CORK around a multi-record send, so 16 KiB records leave as 64 KiB segments). Each
-process reports its user and system CPU per GB (getrusage); printed: per variant and side
-the median [min-max] and the ratio to `bio` in the same round.
+(`receive_shared` of 1 MiB) over loopback, per variant and round (the order reversed
+every other round): `bio` (TLSStream), `socket` (the prototype), `socket+ra` (OpenSSL's
+read-ahead into a 256 KiB buffer: one read(2) per socket read instead of two per record;
+Python's ssl has no API for it, so it is set through ctypes on the SSL*: measuring
+only), `socket+ra+cork` (also TCP_CORK around a multi-record send, so 16 KiB records
+leave as large segments). Each process reports its user and system CPU per GB
+(getrusage); printed: per variant and side the median [min-max] and the ratio to `bio`
+in the same round.
 
-With `--splice`: `scripts.bench.splice_bulk` with its "other" tree this tree with the
-prototype in place of TLSStream (a sitecustomize in a temporary directory put first on
-the endpoints' PYTHONPATH), `--variant` choosing which; "this" is TLSStream.
-See docs/performance.md, "A single stream: where the CPU per GB goes".
+With `--splice`: `scripts.bench.splice_bulk`'s server and agent (its `Pair`), each round
+once with TLSStream and once with the prototype (`--variant`, default `socket`), the
+order alternating (ABBA), the prototype installed by a sitecustomize first on the
+endpoints' PYTHONPATH; `--instructions` adds splice_bulk's callgrind count per MiB.
+Prints each run, then one JSON object: per variant, direction and side the median
+[min-max] and the ratios to TLSStream per round.
+See docs/performance.md, "TLS on an `ssl.SSLSocket`, measured".
 """
 
 from __future__ import annotations
@@ -455,7 +459,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, help="MiB per transfer (256; with --splice "
                         "splice_bulk's 1024)")
     parser.add_argument("--splice", action="store_true",
-                        help="splice_bulk with the prototype as the other tree")
+                        help="splice_bulk's endpoints, TLSStream against one prototype")
     parser.add_argument("--variant", choices=[v for v in VARIANTS if v != "bio"],
                         action="append", help="which prototypes (default: all; with "
                         "--splice one, default socket)")

@@ -155,13 +155,14 @@ class SocketTLSStream(TLSStream):
         if self._zero_return:
             await trio.lowlevel.checkpoint()
             return 0
-        if self.on_receive is not None and select.select([self._fd], [], [], 0)[0]:
-            # TLSStream calls it before each socket read; OpenSSL's reads are not seen
-            # here, so: a read of bytes already waiting, and below each wait for more.
-            # tunnel.dial counts them to know that the server's first flight was taken.
-            self.on_receive()
         await trio.lowlevel.checkpoint()
         engine = self._engine_now()
+        if self.on_receive is not None and select.select([self._fd], [], [], 0)[0]:
+            # TLSStream calls it before each socket read; OpenSSL's reads are not seen
+            # here, so: a read of bytes already waiting, and below each wait for more
+            # (tunnel.dial counts them to know that the server's first flight was
+            # taken). Checked after the checkpoint: nothing of ours runs before the read.
+            self.on_receive()
         total = 0
         while True:
             try:

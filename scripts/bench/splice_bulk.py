@@ -274,7 +274,10 @@ def main() -> None:
         certs = Path(tmp)
         _certs(certs)
         for rnd in range(args.rounds):
-            for name, tree in trees.items():
+            # The order alternates round by round: whichever tree ran first in a round
+            # came out slower in fixed-order runs.
+            order = list(trees.items())
+            for name, tree in order if rnd % 2 == 0 else order[::-1]:
                 grind = Path(tempfile.mkdtemp(dir=tmp)) if args.instructions else None
                 pair = Pair(tree, certs, grind)
                 try:

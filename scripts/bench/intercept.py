@@ -81,6 +81,8 @@ class Bench:
         self.tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
         self.pod_if = ""
         self.sshd: list[str] | None = None
+        # Under --callgrind: the namespace's process whose instructions are counted.
+        self.counted: dict[str, subprocess.Popen[bytes]] = {}
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -104,7 +106,8 @@ class Bench:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(10)
+                # Under callgrind the exit (which writes its counts) takes a while.
+                proc.wait(120 if self.args.callgrind else 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -166,12 +169,19 @@ class Bench:
             path.write_text(yaml.safe_dump(cfg))
             profile = ([] if self.args.profile is None or tree != ROOT else
                        ["-m", "cProfile", "-o", str(self.args.profile / f"{role}.prof")])
-            procs.append(self.spawn(ns, [sys.executable, *profile, "-m", "nodeagent",
-                                         "--log-level", "warning", role, "--config", str(path)],
+            # Under callgrind, counting only while asked (connrate): see `instructions`.
+            valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                        f"--callgrind-out-file={self.tmp}/callgrind.{role}.%p"] \
+                if self.args.callgrind else []
+            procs.append(self.spawn(ns, [*valgrind, sys.executable, *profile, "-m",
+                                         "nodeagent", "--log-level", "warning", role,
+                                         "--config", str(path)],
                                     f"nodeagent-{role}", cwd=str(tree),
                                     env={**os.environ, "PYTHONPATH": str(tree)}))
             time.sleep(0.5)
         self.wait_path_works("nodeagent", procs)
+        self.counted = dict(zip(("cloud", "node"), procs, strict=True)) \
+            if self.args.callgrind else {}
         return procs
 
     def start_sshuttle(self) -> list[subprocess.Popen[bytes]]:
@@ -193,7 +203,7 @@ class Bench:
         it was intercepted and carried to the cloud side."""
         hold = ("import socket,sys,time; s=socket.create_connection((sys.argv[1], "
                 "int(sys.argv[2])), 3); s.sendall(b'x'); s.recv(1); time.sleep(1.5)")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + (300 if self.args.callgrind else 60)
         while time.monotonic() < deadline:
             for proc in procs:
                 if proc.poll() is not None:
@@ -213,6 +223,16 @@ class Bench:
 
     # ------------------------------------------------------------------ measurements
 
+    def instructions(self) -> dict[str, float]:
+        """After the processes under callgrind exited: what each counted while asked."""
+        counts = {}
+        for ns, proc in self.counted.items():
+            out = next(self.tmp.glob(f"callgrind.*.{proc.pid}"))
+            totals = [line for line in out.read_text().splitlines()
+                      if line.startswith(("summary:", "totals:"))]
+            counts[ns] = float(totals[-1].split()[1])
+        return counts
+
     def cpu(self) -> dict[str, float]:
         """CPU seconds (user + system) the processes in `node` and `cloud` have used."""
         return {ns: sum(cpu_of(int(pid)) for pid in subprocess.run(
@@ -228,6 +248,20 @@ class Bench:
             out = json.loads(self.run("pod", ["iperf3", "-c", REMOTE, "-p", str(IPERF), "-t",
                                               str(dur), "-J"], timeout=dur + 30))
             res["bulk_gbit"] = out["end"]["sum_received"]["bits_per_second"] / 1e9
+        if "connrate" in only and self.counted:
+            # One client, one connection at a time: the per-connection work alone, not
+            # how many connections a wake-up finds (which moves with the load).
+            for proc in self.counted.values():
+                subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)],
+                               capture_output=True, check=True, timeout=60)
+            cr = json.loads(self.run("pod", [str(self.tool), "connrate", REMOTE, str(ECHO),
+                                             str(self.args.callgrind), "1"],
+                                     timeout=self.args.callgrind + 60))
+            for proc in self.counted.values():
+                subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)],
+                               capture_output=True, check=True, timeout=60)
+            res["conn_count"] = cr["count"]
+            only.discard("connrate")
         if "connrate" in only:
             before = self.cpu()
             cr = json.loads(self.run("pod", [str(self.tool), "connrate", REMOTE, str(ECHO),
@@ -268,6 +302,8 @@ ROWS = [
     ("new connections", "conn_per_s", "/s", True),
     ("CPU per connection, node", "conn_cpu_us_node", "µs", False),
     ("CPU per connection, cloud", "conn_cpu_us_cloud", "µs", False),
+    ("instructions per connection, node", "conn_instructions_node", "", False),
+    ("instructions per connection, cloud", "conn_instructions_cloud", "", False),
     ("HTTP 1 KiB, 16 conns", "http_req_per_s", "req/s", True),
     ("HTTP p99", "http_p99_ms", "ms", False),
     ("request/response p50", "rr_p50_us", "µs", False),
@@ -332,6 +368,11 @@ def main() -> int:
                         help="run this tree's agent and server under cProfile, writing "
                              "agent.prof and server.prof into this directory (the last "
                              "round's; read them with `python -m pstats`)")
+    parser.add_argument("--callgrind", type=float, default=0, metavar="SECONDS",
+                        help="run nodeagent's agent and server under valgrind's callgrind "
+                             "and count their instructions per new connection, one client "
+                             "for SECONDS, instead of the connections/s and CPU figures "
+                             "(with --skip direct --skip sshuttle --only connrate)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "intercept.json")
     args = parser.parse_args()
     if args.profile is not None:
@@ -368,9 +409,14 @@ def main() -> int:
                 load.append(os.getloadavg()[0])
                 bench.log(f"round {number}, {path}: measuring (load average {load[-1]:.2f})")
                 results[path] = bench.measure()
-                bench.log(f"round {number}, {path}: {results[path]}")
                 for proc in procs:
                     bench.stop(proc)
+                if bench.counted:
+                    count = results[path].pop("conn_count")
+                    for ns, total in bench.instructions().items():
+                        results[path][f"conn_instructions_{ns}"] = total / count
+                    bench.counted = {}
+                bench.log(f"round {number}, {path}: {results[path]}")
     finally:
         bench.close()
     print()

@@ -283,7 +283,10 @@ class TunnelClient:
             candidates = [t for t in self.live() if id(t.connection) not in tried]
             if not candidates:
                 raise StreamRefusedError(p.StreamReason.UNREACHABLE, last)
-            tunnel = min(candidates, key=lambda t: t.connection.info().streams_open)
+            # The least busy; one alone (one server replica) needs no comparing: info()
+            # builds a whole snapshot, on every new connection.
+            tunnel = candidates[0] if len(candidates) == 1 else min(
+                candidates, key=lambda t: t.connection.info().streams_open)
             tried.add(id(tunnel.connection))
             try:
                 return await tunnel.connection.open_stream(target, metadata)

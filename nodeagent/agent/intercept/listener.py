@@ -14,6 +14,7 @@ else is trio.
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,12 @@ from tunnel.spliceloop import SpliceOwner
 from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.intercept")
+
+# Connections accepted per listener wake-up at most, before the others get a turn.
+ACCEPT_BATCH = 64
+# accept() failing for want of descriptors or memory: wait this long before trying again.
+ACCEPT_RETRY = 0.1
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 OpenTunnel = Callable[[p.Target, dict[str, str]], Awaitable[trio.abc.HalfCloseableStream]]
 
@@ -85,7 +92,7 @@ class Interceptor:
         # by tasks in `connections`: ending interception ends them all the same.
         self._spliced = SpliceOwner()
         self._accept_scope: trio.CancelScope | None = None
-        self._listeners_open: list[trio.SocketListener] = []
+        self._listeners_open: list[socket.socket] = []
         # Pods' UDP (tproxy udp rules), on the same port number as TCP.
         self.udp: UdpInterceptor | None = None
         if open_flow is not None:
@@ -167,7 +174,7 @@ class Interceptor:
                 self.udp.open_sockets()
             except BaseException:
                 for listener in listeners:
-                    await listener.aclose()
+                    listener.close()
                 raise
         try:
             from netfilter.routing import list_interfaces
@@ -204,14 +211,42 @@ class Interceptor:
                     except (NetfilterError, OSError) as exc:
                         self.log.error("could not remove intercept rules", error=str(exc))
 
-    async def _accept(self, listeners: list[trio.SocketListener], connections: trio.Nursery,
-                      *, task_status: trio.TaskStatus[list[trio.SocketListener]]
-                      = trio.TASK_STATUS_IGNORED) -> None:
+    async def _accept(self, listeners: list[socket.socket], connections: trio.Nursery,
+                      *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                      ) -> None:
         # Accepting has its own cancel scope so that stop_accepting() ends it while the
         # connections already accepted (in `connections`) carry on.
         with trio.CancelScope() as self._accept_scope:
-            await trio.serve_listeners(self._handle, listeners, handler_nursery=connections,
-                                       task_status=task_status)
+            async with trio.open_nursery() as accepting:
+                for listener in listeners:
+                    accepting.start_soon(self._accept_from, listener, connections)
+                task_status.started()
+
+    async def _accept_from(self, listener: socket.socket, connections: trio.Nursery) -> None:
+        """Accept what waits on `listener` at each wake-up, up to ACCEPT_BATCH, each
+        connection's task started directly. Not trio.serve_listeners: its accept() yields
+        once per connection even when more wait, and its handler wrapper closes each
+        stream in a cancel scope of its own after the handler, though a relayed one has
+        left for the splice loop by then (a few % of the agent's work per connection)."""
+        while True:
+            await trio.lowlevel.wait_readable(listener)
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    conn, _ = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                        # Out of descriptors or memory: the waiting connections stay in
+                        # the backlog until some close (as trio.serve_listeners does).
+                        self._refusal_log.warning(
+                            "accept", "cannot accept intercepted connections",
+                            error=str(exc))
+                        await trio.sleep(ACCEPT_RETRY)
+                    break  # ECONNABORTED and the like: that one is gone
+                connections.start_soon(self._handle_socket, conn)
+            else:
+                await trio.lowlevel.checkpoint()  # more may wait: let the others run
 
     async def stop_accepting(self) -> None:
         """Close the proxy listeners; connections already accepted carry on. New
@@ -224,9 +259,11 @@ class Interceptor:
     async def _close_listeners(self) -> None:
         listeners, self._listeners_open = self._listeners_open, []
         for listener in listeners:
-            await listener.aclose()
+            trio.lowlevel.notify_closing(listener)  # a task waiting on it wakes
+            listener.close()
+        await trio.lowlevel.checkpoint()
 
-    def _listeners(self) -> list[trio.SocketListener]:
+    def _listeners(self) -> list[socket.socket]:
         # IP_TRANSPARENT always: even in REDIRECT mode, connections kube-proxy already
         # DNAT'ed arrive by TPROXY (netfilter/nftables.py explains why).
         listeners = []
@@ -245,7 +282,8 @@ class Interceptor:
                     continue
                 raise
             sock.listen(4096)
-            listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+            sock.setblocking(False)
+            listeners.append(sock)
         return listeners
 
     def _rule_for(self, host: str, port: int, protocol: str = "tcp") -> ActiveRule | None:
@@ -253,6 +291,19 @@ class Interceptor:
             if rule.protocol == protocol and rule.matches(host, port):
                 return rule
         return None
+
+    async def _handle_socket(self, conn: socket.socket) -> None:
+        try:
+            client = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            await self._handle(client)
+        finally:
+            # Closed here unless it was handed to the splice loop (which detached the
+            # socket from trio's wrapper: then this does nothing).
+            client.socket.close()
 
     async def _handle(self, client: trio.SocketStream) -> None:
         self.active_connections += 1

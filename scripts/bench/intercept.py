@@ -207,7 +207,9 @@ class Bench:
         while time.monotonic() < deadline:
             for proc in procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name}: a process exited; see logs in {self.tmp}")
+                    for other in procs:
+                        self.stop(other)
+                    raise RuntimeError(f"{name}: a process exited{self.logs()}")
             client = self.topo.popen("pod", ["python3", "-c", hold, REMOTE, str(ECHO)],
                                      stderr=subprocess.DEVNULL)
             time.sleep(0.7)
@@ -217,9 +219,15 @@ class Bench:
             if f"{CLOUD_UP}:" in peers:
                 return
             time.sleep(0.5)
-        logs = "".join(f"\n--- {log.name}:\n{log.read_text(errors='replace')[-1500:]}"
+        for proc in procs:
+            self.stop(proc)
+        raise RuntimeError(f"{name}: the pod's traffic is not intercepted in time"
+                           f"{self.logs()}")
+
+    def logs(self) -> str:
+        """The tail of every log this run wrote (they go when the run ends)."""
+        return "".join(f"\n--- {log.name}:\n{log.read_text(errors='replace')[-1500:]}"
                        for log in sorted(self.tmp.glob("*.log")))
-        raise RuntimeError(f"{name}: the pod's traffic is not intercepted after 60 s{logs}")
 
     # ------------------------------------------------------------------ measurements
 
@@ -405,7 +413,11 @@ def main() -> int:
                 start = {"direct": lambda: [], "nodeagent": bench.start_nodeagent,
                          "nodeagent@tree": lambda: bench.start_nodeagent(args.tree),
                          "sshuttle": bench.start_sshuttle}[path]
-                procs = start()
+                try:
+                    procs = start()
+                except RuntimeError as exc:  # sshuttle has been seen to exit at start
+                    bench.log(f"round {number}, {path}: did not start, left out: {exc}")
+                    continue
                 load.append(os.getloadavg()[0])
                 bench.log(f"round {number}, {path}: measuring (load average {load[-1]:.2f})")
                 results[path] = bench.measure()

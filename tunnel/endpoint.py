@@ -44,7 +44,13 @@ from tunnel.errors import (
 )
 from tunnel.limits import OpenRateLimiter
 from tunnel.log import StructuredLogger, get_logger
-from tunnel.stream import IncomingStream, StreamHandler, StreamTaker, TunnelStream
+from tunnel.stream import (
+    IncomingStream,
+    OpenAnswer,
+    StreamHandler,
+    StreamTaker,
+    TunnelStream,
+)
 from tunnel.transports import PeerInfo, Transport, TransportError
 
 # Stream senders wait while this much of our own output is queued.
@@ -118,7 +124,7 @@ class TunnelConnection:
         self.bytes_out = 0
         self.end_reason: TunnelClosedError | None = None
         self._streams: dict[int, TunnelStream] = {}
-        self._pending_opens: dict[int, _PendingOpen] = {}
+        self._pending_opens: dict[int, OpenAnswer] = {}
         self._window_waiters: set[TunnelStream] = set()
         self._writer_wakeup = trio.Event()
         # send_nowait() left bytes in the transport: the writer's next send takes them.
@@ -579,6 +585,29 @@ class TunnelConnection:
                 self._wake_writer()
             raise
 
+    def open_stream_nowait(self, target: p.Target, metadata: dict[str, str] | None,
+                           answer: OpenAnswer) -> TunnelStream:
+        """open_stream() for an owner that is not a task (a TCP mapping's accept loop,
+        tunnel/spliceloop.py `open_in_loop`): the OPEN is queued (the caller gets it
+        moving, `send_queued` or `flush`) and the stream returned at once; `answer` hears
+        the peer's ACCEPT or REFUSE from the reader, or `fail` when the connection ends
+        first. No timeout here: the owner's (it aborts the stream, `abort_now`, which
+        takes the open off the books). Raises as open_stream() does before waiting."""
+        if self.end_reason is not None or not self._core.is_open:
+            raise self.end_reason or TunnelClosedError("connection not open")
+        try:
+            stream_id = self._core.open_stream(target, metadata)
+        except p.DatagramsUnsupported as exc:
+            raise StreamRefusedError(p.StreamReason.UNREACHABLE, str(exc)) from None
+        except p.StreamLimitReached as exc:
+            raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc)) from None
+        except p.ConnectionDraining as exc:
+            raise StreamRefusedError(p.StreamReason.DRAINING, str(exc)) from None
+        stream = TunnelStream(self, stream_id, target, dict(metadata or {}))
+        self._pending_opens[stream_id] = answer
+        self._streams[stream_id] = stream
+        return stream
+
     def goaway(self, message: str = "draining") -> None:
         """Drain: the peer opens no new streams here; running streams finish."""
         self._core.goaway(message)
@@ -672,6 +701,8 @@ class TunnelConnection:
     def forget(self, stream: TunnelStream) -> None:
         if self._streams.get(stream.stream_id) is stream:
             del self._streams[stream.stream_id]
+            # An open abandoned before its answer (open_stream_nowait's owner gave up).
+            self._pending_opens.pop(stream.stream_id, None)
             self._streams_changed.set()
         self._window_waiters.discard(stream)
 

@@ -221,6 +221,14 @@ class TunnelServer:
             return None
         return session.connection
 
+    def live_connection(self, node: str) -> TunnelConnection:
+        """`node`'s live connection, for an opener that does not wait (`open_stream_nowait`);
+        raises NodeNotConnected if there is none."""
+        conn = self.connection_for(node)
+        if conn is None:
+            raise NodeNotConnected(node, self.server_id)
+        return conn
+
     async def open_stream(self, node: str, target: p.Target,
                           metadata: dict[str, str] | None = None) -> TunnelStream:
         """Open a stream to `target` through `node`'s agent. Raises StreamRefusedError

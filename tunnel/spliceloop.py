@@ -40,15 +40,16 @@ import socket
 import struct
 import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 import trio.lowlevel
 
 from tunnel import protocol as p
 from tunnel.buffers import SharedBuffer
-from tunnel.errors import StreamFailed, StreamResetError, TunnelClosedError
+from tunnel.errors import StreamFailed, StreamRefusedError, StreamResetError, TunnelClosedError
 from tunnel.log import get_logger
-from tunnel.stream import IncomingStream, StreamCarrier, TunnelStream
+from tunnel.stream import IncomingStream, OpenAnswer, StreamCarrier, TunnelStream
 from tunnel.tcp import (
     SO_MARK,
     connect_failed,
@@ -69,6 +70,10 @@ CHUNK = 256 * 1024
 _MAX_EVENTS = 256
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
+# A client socket waiting for its stream's answer (SpliceLoop.open) is watched for errors
+# and hang-ups alone (epoll reports those whatever the mask): a client that resets is
+# noticed, one that half-closes (FIN, no HUP) waits in the kernel with its bytes.
+_ERR = select.EPOLLERR
 _LINGER_RESET = struct.pack("ii", 1, 0)
 # Every loop runs in the process's trio thread and copies a read out before it yields
 # (see tunnel.buffers). Reads never exceed CHUNK, so the mapping never grows and one
@@ -90,6 +95,9 @@ class SpliceEnd:
 
 OnEnd = Callable[[SpliceEnd], None]
 OnRefused = Callable[[StreamFailed], None]
+OnLost = Callable[[socket.socket], bool]
+"""Offered the client socket of an open whose tunnel connection ended before the answer:
+True if it took it (opened again through a newer connection), else it is reset."""
 
 
 class _Dial:
@@ -120,6 +128,61 @@ class _Dial:
         del self.incoming, self.on_accepted, self.on_refused
         return answer
 
+    def expire(self, loop: SpliceLoop) -> None:
+        """The deadline passed with the dial still under way: refuse its stream."""
+        if self.splice is not None:
+            host, port = self.address
+            loop.dial_failed(self.splice, timed_out(host, port, self.timeout))
+
+
+class _Open:
+    """A stream this side opened for a client socket (SpliceLoop.open), waiting for the
+    peer's answer: the connection's `OpenAnswer` (its reader calls `resolve` with the
+    ACCEPT or REFUSE, its end `fail`) and the loop's deadline-heap entry (`expire`), like
+    `_Dial`. Accepted, the socket joins the splice (`to_tunnel` first); anything else
+    resets the client and calls `on_refused`."""
+
+    __slots__ = ("deadline", "on_accepted", "on_lost", "on_refused", "splice", "timeout",
+                 "to_tunnel")
+
+    def __init__(self, timeout: float, to_tunnel: bytes, on_accepted: Callable[[], None],
+                 on_refused: OnRefused, on_lost: OnLost | None) -> None:
+        self.splice: _Splice | None = None  # set by SpliceLoop.open; None once answered
+        self.deadline = math.inf
+        self.timeout = timeout
+        self.to_tunnel = to_tunnel
+        self.on_accepted = on_accepted
+        self.on_refused = on_refused
+        self.on_lost = on_lost
+
+    def answered(self) -> tuple[bytes, Callable[[], None], OnRefused, OnLost | None]:
+        answer = self.to_tunnel, self.on_accepted, self.on_refused, self.on_lost
+        self.splice = None
+        del self.to_tunnel, self.on_accepted, self.on_refused, self.on_lost
+        return answer
+
+    # ---- tunnel.stream.OpenAnswer: called by the connection's reader, or at its end
+
+    def resolve(self, result: p.StreamAccepted | p.StreamRefused) -> None:
+        s = self.splice
+        if s is None:
+            return
+        if isinstance(result, p.StreamAccepted):
+            s.loop.opened(s)
+        else:
+            s.loop.open_failed(s, StreamRefusedError(result.reason, result.message))
+
+    def fail(self, error: BaseException) -> None:
+        s = self.splice
+        if s is not None:
+            s.loop.open_failed(s, StreamFailed(p.StreamReason.UNREACHABLE,
+                                               f"tunnel connection ended: {error}"))
+
+    def expire(self, loop: SpliceLoop) -> None:
+        if self.splice is not None:
+            loop.open_failed(self.splice, StreamRefusedError(
+                p.StreamReason.TIMEOUT, f"no answer to the OPEN within {self.timeout:g}s"))
+
 
 class _Splice:
     """One stream joined to one socket: the stream's direct sink, and the loop's record
@@ -147,8 +210,9 @@ class _Splice:
         self.to_socket = 0
         self.to_tunnel = 0
         self.ended = False
-        # While its socket connects: what comes from the tunnel meanwhile waits in `out`.
-        self.dial: _Dial | None = None
+        # While its socket connects (or, for a stream this side opened, while the OPEN
+        # waits for its answer): what comes from the tunnel meanwhile waits in `out`.
+        self.dial: _Dial | _Open | None = None
 
     # ---- tunnel.stream.DirectSink: called by the connection's reader
 
@@ -226,6 +290,58 @@ def dial_in_loop(incoming: IncomingStream, family: socket.AddressFamily,
         on_refused=on_refused, on_end=on_end)
 
 
+class StreamOpener(Protocol):
+    """Opens a stream without waiting for its answer (TunnelConnection)."""
+
+    def open_stream_nowait(self, target: p.Target, metadata: dict[str, str] | None,
+                           answer: OpenAnswer) -> TunnelStream: ...
+
+
+def open_in_loop(opener: StreamOpener, target: p.Target, metadata: dict[str, str],
+                 sock: socket.socket, *, timeout: float, on_accepted: Callable[[], None],
+                 on_refused: OnRefused, on_end: OnEnd, to_tunnel: bytes = b"",
+                 owner: SpliceOwner | None = None,
+                 on_lost: OnLost | None = None) -> TunnelStream | None:
+    """Open a stream to `target` for the client connection `sock` (a non-blocking socket
+    this call owns from now on) and return at once: no task waits for the answer. The
+    OPEN is queued (the caller gets it moving: `send_queued` after a batch). Accepted
+    (then `on_accepted`), the loop of the stream's connection splices the two as
+    `splice_in_loop` does, `to_tunnel` first (the opener's bytes, a PROXY header: not
+    counted in `on_end`'s figures) (`on_end` at the end); refused, unanswered
+    within `timeout`, the connection lost or the client reset first: the client is reset,
+    the stream (if any) too, and `on_refused` says why (no `on_end`). Callbacks must not
+    raise or wait. The stream, for notes; None if it could not even be opened. `on_lost`:
+    the tunnel connection ended first (an agent that reconnected replaces its old one),
+    and the client socket may be opened again elsewhere (see OnLost)."""
+    pending = _Open(timeout, to_tunnel, on_accepted, on_refused, on_lost)
+    try:
+        stream = opener.open_stream_nowait(target, metadata, pending)
+    except (StreamFailed, TunnelClosedError) as exc:
+        reset_socket(sock)
+        failure = exc if isinstance(exc, StreamFailed) else StreamFailed(
+            p.StreamReason.UNREACHABLE, f"tunnel connection ended: {exc}")
+        _answer_refused(on_refused, failure, target)
+        return None
+    loop_for(stream.connection).open(pending, stream, sock, on_end=on_end, owner=owner)
+    return stream
+
+
+def reset_socket(sock: socket.socket) -> None:
+    """Close with a TCP RST (SO_LINGER 0): the peer sees a failure, not a clean EOF."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _answer_refused(on_refused: OnRefused, failure: StreamFailed, target: p.Target) -> None:
+    try:
+        on_refused(failure)
+    except Exception as exc:  # a bad callback must not end the others
+        _log.error("open refusal callback failed", target=str(target), error=repr(exc))
+
+
 def splice_in_loop(stream: TunnelStream, sock: trio.SocketStream, *, on_end: OnEnd,
                    to_socket: bytes = b"", to_tunnel: bytes = b"",
                    owner: SpliceOwner | None = None) -> SpliceHandle:
@@ -290,7 +406,7 @@ class SpliceLoop:
         # Dials under way, earliest deadline first (heapq; answered ones leave lazily),
         # and the one task that refuses those whose deadline passes: a timer per
         # connection, not a cancel scope per dial.
-        self._deadlines: list[tuple[float, int, _Dial]] = []
+        self._deadlines: list[tuple[float, int, _Dial | _Open]] = []
         self._dial_order = itertools.count()
         self._timer_started = False
         self._timer: trio.CancelScope | None = None  # the timer's wait, while it waits
@@ -405,7 +521,7 @@ class SpliceLoop:
     def connected(self, s: _Splice) -> None:
         """The socket of a dial is writable: connected (accept and splice) or failed."""
         dial = s.dial
-        assert dial is not None
+        assert isinstance(dial, _Dial)
         code = s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code:
             host, port = dial.address
@@ -438,7 +554,7 @@ class SpliceLoop:
     def dial_failed(self, s: _Splice, failure: StreamFailed) -> None:
         """Refuse the stream of a dial that failed; its splice ends without `on_end`."""
         dial = s.dial
-        assert dial is not None
+        assert isinstance(dial, _Dial)
         s.dial = None
         incoming, _, on_refused = dial.answered()
         s.ended = True
@@ -450,6 +566,104 @@ class SpliceLoop:
         s.out = None
         s.sock.close()
         self._refuse(incoming, on_refused, failure)
+
+    def open(self, pending: _Open, stream: TunnelStream, sock: socket.socket, *,
+             on_end: OnEnd, owner: SpliceOwner | None) -> None:
+        """See `open_in_loop`: `stream`'s OPEN is queued, `pending` its answer."""
+        splice = _Splice(self, stream, sock, on_end, owner)
+        splice.out = collections.deque()  # the tunnel's bytes wait here until answered
+        splice.dial = pending
+        pending.splice = splice
+        if owner is not None:
+            owner._splices.add(splice)
+        if not self._started and not self.ended:
+            self._started = self._carrier.start_task(self._run)
+        stream.attach_sink(splice)
+        if not self._started:
+            self._forget()
+            self.open_failed(splice, StreamFailed(p.StreamReason.UNREACHABLE,
+                                                  "tunnel connection ended"))
+            return
+        self._splices[splice.fd] = splice
+        try:
+            self._epoll.register(splice.fd, _ERR)
+        except OSError as exc:
+            self.open_failed(splice, StreamFailed(p.StreamReason.INTERNAL, _why(exc)))
+            return
+        splice.mask = _ERR
+        pending.deadline = trio.current_time() + pending.timeout
+        heapq.heappush(self._deadlines, (pending.deadline, next(self._dial_order), pending))
+        timer = self._timer
+        if timer is not None:
+            if pending.deadline < timer.deadline:
+                timer.deadline = pending.deadline
+        elif not self._timer_started:
+            self._timer_started = self._carrier.start_task(self._expire_dials)
+
+    def opened(self, s: _Splice) -> None:
+        """The peer accepted the stream of an `open`: the client socket joins the splice."""
+        pending = s.dial
+        assert isinstance(pending, _Open)
+        s.dial = None
+        to_tunnel, on_accepted, _, _ = pending.answered()
+        try:
+            on_accepted()
+        except Exception as exc:  # a bad callback must not end the others
+            _log.error("open accept callback failed", stream=s.stream.stream_id,
+                       target=str(s.stream.target), error=repr(exc))
+        if to_tunnel:
+            sent_all = self.to_tunnel(s, to_tunnel)
+            s.to_tunnel -= len(to_tunnel)  # the owner's bytes (a header): not the client's
+            if not sent_all and s.ended:
+                return
+        if not s.out:
+            s.out = None
+        if s.out is not None:
+            self.flush(s)
+        elif s.eof_pending:
+            self.shut_write(s)
+        if not s.ended and s.reading and s.held is None:
+            # What the client sent while the OPEN waited (its request: most clients
+            # speak first) goes now, with the reader's output: no loop round for it.
+            self.read(s)
+        if not s.ended:
+            self.update(s)
+
+    def open_failed(self, s: _Splice, failure: StreamFailed) -> None:
+        """End the splice of an `open` that was not accepted: the stream is reset (an
+        RST the peer ignores for a stream it refused), the client too; `on_refused`."""
+        pending = s.dial
+        assert isinstance(pending, _Open)
+        s.dial = None
+        _, _, on_refused, on_lost = pending.answered()
+        s.ended = True
+        if self._splices.get(s.fd) is s:
+            del self._splices[s.fd]
+        if s.owner is not None:
+            s.owner._splices.discard(s)
+        stream = s.stream
+        stream.attach_sink(None)
+        if s.out:
+            stream.consumed(sum(map(len, s.out)))
+        s.out = None
+        stream.abort_now(p.StreamReason.CANCELLED, "open abandoned", wake=not self._in_round)
+        if (on_lost is not None and failure.reason is p.StreamReason.UNREACHABLE
+                and stream.connection.end_reason is not None):
+            # The connection ended under the open: the client may get another one.
+            if s.mask:
+                try:
+                    self._epoll.unregister(s.fd)
+                except (OSError, ValueError):
+                    pass  # closed with the loop already
+                s.mask = 0
+            try:
+                if on_lost(s.sock):
+                    return
+            except Exception as exc:  # a bad callback must not end the others
+                _log.error("open lost callback failed", target=str(stream.target),
+                           error=repr(exc))
+        reset_socket(s.sock)
+        _answer_refused(on_refused, failure, stream.target)
 
     @staticmethod
     def _refuse(incoming: IncomingStream, on_refused: OnRefused, failure: StreamFailed) -> None:
@@ -579,6 +793,10 @@ class SpliceLoop:
         FIN) and the stream closed as aclose() does; then `on_end`."""
         if s.ended:
             return
+        if type(s.dial) is _Open:  # ended while its OPEN waits (reset, connection's end)
+            self.open_failed(s, StreamFailed(p.StreamReason.UNREACHABLE,
+                                             error or "closed before the answer"))
+            return
         s.ended = True
         if s.dial is not None:  # ended while connecting (a reset, the connection's end)
             s.dial.answered()
@@ -630,7 +848,12 @@ class SpliceLoop:
                     if s is None:
                         continue
                     if s.dial is not None:
-                        self.connected(s)
+                        if type(s.dial) is _Open:  # the client reset before the answer
+                            self.open_failed(s, StreamFailed(
+                                p.StreamReason.CANCELLED,
+                                "the client went away before the node answered"))
+                        else:
+                            self.connected(s)
                         continue
                     if s.out and flags & ~_IN:  # writable, or an error to learn of
                         self.flush(s)
@@ -671,10 +894,7 @@ class SpliceLoop:
                 self._timer = None
                 now = trio.current_time()
                 while deadlines and deadlines[0][0] <= now:
-                    dial = heapq.heappop(deadlines)[2]
-                    if dial.splice is not None:
-                        host, port = dial.address
-                        self.dial_failed(dial.splice, timed_out(host, port, dial.timeout))
+                    heapq.heappop(deadlines)[2].expire(self)
                 self._carrier.flush()
         finally:
             self._timer = None

@@ -578,6 +578,16 @@ class IncomingStream:
 
 StreamHandler = Callable[[IncomingStream], Awaitable[None]]
 
+
+class OpenAnswer(Protocol):
+    """Hears how a stream this side opened without waiting (`open_stream_nowait`) was
+    answered: from the connection's reader (ACCEPT or REFUSE), or from its end. Each is
+    called at most once, and must not raise or wait."""
+
+    def resolve(self, result: p.StreamAccepted | p.StreamRefused) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
 StreamTaker = Callable[[IncomingStream], bool]
 """Called by the connection's reader with each stream the peer opens, before a handler
 task is made for it: True if it answered or took the stream without a task (it must not

@@ -418,6 +418,7 @@ class Controller:
             self.leader.mark(*LeaderWrite)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._renew_server_certificate)
+                nursery.start_soon(self.watchers.collect_forever)
                 await self.leader.run()
         finally:
             self.is_leader = False

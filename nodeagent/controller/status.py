@@ -8,6 +8,8 @@
 - `WatcherReports` (every replica): agents watch whichever replica the Service picks, so
   each replica publishes the nodes watching it in a ConfigMap of its own, and the leader
   sums the live ones up for ClusterTunnel status. They feed status only, never config.
+  The leader deletes the reports of replicas gone for `WATCHERS_GC_AFTER` (`collect`):
+  every rollout of the controller leaves one behind.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ log = get_logger("nodeagent.controller")
 WATCHERS_LABEL = "nodeagent.io/watchers"
 WATCHERS_PERIOD = 5.0
 WATCHERS_STALE = 30.0  # reports older than this are from dead replicas
+# A report not renewed for this long is deleted by the leader. Well past WATCHERS_STALE,
+# so that a live replica cut off from the API for a while is not deleted meanwhile (it
+# would create its report again anyway).
+WATCHERS_GC_AFTER = 600.0
 Obj = dict[str, Any]
 
 
@@ -106,14 +112,52 @@ class WatcherReports:
         now = datetime.now(UTC)
         nodes: set[str] = set()
         for report in self.cache.list():
-            data = report.get("data") or {}
-            try:
-                updated = datetime.fromisoformat(data.get("updated", "").replace("Z", "+00:00"))
-            except ValueError:
-                continue
-            if (now - updated).total_seconds() <= WATCHERS_STALE:
-                nodes.update(n for n in data.get("nodes", "").split("\n") if n)
+            age = _report_age(report, now)
+            if age is not None and age <= WATCHERS_STALE:
+                data = report.get("data") or {}
+                nodes.update(n for n in str(data.get("nodes", "")).split("\n") if n)
         return nodes
+
+    async def collect(self) -> list[str]:
+        """Delete the reports not renewed for WATCHERS_GC_AFTER (replicas gone); the
+        leader's. Returns the names deleted. A report whose stamp cannot be read is left
+        alone: it is not known to be old, and it counts for nothing meanwhile."""
+        now = datetime.now(UTC)
+        deleted = []
+        for report in self.cache.list(namespace=self.namespace):
+            meta = report.get("metadata") or {}
+            name = str(meta.get("name"))
+            age = _report_age(report, now)
+            if name == self.name or age is None or age < WATCHERS_GC_AFTER:
+                continue
+            try:
+                # The version as a precondition: a replica that came back and wrote its
+                # report since keeps it.
+                await self.kube.delete(CONFIGMAPS, name, namespace=self.namespace,
+                                       resource_version=str(meta.get("resourceVersion")))
+            except KubeError as exc:
+                log.info("stale watcher report not deleted", report=name, error=str(exc)[:200])
+                continue
+            log.info("stale watcher report deleted", report=name, age_seconds=round(age))
+            deleted.append(name)
+        return deleted
+
+    async def collect_forever(self, period: float = 60.0) -> None:
+        while True:
+            await self.collect()
+            await trio.sleep(period)
+
+
+def _report_age(report: Obj, now: datetime) -> float | None:
+    """Seconds since a watcher report was last written, or None if its stamp is unreadable."""
+    data = report.get("data") or {}
+    try:
+        updated = datetime.fromisoformat(str(data.get("updated", "")).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if updated.tzinfo is None:
+        return None
+    return (now - updated).total_seconds()
 
 
 class StatusWriter:

@@ -189,6 +189,9 @@ class H2Connection:
         settings = settings or H2Settings(max_header_list_size=limits.max_header_bytes)
         self.session = H2Session(client_side=False, settings=settings)
         self.wire = H2Wire(self.session, stream, stall_timeout=limits.idle_timeout)
+        # A whole frame of the largest size the client may send in one read (see
+        # `H2Upstream.read_size`).
+        self.read_size = max(limits.read_size, settings.max_frame_size + 9)
         self.streams: dict[int, _ClientStream] = {}
         self.idle_upstreams: list[Upstream] = []
         self.goaway_sent = False
@@ -312,7 +315,7 @@ class H2Connection:
 
     async def _receive(self) -> bytes:
         try:
-            return cast(bytes, await self.stream.receive_some(self.limits.read_size))
+            return cast(bytes, await self.stream.receive_some(self.read_size))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             return b""
 

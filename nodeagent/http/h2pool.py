@@ -59,13 +59,11 @@ Describe = Callable[[trio.abc.HalfCloseableStream, Callable[[], list[dict[str, o
 stream carries (`StreamNotes.describe` on the server)."""
 
 
-UPSTREAM_SETTINGS = H2Settings(max_frame_size=256 * 1024)
-"""What the front announces to h2c backends: its defaults, but frames of up to 256 KiB.
-A response body then comes in a sixteenth of the frames (grpcio sends frames as large as
-allowed), and `h2`'s work per frame received is the largest cost left on the data path
-(`scripts.bench.h2_bidi`, variant `up16k`). Only backends, whose connections the front
-opens (one per endpoint), may send such frames: the incomplete frame `h2` holds per
-connection stays bounded by 16 KiB for clients, whose connections anyone can open."""
+UPSTREAM_SETTINGS = H2Settings()
+"""What the front announces to h2c backends: the same as to clients (4 MiB stream
+windows within an 8 MiB connection window, frames of up to 256 KiB). The connection is
+shared by every request sent to that endpoint, so its window bounds what all of them
+hold of responses not yet written to their clients."""
 
 
 class UpstreamLost(UpstreamFailed):
@@ -81,7 +79,9 @@ class H2Upstream:
         self.stream = stream
         self.session = H2Session(client_side=True, settings=settings)
         self.wire = H2Wire(self.session, stream, stall_timeout=limits.idle_timeout)
-        self.read_size = limits.read_size
+        # A whole frame of the largest size the backend may send in one read: h2 parses a
+        # frame once it is whole, and each read costs the reader a round of its loop.
+        self.read_size = max(limits.read_size, settings.max_frame_size + 9)
         self.max_streams = settings.max_concurrent_streams
         self.inboxes: dict[int, Inbox] = {}
         self.paths: dict[int, tuple[bytes, float]] = {}  # stream → (:path, opened at)

@@ -30,8 +30,9 @@ from nodeagent.config.routes import WAKE_KEY
 from nodeagent.http.routetable import Backend
 from nodeagent.server.refusals import PolicyRefusals
 from tunnel import protocol as p
-from tunnel.endpoint import StreamRefusedError
+from tunnel.endpoint import StreamRefusedError, TunnelConnection
 from tunnel.errors import StreamFailed
+from tunnel.spliceloop import OnEnd, OnRefused, SpliceOwner, open_in_loop, reset_socket
 from tunnel.stream import TunnelStream
 from tunnel.tcp import DialFailed, connect_tcp
 from tunnel.udp import connect_udp
@@ -63,11 +64,15 @@ class DataPath:
 
     def __init__(self, *, routes: Callable[[], RoutesConfig], open_stream: NodeStreamOpener,
                  refusals: PolicyRefusals, dial_timeout: float,
-                 controller: tuple[str, int] | None, resolve: Resolver = resolve_tcp) -> None:
+                 controller: tuple[str, int] | None, resolve: Resolver = resolve_tcp,
+                 live_connection: Callable[[str], TunnelConnection] | None = None) -> None:
         """`routes`: the routes in force (read per stream); `controller`: the
-        controller's (host, port) in controller mode, which agents always reach."""
+        controller's (host, port) in controller mode, which agents always reach;
+        `live_connection`: a node's tunnel connection, or NodeNotConnected
+        (TunnelServer.live_connection), for `open_to_now`."""
         self._routes = routes
         self._open_stream = open_stream
+        self._live_connection = live_connection
         self._refusals = refusals
         self.dial_timeout = dial_timeout
         self.controller = controller
@@ -192,6 +197,50 @@ class DataPath:
         assert scope.cancelled_caught
         raise StreamRefusedError(p.StreamReason.TIMEOUT,
                                  f"node {node} did not answer within {self.dial_timeout}s")
+
+    @property
+    def opens_now(self) -> bool:
+        """Whether `open_to_now` can be used (it needs the nodes' connections)."""
+        return self._live_connection is not None
+
+    def open_to_now(self, node: str, host: str, port: int, origin: str,
+                    client: socket.socket, *, to_tunnel: bytes, owner: SpliceOwner | None,
+                    on_accepted: Callable[[], None], on_refused: OnRefused,
+                    on_end: OnEnd, retried: bool = False) -> TunnelStream | None:
+        """`open_to` for a caller that does not wait (a TCP mapping's accept loop): a
+        stream to host:port through `node`, joined to the client connection `client` by
+        the node's tunnel connection's splice loop once accepted (tunnel/spliceloop.py
+        `open_in_loop`, `to_tunnel` first), within the dial timeout. Any failure (not
+        connected, refused, timed out, the tunnel lost, the client gone) resets the
+        client and goes to `on_refused`; the tunnel lost while a newer connection of the
+        node is up (the agent reconnected), the open is tried there once, as
+        TunnelServer.open_stream does. The stream, or None if none was opened."""
+        live = self._live_connection
+        assert live is not None
+        try:
+            conn = live(node)
+        except StreamFailed as exc:
+            reset_socket(client)
+            on_refused(exc)
+            return None
+
+        def reopen(sock: socket.socket) -> bool:
+            try:
+                newer = live(node)
+            except StreamFailed:
+                return False
+            if newer is conn:
+                return False
+            self.open_to_now(node, host, port, origin, sock, to_tunnel=to_tunnel,
+                             owner=owner, on_accepted=on_accepted, on_refused=on_refused,
+                             on_end=on_end, retried=True)
+            newer.flush()  # its OPEN: nobody else flushes this connection now
+            return True
+
+        return open_in_loop(conn, p.Target(host, port), {"origin": origin}, client,
+                            timeout=self.dial_timeout, on_accepted=on_accepted,
+                            on_refused=on_refused, on_end=on_end, to_tunnel=to_tunnel,
+                            owner=owner, on_lost=None if retried else reopen)
 
     async def open_flow(self, node: str, target: p.Target, origin: str,
                         idle_timeout: float) -> TunnelStream:

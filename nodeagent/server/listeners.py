@@ -27,7 +27,7 @@ from nodeagent.ops.health import HealthServer
 from nodeagent.ops.jsonhttp import QueryRoute
 from nodeagent.ops.listener import Listener, socket_address
 from nodeagent.server.server import Server
-from nodeagent.server.tcpmappings import TcpMappingRelay
+from nodeagent.server.tcpmappings import TcpMappingRelay, detached
 from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.accept import serve
 from tunnel.listeners import bind_udp, open_tcp_listeners
@@ -89,17 +89,22 @@ class TcpMappingListener(Listener):
         listeners = await open_tcp_listeners(mapping.listen.port, host=mapping.listen.host,
                                              reuse_port=self._reuse_port)
         self.addresses = [socket_address(lst) for lst in listeners]
-        # Connections carried by tunnel connections' splice loops, not by tasks here:
-        # stopping the mapping ends them all the same.
+        # Connections carried by tunnel connections' splice loops, not by tasks here (one
+        # accept loop per listening socket, no task per connection: tcpmappings.py):
+        # stopping the mapping ends them all the same, those still opening too.
         owner = SpliceOwner()
+        sockets = [detached(lst) for lst in listeners]
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(trio.serve_listeners,
-                                    functools.partial(self._relay.serve, mapping, owner=owner),
-                                    listeners)
+                take = functools.partial(self._relay.take, mapping, owner=owner,
+                                         nursery=nursery)
+                for sock in sockets:
+                    nursery.start_soon(self._relay.accept_loop, self.name, sock, take)
                 task_status.started(self.addresses)
         finally:
             owner.abort_all("tcp mapping stopped")
+            for sock in sockets:
+                sock.close()
 
     def details(self) -> dict[str, Any]:
         return {"node": self.mapping.node, "target": str(self.mapping.target),

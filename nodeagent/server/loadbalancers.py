@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +51,12 @@ from nodeagent.ops.listener import Listener, bind_advice
 from nodeagent.ops.logs import StructuredLogger
 from nodeagent.ops.metrics import Metrics, gauge
 from nodeagent.server.heldconnections import HeldConnections, asleep
-from nodeagent.server.tcpmappings import TcpMappingRelay
+from nodeagent.server.tcpmappings import TcpMappingRelay, detached
 from nodeagent.server.udpmappings import UdpMappingRelay
 from tunnel.listeners import bind_udp, open_tcp_listeners
 from tunnel.log import RateLimitedLog
+from tunnel.spliceloop import SpliceOwner
+from tunnel.stream import TunnelStream
 
 BIND_RETRY = 5.0  # seconds between attempts to bind a port another process holds
 
@@ -230,7 +233,40 @@ class LoadBalancerPorts(Listener):
         port.state, port.error = "listening", ""
         self.log.info("load balancer port open", service=port.service, protocol="tcp",
                       port=port.config.port, backends=len(port.mappings))
-        await trio.serve_listeners(functools.partial(self._connection, port), listeners)
+        # No task per connection (tcpmappings.accept_loop); the port's connections,
+        # carried by tunnel connections' splice loops, end with it all the same.
+        owner = SpliceOwner()
+        sockets = [detached(lst) for lst in listeners]
+        try:
+            async with trio.open_nursery() as nursery:
+                take = functools.partial(self._take, port, owner, nursery)
+                for sock in sockets:
+                    nursery.start_soon(self._tcp.accept_loop, port.name, sock, take)
+        finally:
+            owner.abort_all("load balancer port closed")
+            for sock in sockets:
+                sock.close()
+
+    def _take(self, port: BalancedPort, owner: SpliceOwner, nursery: trio.Nursery,
+              sock: socket.socket, address: tuple[str, int]) -> TunnelStream | None:
+        """A connection: its backend chosen and its OPEN sent, without a task; a port
+        that wakes its Service holds the connection in a task (`_connection`)."""
+        if port.wake is not None and self._held is not None:
+            nursery.start_soon(self._connection, port,
+                               trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+            return None
+        mapping = port.pick(self._has_tunnel, self._unhealthy)
+        if not isinstance(mapping, TcpMapping):
+            self._no_backends(port)
+            sock.close()
+            return None
+        return self._tcp.take(mapping, sock, address, owner=owner, nursery=nursery)
+
+    def _no_backends(self, port: BalancedPort) -> None:
+        self.refusals.labels("no_backends").inc()
+        self._failures.warning(f"{port.name}:no_backends",
+                               "load balancer connection refused: no ready endpoints",
+                               service=port.service, port=port.config.port)
 
     async def _connection(self, port: BalancedPort, client: trio.SocketStream) -> None:
         if port.wake is not None and self._held is not None:
@@ -239,10 +275,7 @@ class LoadBalancerPorts(Listener):
             return
         mapping = port.pick(self._has_tunnel, self._unhealthy)
         if not isinstance(mapping, TcpMapping):
-            self.refusals.labels("no_backends").inc()
-            self._failures.warning(f"{port.name}:no_backends",
-                                   "load balancer connection refused: no ready endpoints",
-                                   service=port.service, port=port.config.port)
+            self._no_backends(port)
             await client.aclose()
             return
         await self._tcp.serve(mapping, client)

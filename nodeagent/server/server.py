@@ -114,7 +114,8 @@ class Server:
         self.datapath = DataPath(
             routes=routes, open_stream=self.open_stream, refusals=self.refusals,
             dial_timeout=config.dial_timeout,
-            controller=_host_port(config.controller) if config.controller else None)
+            controller=_host_port(config.controller) if config.controller else None,
+            live_connection=self.tunnel.live_connection)
         # Cloud nodes' caught dials to other nodes' addresses (control_plane_sources).
         self.dnat = DnatPath(open_stream=self.open_stream, dial_timeout=config.dial_timeout,
                              registry=self.metrics.registry, log=self.log)
@@ -136,7 +137,8 @@ class Server:
         self.tcp_mappings = TcpMappingRelay(
             datapath=self.datapath, notes=self.stream_notes, outcomes=self.outcomes,
             stream_bytes=self.metrics.stream_bytes, log=self.log, proxy=self.proxy_trust,
-            unhealthy=self.backend_health.unhealthy)
+            unhealthy=self.backend_health.unhealthy,
+            observe_setup=self.metrics.stream_setup.labels(TO_NODE).observe)
         # TCP connections for a Service that sleeps (LoadBalancer ports): held with the
         # HTTP fronts' requests while it wakes (heldconnections.py).
         self.held_connections = HeldConnections(self.holds, self.tcp_mappings, self.log)

@@ -1,9 +1,21 @@
 """TCP mappings: a public port on the server whose every connection is spliced into a
 stream to `node` → `target`.
 
-`TcpMappingRelay.serve` carries one accepted connection: `open_mapping_target` opens the
-stream through the node's tunnel (within the dial timeout), a failure resets the client and
-is counted and logged, and the bytes each way are counted when both ends have closed.
+`TcpMappingRelay.accept_loop` accepts a mapping's connections and hands each to `take`,
+with no task per connection: `take` sends the OPEN through the node's tunnel
+(`DataPath.open_to_now`) and returns; the node's connection answers it from its reader,
+and accepted, the socket joins that connection's splice loop (tunnel/spliceloop.py
+`open_in_loop`). A failure (node not connected, refused, no answer within the dial
+timeout, the tunnel lost, the client reset first) resets the client and is counted and
+logged; the bytes each way are counted when both ends have closed. The loop flushes each
+batch's OPENs at once and waits while the tunnel's output is above its high-water mark,
+as a task waiting for its stream did.
+
+`TcpMappingRelay.serve` is the same with a task per connection, for the connections
+that must wait for something before their OPEN: a trusted balancer's (its PROXY header
+is read first) and a held connection's (heldconnections.py, a sleeping Service's). A
+LoadBalancer Service's port (loadbalancers.py) uses the accept loop too, its backend
+picked per connection before `take`.
 
 PROXY protocol (docs/proxy-protocol.md): a connection from a trusted load balancer starts
 with its v2 header, read first (`ProxyTrust.client_of`), and its client is the one logged
@@ -15,8 +27,11 @@ dials the target and splices, as for any stream.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import socket
+import time
 from collections.abc import Callable
 
 import trio
@@ -31,11 +46,22 @@ from nodeagent.proxyprotocol.receive import ProxyTrust
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.openers import StreamOutcomes
 from tunnel import protocol as p
-from tunnel.errors import StreamFailed
+from tunnel.errors import StreamFailed, TunnelClosedError
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection
 from tunnel.splice import SpliceResult
-from tunnel.spliceloop import SpliceOwner
+from tunnel.spliceloop import SpliceEnd, SpliceOwner, reset_socket
+from tunnel.stream import StreamCarrier, TunnelStream
+
+Take = Callable[[socket.socket, tuple[str, int]], "TunnelStream | None"]
+"""One accepted connection and its peer's address, handed over without a task: the stream
+opened for it, if any (its connection's output is flushed after the accept batch)."""
+
+# Connections taken per wake-up of the accept loop before their OPENs go out together.
+ACCEPT_BATCH = 64
+# accept() failures that cost the connection being accepted, not the loop (trio's list).
+_IGNORED_ACCEPT_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
+_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 class TcpMappingRelay:
@@ -44,17 +70,131 @@ class TcpMappingRelay:
     def __init__(self, *, datapath: DataPath, notes: StreamNotes, outcomes: StreamOutcomes,
                  stream_bytes: MetricCounter, log: StructuredLogger,
                  proxy: ProxyTrust | None = None,
-                 unhealthy: Callable[[Backend], bool] | None = None) -> None:
+                 unhealthy: Callable[[Backend], bool] | None = None,
+                 observe_setup: Callable[[float], None] | None = None) -> None:
+        """`observe_setup`: how long each OPEN took to be accepted (the stream-setup
+        histogram `tracked_opener` feeds for streams opened by a task)."""
         self._datapath = datapath
+        self._observe_setup = observe_setup
+        self._accept_log = RateLimitedLog(log, period=60.0)
         self._proxy = proxy
         # Active health checks: a mapping has one target, so an unhealthy one is still
         # tried (as with every backend unhealthy), and said so once a minute.
         self._unhealthy = unhealthy
         self._health_log = RateLimitedLog(log, period=60.0)
+        # Refusals (node not connected, the agent refused, no answer): whoever can reach a
+        # mapping's port can cause one per connection, so a few lines per mapping and
+        # reason every 10 s, each with how many were left out since.
+        self._refusal_log = RateLimitedLog(log, period=10.0, burst=3)
         self._notes = notes
         self._outcomes = outcomes
         self._stream_bytes = stream_bytes
         self.log = log
+
+    async def accept_loop(self, name: str, listener: socket.socket, take: Take) -> None:
+        """Accept connections on `listener` (non-blocking; `name` for the log) until
+        cancelled, each handed to `take` (`functools.partial(relay.take, mapping, ...)`,
+        or a load balancer port's choice of mapping first)."""
+        while True:
+            await trio.lowlevel.wait_readable(listener)
+            carriers: list[StreamCarrier] = []
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    sock, address = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno in _IGNORED_ACCEPT_ERRNOS:
+                        continue
+                    if exc.errno not in _CAPACITY_ERRNOS:
+                        raise
+                    self._accept_log.warning(
+                        f"accept:{name}", "out of file descriptors; accept paused",
+                        listener=name, error=str(exc))
+                    await trio.sleep(0.1)
+                    break
+                try:
+                    stream = take(sock, address)
+                except Exception as exc:
+                    # A bug here must cost one connection, never the mapping's listener.
+                    self.log.error("tcp mapping connection failed", error=repr(exc),
+                                   listener=name, exc_info=True)
+                    reset_socket(sock)
+                    continue
+                if stream is not None and stream.connection not in carriers:
+                    carriers.append(stream.connection)
+            # The batch's OPENs in one write, and no more accepting while the node's
+            # tunnel has more output queued than its high-water mark (backpressure).
+            for carrier in carriers:
+                try:
+                    await carrier.send_queued(now=True)
+                except TunnelClosedError:
+                    pass  # its opens are failed by the connection's end
+
+    def take(self, mapping: TcpMapping, sock: socket.socket, address: tuple[str, int], *,
+             owner: SpliceOwner, nursery: trio.Nursery) -> TunnelStream | None:
+        """One accepted connection (`address`: its peer), without a task: its OPEN queued
+        (`open_to_now`), or it is reset and counted. The stream opened, if any."""
+        source = (str(address[0]), int(address[1]))
+        if not self._datapath.opens_now or (
+                self._proxy is not None and self._proxy.trusts(source[0])):
+            # A balancer's PROXY header is read before the OPEN: that waits, in a task.
+            nursery.start_soon(functools.partial(
+                self.serve, mapping, trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
+                owner=owner))
+            return None
+        sock.setblocking(False)  # (TCP_NODELAY comes from the listener: `detached`)
+        self._check_health(mapping)
+        peer = format_address(source)
+        header = b""
+        if mapping.proxy_protocol is not None:
+            try:
+                local = sock.getsockname()
+                header = build_header(mapping.proxy_protocol, source,
+                                      (str(local[0]), int(local[1])))
+            except (OSError, ProxyHeaderError) as exc:
+                reset_socket(sock)
+                self._refused(mapping, peer, StreamFailed(p.StreamReason.INTERNAL,
+                                                          f"no PROXY header: {exc}"))
+                return None
+        stream = self._datapath.open_to_now(
+            mapping.node, mapping.target.host, mapping.target.port, peer, sock,
+            to_tunnel=header, owner=owner,
+            on_accepted=functools.partial(self._accepted, time.monotonic()),
+            on_refused=functools.partial(self._refused, mapping, peer),
+            on_end=functools.partial(self._ended, mapping, peer))
+        if stream is not None:
+            self._notes.note(stream, self._note(mapping, peer))
+        return stream
+
+    def _accepted(self, started: float) -> None:
+        self._outcomes.outbound("accepted")
+        if self._observe_setup is not None:
+            self._observe_setup(time.monotonic() - started)
+
+    def _refused(self, mapping: TcpMapping, peer: str, failure: StreamFailed) -> None:
+        self._outcomes.outbound(failure.outcome)
+        self._refusal_log.warning(
+            f"{mapping.name or mapping.listen.port}:{failure.outcome}", "connection refused",
+            listener=mapping.name or f":{mapping.listen.port}", node=mapping.node,
+            target=str(mapping.target), client=peer, reason=failure.outcome,
+            error=failure.message)
+
+    def _ended(self, mapping: TcpMapping, peer: str, end: SpliceEnd) -> None:
+        # The client is the splice's socket: what it sent went into the tunnel ("out").
+        self._finished(mapping, peer, SpliceResult(end.to_tunnel, end.to_socket, end.error))
+
+    def _check_health(self, mapping: TcpMapping) -> None:
+        if self._unhealthy is not None and self._unhealthy(
+                Backend(mapping.node, mapping.target.host, mapping.target.port)):
+            self._health_log.warning(
+                f"unhealthy:{mapping.listen}", "the mapping's backend is unhealthy; trying it "
+                "anyway", listener=mapping.name or f":{mapping.listen.port}",
+                node=mapping.node, target=str(mapping.target))
+
+    @staticmethod
+    def _note(mapping: TcpMapping, peer: str) -> str:
+        return f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
 
     async def serve(self, mapping: TcpMapping, client: trio.SocketStream, *,
                     opened: trio.abc.HalfCloseableStream | None = None,
@@ -77,12 +217,7 @@ class TcpMappingRelay:
             if opened is not None:
                 await trio.aclose_forcefully(opened)
             return
-        if self._unhealthy is not None and self._unhealthy(
-                Backend(mapping.node, mapping.target.host, mapping.target.port)):
-            self._health_log.warning(
-                f"unhealthy:{mapping.listen}", "the mapping's backend is unhealthy; trying it "
-                "anyway", listener=mapping.name or f":{mapping.listen.port}",
-                node=mapping.node, target=str(mapping.target))
+        self._check_health(mapping)
         peer = format_address(source)  # the stream's origin, which the agent logs
 
         async def open_mapping_target() -> trio.abc.HalfCloseableStream:
@@ -110,10 +245,7 @@ class TcpMappingRelay:
             on_finished=(functools.partial(self._finished, mapping, peer)
                          if owner is not None else None), owner=owner)
         if relayed.failure is not None:
-            self._outcomes.outbound(relayed.failure.outcome)
-            self._mapping_log(mapping, peer).info(
-                "connection refused", reason=relayed.failure.outcome,
-                error=relayed.failure.message)
+            self._refused(mapping, peer, relayed.failure)
         elif relayed.spliced is not None:
             self._finished(mapping, peer, relayed.spliced)
 
@@ -131,13 +263,23 @@ class TcpMappingRelay:
         that scales to zero, `DataPath.open_to`); raises StreamFailed."""
         stream = await self._datapath.open_to(mapping.node, mapping.target.host,
                                               mapping.target.port, peer, wakes=wakes)
-        name = f"tcp mapping {mapping.name or f':{mapping.listen.port}'} client {peer}"
-        self._notes.note(stream, name)
+        self._notes.note(stream, self._note(mapping, peer))
         return stream
 
     def _mapping_log(self, mapping: TcpMapping, peer: str) -> StructuredLogger:
         return self.log.bind(listener=mapping.name or f":{mapping.listen.port}",
                              node=mapping.node, target=str(mapping.target), client=peer)
+
+
+def detached(listener: trio.SocketListener) -> socket.socket:
+    """A listening socket out of trio's wrappers, non-blocking: `accept_loop` takes
+    connections itself, as plain sockets. TCP_NODELAY is set here: Linux gives every
+    accepted connection the listener's (a setsockopt per connection saved)."""
+    tsock = listener.socket
+    sock = socket.socket(tsock.family, tsock.type, tsock.proto, tsock.detach())
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def socket_addresses(stream: trio.SocketStream) -> tuple[tuple[str, int] | None,

@@ -6,13 +6,16 @@ process per variant (an h2c route to that server), the grpcio client in this pro
 one stream echoing --kib KiB messages for --seconds, at most 8 messages ahead of their
 echoes. Variants, interleaved over --rounds rounds (median, min-max):
 
-  default     the front's settings: 1 MiB stream windows, 8 MiB connection window on
-              both legs, 16 KiB frames from the client, 256 KiB from the backend
-  win4m       4 MiB stream windows, 32 MiB connection windows
-  frame1m     1 MiB frames accepted (SETTINGS_MAX_FRAME_SIZE): peers may send fewer, larger
-              DATA frames
+  default     the front's settings (`H2Settings`): 4 MiB stream windows within an 8 MiB
+              connection window on both legs, frames of up to 256 KiB from both
+  old         the settings before: 1 MiB stream windows, 16 KiB frames from the client
+              (256 KiB from the backend)
+  win32m      4 MiB stream windows, 32 MiB connection windows
+  frame1m     1 MiB frames accepted (SETTINGS_MAX_FRAME_SIZE)
   both        both of these
-  up16k       16 KiB frames from the backend too (`h2pool.UPSTREAM_SETTINGS` takes 256 KiB)
+  frame16k    16 KiB frames from the client (4 MiB windows)
+  win1m       1 MiB stream windows (256 KiB frames)
+  up16k       16 KiB frames from the backend
 
 and `direct`: the client straight to the server (the floor on this machine). Prints the
 payload Gbit/s each way and the front's CPU per MiB moved (both ways, /proc).
@@ -67,10 +70,13 @@ from scripts.bench.http_front import _cpu_seconds, open_direct
 MIB = 1024 * 1024
 VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
-    "win4m": {"stream_window": 4 * MIB, "connection_window": 32 * MIB},
+    "old": {"stream_window": MIB, "max_frame_size": 16 * 1024,
+            "pool_max_frame_size": 256 * 1024},
+    "win32m": {"connection_window": 32 * MIB},
     "frame1m": {"max_frame_size": MIB},
-    "both": {"stream_window": 4 * MIB, "connection_window": 32 * MIB,
-             "max_frame_size": MIB},
+    "both": {"connection_window": 32 * MIB, "max_frame_size": MIB},
+    "frame16k": {"max_frame_size": 16 * 1024, "pool_max_frame_size": 256 * 1024},
+    "win1m": {"stream_window": MIB},
     "up16k": {"pool_max_frame_size": 16 * 1024},
 }
 

@@ -24,7 +24,7 @@ from nodeagent.controller.bootstrap import (
     secret_value,
 )
 from nodeagent.controller.controller import Controller, ControllerSettings, serve_controller
-from nodeagent.controller.status import WATCHERS_LABEL
+from nodeagent.controller.status import WATCHERS_GC_AFTER, WATCHERS_LABEL
 from nodeagent.kube import (
     CONFIGMAPS,
     ENDPOINTSLICES,
@@ -324,3 +324,36 @@ async def test_metrics_count_recomputes_and_watch_restarts_by_resource(
                                                          "podIPs": [{"ip": "10.1.0.6"}]}))
     await wait_for(lambda: backends() == 0, "the endpoint refused")
     assert sample("nodeagent_controller_refused_backends", reason="not_pod_address") == 1
+
+
+async def test_the_leader_deletes_the_watcher_reports_of_replicas_long_gone(
+        nursery: trio.Nursery, fake_kube: FakeKube, kube: KubeClient, tmp_path: Path) -> None:
+    """Every rollout of the controller leaves its old replicas' reports behind: the
+    leader deletes those not renewed for WATCHERS_GC_AFTER, and only those."""
+    def report(name: str, updated: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": NS,
+                             "labels": {WATCHERS_LABEL: "true"}},
+                "data": {"nodes": "edge-1", "updated": updated}}
+
+    long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=WATCHERS_GC_AFTER + 60)
+    for name, updated in (("nodeagent-watchers-gone", rfc3339(long_ago)),
+                          ("nodeagent-watchers-live", rfc3339()),
+                          # A stamp with no zone and one that is no time: never deleted,
+                          # and never counted as connected nodes either (no crash).
+                          ("nodeagent-watchers-naive", long_ago.replace(tzinfo=None)
+                           .isoformat()),
+                          ("nodeagent-watchers-odd", "yesterday")):
+        fake_kube.put_object(report(name, updated))
+    controller = await start_controller(nursery, fake_kube, tmp_path)
+
+    def names() -> set[str]:
+        return {o["metadata"]["name"] for o in fake_kube.objects("configmaps", namespace=NS)
+                if WATCHERS_LABEL in o["metadata"].get("labels", {})}
+
+    await wait_for(lambda: "nodeagent-watchers-gone" not in names(),
+                   "the stale report deleted")
+    await wait_for(lambda: "nodeagent-watchers-c1" in names(), "this replica's own report")
+    assert {"nodeagent-watchers-live", "nodeagent-watchers-naive",
+            "nodeagent-watchers-odd"} <= names()
+    assert controller.watchers.connected_nodes() == {"edge-1"}  # the live report's

@@ -156,21 +156,26 @@ async def test_a_lost_h2c_connection_fails_only_its_requests(nursery: trio.Nurse
 
 async def test_a_slow_reader_costs_the_windows_not_the_response(nursery: trio.Nursery) -> None:
     """A client that never opens its window gets 64 KiB; the backend's h2c stream stops at
-    the front's 1 MiB stream window: 8 MiB asked, about 1 MiB moved. Granting the window
-    moves the rest."""
+    the front's stream window (4 MiB): 16 MiB asked, about 4 MiB moved. Granting the
+    window moves the rest."""
+    from nodeagent.http.h2pool import UPSTREAM_SETTINGS
+
+    window = UPSTREAM_SETTINGS.stream_window
+    asked = 16 * 1024 * 1024
+    assert window == 4 * 1024 * 1024 and window * 2 < asked
     origin = H2Origin()
     port = await start_tcp(nursery, origin.handle)
     async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
         client = await RawH2.connect(f.port)
-        sid = await client.request("/big?n=8388608")
+        sid = await client.request(f"/big?n={asked}")
         await client.pump(2.0, grant=False)
         assert client.status[sid] == 200
         assert client.body[sid] <= 65535
-        assert origin.body_bytes_sent <= 1024 * 1024 + 65535, origin.body_bytes_sent
+        assert origin.body_bytes_sent <= window + 65535, origin.body_bytes_sent
         with trio.fail_after(60):
             while sid not in client.ended:
                 await client.pump(1.0, grant=True)
-        assert client.body[sid] == 8 * 1024 * 1024
+        assert client.body[sid] == asked
         await client.aclose()
 
 
@@ -267,9 +272,9 @@ async def test_bad_http2_input_ends_the_connection_cleanly(
         settings + headers_frame([*good, (b":path", b"/"), (b"X-Upper", b"1")]),
         settings + headers_frame([*good, (b":path", b"/"), (b"connection", b"close")]),
         settings + b"\x00\x00\x04\x08\x00\x00\x00\x00\x00" + b"\xff" * 4,  # bad WINDOW_UPDATE
-        # A frame announcing 16 MiB: refused once more than the largest allowed frame is
-        # in, not buffered to its end.
-        settings + b"\xff" * 9 + b"\x00" * 20_000,
+        # A frame announcing 16 MiB: refused once more than the largest allowed frame
+        # (256 KiB) is in, not buffered to its end.
+        settings + b"\xff" * 9 + b"\x00" * 300_000,
         PREFACE[:10],
     ]
     del enc
@@ -432,13 +437,13 @@ async def test_a_stream_without_a_task_waits_for_the_window_in_a_task(
     does not read, the backend held at the front's stream window), and finishes when
     the client reads."""
     async with warm_h2c_front(nursery) as (origin, f, client):
-        sid = await client.send("/big?n=8388608")
+        sid = await client.send("/big?n=16777216")
         await client.pump(2.0, grant=False)
         assert client.status[sid] == 200
         assert client.body[sid] <= 65535
-        assert origin.body_bytes_sent <= 1024 * 1024 + 65535, origin.body_bytes_sent
+        assert origin.body_bytes_sent <= 4 * 1024 * 1024 + 65535, origin.body_bytes_sent
         await client.wait_for(lambda: sid in client.ended, 60)
-        assert client.body[sid] == 8 * 1024 * 1024
+        assert client.body[sid] == 16 * 1024 * 1024
         assert f.front.stats.h2_direct_streams == 1
         await client.aclose()
 
@@ -458,7 +463,7 @@ async def test_drain_lets_streams_without_a_task_finish(nursery: trio.Nursery) -
 async def test_backends_send_frames_of_up_to_256_kib_and_no_larger(
         nursery: trio.Nursery) -> None:
     """The front takes 256 KiB frames from h2c backends (`h2pool.UPSTREAM_SETTINGS`: a
-    body in a sixteenth of the frames) and still 16 KiB from clients; a backend's frame
+    body in a sixteenth of the frames), as from clients; a backend's frame
     over 256 KiB breaks its connection (the call fails with 502, refused on the frame's
     header, not buffered to its end), and the front goes on."""
     import h2.config
@@ -492,7 +497,8 @@ async def test_backends_send_frames_of_up_to_256_kib_and_no_larger(
     port = await start_tcp(nursery, backend)
     async with running_front([RouteSpec(None, "/", route_to(port, protocol="h2c"))]) as f:
         raw = await RawH2.connect(f.port)
-        assert raw.conn.max_outbound_frame_size == 16384  # what clients may send
+        await raw.pump(0.5, grant=True)  # the front's SETTINGS
+        assert raw.conn.max_outbound_frame_size == 256 * 1024  # what clients may send
         await raw.aclose()
         async with h2c_client() as c:
             with trio.fail_after(10):

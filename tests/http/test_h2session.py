@@ -171,21 +171,68 @@ def test_too_many_concurrent_streams() -> None:
     assert server.streams_opened <= 10
 
 
-def test_continuation_flood_is_bounded() -> None:
-    """2024's CONTINUATION flood: a header block that never ends. h2 keeps at most 64
-    CONTINUATION frames of one block (~1 MiB at most), then GOAWAY."""
+@pytest.mark.parametrize("frame_size", [16_000, 256 * 1024 - 100])
+def test_continuation_flood_is_bounded(frame_size: int) -> None:
+    """2024's CONTINUATION flood: a header block that never ends. `h2` would hold 64
+    CONTINUATION frames of one block (16 MiB of the 256 KiB frames clients may send)
+    before refusing; the session refuses once the block held is over the header list size
+    (64 KiB), what it would refuse once decoded anyway."""
     _client, server = pair()
+    assert server.conn.max_inbound_frame_size == 256 * 1024
     frame = hf.HeadersFrame(1)
     frame.data = hpack.Encoder().encode(REQUEST)
     raw = frame.serialize()
-    with pytest.raises(H2Refused):
+    fed = 0
+    with pytest.raises(H2Refused) as info:
         for _ in range(10_000):
             cont = hf.ContinuationFrame(1)
-            cont.data = b"\x00" * 16_000
+            cont.data = b"\x00" * frame_size
             raw += cont.serialize()
+            fed += len(raw)
             server.receive(raw)
             raw = b""
+            assert server.pending_header_block() <= 64 * 1024
+    assert info.value.reason == "header_list_too_large"
     assert server.streams_opened == 0
+    # Refused within the header list size and one frame, not after 64 frames.
+    assert fed <= 64 * 1024 + frame_size + 100, fed
+
+
+def test_a_header_block_within_the_limit_in_continuations_passes() -> None:
+    """The header block bound counts what `h2` holds (`pending_header_block` sees it): a
+    legitimate head split over CONTINUATION frames, under the limit, is taken."""
+    _client, server = pair()
+    block = hpack.Encoder().encode([*REQUEST, (b"x-big", b"v" * 40_000)])
+    frame = hf.HeadersFrame(1)
+    frame.data = block[:20_000]
+    server.receive(frame.serialize())
+    assert server.pending_header_block() == 20_000
+    cont = hf.ContinuationFrame(1)
+    cont.data = block[20_000:]
+    cont.flags.add("END_HEADERS")
+    events = server.receive(cont.serialize())
+    assert [type(e) for e in events] == [HeadersIn] and server.pending_header_block() == 0
+
+
+def test_a_client_may_send_256_kib_frames_and_no_larger() -> None:
+    """Clients may send DATA frames of up to 256 KiB (`H2Settings.max_frame_size`); a frame
+    announcing more is refused as soon as more than one largest frame is held, not when
+    its announced length has arrived."""
+    client, server = pair()
+    assert client.max_outbound_frame_size == 256 * 1024
+    client.send_headers(1, REQUEST)
+    client.send_data(1, b"d" * 256 * 1024)
+    raw = client.data_to_send()
+    assert len(raw) < 256 * 1024 + 200  # one DATA frame
+    events = server.receive(raw)
+    assert sum(len(e.data) for e in events if isinstance(e, DataIn)) == 256 * 1024
+    over = (256 * 1024 + 1).to_bytes(3, "big") + b"\x00\x00" + (3).to_bytes(4, "big")
+    with pytest.raises(H2Refused) as info:
+        for _ in range(100):
+            server.receive(over + b"\x00" * 8191 if over else b"\x00" * 8192)
+            over = b""
+    assert info.value.reason == "frame_too_large"
+    assert server.pending_input() <= 256 * 1024 + 9 + 8192
 
 
 def test_hpack_bomb_is_refused() -> None:
@@ -237,6 +284,51 @@ def test_frame_reprs_for_h2s_trace_log_stay_hyperframes_and_are_cheap() -> None:
         assert h2session._raw_data_repr(data[:size]) == hyperframes(data[:size])
     frame = hf.DataFrame(1, data=b"\x01" * 16384)
     assert repr(frame).endswith("<hex:01010101010101010101...>")
+    # DATA frames' bodies: what hyperframe's Frame._body_repr shows (the serialized body),
+    # padded or not, short or long, without serializing them.
+    assert hf.DataFrame._body_repr is h2session._data_body_repr  # type: ignore[attr-defined]
+    for size in (0, 1, 9, 10, 11, 16384):
+        for pad in (None, 0, 3, 20):
+            frame = hf.DataFrame(1, data=bytes(range(256))[:size] * (1 + size // 256))
+            frame.data = frame.data[:size]
+            if pad is not None:
+                frame.flags.add("PADDED")
+                frame.pad_length = pad
+            assert frame._body_repr() == hyperframes(frame.serialize_body()), (size, pad)
+
+
+def test_hpacks_per_field_debug_logging_is_off() -> None:
+    """hpack's module loggers (a debug line per header field and integer) are replaced by
+    one that drops debug lines: a head still encodes and decodes, and hpack's debug
+    calls go nowhere even with debug logging on."""
+    import logging
+
+    import hpack.hpack
+    import hpack.table
+
+    from nodeagent.http import h2session
+
+    assert isinstance(hpack.hpack.log, h2session._NoDebugLog)  # type: ignore[attr-defined]
+    assert isinstance(hpack.table.log, h2session._NoDebugLog)  # type: ignore[attr-defined]
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.DEBUG)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        block = hpack.Encoder().encode(REQUEST)
+        assert hpack.Decoder().decode(block, raw=True) == REQUEST
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert not [r for r in records if r.name.startswith("hpack")]
+    assert hpack.hpack.log.isEnabledFor(logging.WARNING)  # other levels: hpack's logger
 
 
 def test_a_backends_goaway_among_frames_split_anywhere() -> None:

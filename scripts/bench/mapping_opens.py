@@ -1,0 +1,257 @@
+"""The server's cost per new connection through a TCP mapping, this tree against another.
+
+The connection path has two halves: the agent's (dial, answer, splice: `tunnel_cpu
+--relays`, `tunnel_instructions --relays`) and the server's, measured here: accept the
+client, send the OPEN, take the ACCEPT, splice, carry both FINs, close. One process runs
+the server role (`Server` with one TCP mapping and the tunnel listener on loopback TCP,
+no TLS) and the clients; the agent (a TunnelConnection whose reader dials each stream
+from its splice loop) and benchtool's C echo run in processes of their own, so what this
+process spends is the server's work plus the client's few syscalls, the same in both
+trees. Each client connects, sends one byte, reads the echo and closes first (or, with
+`--close-first`, the target closes first: benchtool's `echoclose`).
+
+    .venv/bin/python -m scripts.bench.mapping_opens --tree /work/base  # instructions, A/B
+    .venv/bin/python -m scripts.bench.mapping_opens --cpu --conns 3000 # CPU µs, this tree
+
+`--tree`: callgrind counts the server process's instructions (the machine has no
+hardware counters) with this tree's and then the other tree's `nodeagent` and `tunnel`
+packages, in interleaved rounds; one run with a single connection is subtracted
+(interpreter, imports, handshake), so what is left is per connection. Prints one JSON
+object: median instructions per connection for each tree, and the median, min and max
+of the rounds' ratios (this / other). `--cpu`: CPU µs per connection of this process and
+of the agent's (from /proc), wall-clock-free but load-sensitive, and the tasks spawned
+and task steps per connection in this process (trio instrument; these do not move with
+the load; the client's task takes 3 of the steps), and the median wall-clock time of
+one connection (connect to the client's close; this one moves with the load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "0123456789abcdef0123"
+
+
+class _Steps(trio.abc.Instrument):
+    """Tasks spawned and task steps run in this process (load-independent counts)."""
+
+    def __init__(self) -> None:
+        self.spawned = 0
+        self.steps = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.spawned += 1
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _connection(address: tuple[str, int], close_first: bool) -> None:
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        try:
+            sock.connect(address)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+        sock.send(b"x")
+        got = b""
+        while not got:
+            await trio.lowlevel.wait_readable(sock)
+            got = sock.recv(16)
+        if not close_first:
+            sock.shutdown(socket.SHUT_WR)
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            if not sock.recv(16):
+                break
+    finally:
+        sock.close()
+
+
+async def server_side(conns: int, close_first: bool, echo_port: int) -> dict[str, float]:
+    import logging
+    logging.getLogger().setLevel(logging.WARNING)  # no line per connection either way
+    from nodeagent.config import ServerConfig
+    from nodeagent.ops.listener import Listeners
+    from nodeagent.server.listeners import server_listeners
+    from nodeagent.server.server import Server
+
+    debug = tempfile.mkdtemp(prefix="mapping-opens-")
+    config = ServerConfig.model_validate({
+        "tunnel": {"url": "tcp://127.0.0.1:0", "insecure": True},
+        "tokens": [{"node": "*", "token": TOKEN}], "debug_socket": f"{debug}/server.sock",
+        "tcp": [{"name": "bench", "listen": "127.0.0.1:0", "node": "edge-1",
+                 "target": f"127.0.0.1:{echo_port}"}]})
+    server = Server(config)
+    listeners = server.listeners = Listeners(server_listeners(
+        server, tunnel_context=None, reuse_port=False, runs_connect_front=False))
+    out: dict[str, float] = {}
+    async with trio.open_nursery() as nursery:
+        bound = await listeners.start_all(nursery)
+        tunnel_port = int(bound["tunnel"][0].rsplit(":", 1)[1])
+        host, port = bound["tcp:bench"][0].rsplit(":", 1)
+        agent = await trio.lowlevel.open_process(
+            [sys.executable, "-P", "-m", "scripts.bench.mapping_opens", "--agent",
+             str(tunnel_port), str(echo_port)], cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH") or str(ROOT)))
+        try:
+            with trio.fail_after(30):
+                while "edge-1" not in server.tunnel.sessions:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            address = (host, int(port))
+            await _connection(address, close_first)  # warm: the loops start here
+            steps = _Steps()
+            trio.lowlevel.add_instrument(steps)
+            agent_cpu, t0 = _cpu_of(agent.pid), time.process_time()
+            latencies = []
+            for _ in range(conns):
+                started = time.perf_counter()
+                await _connection(address, close_first)
+                latencies.append(time.perf_counter() - started)
+            out["server_cpu_us_per_conn"] = (time.process_time() - t0) / conns * 1e6
+            out["agent_cpu_us_per_conn"] = (_cpu_of(agent.pid) - agent_cpu) / conns * 1e6
+            trio.lowlevel.remove_instrument(steps)
+            # The client's own task is one step per wait (connect, echo, EOF): 3.
+            out["server_tasks_spawned_per_conn"] = steps.spawned / conns
+            out["server_task_steps_per_conn"] = steps.steps / conns
+            out["latency_p50_us"] = statistics.median(latencies) * 1e6
+            accepted = server.outcomes.counts["accepted"]
+            if accepted != conns + 1:
+                raise SystemExit(f"{accepted} of {conns + 1} connections accepted: "
+                                 f"{dict(server.outcomes.counts)}")
+        finally:
+            agent.terminate()
+            await agent.wait()
+        listeners.stop_all()
+        nursery.cancel_scope.cancel()
+    shutil.rmtree(debug, ignore_errors=True)
+    return out
+
+
+async def agent_side(tunnel_port: int, echo_port: int) -> None:
+    """The node's side: its reader dials every stream from the splice loop (no task)."""
+    from tunnel import protocol as p
+    from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
+    from tunnel.relay import relay_incoming_now
+    from tunnel.transports import PeerInfo, StreamTransport
+
+    def ignore(*args: object) -> None:
+        pass
+
+    def take(incoming: IncomingStream) -> bool:
+        return relay_incoming_now(incoming, "127.0.0.1", echo_port, timeout=5, mark=None,
+                                  on_accepted=ignore, on_refused=ignore, on_finished=ignore)
+
+    async def refuse(incoming: IncomingStream) -> None:
+        await incoming.refuse(p.StreamReason.REFUSED, "bench agent")
+
+    stream = await trio.open_tcp_stream("127.0.0.1", tunnel_port)
+    conn = TunnelConnection(StreamTransport(stream, PeerInfo("server")), p.Role.DIALER,
+                            EndpointSettings(ping_interval=0, open_rate=1e9), refuse,
+                            take_stream=take)
+    await conn.dial_handshake(p.Hello(identity={"node": "edge-1", "token": TOKEN}))
+    await conn.run()
+
+
+def run_cpu(conns: int, close_first: bool) -> dict[str, float]:
+    from scripts.bench.lib.tools import build_benchtool
+    tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        echo_port = int(probe.getsockname()[1])
+    echo = subprocess.Popen([str(tool), "echoclose" if close_first else "echo",
+                             str(echo_port)])
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", echo_port)).close()
+                break
+            except OSError:
+                time.sleep(0.02)
+        return trio.run(server_side, conns, close_first, echo_port)
+    finally:
+        echo.terminate()
+        echo.wait()
+
+
+def instructions(tree: Path, conns: int, close_first: bool) -> int:
+    """Instructions callgrind counted in the server's process with `tree`'s packages."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        for package in ("nodeagent", "tunnel"):
+            (Path(tmp) / package).symlink_to(tree / package)
+        env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
+        proc = subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+             "-P", "-m", "scripts.bench.mapping_opens", "--cpu", "--conns", str(conns),
+             *(["--close-first"] if close_first else [])],
+            cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    match = re.search(r"Collected : (\d+)", proc.stderr)
+    if match is None:
+        raise SystemExit(f"no instruction count in valgrind's output:\n{proc.stderr[-2000:]}")
+    return int(match.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.mapping_opens",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", type=Path, help="the other checkout: instructions, A/B")
+    parser.add_argument("--cpu", action="store_true", help="CPU µs per connection, this tree")
+    parser.add_argument("--conns", type=int, default=0,
+                        help="connections (default 200 with --tree, 3000 with --cpu)")
+    parser.add_argument("--close-first", action="store_true",
+                        help="the target closes first (benchtool echoclose)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--tree)")
+    parser.add_argument("--agent", nargs=2, type=int, metavar=("TUNNEL_PORT", "ECHO_PORT"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.agent:
+        trio.run(agent_side, *args.agent)
+        return
+    if args.cpu or args.tree is None:
+        result = run_cpu(args.conns or 3000, args.close_first)
+        print(json.dumps({k: round(v, 1) for k, v in result.items()}), flush=True)
+        return
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (Debian package: valgrind)")
+    conns = args.conns or 200
+    trees = {"this": ROOT, "other": args.tree.resolve()}
+    start = {name: instructions(tree, 1, args.close_first) for name, tree in trees.items()}
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        rounds.append({name: (instructions(tree, conns, args.close_first) - start[name])
+                       / (conns - 1) for name, tree in trees.items()})
+    ratios = [r["this"] / r["other"] for r in rounds]
+    print(json.dumps({
+        "phase": "mapping_open_close_first" if args.close_first else "mapping_open",
+        "unit": "server_instructions_per_connection",
+        "this": round(statistics.median(r["this"] for r in rounds)),
+        "other": round(statistics.median(r["other"] for r in rounds)),
+        "ratio": round(statistics.median(ratios), 4),
+        "ratio_min": round(min(ratios), 4), "ratio_max": round(max(ratios), 4),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -272,6 +272,16 @@ class TunnelClient:
                 return conn
             await trio.sleep(0.01)  # between a connection's end and its bookkeeping
 
+    def connection_for_open(self) -> TunnelConnection | None:
+        """The live connection a new stream goes through now (the least busy), or None:
+        for an owner that opens without waiting (tunnel/spliceloop.py `open_in_loop`)."""
+        live = self.live()
+        if not live:
+            return None
+        tunnel = live[0] if len(live) == 1 else min(
+            live, key=lambda t: t.connection.info().streams_open)
+        return tunnel.connection
+
     async def open_stream(self, target: p.Target,
                           metadata: dict[str, str] | None = None) -> TunnelStream:
         """Open a stream on a live connection, trying the next one when a connection

@@ -23,7 +23,7 @@ bytes). Prints a table with ratios against direct and against sshuttle, and writ
 bench-results/intercept.json.
 
 With `--rounds N` every path is measured N times, the paths interleaved (round 1: direct,
-nodeagent, sshuttle; round 2: ...), and the table shows medians with their min-max, the
+nodeagent, sshuttle; round 2: ...; the two trees of `--tree` in alternating order), and the table shows medians with their min-max, the
 ratios taken within each round. With `--tree PATH` the agent and server of another
 checkout run as a fourth path, `nodeagent@tree`, in the same rounds (A/B).
 
@@ -408,7 +408,13 @@ def main() -> int:
         for number in range(1, args.rounds + 1):
             results: dict[str, dict[str, float]] = {}
             rounds.append(results)
-            for path in paths:
+            order = list(paths)
+            if number % 2 == 0 and "nodeagent@tree" in order and "nodeagent" in order:
+                # The two trees' order alternates round by round: whichever runs first
+                # in a round can come out slower (splice_bulk saw it in fixed order).
+                i, j = order.index("nodeagent"), order.index("nodeagent@tree")
+                order[i], order[j] = order[j], order[i]
+            for path in order:
                 bench.log(f"round {number}, {path}: starting")
                 start = {"direct": lambda: [], "nodeagent": bench.start_nodeagent,
                          "nodeagent@tree": lambda: bench.start_nodeagent(args.tree),

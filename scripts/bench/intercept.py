@@ -24,8 +24,9 @@ bench-results/intercept.json.
 
 With `--rounds N` every path is measured N times, the paths interleaved (round 1: direct,
 nodeagent, sshuttle; round 2: ...; the two trees of `--tree` in alternating order), and
-the table shows medians with their min-max, the ratios taken within each round. With `--tree PATH` the agent and server of another
-checkout run as a fourth path, `nodeagent@tree`, in the same rounds (A/B).
+the table shows medians with their min-max, the ratios taken within each round. With
+`--tree PATH` the agent and server of another checkout run as a fourth path,
+`nodeagent@tree`, in the same rounds (A/B).
 
 From the repository root:
 

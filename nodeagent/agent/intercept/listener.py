@@ -392,6 +392,9 @@ class Interceptor:
                     self.log.warning("no IPv6 proxy listener", error=str(exc))
                     continue
                 raise
+            # Accepted connections inherit it (Linux): the splice loop's writes toward
+            # the pod are not held back by Nagle, as trio.SocketStream's were not.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.listen(4096)
             sock.setblocking(False)
             listeners.append(sock)

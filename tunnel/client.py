@@ -272,6 +272,16 @@ class TunnelClient:
                 return conn
             await trio.sleep(0.01)  # between a connection's end and its bookkeeping
 
+    def connection_for_open(self) -> TunnelConnection | None:
+        """The live connection a new stream goes through now (the least busy), or None:
+        for an owner that opens without waiting (tunnel/spliceloop.py `open_in_loop`)."""
+        live = self.live()
+        if not live:
+            return None
+        tunnel = live[0] if len(live) == 1 else min(
+            live, key=lambda t: t.connection.info().streams_open)
+        return tunnel.connection
+
     async def open_stream(self, target: p.Target,
                           metadata: dict[str, str] | None = None) -> TunnelStream:
         """Open a stream on a live connection, trying the next one when a connection
@@ -283,7 +293,10 @@ class TunnelClient:
             candidates = [t for t in self.live() if id(t.connection) not in tried]
             if not candidates:
                 raise StreamRefusedError(p.StreamReason.UNREACHABLE, last)
-            tunnel = min(candidates, key=lambda t: t.connection.info().streams_open)
+            # The least busy; one alone (one server replica) needs no comparing: info()
+            # builds a whole snapshot, on every new connection.
+            tunnel = candidates[0] if len(candidates) == 1 else min(
+                candidates, key=lambda t: t.connection.info().streams_open)
             tried.add(id(tunnel.connection))
             try:
                 return await tunnel.connection.open_stream(target, metadata)

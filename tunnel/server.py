@@ -74,6 +74,10 @@ class Bootstrap:
 Authenticator = Callable[[p.Hello, PeerInfo], Awaitable["str | Bootstrap"]]
 # Serves a stream an agent opened: (node, stream) -> None.
 NodeStreamHandler = Callable[[str, IncomingStream], Awaitable[None]]
+# Looks at a stream an agent opened before a handler task is made for it, from the
+# connection's reader (tunnel.stream.StreamTaker, with the node): True if it answered or
+# took the stream without a task, False to leave it to the NodeStreamHandler's task.
+NodeStreamTaker = Callable[[str, IncomingStream], bool]
 
 
 class NodeNotConnected(StreamRefusedError):
@@ -128,6 +132,7 @@ class TunnelServer:
         settings: EndpointSettings | None = None,
         stream_handler: NodeStreamHandler | None = None,
         bootstrap_handler: NodeStreamHandler | None = None,
+        stream_taker: NodeStreamTaker | None = None,
         max_sessions: int = 10_000,
         max_bootstrap_sessions: int = 64,
         max_bootstrap_per_address: int | None = 4,
@@ -150,6 +155,9 @@ class TunnelServer:
         self.settings = settings or EndpointSettings()
         self._stream_handler = stream_handler
         self._bootstrap_handler = bootstrap_handler
+        # Registered nodes' streams only (never a bootstrap connection's): see
+        # NodeStreamTaker.
+        self._stream_taker = stream_taker if stream_handler is not None else None
         # Registered agents at most: beyond it a new node is refused (one already
         # registered may still reconnect), so no stream of names can grow the registry.
         self.max_sessions = max_sessions
@@ -314,10 +322,20 @@ class TunnelServer:
                     return
                 await incoming.refuse(p.StreamReason.FORBIDDEN, "no streams on this connection")
 
+        take = None
+        if self._stream_taker is not None:
+            node_taker = self._stream_taker
+
+            def take(incoming: IncomingStream) -> bool:
+                # A node's connection only: a bootstrap one's streams reach the signer
+                # through their handler, and nothing is taken before the handshake.
+                return isinstance(identity, str) and node_taker(identity, incoming)
+
         shaped = None
         if self.bandwidth is not None:  # paced once the node is known (below)
             transport = shaped = ShapedTransport(transport)
-        conn = TunnelConnection(transport, p.Role.ACCEPTOR, self.settings, handler, log=log)
+        conn = TunnelConnection(transport, p.Role.ACCEPTOR, self.settings, handler, log=log,
+                                take_stream=take)
         try:
             await conn.accept_handshake(vet)
         except BaseException as exc:

@@ -157,7 +157,11 @@ class Agent:
         interceptor = Interceptor(intercept, skip_mark=self.config.socket_mark,
                                   open_tunnel=self.open_stream, open_flow=self.open_stream,
                                   on_datagram_drop=datagram_drop, on_datagram=datagram,
-                                  dial_timeout=self.config.dial_timeout, node=self.config.node)
+                                  dial_timeout=self.config.dial_timeout, node=self.config.node,
+                                  tunnel_now=self.client.connection_for_open,
+                                  notes=self.stream_notes,
+                                  observe_setup=self.metrics.stream_setup.labels(
+                                      FROM_NODE).observe)
         interceptor.keep_rules_on_exit = self.config.keep_rules_on_exit
         return interceptor
 

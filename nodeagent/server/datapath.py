@@ -82,34 +82,27 @@ class DataPath:
     def is_controller(self, target: p.Target) -> bool:
         return (target.host, target.port) == self.controller
 
-    async def open_for_agent(self, node: str, owner: str | None, target: p.Target,
-                             origin: str) -> trio.abc.HalfCloseableStream:
-        """The destination of a stream `node`'s agent opened: relayed to `owner` (the node
-        whose address it is) if a relay policy allows, the controller, or egress if the
-        node's rules allow. Raises StreamFailed (FORBIDDEN when policy refuses)."""
-        routes = self._routes()
+    def agent_destination(self, node: str, owner: str | None, target: p.Target,
+                          origin: str, routes: RoutesConfig | None = None) -> str:
+        """Where a stream `node`'s agent opened goes, decided without waiting: "relay" (to
+        `owner`, the node whose address it is, where a relay policy allows), "controller",
+        or "egress" (the node's rules allow it; an IP literal is checked here in full, a
+        name's addresses once resolved, by `dial_checked`). Raises FORBIDDEN (counted and
+        logged) when policy refuses: nothing is dialed before this has said yes."""
+        routes = routes or self._routes()
         if owner is not None and owner != node:
             if not routes.relay_allows(node, target.host, target.port, target.protocol):
                 raise self._refusals.forbid(
                     "relay_not_allowed", node, f"{target} belongs to node {owner}; no "
                     f"relay policy lets node {node} reach it", target=str(target),
                     origin=origin)
-            return await self.open_to(owner, target.host, target.port, f"{node}/{origin}")
+            return "relay"
         if self.is_controller(target):
             # The config and signing streams: always, whatever the egress rules.
-            return await connect_tcp(target.host, target.port,
-                                     connect_timeout=self.dial_timeout)
+            return "controller"
         why = routes.check_egress(node, target.host, target.port, target.protocol)
         if why is None:
-            return await self.dial_checked(
-                target.host, target.port,
-                lambda address: self._routes().address_protected(
-                    node, address, target.port, target.protocol),
-                lambda address: self._refusals.forbid(
-                    "egress_protected", node, f"{target.host} resolves to {address}, "
-                    f"which is protected (loopback, link-local, the API server or the "
-                    f"Service range) and no CIDR egress rule of node {node} names its "
-                    f"range", target=str(target), origin=origin))
+            return "egress"
         if why == "not_allowed":
             raise self._refusals.forbid("egress_not_allowed", node,
                                         f"{target} is not in node {node}'s egress allow list",
@@ -119,6 +112,28 @@ class DataPath:
                                     f"server or the Service range) and no egress rule of "
                                     f"node {node} names its range", target=str(target),
                                     origin=origin)
+
+    async def open_for_agent(self, node: str, owner: str | None, target: p.Target,
+                             origin: str) -> trio.abc.HalfCloseableStream:
+        """The destination of a stream `node`'s agent opened, as `agent_destination`
+        decides: relayed to `owner`, the controller, or egress. Raises StreamFailed
+        (FORBIDDEN when policy refuses)."""
+        where = self.agent_destination(node, owner, target, origin)
+        if where == "relay":
+            assert owner is not None
+            return await self.open_to(owner, target.host, target.port, f"{node}/{origin}")
+        if where == "controller":
+            return await connect_tcp(target.host, target.port,
+                                     connect_timeout=self.dial_timeout)
+        return await self.dial_checked(
+            target.host, target.port,
+            lambda address: self._routes().address_protected(
+                node, address, target.port, target.protocol),
+            lambda address: self._refusals.forbid(
+                "egress_protected", node, f"{target.host} resolves to {address}, "
+                f"which is protected (loopback, link-local, the API server or the "
+                f"Service range) and no CIDR egress rule of node {node} names its "
+                f"range", target=str(target), origin=origin))
 
     def flow_for_agent(self, node: str, owner: str | None, target: p.Target,
                        origin: str) -> socket.socket:

@@ -36,9 +36,10 @@ from nodeagent.server.tunnelupstream import TunnelUpstream
 from tunnel import protocol as p
 from tunnel.endpoint import IncomingStream
 from tunnel.errors import StreamFailed
-from tunnel.relay import relay_incoming
+from tunnel.relay import relay_incoming, relay_incoming_now
 from tunnel.splice import SpliceResult
 from tunnel.stream import TunnelStream
+from tunnel.tcp import literal_family
 from tunnel.udp import FlowCounters, FlowPoller, flow_idle_timeout
 
 
@@ -76,6 +77,45 @@ class AgentStreams:
         self._notes = notes
         self._outcomes = outcomes
         self._refusals = refusals
+
+    def take_agent_stream(self, node: str, incoming: IncomingStream) -> bool:
+        """The common case without a task (TunnelServer's stream taker: the tunnel
+        connection's reader calls this for every stream an agent opens, before it makes
+        a handler task): a tcp stream to an IP literal is decided by the data-path policy
+        here, at once, and refused (FORBIDDEN, counted and logged), or, if it is egress,
+        dialed and spliced by the connection's splice loop. Anything that may wait before
+        its dial (a name to resolve, a relay through another node's tunnel, the
+        controller, the DNAT path) or is not tcp is left to `handle_agent_stream`'s task
+        (False)."""
+        target = incoming.target
+        if target.protocol != "tcp" or literal_family(target.host) is None:
+            return False
+        routes = self._routes()
+        if self._dnat.catches(node, target.host, routes):
+            return False
+        origin = incoming.metadata.get("origin", "")
+        owner = routes.node_for_address(target.host)
+        try:
+            # Deny by default: the policy has said yes before any connect() is made.
+            where = self._datapath.agent_destination(node, owner, target, origin, routes)
+        except StreamFailed as exc:
+            self._notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
+            incoming.refuse_now(exc.reason, exc.message)
+            self._outcomes.inbound(exc.outcome)
+            return True
+        if where != "egress" or not relay_incoming_now(
+                incoming, target.host, target.port, timeout=self._datapath.dial_timeout,
+                mark=None, on_accepted=self._accepted_egress,
+                on_refused=self._dial_refused, on_finished=_ignore):
+            return False
+        self._notes.note(incoming.stream, opener_from_metadata(incoming.metadata))
+        return True
+
+    def _accepted_egress(self) -> None:
+        self._outcomes.inbound("egress")
+
+    def _dial_refused(self, failure: StreamFailed) -> None:
+        self._outcomes.inbound(failure.outcome)
 
     async def handle_agent_stream(self, node: str, incoming: IncomingStream) -> None:
         """A stream an agent opened (intercepted traffic). A cloud node's dial to a node's

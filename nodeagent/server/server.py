@@ -97,6 +97,7 @@ class Server:
         self.tunnel = TunnelServer(
             authenticate=self.auth.authenticate, server_id=config.server_id,
             settings=settings, stream_handler=self._handle_agent_stream,
+            stream_taker=self._take_agent_stream,
             bootstrap_handler=self._handle_bootstrap_stream if config.controller else None,
             admission=HandshakeAdmission(config.tunnel.handshake_rate,
                                          config.tunnel.handshake_burst),
@@ -174,6 +175,9 @@ class Server:
     def routes(self) -> RoutesConfig:
         """The routes in force."""
         return self.route_tables.routes
+
+    def _take_agent_stream(self, node: str, incoming: IncomingStream) -> bool:
+        return self.agent_streams.take_agent_stream(node, incoming)
 
     async def _handle_agent_stream(self, node: str, incoming: IncomingStream) -> None:
         await self.agent_streams.handle_agent_stream(node, incoming)

@@ -15,14 +15,25 @@ echo server). Three ways, one after the other, the client unchanged:
               it also catches forwarded pod traffic) over ssh to an sshd in `cloud`.
 
 Measured from `pod`: single-stream throughput (iperf3), new connections/s (16 clients: connect,
-1-byte echo, close), HTTP GETs of 1 KiB through wrk (16 connections) and request/response
-latency on one connection (64 bytes). Prints a table with ratios against direct and
-against sshuttle, and writes bench-results/intercept.json.
+1-byte echo, close) with the CPU time the processes in `node` and `cloud` used per
+connection meanwhile (user + system from /proc: the agent and the server, or sshuttle's
+client and ssh, sshd and sshuttle's server; not the kernel's softirq work), HTTP GETs of
+1 KiB through wrk (16 connections) and request/response latency on one connection (64
+bytes). Prints a table with ratios against direct and against sshuttle, and writes
+bench-results/intercept.json.
+
+With `--rounds N` every path is measured N times, the paths interleaved (round 1: direct,
+nodeagent, sshuttle; round 2: ...; the two trees of `--tree` in alternating order), and
+the table shows medians with their min-max, the ratios taken within each round. With
+`--tree PATH` the agent and server of another checkout run as a fourth path,
+`nodeagent@tree`, in the same rounds (A/B).
 
 From the repository root:
 
     sudo .venv/bin/python -m scripts.bench.intercept            # ~1.5 minutes
     sudo .venv/bin/python -m scripts.bench.intercept --quick    # ~40 s
+    sudo .venv/bin/python -m scripts.bench.intercept --quick --rounds 3 --only connrate \
+        --tree /path/to/other/checkout                           # ~4 minutes
 
 Needs root and: iproute2 nftables iptables iperf3 wrk nginx-light openssh-server
 openssh-client sshuttle gcc.
@@ -35,6 +46,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,6 +81,9 @@ class Bench:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
         self.pod_if = ""
+        self.sshd: list[str] | None = None
+        # Under --callgrind: the namespace's process whose instructions are counted.
+        self.counted: dict[str, subprocess.Popen[bytes]] = {}
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -92,7 +107,8 @@ class Bench:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(10)
+                # Under callgrind the exit (which writes its counts) takes a while.
+                proc.wait(120 if self.args.callgrind else 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -127,7 +143,7 @@ class Bench:
 
     # ------------------------------------------------------------------ the three paths
 
-    def start_nodeagent(self) -> list[subprocess.Popen[bytes]]:
+    def start_nodeagent(self, tree: Path = ROOT) -> list[subprocess.Popen[bytes]]:
         from nodeagent.trust import pki
         ca = pki.create_ca("bench-intercept-ca")
         ca.write(self.tmp / "ca.crt", self.tmp / "ca.key")
@@ -152,17 +168,28 @@ class Bench:
         for role, ns, cfg in (("server", "cloud", server_cfg), ("agent", "node", agent_cfg)):
             path = self.tmp / f"{role}.yaml"
             path.write_text(yaml.safe_dump(cfg))
-            procs.append(self.spawn(ns, [sys.executable, "-m", "nodeagent", "--log-level",
-                                         "warning", role, "--config", str(path)],
-                                    f"nodeagent-{role}", cwd=str(ROOT),
-                                    env={**os.environ, "PYTHONPATH": str(ROOT)}))
+            profile = ([] if self.args.profile is None or tree != ROOT else
+                       ["-m", "cProfile", "-o", str(self.args.profile / f"{role}.prof")])
+            # Under callgrind, counting only while asked (connrate): see `instructions`.
+            valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                        f"--callgrind-out-file={self.tmp}/callgrind.{role}.%p"] \
+                if self.args.callgrind else []
+            procs.append(self.spawn(ns, [*valgrind, sys.executable, *profile, "-m",
+                                         "nodeagent", "--log-level", "warning", role,
+                                         "--config", str(path)],
+                                    f"nodeagent-{role}", cwd=str(tree),
+                                    env={**os.environ, "PYTHONPATH": str(tree)}))
             time.sleep(0.5)
         self.wait_path_works("nodeagent", procs)
+        self.counted = dict(zip(("cloud", "node"), procs, strict=True)) \
+            if self.args.callgrind else {}
         return procs
 
     def start_sshuttle(self) -> list[subprocess.Popen[bytes]]:
         d = self.tmp / "ssh"
-        procs = [self.spawn("cloud", write_sshd_config(d, CLOUD_DOWN), "sshd")]
+        if self.sshd is None:  # once: its keys stay for the later rounds
+            self.sshd = write_sshd_config(d, CLOUD_DOWN)
+        procs = [self.spawn("cloud", self.sshd, "sshd")]
         time.sleep(0.5)
         ssh = (f"ssh -p 2222 -i {d}/id -o StrictHostKeyChecking=no "
                f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
@@ -177,11 +204,13 @@ class Bench:
         it was intercepted and carried to the cloud side."""
         hold = ("import socket,sys,time; s=socket.create_connection((sys.argv[1], "
                 "int(sys.argv[2])), 3); s.sendall(b'x'); s.recv(1); time.sleep(1.5)")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + (300 if self.args.callgrind else 60)
         while time.monotonic() < deadline:
             for proc in procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name}: a process exited; see logs in {self.tmp}")
+                    for other in procs:
+                        self.stop(other)
+                    raise RuntimeError(f"{name}: a process exited{self.logs()}")
             client = self.topo.popen("pod", ["python3", "-c", hold, REMOTE, str(ECHO)],
                                      stderr=subprocess.DEVNULL)
             time.sleep(0.7)
@@ -191,37 +220,99 @@ class Bench:
             if f"{CLOUD_UP}:" in peers:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"{name}: the pod's traffic is not intercepted after 30 s "
-                           f"(logs in {self.tmp})")
+        for proc in procs:
+            self.stop(proc)
+        raise RuntimeError(f"{name}: the pod's traffic is not intercepted in time"
+                           f"{self.logs()}")
+
+    def logs(self) -> str:
+        """The tail of every log this run wrote (they go when the run ends)."""
+        return "".join(f"\n--- {log.name}:\n{log.read_text(errors='replace')[-1500:]}"
+                       for log in sorted(self.tmp.glob("*.log")))
 
     # ------------------------------------------------------------------ measurements
 
+    def instructions(self) -> dict[str, float]:
+        """After the processes under callgrind exited: what each counted while asked."""
+        counts = {}
+        for ns, proc in self.counted.items():
+            out = next(self.tmp.glob(f"callgrind.*.{proc.pid}"))
+            totals = [line for line in out.read_text().splitlines()
+                      if line.startswith(("summary:", "totals:"))]
+            counts[ns] = float(totals[-1].split()[1])
+        return counts
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system) the processes in `node` and `cloud` have used."""
+        return {ns: sum(cpu_of(int(pid)) for pid in subprocess.run(
+                    ["ip", "netns", "pids", self.topo.ns(ns)], capture_output=True,
+                    text=True, check=False).stdout.split())
+                for ns in ("node", "cloud")}
+
     def measure(self) -> dict[str, float]:
         dur = self.dur
+        only = set(self.args.only or MEASUREMENTS)
         res: dict[str, float] = {}
-        out = json.loads(self.run("pod", ["iperf3", "-c", REMOTE, "-p", str(IPERF), "-t",
-                                          str(dur), "-J"], timeout=dur + 30))
-        res["bulk_gbit"] = out["end"]["sum_received"]["bits_per_second"] / 1e9
-        cr = json.loads(self.run("pod", [str(self.tool), "connrate", REMOTE, str(ECHO),
-                                         str(dur), "16"], timeout=dur + 30))
-        res["conn_per_s"] = cr["per_sec"]
-        res["conn_errors"] = cr["errors"]
-        wrk = parse_wrk(self.run("pod", ["wrk", "-t2", "-c16", f"-d{dur}s", "--latency",
-                                         f"http://{REMOTE}:{HTTP}/1k"], timeout=dur + 30))
-        res["http_req_per_s"] = wrk["req_per_sec"]
-        res["http_errors"] = wrk["non_2xx"] + wrk["socket_errors"]
-        res["http_p50_ms"] = wrk["p50_ms"]
-        res["http_p99_ms"] = wrk["p99_ms"]
-        rr = json.loads(self.run("pod", [str(self.tool), "rr", REMOTE, str(ECHO), str(dur),
-                                         "1", "64"], timeout=dur + 30))
-        res["rr_p50_us"] = rr["p50_us"]
-        res["rr_p99_us"] = rr["p99_us"]
+        if "bulk" in only:
+            out = json.loads(self.run("pod", ["iperf3", "-c", REMOTE, "-p", str(IPERF), "-t",
+                                              str(dur), "-J"], timeout=dur + 30))
+            res["bulk_gbit"] = out["end"]["sum_received"]["bits_per_second"] / 1e9
+        if "connrate" in only and self.counted:
+            # One client, one connection at a time: the per-connection work alone, not
+            # how many connections a wake-up finds (which moves with the load).
+            for proc in self.counted.values():
+                subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)],
+                               capture_output=True, check=True, timeout=60)
+            cr = json.loads(self.run("pod", [str(self.tool), "connrate", REMOTE, str(ECHO),
+                                             str(self.args.callgrind), "1"],
+                                     timeout=self.args.callgrind + 60))
+            for proc in self.counted.values():
+                subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)],
+                               capture_output=True, check=True, timeout=60)
+            res["conn_count"] = cr["count"]
+            only.discard("connrate")
+        if "connrate" in only:
+            before = self.cpu()
+            cr = json.loads(self.run("pod", [str(self.tool), "connrate", REMOTE, str(ECHO),
+                                             str(dur), "16"], timeout=dur + 30))
+            after = self.cpu()
+            res["conn_per_s"] = cr["per_sec"]
+            res["conn_errors"] = cr["errors"]
+            if cr["count"]:
+                for ns in ("node", "cloud"):
+                    res[f"conn_cpu_us_{ns}"] = (after[ns] - before[ns]) / cr["count"] * 1e6
+        if "http" in only:
+            wrk = parse_wrk(self.run("pod", ["wrk", "-t2", "-c16", f"-d{dur}s", "--latency",
+                                             f"http://{REMOTE}:{HTTP}/1k"], timeout=dur + 30))
+            res["http_req_per_s"] = wrk["req_per_sec"]
+            res["http_errors"] = wrk["non_2xx"] + wrk["socket_errors"]
+            res["http_p50_ms"] = wrk["p50_ms"]
+            res["http_p99_ms"] = wrk["p99_ms"]
+        if "rr" in only:
+            rr = json.loads(self.run("pod", [str(self.tool), "rr", REMOTE, str(ECHO), str(dur),
+                                             "1", "64"], timeout=dur + 30))
+            res["rr_p50_us"] = rr["p50_us"]
+            res["rr_p99_us"] = rr["p99_us"]
         return res
 
 
+def cpu_of(pid: int) -> float:
+    """User + system CPU seconds a process has used (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+MEASUREMENTS = ("bulk", "connrate", "http", "rr")
 ROWS = [
     ("single stream", "bulk_gbit", "Gbit/s", True),
     ("new connections", "conn_per_s", "/s", True),
+    ("CPU per connection, node", "conn_cpu_us_node", "µs", False),
+    ("CPU per connection, cloud", "conn_cpu_us_cloud", "µs", False),
+    ("instructions per connection, node", "conn_instructions_node", "", False),
+    ("instructions per connection, cloud", "conn_instructions_cloud", "", False),
     ("HTTP 1 KiB, 16 conns", "http_req_per_s", "req/s", True),
     ("HTTP p99", "http_p99_ms", "ms", False),
     ("request/response p50", "rr_p50_us", "µs", False),
@@ -229,17 +320,41 @@ ROWS = [
 ]
 
 
-def table(results: dict[str, dict[str, float]]) -> str:
-    head = ("", "direct", "nodeagent", "sshuttle", "na/direct", "na/sshuttle")
+def spread(values: list[float], fmt: str) -> str:
+    """The median, and its min-max when there are several."""
+    if not values:
+        return "—"
+    mid = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return mid
+    return f"{mid} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def ratio(rounds: list[dict[str, dict[str, float]]], key: str, other: str,
+          higher_better: bool) -> str:
+    values = []
+    for r in rounds:
+        n, o = r.get("nodeagent", {}).get(key), r.get(other, {}).get(key)
+        if n and o:
+            values.append(n / o if higher_better else o / n)
+    return spread(values, ".2f") + "x" if values else "—"
+
+
+def table(rounds: list[dict[str, dict[str, float]]], paths: list[str]) -> str:
+    """Medians [min-max] over the rounds; each ratio is taken within a round, then its
+    median [min-max] shown: nodeagent against direct and sshuttle (how many times more;
+    for the lower-is-better rows, how many times less), and against `nodeagent@tree`."""
+    ab = "nodeagent@tree" in paths
+    head = ["", *paths, "na/direct", "na/sshuttle"] + (["na/tree"] if ab else [])
     rows = [head]
     for label, key, unit, higher_better in ROWS:
-        vals = [results.get(p, {}).get(key) for p in ("direct", "nodeagent", "sshuttle")]
-        cells = [f"{v:,.2f} {unit}" if v is not None else "—" for v in vals]
-        d, n, s = vals
-
-        def r(a: float | None, b: float | None) -> str:
-            return f"{a / b:.2f}x" if a and b else "—"
-        rows.append((label, *cells, r(n, d), r(n, s) if higher_better else r(s, n) + " faster"))
+        if not any(key in r.get(path, {}) for r in rounds for path in paths):
+            continue
+        cells = [spread([r[path][key] for r in rounds if key in r.get(path, {})], ",.2f")
+                 + f" {unit}" for path in paths]
+        others = ["direct", "sshuttle"] + (["nodeagent@tree"] if ab else [])
+        rows.append([label, *cells, *(ratio(rounds, key, other, higher_better)
+                                      for other in others)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
                      for row in rows)
@@ -251,8 +366,26 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="2 s per measurement, not 5")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["direct", "nodeagent", "sshuttle"], help="leave a path out")
+    parser.add_argument("--only", action="append", choices=MEASUREMENTS,
+                        help="only these measurements (repeat; default: all)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every path this many times, interleaved")
+    parser.add_argument("--tree", type=Path, default=None,
+                        help="also run the agent and server of this checkout "
+                             "(path nodeagent@tree), in the same rounds")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="run this tree's agent and server under cProfile, writing "
+                             "agent.prof and server.prof into this directory (the last "
+                             "round's; read them with `python -m pstats`)")
+    parser.add_argument("--callgrind", type=float, default=0, metavar="SECONDS",
+                        help="run nodeagent's agent and server under valgrind's callgrind "
+                             "and count their instructions per new connection, one client "
+                             "for SECONDS, instead of the connections/s and CPU figures "
+                             "(with --skip direct --skip sshuttle --only connrate)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "intercept.json")
     args = parser.parse_args()
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     reason = netns_available()
     if reason:
         print(f"bench_intercept: {reason}", file=sys.stderr)
@@ -265,28 +398,54 @@ def main() -> int:
               "iptables gcc)", file=sys.stderr)
         return 2
     bench = Bench(args)
-    results: dict[str, dict[str, float]] = {}
+    paths = [path for path in ("direct", "nodeagent", "sshuttle") if path not in args.skip]
+    if args.tree is not None:
+        paths.insert(paths.index("nodeagent") + 1 if "nodeagent" in paths else 0,
+                     "nodeagent@tree")
+    rounds: list[dict[str, dict[str, float]]] = []
+    load = []
     try:
         bench.setup()
-        for path in ("direct", "nodeagent", "sshuttle"):
-            if path in args.skip:
-                continue
-            bench.log(f"{path}: starting")
-            procs = {"direct": lambda: [], "nodeagent": bench.start_nodeagent,
-                     "sshuttle": bench.start_sshuttle}[path]()
-            bench.log(f"{path}: measuring")
-            results[path] = bench.measure()
-            bench.log(f"{path}: {results[path]}")
-            for proc in procs:
-                bench.stop(proc)
+        for number in range(1, args.rounds + 1):
+            results: dict[str, dict[str, float]] = {}
+            rounds.append(results)
+            order = list(paths)
+            if number % 2 == 0 and "nodeagent@tree" in order and "nodeagent" in order:
+                # The two trees' order alternates round by round: whichever runs first
+                # in a round can come out slower (splice_bulk saw it in fixed order).
+                i, j = order.index("nodeagent"), order.index("nodeagent@tree")
+                order[i], order[j] = order[j], order[i]
+            for path in order:
+                bench.log(f"round {number}, {path}: starting")
+                start = {"direct": lambda: [], "nodeagent": bench.start_nodeagent,
+                         "nodeagent@tree": lambda: bench.start_nodeagent(args.tree),
+                         "sshuttle": bench.start_sshuttle}[path]
+                try:
+                    procs = start()
+                except RuntimeError as exc:  # sshuttle has been seen to exit at start
+                    bench.log(f"round {number}, {path}: did not start, left out: {exc}")
+                    continue
+                load.append(os.getloadavg()[0])
+                bench.log(f"round {number}, {path}: measuring (load average {load[-1]:.2f})")
+                results[path] = bench.measure()
+                for proc in procs:
+                    bench.stop(proc)
+                if bench.counted:
+                    count = results[path].pop("conn_count")
+                    for ns, total in bench.instructions().items():
+                        results[path][f"conn_instructions_{ns}"] = total / count
+                    bench.counted = {}
+                bench.log(f"round {number}, {path}: {results[path]}")
     finally:
         bench.close()
     print()
-    print(table(results))
+    print(table(rounds, paths))
+    print(f"\nload average (1 min) while measuring: {spread(load, '.2f')}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                     "seconds_per_measurement": bench.dur,
-                                    "results": results}, indent=2))
+                                    "tree": str(args.tree) if args.tree else None,
+                                    "load_average": load, "rounds": rounds}, indent=2))
     print(f"\nwritten to {args.out}")
     return 0
 

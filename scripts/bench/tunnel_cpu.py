@@ -4,8 +4,10 @@ Two TunnelConnections (dialer and acceptor) in one trio process over a loopback 
 connection (plain StreamTransport; with --tls over the tunnel's TLSStream), streams handled by an
 echo/sink handler (`--relays`: streams relayed to a TCP echo as the agent relays them,
 dialed by the splice loop with no task where the tree can, `--handler-task`: by a
-handler task per stream as before). Measures process CPU time, which a busy shared
-machine disturbs far less than wall-clock throughput. Run from the repository root:
+handler task per stream as before; `--egress`: streams a real nodeagent `Server` takes
+from an agent's tunnel and dials, the intercepted path's server side). Measures process
+CPU time, which a busy shared machine disturbs far less than wall-clock throughput. Run
+from the repository root:
 
     .venv/bin/python -m scripts.bench.tunnel_cpu [--mib 512] [--tls] [--no-fast-path]
 
@@ -108,9 +110,37 @@ async def echo_target() -> AsyncIterator[int]:
         await proc.wait()
 
 
+EGRESS_TOKEN = "bench-egress-token-0123456789"
+
+
+@contextlib.asynccontextmanager
+async def egress_server(port: int, settings: EndpointSettings) -> AsyncIterator[
+        TunnelConnection]:
+    """A nodeagent server (its TunnelServer, data-path policy and openers, as in
+    production) allowing egress to 127.0.0.1:`port`, and an agent's tunnel connection to
+    it over loopback TCP: the agent's side of the intercepted path opens streams on it."""
+    from nodeagent.config import ServerConfig
+    from nodeagent.server.server import Server
+    server = Server(ServerConfig.model_validate({
+        "tunnel": {"url": "tcp://127.0.0.1:0", "insecure": True},
+        "tokens": [{"node": "edge-1", "token": EGRESS_TOKEN}], "debug_socket": "",
+        "egress": [f"127.0.0.1/32:{port}"], "keepalive": {"interval": 3600}}))
+    a, b = tcp_pair()
+    agent = TunnelConnection(StreamTransport(trio.SocketStream(trio.socket.from_stdlib_socket(
+        a)), PeerInfo("agent")), p.Role.DIALER, settings, None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.tunnel.handle_transport, StreamTransport(
+            trio.SocketStream(trio.socket.from_stdlib_socket(b)), PeerInfo("server")))
+        await agent.dial_handshake(p.Hello(identity={"node": "edge-1",
+                                                     "token": EGRESS_TOKEN}))
+        await nursery.start(agent.run)
+        yield agent
+        nursery.cancel_scope.cancel()
+
+
 async def main(mib: int, rr_count: int, opens: int, parallel: int,
                tls: bool, fast_path: bool = False, relays: int = 0,
-               handler_task: bool = False) -> dict[str, float]:
+               handler_task: bool = False, egress: int = 0) -> dict[str, float]:
     a, b = tcp_pair()
     sa: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
     sb: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(b))
@@ -175,11 +205,12 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
         out[f"rr{parallel}_cpu_us"] = (time.process_time() - t0) / (
             rr_count // parallel * parallel) * 1e6
 
-        async def open_echo_close(mode: str, count: int) -> float:
+        async def open_echo_close(mode: str, count: int,
+                                  opener: TunnelConnection = d, target: p.Target = T) -> float:
             """CPU µs per stream opened in `mode`, echoing one byte, closed both ways."""
             t0 = time.process_time()
             for _ in range(count):
-                stream = await d.open_stream(T, {"mode": mode})
+                stream = await opener.open_stream(target, {"mode": mode})
                 await stream.send_all(b"x")
                 await stream.receive_some()
                 await stream.send_eof()
@@ -196,6 +227,12 @@ async def main(mib: int, rr_count: int, opens: int, parallel: int,
             async with echo_target() as port:
                 RELAY_TARGET[:] = [port]
                 out["open_relay_close_cpu_us"] = await open_echo_close("relay", relays)
+        # an intercepted connection's stream, the server's side: a real Server decides
+        # it (egress policy), dials the echo target, accepts and splices
+        if egress:
+            async with echo_target() as port, egress_server(port, settings) as agent:
+                out["open_egress_close_cpu_us"] = await open_echo_close(
+                    "egress", egress, agent, p.Target("127.0.0.1", port))
         nursery.cancel_scope.cancel()
     return out
 
@@ -209,6 +246,9 @@ if __name__ == "__main__":
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--relays", type=int, default=0,
                         help="streams relayed to a C echo target (the agent's path)")
+    parser.add_argument("--egress", type=int, default=0,
+                        help="streams an agent opens that a nodeagent server dials to a C "
+                             "echo target (the intercepted path's server side)")
     parser.add_argument("--tls", action="store_true", help="the tunnel's TLS layer too")
     parser.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                         help="EndpointSettings.send_fast_path off (the writer's async send)")
@@ -218,4 +258,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     print(json.dumps({k: round(v, 3) for k, v in trio.run(
         main, args.mib, args.rr, args.opens, args.parallel, args.tls,
-        args.fast_path, args.relays, args.handler_task).items()}))
+        args.fast_path, args.relays, args.handler_task, args.egress).items()}))

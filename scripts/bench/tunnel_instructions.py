@@ -11,12 +11,14 @@ rounds and the median ratio is reported with its spread:
 
     .venv/bin/python -m scripts.bench.tunnel_instructions --tree /path/to/other/checkout
     .venv/bin/python -m scripts.bench.tunnel_instructions --tree ... --relays 200
+    .venv/bin/python -m scripts.bench.tunnel_instructions --tree ... --egress 200
 
 `--tree` is a checkout whose `tunnel` package is compared with this one's (for example a
-`git worktree add /tmp/before COMMIT`). Prints one JSON object per phase: the median
-instructions per unit of work for each tree, and the median, min and max of the rounds'
-ratios (this tree / the other). Callgrind runs the interpreter ~80x slower; the defaults
-take about ten minutes.
+`git worktree add /tmp/before COMMIT`); with `--egress` (streams an agent opens that a
+real nodeagent server dials: the intercepted path's server side) its `nodeagent` too.
+Prints one JSON object per phase: the median instructions per unit of work for each
+tree, and the median, min and max of the rounds' ratios (this tree / the other).
+Callgrind runs the interpreter ~80x slower; the defaults take about ten minutes.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = ["--mib", "1", "--rr", "1", "--opens", "1", "--parallel", "1"]
 
 
-def phases(mib: int, rr: int, opens: int, relays: int = 0,
+def phases(mib: int, rr: int, opens: int, relays: int = 0, egress: int = 0,
            ) -> dict[str, tuple[list[str], int, str]]:
+    if egress:  # as relays: the echo target's and the server's start-up subtracted
+        return {"open_egress_close": ([*MINIMUM, "--egress", str(egress)], egress - 1,
+                                      "instructions_per_egress_stream")}
     if relays:  # only this phase: it needs the echo target's start-up subtracted too
         return {"open_relay_close": ([*MINIMUM, "--relays", str(relays)], relays - 1,
                                      "instructions_per_relayed_stream")}
@@ -53,12 +58,13 @@ def phases(mib: int, rr: int, opens: int, relays: int = 0,
     }
 
 
-def instructions(tree: Path, args: list[str]) -> int:
-    """Instructions callgrind counted for one tunnel_cpu run with `tree`'s tunnel package."""
+def instructions(tree: Path, args: list[str], packages: tuple[str, ...] = ("tunnel",)) -> int:
+    """Instructions callgrind counted for one tunnel_cpu run with `tree`'s `packages`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
-        # Only the other tree's `tunnel` package: this tree's benchmark runs over it.
-        (Path(tmp) / "tunnel").symlink_to(tree / "tunnel")
+        # Only the other tree's packages: this tree's benchmark runs over them.
+        for package in packages:
+            (Path(tmp) / package).symlink_to(tree / package)
         env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
         proc = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
@@ -82,18 +88,24 @@ def main() -> None:
     parser.add_argument("--relays", type=int, default=0,
                         help="instead of the other phases: streams relayed to a C echo "
                              "target (dial, accept, splice, close), per relayed stream")
+    parser.add_argument("--egress", type=int, default=0,
+                        help="instead of the other phases: streams an agent opens that a "
+                             "nodeagent server dials to a C echo target, per stream (the "
+                             "other tree's nodeagent package too)")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package: valgrind)")
     trees = {"this": ROOT, "other": args.tree.resolve()}
-    minimum = [*MINIMUM, "--relays", "1"] if args.relays else MINIMUM
-    start = {name: instructions(tree, minimum) for name, tree in trees.items()}
+    minimum = ([*MINIMUM, "--egress", "1"] if args.egress else
+               [*MINIMUM, "--relays", "1"] if args.relays else MINIMUM)
+    packages = ("tunnel", "nodeagent") if args.egress else ("tunnel",)
+    start = {name: instructions(tree, minimum, packages) for name, tree in trees.items()}
     for phase, (phase_args, units, unit_name) in phases(args.mib, args.rr, args.opens,
-                                                        args.relays).items():
+                                                        args.relays, args.egress).items():
         rounds: list[dict[str, float]] = []
         for _ in range(args.rounds):
-            rounds.append({name: (instructions(tree, phase_args) - start[name]) / units
-                           for name, tree in trees.items()})
+            rounds.append({name: (instructions(tree, phase_args, packages) - start[name])
+                           / units for name, tree in trees.items()})
         ratios = [r["this"] / r["other"] for r in rounds]
         print(json.dumps({
             "phase": phase, "unit": unit_name,

@@ -53,9 +53,11 @@ def _with_pod_if(value: Any, pod_if: str) -> Any:
 @contextmanager
 def intercept_lab(tmp_path: Path, *, peer: list[str], egress: list[str],
                   intercept: dict[str, Any],
-                  before_agent: Callable[[Topology], None] | None = None) -> Iterator[Lab]:
+                  before_agent: Callable[[Topology], None] | None = None,
+                  server_extra: dict[str, Any] | None = None) -> Iterator[Lab]:
     """The lab with `python -m PEER...` serving in `remote` (it prints "ready" once
-    listening); `before_agent` runs once the server is up, before the agent starts."""
+    listening); `before_agent` runs once the server is up, before the agent starts;
+    `server_extra`: more of the server's config (e.g. its dial_timeout)."""
     reason = netns_available()
     if reason is not None:
         pytest.skip(reason)
@@ -93,6 +95,7 @@ def intercept_lab(tmp_path: Path, *, peer: list[str], egress: list[str],
             "tokens": [{"node": "edge-1", "token": TOKEN}],
             "egress": egress,
             "debug_socket": str(tmp_path / "server.sock"),
+            **(server_extra or {}),
         }, tmp_path, "server", netns=topo.ns("cloud")).start()
         procs.append(server)
         server.wait_ready()

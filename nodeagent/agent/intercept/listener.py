@@ -14,7 +14,9 @@ else is trio.
 
 from __future__ import annotations
 
+import errno
 import socket
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,16 +38,28 @@ from nodeagent.agent.intercept.rules import (
 from nodeagent.agent.intercept.udpproxy import OpenFlow, UdpInterceptor
 from nodeagent.config import InterceptConfig, intercept_model
 from nodeagent.ops.logs import StructuredLogger, get_logger
+from nodeagent.ops.streamviews import StreamNotes, opener_from_metadata
 from tunnel import protocol as p
+from tunnel.endpoint import TunnelConnection
+from tunnel.errors import StreamFailed, TunnelClosedError
 from tunnel.log import RateLimitedLog
 from tunnel.relay import relay_connection
 from tunnel.splice import SpliceResult, close_stream
-from tunnel.spliceloop import SpliceOwner
+from tunnel.spliceloop import SpliceEnd, SpliceOwner, open_in_loop, reset_socket
+from tunnel.stream import StreamCarrier
 from tunnel.tcp import connect_tcp
 
 log = get_logger("nodeagent.intercept")
 
+# Connections accepted per listener wake-up at most, before the others get a turn.
+ACCEPT_BATCH = 64
+# accept() failing for want of descriptors or memory: wait this long before trying again.
+ACCEPT_RETRY = 0.1
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
 OpenTunnel = Callable[[p.Target, dict[str, str]], Awaitable[trio.abc.HalfCloseableStream]]
+# The tunnel connection a new stream goes through now (TunnelClient.connection_for_open).
+TunnelNow = Callable[[], TunnelConnection | None]
 
 
 class Interceptor:
@@ -57,8 +71,17 @@ class Interceptor:
                  backend: Backend | None = None, netns: str | None = None,
                  logger: StructuredLogger | None = None,
                  on_datagram_drop: Callable[[str, int], None] | None = None,
-                 on_datagram: Callable[[str, int], None] | None = None) -> None:
+                 on_datagram: Callable[[str, int], None] | None = None,
+                 tunnel_now: TunnelNow | None = None, notes: StreamNotes | None = None,
+                 observe_setup: Callable[[float], None] | None = None) -> None:
+        """`tunnel_now`: intercepted connections through the tunnel are opened from the
+        accept loop, with no task each (`open_in_loop`), through the connection it
+        gives; then `notes` and `observe_setup` note each stream and time its OPEN, as
+        the `open_tunnel` the task path uses does. Without it, a task per connection."""
         self.config = config
+        self._tunnel_now = tunnel_now
+        self._notes = notes
+        self._observe_setup = observe_setup
         self.skip_mark = skip_mark
         self._open_tunnel = open_tunnel
         self._dial_timeout = dial_timeout
@@ -85,7 +108,7 @@ class Interceptor:
         # by tasks in `connections`: ending interception ends them all the same.
         self._spliced = SpliceOwner()
         self._accept_scope: trio.CancelScope | None = None
-        self._listeners_open: list[trio.SocketListener] = []
+        self._listeners_open: list[socket.socket] = []
         # Pods' UDP (tproxy udp rules), on the same port number as TCP.
         self.udp: UdpInterceptor | None = None
         if open_flow is not None:
@@ -167,7 +190,7 @@ class Interceptor:
                 self.udp.open_sockets()
             except BaseException:
                 for listener in listeners:
-                    await listener.aclose()
+                    listener.close()
                 raise
         try:
             from netfilter.routing import list_interfaces
@@ -204,14 +227,137 @@ class Interceptor:
                     except (NetfilterError, OSError) as exc:
                         self.log.error("could not remove intercept rules", error=str(exc))
 
-    async def _accept(self, listeners: list[trio.SocketListener], connections: trio.Nursery,
-                      *, task_status: trio.TaskStatus[list[trio.SocketListener]]
-                      = trio.TASK_STATUS_IGNORED) -> None:
+    async def _accept(self, listeners: list[socket.socket], connections: trio.Nursery,
+                      *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                      ) -> None:
         # Accepting has its own cancel scope so that stop_accepting() ends it while the
         # connections already accepted (in `connections`) carry on.
         with trio.CancelScope() as self._accept_scope:
-            await trio.serve_listeners(self._handle, listeners, handler_nursery=connections,
-                                       task_status=task_status)
+            async with trio.open_nursery() as accepting:
+                for listener in listeners:
+                    accepting.start_soon(self._accept_from, listener, connections)
+                task_status.started()
+
+    async def _accept_from(self, listener: socket.socket, connections: trio.Nursery) -> None:
+        """Accept what waits on `listener` at each wake-up, up to ACCEPT_BATCH, each
+        connection's task started directly. Not trio.serve_listeners: its accept() yields
+        once per connection even when more wait, and its handler wrapper closes each
+        stream in a cancel scope of its own after the handler, though a relayed one has
+        left for the splice loop by then (a few % of the agent's work per connection)."""
+        while True:
+            await trio.lowlevel.wait_readable(listener)
+            carriers: list[StreamCarrier] = []
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    conn, _ = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                        # Out of descriptors or memory: the waiting connections stay in
+                        # the backlog until some close (as trio.serve_listeners does).
+                        self._refusal_log.warning(
+                            "accept", "cannot accept intercepted connections",
+                            error=str(exc))
+                        await trio.sleep(ACCEPT_RETRY)
+                    break  # ECONNABORTED and the like: that one is gone
+                try:
+                    carrier = self._take(conn, connections)
+                except Exception as exc:
+                    # A bug here must cost one connection, never the listener.
+                    self.log.error("intercepted connection failed", error=repr(exc),
+                                   exc_info=True)
+                    reset_socket(conn)
+                    continue
+                if carrier is not None and carrier not in carriers:
+                    carriers.append(carrier)
+            else:
+                await trio.lowlevel.checkpoint()  # more may wait: let the others run
+            # The batch's OPENs in one write; no more accepting while the tunnel has
+            # more output queued than its high-water mark (backpressure).
+            for carrier in carriers:
+                try:
+                    await carrier.send_queued(now=True)
+                except TunnelClosedError:
+                    pass  # its opens are failed by the connection's end
+
+    def _take(self, conn: socket.socket, connections: trio.Nursery) -> StreamCarrier | None:
+        """One accepted connection: through the tunnel, its OPEN queued here and the
+        rest left to the tunnel connection's splice loop (the connection whose output
+        the caller sends); a direct rule, or no tunnel up, leaves it to a task."""
+        tunnel = self._tunnel_now() if self._tunnel_now is not None else None
+        if tunnel is None:
+            connections.start_soon(self._handle_socket, conn)
+            return None
+        try:
+            host, port, _ = intercepted_destination(conn, self.config.proxy_port)
+            peer = conn.getpeername()
+        except OSError as exc:
+            self.log.warning("intercepted connection without a destination", error=str(exc))
+            reset_socket(conn)
+            return None
+        host = host.removeprefix("::ffff:")
+        rule = self._rule_for(host, port)
+        if rule is not None and rule.via == "direct":
+            connections.start_soon(self._handle_socket, conn)
+            return None
+        conn.setblocking(False)
+        self.active_connections += 1
+        target = p.Target(host, port)
+        origin = f"{peer[0]}:{peer[1]}"
+        metadata = {"origin": origin, "intercepted": rule.name if rule else ""}
+        return self._open_now(tunnel, conn, target, metadata, rule, time.monotonic())
+
+    def _open_now(self, tunnel: TunnelConnection, conn: socket.socket, target: p.Target,
+                  metadata: dict[str, str], rule: ActiveRule | None,
+                  started: float) -> StreamCarrier | None:
+        def accepted() -> None:
+            self.outcomes["tunnel"] += 1
+            if self._observe_setup is not None:
+                self._observe_setup(time.monotonic() - started)
+
+        def refused(failure: StreamFailed) -> None:
+            self._refused(failure, target, metadata["origin"], rule)
+            self._connection_done()
+
+        def ended(end: SpliceEnd) -> None:
+            self._connection_done()
+
+        def lost(sock: socket.socket) -> bool:
+            # The tunnel ended under the open (the agent reconnected): once more through
+            # the connection up now, as TunnelClient.open_stream tries the next one.
+            newer = self._tunnel_now() if self._tunnel_now is not None else None
+            if newer is None or newer is tunnel:
+                return False
+            carrier = self._open_now(newer, sock, target, metadata, rule, started)
+            if carrier is not None:
+                carrier.flush()
+            return True
+
+        stream = open_in_loop(tunnel, target, metadata, conn,
+                              timeout=tunnel.settings.open_timeout, on_accepted=accepted,
+                              on_refused=refused, on_end=ended, owner=self._spliced,
+                              on_lost=lost)
+        if stream is None:
+            return None
+        if self._notes is not None:
+            self._notes.note(stream, opener_from_metadata(metadata), started)
+        return stream.connection
+
+    def _connection_done(self) -> None:
+        self.active_connections -= 1
+        if not self.active_connections:
+            self._idle.set()
+
+    def _refused(self, failure: StreamFailed, target: p.Target, origin: str,
+                 rule: ActiveRule | None) -> None:
+        outcome = failure.outcome
+        self.outcomes[outcome] += 1
+        # Keyed by rule and reason (bounded by config), not by what pods dial.
+        self._refusal_log.warning(
+            f"{rule.name if rule else '-'}:{outcome}",
+            "intercepted connection refused; client reset",
+            target=str(target), origin=origin, reason=outcome, error=failure.message)
 
     async def stop_accepting(self) -> None:
         """Close the proxy listeners; connections already accepted carry on. New
@@ -224,9 +370,11 @@ class Interceptor:
     async def _close_listeners(self) -> None:
         listeners, self._listeners_open = self._listeners_open, []
         for listener in listeners:
-            await listener.aclose()
+            trio.lowlevel.notify_closing(listener)  # a task waiting on it wakes
+            listener.close()
+        await trio.lowlevel.checkpoint()
 
-    def _listeners(self) -> list[trio.SocketListener]:
+    def _listeners(self) -> list[socket.socket]:
         # IP_TRANSPARENT always: even in REDIRECT mode, connections kube-proxy already
         # DNAT'ed arrive by TPROXY (netfilter/nftables.py explains why).
         listeners = []
@@ -244,8 +392,12 @@ class Interceptor:
                     self.log.warning("no IPv6 proxy listener", error=str(exc))
                     continue
                 raise
+            # Accepted connections inherit it (Linux): the splice loop's writes toward
+            # the pod are not held back by Nagle, as trio.SocketStream's were not.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.listen(4096)
-            listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+            sock.setblocking(False)
+            listeners.append(sock)
         return listeners
 
     def _rule_for(self, host: str, port: int, protocol: str = "tcp") -> ActiveRule | None:
@@ -253,6 +405,19 @@ class Interceptor:
             if rule.protocol == protocol and rule.matches(host, port):
                 return rule
         return None
+
+    async def _handle_socket(self, conn: socket.socket) -> None:
+        try:
+            client = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            await self._handle(client)
+        finally:
+            # Closed here unless it was handed to the splice loop (which detached the
+            # socket from trio's wrapper: then this does nothing).
+            client.socket.close()
 
     async def _handle(self, client: trio.SocketStream) -> None:
         self.active_connections += 1
@@ -318,12 +483,5 @@ class Interceptor:
                                          owner=self._spliced)
         if relayed.failure is None:
             return True
-        outcome = relayed.failure.outcome
-        self.outcomes[outcome] += 1
-        # Keyed by rule and reason (bounded by config), not by what pods dial.
-        self._refusal_log.warning(
-            f"{rule.name if rule else '-'}:{outcome}",
-            "intercepted connection refused; client reset",
-            target=str(target), origin=origin, reason=outcome,
-            error=relayed.failure.message)
+        self._refused(relayed.failure, target, origin, rule)
         return False

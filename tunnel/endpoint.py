@@ -553,20 +553,9 @@ class TunnelConnection:
                           metadata: dict[str, str] | None = None) -> TunnelStream:
         """Open a stream to `target` on the peer. Raises StreamRefusedError (refused,
         unreachable, timeout, forbidden, overloaded, draining) or TunnelClosedError."""
-        if self.end_reason is not None or not self._core.is_open:
-            raise self.end_reason or TunnelClosedError("connection not open")
-        try:
-            stream_id = self._core.open_stream(target, metadata)
-        except p.DatagramsUnsupported as exc:
-            raise StreamRefusedError(p.StreamReason.UNREACHABLE, str(exc)) from None
-        except p.StreamLimitReached as exc:
-            raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc)) from None
-        except p.ConnectionDraining as exc:
-            raise StreamRefusedError(p.StreamReason.DRAINING, str(exc)) from None
-        stream = TunnelStream(self, stream_id, target, dict(metadata or {}))
         pending = _PendingOpen()
-        self._pending_opens[stream_id] = pending
-        self._streams[stream_id] = stream
+        stream = self.open_stream_nowait(target, metadata, pending)
+        stream_id = stream.stream_id
         try:
             await self.send_queued()
             with trio.move_on_after(self.settings.open_timeout) as scope:

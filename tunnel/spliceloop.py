@@ -510,13 +510,7 @@ class SpliceLoop:
             self.dial_failed(splice, StreamFailed(p.StreamReason.INTERNAL, _why(exc)))
             return
         splice.mask = _OUT
-        heapq.heappush(self._deadlines, (dial.deadline, next(self._dial_order), dial))
-        timer = self._timer
-        if timer is not None:
-            if dial.deadline < timer.deadline:
-                timer.deadline = dial.deadline
-        elif not self._timer_started:
-            self._timer_started = self._carrier.start_task(self._expire_dials)
+        self._add_deadline(dial)
 
     def connected(self, s: _Splice) -> None:
         """The socket of a dial is writable: connected (accept and splice) or failed."""
@@ -592,11 +586,16 @@ class SpliceLoop:
             return
         splice.mask = _ERR
         pending.deadline = trio.current_time() + pending.timeout
-        heapq.heappush(self._deadlines, (pending.deadline, next(self._dial_order), pending))
+        self._add_deadline(pending)
+
+    def _add_deadline(self, entry: _Dial | _Open) -> None:
+        """Put a dial or an open on the deadline heap, and bring the one timer forward
+        (or start it) if this deadline is the earliest."""
+        heapq.heappush(self._deadlines, (entry.deadline, next(self._dial_order), entry))
         timer = self._timer
         if timer is not None:
-            if pending.deadline < timer.deadline:
-                timer.deadline = pending.deadline
+            if entry.deadline < timer.deadline:
+                timer.deadline = entry.deadline
         elif not self._timer_started:
             self._timer_started = self._carrier.start_task(self._expire_dials)
 

@@ -551,15 +551,23 @@ class SpliceLoop:
         assert isinstance(dial, _Dial)
         s.dial = None
         incoming, _, on_refused = dial.answered()
+        self._drop_unanswered(s)
+        s.sock.close()
+        self._refuse(incoming, on_refused, failure)
+
+    def _drop_unanswered(self, s: _Splice) -> None:
+        """End a splice whose dial or open was never answered: off the loop's and its
+        owner's books, its sink detached; data the tunnel sent meanwhile gives its credit
+        back. The socket and the stream are the caller's to end."""
         s.ended = True
         if self._splices.get(s.fd) is s:
             del self._splices[s.fd]
+        if s.owner is not None:
+            s.owner._splices.discard(s)
         s.stream.attach_sink(None)
-        if s.out:  # data the opener sent before the answer: its credit goes back
+        if s.out:
             s.stream.consumed(sum(map(len, s.out)))
         s.out = None
-        s.sock.close()
-        self._refuse(incoming, on_refused, failure)
 
     def open(self, pending: _Open, stream: TunnelStream, sock: socket.socket, *,
              on_end: OnEnd, owner: SpliceOwner | None) -> None:
@@ -635,16 +643,8 @@ class SpliceLoop:
         assert isinstance(pending, _Open)
         s.dial = None
         _, _, on_refused, on_lost = pending.answered()
-        s.ended = True
-        if self._splices.get(s.fd) is s:
-            del self._splices[s.fd]
-        if s.owner is not None:
-            s.owner._splices.discard(s)
+        self._drop_unanswered(s)
         stream = s.stream
-        stream.attach_sink(None)
-        if s.out:
-            stream.consumed(sum(map(len, s.out)))
-        s.out = None
         stream.abort_now(p.StreamReason.CANCELLED, "open abandoned", wake=not self._in_round)
         if (on_lost is not None and failure.reason is p.StreamReason.UNREACHABLE
                 and stream.connection.end_reason is not None):

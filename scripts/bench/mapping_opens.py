@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import socket
 import statistics
@@ -41,6 +40,8 @@ import time
 from pathlib import Path
 
 import trio
+
+from scripts.bench.lib.tools import callgrind_instructions
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "0123456789abcdef0123"
@@ -197,20 +198,10 @@ def run_cpu(conns: int, close_first: bool) -> dict[str, float]:
 
 def instructions(tree: Path, conns: int, close_first: bool) -> int:
     """Instructions callgrind counted in the server's process with `tree`'s packages."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "callgrind.out"
-        for package in ("nodeagent", "tunnel"):
-            (Path(tmp) / package).symlink_to(tree / package)
-        env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
-        proc = subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
-             "-P", "-m", "scripts.bench.mapping_opens", "--cpu", "--conns", str(conns),
-             *(["--close-first"] if close_first else [])],
-            cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    match = re.search(r"Collected : (\d+)", proc.stderr)
-    if match is None:
-        raise SystemExit(f"no instruction count in valgrind's output:\n{proc.stderr[-2000:]}")
-    return int(match.group(1))
+    return callgrind_instructions(
+        tree, "scripts.bench.mapping_opens",
+        ["--cpu", "--conns", str(conns), *(["--close-first"] if close_first else [])],
+        ("nodeagent", "tunnel"))
 
 
 def main() -> None:

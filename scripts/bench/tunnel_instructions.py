@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from scripts.bench.lib.tools import callgrind_instructions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,20 +57,7 @@ def phases(mib: int, rr: int, opens: int, relays: int = 0, egress: int = 0,
 
 def instructions(tree: Path, args: list[str], packages: tuple[str, ...] = ("tunnel",)) -> int:
     """Instructions callgrind counted for one tunnel_cpu run with `tree`'s `packages`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "callgrind.out"
-        # Only the other tree's packages: this tree's benchmark runs over them.
-        for package in packages:
-            (Path(tmp) / package).symlink_to(tree / package)
-        env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
-        proc = subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-             sys.executable, "-P", "-m", "scripts.bench.tunnel_cpu", *args],
-            cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    match = re.search(r"Collected : (\d+)", proc.stderr)
-    if match is None:
-        raise SystemExit(f"no instruction count in valgrind's output:\n{proc.stderr[-2000:]}")
-    return int(match.group(1))
+    return callgrind_instructions(tree, "scripts.bench.tunnel_cpu", args, packages)
 
 
 def main() -> None:

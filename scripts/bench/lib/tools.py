@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
 SOURCE = HERE / "benchtool.c"
 NEEDED = {  # command -> Debian package
     "ip": "iproute2", "wrk": "wrk", "iperf3": "iperf3", "nginx": "nginx-light",
@@ -152,3 +156,23 @@ MaxStartups 100
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privsep directory
     sshd = shutil.which("sshd", path="/usr/sbin:/sbin:/usr/bin") or "/usr/sbin/sshd"
     return [sshd, "-D", "-e", "-f", str(sshdir / "sshd_config")]
+
+
+def callgrind_instructions(tree: Path, module: str, args: list[str],
+                           packages: tuple[str, ...]) -> int:
+    """Instructions callgrind counts for one run of `python -m module args` with
+    `tree`'s `packages` imported instead of this checkout's (the benchmark module is this
+    checkout's, run over them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        for package in packages:
+            (Path(tmp) / package).symlink_to(tree / package)
+        env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
+        proc = subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+             "-P", "-m", module, *args],
+            cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    match = re.search(r"Collected : (\d+)", proc.stderr)
+    if match is None:
+        raise SystemExit(f"no instruction count in valgrind's output:\n{proc.stderr[-2000:]}")
+    return int(match.group(1))

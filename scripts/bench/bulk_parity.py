@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from scripts.bench.lib.tools import write_sshd_config
-from scripts.bench.splice_bulk import BUF, Pair, _certs, _cpu, _free_port
+from scripts.bench.splice_bulk import BUF, Pair, _certs, _cpu_parts, _free_port
 
 HERE = Path(__file__).resolve().parent
 AES128_TLS = "TLS_AES_128_GCM_SHA256"
@@ -110,13 +110,16 @@ class SshPair(Pair):
             target.settimeout(None)
 
     def cpu(self) -> dict[str, float]:
-        server = 0.0
+        user = system = 0.0
         for pid in _descendants(self.server.pid):
             try:
-                server += _cpu(pid)
+                u, s = _cpu_parts(pid)
             except OSError:  # ended meanwhile
-                pass
-        return {"server": server, "agent": _cpu(self.agent.pid)}
+                continue
+            user, system = user + u, system + s
+        u, s = _cpu_parts(self.agent.pid)
+        return {"server": user + system, "server_sys": system, "agent": u + s,
+                "agent_sys": s}
 
 
 def _wait_listening(port: int) -> None:
@@ -151,7 +154,8 @@ def _stats(values: list[float]) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.bulk_parity",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=512, help="MiB per transfer (512)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (3)")
     parser.add_argument("--variants", default=",".join(VARIANTS),

@@ -167,8 +167,13 @@ def set_tls13_ciphersuites(ctx: object, suites: str) -> None:
 
 
 def _cpu(pid: int) -> float:
+    return sum(_cpu_parts(pid))
+
+
+def _cpu_parts(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of `pid` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    return int(fields[11]) / TICK, int(fields[12]) / TICK  # utime, stime
 
 
 def _send(sock: socket.socket, size: int) -> None:
@@ -263,8 +268,12 @@ class Pair:
         return out
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds (user + system) each endpoint has used so far."""
-        return {"server": _cpu(self.server.pid), "agent": _cpu(self.agent.pid)}
+        """CPU seconds (user + system, and system alone) each endpoint has used so far."""
+        out = {}
+        for side, pid in (("server", self.server.pid), ("agent", self.agent.pid)):
+            user, system = _cpu_parts(pid)
+            out[side], out[f"{side}_sys"] = user + system, system
+        return out
 
     def _instructions(self, pid: int) -> int:
         """Instructions since the last zeroing (callgrind_control -d dumps and zeroes)."""

@@ -12,6 +12,10 @@ from /proc around each transfer), rounds interleaved:
   headers, TLS 1.3 through memory BIOs, 1 MiB tunnel reads, frames parsed in place, the
   tunnel's windows) with no Python per read: the floor of a compiled per-read path of the
   same design;
+- `c+trio`: the same C relay as a library driven by a trio loop in a Python process: the
+  loop waits (`trio.lowlevel.wait_readable`) for the relay's epoll descriptor and calls
+  the relay's step through ctypes, which does all that is ready: what a compiled piece
+  called once per wake-up by the splice loop would cost, trio's scheduling included;
 - `ssh`: `sshd` (the "server": every process under the listener) and `ssh -N -R` (the
   "agent"), the ssh cipher pinned as `scripts.bench.tunnel` pins it;
 - `-aes128` after any of them: the same with AES-128-GCM (TLS_AES_128_GCM_SHA256, set
@@ -19,8 +23,8 @@ from /proc around each transfer), rounds interleaved:
   suites; aes128-gcm@openssh.com for ssh). The tunnel negotiates TLS_AES_256_GCM_SHA384
   by default.
 
-    .venv/bin/python -m scripts.bench.bulk_parity                       # ~4 min
-    .venv/bin/python -m scripts.bench.bulk_parity --variants python,c,ssh --rounds 5
+    .venv/bin/python -m scripts.bench.bulk_parity                       # ~5 min
+    .venv/bin/python -m scripts.bench.bulk_parity --variants python,c,c+trio,ssh --rounds 5
     .venv/bin/python -m scripts.bench.bulk_parity --variants python,c --instructions --mib 32
 
 Up: the server reads the client and sends, the agent writes into the target; down the
@@ -52,18 +56,46 @@ from scripts.bench.splice_bulk import BUF, Pair, _certs, _cpu_parts, _free_port
 HERE = Path(__file__).resolve().parent
 AES128_TLS = "TLS_AES_128_GCM_SHA256"
 SSH_CIPHERS = {"": "aes256-gcm@openssh.com", "-aes128": "aes128-gcm@openssh.com"}
-VARIANTS = ["python", "c", "ssh", "python-aes128", "c-aes128", "ssh-aes128"]
+VARIANTS = ["python", "c", "c+trio", "ssh", "python-aes128", "c-aes128", "c+trio-aes128",
+            "ssh-aes128"]
+ROOT = HERE.parents[1]
 
 
 def build_relay(out: Path) -> Path:
-    """bulk_relay.c compiled to out/bulk_relay (cc -O2, libssl)."""
+    """bulk_relay.c compiled to out/bulk_relay, and as a library to out/bulk_relay.so
+    (cc -O2, libssl); returns the program's path."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise SystemExit("bulk_parity needs a C compiler (cc) and libssl-dev")
     binary = out / "bulk_relay"
-    subprocess.run([cc, "-O2", "-Wall", "-o", str(binary), str(HERE / "bulk_relay.c"),
-                    "-lssl", "-lcrypto"], check=True)
+    source = str(HERE / "bulk_relay.c")
+    subprocess.run([cc, "-O2", "-Wall", "-o", str(binary), source, "-lssl", "-lcrypto"],
+                   check=True)
+    subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-DBULK_RELAY_LIB", "-o",
+                    str(out / "bulk_relay.so"), source, "-lssl", "-lcrypto"], check=True)
     return binary
+
+
+def trio_endpoint(library: str, args: list[str]) -> None:
+    """A `c+trio` endpoint: the C relay's library, driven by a trio loop (one
+    wait_readable on its epoll descriptor and one ctypes call per wake-up)."""
+    import ctypes
+
+    import trio
+
+    lib = ctypes.CDLL(library)
+    argv = [b"bulk_relay", *(a.encode() for a in args)]
+    if lib.bulk_relay_start(len(argv), (ctypes.c_char_p * len(argv))(*argv)) != 0:
+        raise SystemExit(2)
+    epfd = lib.bulk_relay_epoll()
+    step = lib.bulk_relay_step
+
+    async def loop() -> None:
+        while True:
+            await trio.lowlevel.wait_readable(epfd)
+            step()
+
+    trio.run(loop)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -194,6 +226,10 @@ def main() -> None:
                     pair = SshPair(tmp, SSH_CIPHERS[suffix])
                 elif kind == "c":
                     pair = Pair(None, certs, grind, command=[str(relay)], env=env)
+                elif kind == "c+trio":
+                    pair = Pair(None, certs, grind, env={**env, "PYTHONPATH": str(ROOT)},
+                                command=[sys.executable, "-P", str(Path(__file__).resolve()),
+                                         "--trio-endpoint", str(tmp / "bulk_relay.so")])
                 else:
                     pair = Pair(None, certs, grind, env=env)
                 try:
@@ -231,4 +267,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--trio-endpoint"]:
+        trio_endpoint(sys.argv[2], sys.argv[3:])
+    else:
+        main()

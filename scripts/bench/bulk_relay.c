@@ -26,6 +26,10 @@
  * "listening", then relays each connection to 127.0.0.1:LISTEN as a stream the agent
  * connects to 127.0.0.1:TARGET. BULK_CIPHERSUITES (TLS 1.3 suites, OpenSSL's names) sets
  * the suites both sides offer; the negotiated one is printed on stderr.
+ *
+ * Built with -shared -fPIC -DBULK_RELAY_LIB it is a library instead (bulk_relay_start,
+ * bulk_relay_epoll, bulk_relay_step, at the end of this file): the same relay driven by
+ * a trio loop, one wake-up and one call from Python per readiness (`c+trio`).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -40,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -112,6 +117,10 @@ static unsigned char *fbuf;        /* the frames of one read, joined */
 static long conn_credit = CONN_WINDOW, conn_owed;
 static stream_t streams[MAX_STREAMS];
 static int next_id = 1;
+static int lfds[MAX_LISTEN], targets[MAX_LISTEN], nl;  /* the server's listeners */
+static struct pollfd fds[MAX_LISTEN + MAX_STREAMS + 1];  /* what the loop waits for */
+static stream_t *who[MAX_LISTEN + MAX_STREAMS + 1];
+static int nf, first_listener;
 
 static void set_nonblocking(int fd) {
     if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) < 0) die("fcntl");
@@ -372,7 +381,9 @@ static void handshake(void) {
     fprintf(stderr, "bulk_relay: %s %s\n", SSL_get_version(ssl), SSL_get_cipher_name(ssl));
 }
 
-int main(int argc, char **argv) {
+/* The set-up: the tunnel's TCP connection and TLS handshake (blocking), the listeners.
+ * 0 when ready, 2 for a bad command line. */
+int bulk_relay_start(int argc, char **argv) {
     if (argc < 4 || (strcmp(argv[1], "server") && strcmp(argv[1], "agent"))) {
         fprintf(stderr, "usage: bulk_relay server|agent TUNNEL_PORT CERTDIR "
                         "[LISTEN TARGET ...]\n");
@@ -408,7 +419,6 @@ int main(int argc, char **argv) {
     wbio = BIO_new(BIO_s_mem());
     SSL_set_bio(ssl, rbio, wbio);
 
-    int lfds[MAX_LISTEN], targets[MAX_LISTEN], nl = 0;
     if (server) {
         int l = listen_on(tport);
         printf("listening\n");
@@ -433,66 +443,141 @@ int main(int argc, char **argv) {
     set_nonblocking(tfd);
     printf("ready\n");
     fflush(stdout);
+    return 0;
+}
 
+/* What the loop waits for now, in fds[] (who[]: the stream of each). */
+static void build(void) {
+    int held = 0;
+    nf = 0;
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i].used && buf_len(&streams[i].lout)) held = 1;
+    /* The tunnel: read unless a local socket is full (backpressure), write if due. */
+    fds[nf] = (struct pollfd){tfd, (short)((held ? 0 : POLLIN) |
+                                           (buf_len(&tout) ? POLLOUT : 0)), 0};
+    who[nf++] = NULL;
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        stream_t *s = &streams[i];
+        if (!s->used) continue;
+        short ev = 0;
+        if (!s->opening && !s->local_eof && s->credit > 0 && conn_credit > 0 &&
+            !buf_len(&tout))
+            ev |= POLLIN;
+        if (buf_len(&s->lout)) ev |= POLLOUT;
+        /* Not polled at all when nothing is wanted: a socket shut both ways reports
+         * POLLHUP whatever is asked, and would spin the loop while it waits. */
+        fds[nf] = (struct pollfd){ev ? s->fd : -1, ev, 0};
+        who[nf++] = s;
+    }
+    first_listener = nf;
+    for (int i = 0; i < nl; i++) fds[nf++] = (struct pollfd){lfds[i], POLLIN, 0};
+}
+
+/* What fds[]' revents say is ready, done. */
+static void handle(void) {
+    if (fds[0].revents & POLLOUT) flush_tunnel();
+    if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) tunnel_readable();
+    for (int i = 1; i < first_listener; i++) {
+        stream_t *s = who[i];
+        if (!s->used || s->fd != fds[i].fd) continue;  /* closed meanwhile */
+        if (fds[i].revents & POLLOUT) flush_local(s);
+        /* Read only if asked to (credit, the last read sent): a POLLHUP alone must not
+         * read, a read of 0 bytes would look like the end of the stream. */
+        if (s->used && (fds[i].events & POLLIN) && !s->local_eof &&
+            (fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
+            local_readable(s);
+    }
+    for (int i = 0; i < nl; i++) {
+        stream_t *s;
+        if (!(fds[first_listener + i].revents & POLLIN) || !(s = slot())) continue;
+        int fd = accept(lfds[i], NULL, NULL);
+        if (fd < 0) die("accept local");
+        nodelay(fd);
+        set_nonblocking(fd);
+        memset(s, 0, sizeof *s);
+        s->used = s->opening = 1;
+        s->fd = fd;
+        s->id = next_id;
+        next_id += 2;
+        s->credit = STREAM_WINDOW;
+        buf_init(&s->lout, CHUNK);
+        unsigned char port[2] = {(unsigned char)(targets[i] >> 8),
+                                 (unsigned char)targets[i]};
+        control(OPEN, 0, (uint32_t)s->id, port, 2);
+    }
+    flush_tunnel();
+}
+
+#ifndef BULK_RELAY_LIB
+int main(int argc, char **argv) {
+    int rc = bulk_relay_start(argc, argv);
+    if (rc) return rc;
     for (;;) {
-        struct pollfd fds[MAX_LISTEN + MAX_STREAMS + 1];
-        stream_t *who[MAX_LISTEN + MAX_STREAMS + 1];
-        int nf = 0, held = 0;
-        for (int i = 0; i < MAX_STREAMS; i++)
-            if (streams[i].used && buf_len(&streams[i].lout)) held = 1;
-        /* The tunnel: read unless a local socket is full (backpressure), write if due. */
-        fds[nf] = (struct pollfd){tfd, (short)((held ? 0 : POLLIN) |
-                                               (buf_len(&tout) ? POLLOUT : 0)), 0};
-        who[nf++] = NULL;
-        for (int i = 0; i < MAX_STREAMS; i++) {
-            stream_t *s = &streams[i];
-            if (!s->used) continue;
-            short ev = 0;
-            if (!s->opening && !s->local_eof && s->credit > 0 && conn_credit > 0 &&
-                !buf_len(&tout))
-                ev |= POLLIN;
-            if (buf_len(&s->lout)) ev |= POLLOUT;
-            /* Not polled at all when nothing is wanted: a socket shut both ways reports
-             * POLLHUP whatever is asked, and would spin the loop while it waits. */
-            fds[nf] = (struct pollfd){ev ? s->fd : -1, ev, 0};
-            who[nf++] = s;
-        }
-        int first_listener = nf;
-        for (int i = 0; i < nl; i++) fds[nf++] = (struct pollfd){lfds[i], POLLIN, 0};
+        build();
         if (poll(fds, (nfds_t)nf, -1) < 0) {
             if (errno == EINTR) continue;
             die("poll");
         }
-        if (fds[0].revents & POLLOUT) flush_tunnel();
-        if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) tunnel_readable();
-        for (int i = 1; i < first_listener; i++) {
-            stream_t *s = who[i];
-            if (!s->used || s->fd != fds[i].fd) continue;  /* closed meanwhile */
-            if (fds[i].revents & POLLOUT) flush_local(s);
-            /* Read only if asked to (credit, the last read sent): a POLLHUP alone must not
-             * read, a read of 0 bytes would look like the end of the stream. */
-            if (s->used && (fds[i].events & POLLIN) && !s->local_eof &&
-                (fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
-                local_readable(s);
-        }
-        for (int i = 0; i < nl; i++) {
-            stream_t *s;
-            if (!(fds[first_listener + i].revents & POLLIN) || !(s = slot())) continue;
-            int fd = accept(lfds[i], NULL, NULL);
-            if (fd < 0) die("accept local");
-            nodelay(fd);
-            set_nonblocking(fd);
-            memset(s, 0, sizeof *s);
-            s->used = s->opening = 1;
-            s->fd = fd;
-            s->id = next_id;
-            next_id += 2;
-            s->credit = STREAM_WINDOW;
-            buf_init(&s->lout, CHUNK);
-            unsigned char port[2] = {(unsigned char)(targets[i] >> 8),
-                                     (unsigned char)targets[i]};
-            control(OPEN, 0, (uint32_t)s->id, port, 2);
-        }
-        flush_tunnel();
+        handle();
     }
 }
+#else
+/* Built as a shared library (-DBULK_RELAY_LIB) for a caller with an event loop of its
+ * own (scripts.bench.bulk_parity's `c+trio`): the loop waits for the epoll descriptor
+ * bulk_relay_epoll() returns to be readable, then calls bulk_relay_step(), which does
+ * what is ready without blocking. The interest list follows fds[] after each step. */
+static int epfd, reg_fd[MAX_LISTEN + MAX_STREAMS + 1], reg_ev[MAX_LISTEN + MAX_STREAMS + 1];
+static int nreg;
+
+static void sync_interest(void) {
+    int keep[MAX_LISTEN + MAX_STREAMS + 1] = {0};
+    for (int i = 0; i < nf; i++) {
+        if (fds[i].fd < 0 || !fds[i].events) continue;
+        struct epoll_event ev = {.events = (uint32_t)fds[i].events, .data.fd = fds[i].fd};
+        int j = 0;
+        while (j < nreg && reg_fd[j] != fds[i].fd) j++;
+        if (j == nreg) {
+            if (epoll_ctl(epfd, EPOLL_CTL_ADD, fds[i].fd, &ev) < 0) die("epoll add");
+            reg_fd[nreg] = fds[i].fd;
+            reg_ev[nreg++] = fds[i].events;
+        } else if (reg_ev[j] != fds[i].events) {
+            /* The descriptor may be a new socket with a closed one's number. */
+            if (epoll_ctl(epfd, EPOLL_CTL_MOD, fds[i].fd, &ev) < 0 &&
+                epoll_ctl(epfd, EPOLL_CTL_ADD, fds[i].fd, &ev) < 0)
+                die("epoll mod");
+            reg_ev[j] = fds[i].events;
+        }
+        keep[j] = 1;
+    }
+    for (int j = nreg - 1; j >= 0; j--) {
+        if (keep[j]) continue;
+        epoll_ctl(epfd, EPOLL_CTL_DEL, reg_fd[j], NULL);  /* closed already: gone */
+        reg_fd[j] = reg_fd[nreg - 1];
+        reg_ev[j] = reg_ev[nreg - 1];
+        keep[j] = keep[nreg - 1];
+        nreg--;
+    }
+}
+
+int bulk_relay_epoll(void) {
+    epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (epfd < 0) die("epoll_create1");
+    build();
+    sync_interest();
+    return epfd;
+}
+
+void bulk_relay_step(void) {
+    struct epoll_event evs[MAX_LISTEN + MAX_STREAMS + 1];
+    int n = epoll_wait(epfd, evs, MAX_LISTEN + MAX_STREAMS + 1, 0);
+    if (n < 0 && errno != EINTR) die("epoll_wait");
+    for (int i = 0; i < nf; i++) {
+        fds[i].revents = 0;
+        for (int k = 0; k < n; k++)
+            if (evs[k].data.fd == fds[i].fd) fds[i].revents = (short)evs[k].events;
+    }
+    handle();
+    build();
+    sync_interest();
+}
+#endif

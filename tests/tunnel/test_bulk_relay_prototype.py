@@ -1,6 +1,7 @@
 """scripts.bench.bulk_parity's prototypes do the work docs/performance.md says they do, so
-its figures are of working relays: the C per-read path (`bulk_relay.c`) moves a stream's
-bytes intact both ways, at once, with the tunnel's windows smaller than the transfer; and
+its figures are of working relays: the C per-read path (`bulk_relay.c`, as a program and
+as a library under trio) moves a stream's bytes intact both ways, at once, with the
+tunnel's windows smaller than the transfer; and
 the measuring-only TLS 1.3 suite choice (ctypes, CPython 3.11's layout) really changes the
 suite a handshake negotiates."""
 
@@ -10,6 +11,7 @@ import hashlib
 import os
 import socket
 import ssl
+import sys
 import threading
 from pathlib import Path
 
@@ -78,15 +80,22 @@ def _pump(sock: socket.socket, data: bytes, got: list[bytes]) -> None:
 @pytest.mark.slow
 @pytest.mark.needs("gcc")
 @pytest.mark.skipif(not HEADERS.exists(), reason="needs libssl-dev (OpenSSL's headers)")
-@pytest.mark.parametrize("suites", ["", "TLS_AES_128_GCM_SHA256"])
-def test_the_c_relay_moves_both_directions_intact(tmp_path: Path, suites: str) -> None:
-    from scripts.bench.bulk_parity import build_relay
+@pytest.mark.parametrize(("driver", "suites"), [("program", ""),
+                                               ("program", "TLS_AES_128_GCM_SHA256"),
+                                               ("trio", "")])
+def test_the_c_relay_moves_both_directions_intact(tmp_path: Path, driver: str,
+                                                  suites: str) -> None:
+    """`program`: bulk_relay's own poll loop; `trio`: the library under a trio loop."""
+    from scripts.bench import bulk_parity
 
-    relay = build_relay(tmp_path)
+    relay = bulk_parity.build_relay(tmp_path)
     (tmp_path / "certs").mkdir()
     _certs(tmp_path / "certs")
-    pair = Pair(None, tmp_path / "certs", command=[str(relay)],
-                env={"BULK_CIPHERSUITES": suites})
+    command = [str(relay)] if driver == "program" else [
+        sys.executable, "-P", bulk_parity.__file__, "--trio-endpoint",
+        str(tmp_path / "bulk_relay.so")]
+    pair = Pair(None, tmp_path / "certs", command=command,
+                env={"BULK_CIPHERSUITES": suites, "PYTHONPATH": str(bulk_parity.ROOT)})
     try:
         # Streams one after another on one tunnel (a new one once the last has ended at
         # both ends): a stream ending early, cutting the other way short, showed in about

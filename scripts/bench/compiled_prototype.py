@@ -48,18 +48,28 @@ SETS = {"protocol": PROTOCOL, "trio": TRIO}
 # `except A as exc` / `except B as exc` clauses as A; and its native classes cannot be
 # weakly referenced (the splice loops are kept in a WeakKeyDictionary per connection).
 PATCHES = [
-    ("protocol/connection.py", "def receive_data(self, data: bytes) -> list[Event]:",
-     "def receive_data(self, data: bytes | bytearray) -> list[Event]:"),
-    ("protocol/reassembly.py", "def complete_pending(inbuf: bytearray, data: bytes, limit",
-     "def complete_pending(inbuf: bytearray, data: bytes | bytearray, limit"),
+    ("protocol/connection.py", "def receive_data(self, data: bytes | memoryview) -> list",
+     "def receive_data(self, data: bytes | bytearray | memoryview) -> list"),
+    ("protocol/reassembly.py",
+     "def complete_pending(inbuf: bytearray, data: bytes | memoryview, limit",
+     "def complete_pending(inbuf: bytearray, data: bytes | bytearray | memoryview, limit"),
     ("endpoint.py", "        except p.StreamLimitReached as exc:\n"
-                    "            raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc))",
+                    "            raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc))"
+                    " from None",
      "        except p.StreamLimitReached as exc2:\n"
-     "            raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc2))"),
+     "            raise StreamRefusedError(p.StreamReason.OVERLOADED, str(exc2)) from None"),
     ("endpoint.py", "        except p.ConnectionDraining as exc:\n"
-                    "            raise StreamRefusedError(p.StreamReason.DRAINING, str(exc))",
+                    "            raise StreamRefusedError(p.StreamReason.DRAINING, str(exc))"
+                    " from None",
      "        except p.ConnectionDraining as exc3:\n"
-     "            raise StreamRefusedError(p.StreamReason.DRAINING, str(exc3))"),
+     "            raise StreamRefusedError(p.StreamReason.DRAINING, str(exc3)) from None"),
+    # `answered` deletes what an answered dial or open no longer needs.
+    ("spliceloop.py", '"on_refused", "splice",\n                 "timeout")\n',
+     '"on_refused", "splice",\n                 "timeout")\n'
+     '    __deletable__ = ["incoming", "on_accepted", "on_refused"]\n'),
+    ("spliceloop.py", '"splice", "timeout",\n                 "to_tunnel")\n',
+     '"splice", "timeout",\n                 "to_tunnel")\n'
+     '    __deletable__ = ["to_tunnel", "on_accepted", "on_refused", "on_lost"]\n'),
     ("endpoint.py", "\nclass TunnelConnection:",
      "\nfrom mypy_extensions import mypyc_attr\n\n\n"
      "@mypyc_attr(native_class=False)\nclass TunnelConnection:"),

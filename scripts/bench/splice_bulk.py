@@ -64,9 +64,19 @@ def _endpoint(role: str, tunnel_port: int, certs: Path, ports: list[int]) -> Non
 
     settings = EndpointSettings(ping_interval=0)
 
+    def suites(ctx: ssl.SSLContext) -> ssl.SSLContext:
+        if os.environ.get("BULK_CIPHERSUITES"):
+            set_tls13_ciphersuites(ctx, os.environ["BULK_CIPHERSUITES"])
+        return ctx
+
+    def negotiated(tls: TLSStream) -> None:
+        print(f"{role}: {tls.ssl_object.version()} {tls.ssl_object.cipher()}",
+              file=sys.stderr, flush=True)
+
     async def server() -> None:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(certs / "cert.pem", certs / "key.pem")
+        suites(ctx)
         lst = trio.socket.socket()
         lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         await lst.bind(("127.0.0.1", tunnel_port))
@@ -76,6 +86,7 @@ def _endpoint(role: str, tunnel_port: int, certs: Path, ports: list[int]) -> Non
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tls = TLSStream(trio.SocketStream(sock), ctx, server_side=True)
         await tls.do_handshake()
+        negotiated(tls)
         conn = TunnelConnection(StreamTransport(tls, PeerInfo("agent")), p.Role.ACCEPTOR,
                                 settings, None)
         await conn.accept_handshake(allow)
@@ -100,7 +111,7 @@ def _endpoint(role: str, tunnel_port: int, certs: Path, ports: list[int]) -> Non
             print("ready", flush=True)
 
     async def agent() -> None:
-        ctx = ssl.create_default_context(cafile=certs / "cert.pem")
+        ctx = suites(ssl.create_default_context(cafile=certs / "cert.pem"))
         stream = await trio.open_tcp_stream("127.0.0.1", tunnel_port)
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tls = TLSStream(stream, ctx, server_hostname="localhost")
@@ -133,12 +144,36 @@ def _endpoint(role: str, tunnel_port: int, certs: Path, ports: list[int]) -> Non
     trio.run(server if role == "server" else agent)
 
 
+def set_tls13_ciphersuites(ctx: object, suites: str) -> None:
+    """SSL_CTX_set_ciphersuites on an `ssl.SSLContext`: Python 3.11's ssl cannot choose
+    TLS 1.3 suites, so the SSL_CTX* is read at CPython 3.11's offset (right after the
+    object header) and checked before it is used: measuring only."""
+    import ctypes
+    import ssl
+
+    assert isinstance(ctx, ssl.SSLContext)
+    libssl = ctypes.CDLL("libssl.so.3")  # the one the ssl module has loaded
+    libssl.SSL_CTX_set_ciphersuites.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    libssl.SSL_CTX_get_options.argtypes = [ctypes.c_void_p]
+    libssl.SSL_CTX_get_options.restype = ctypes.c_uint64
+    ptr = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if ptr is None or libssl.SSL_CTX_get_options(ptr) != ctx.options:
+        raise RuntimeError("not CPython 3.11's _ssl layout: cannot set TLS 1.3 suites")
+    if libssl.SSL_CTX_set_ciphersuites(ptr, suites.encode()) != 1:
+        raise ValueError(f"OpenSSL refused the TLS 1.3 suites {suites!r}")
+
+
 # ------------------------------------------------------------------ the driver
 
 
 def _cpu(pid: int) -> float:
+    return sum(_cpu_parts(pid))
+
+
+def _cpu_parts(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of `pid` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    return int(fields[11]) / TICK, int(fields[12]) / TICK  # utime, stime
 
 
 def _send(sock: socket.socket, size: int) -> None:
@@ -162,21 +197,30 @@ def _drain(sock: socket.socket) -> int:
 class Pair:
     """A server and an agent process of one tree, with a sink and a source target."""
 
-    def __init__(self, tree: Path | None, certs: Path, callgrind: Path | None = None) -> None:
+    def __init__(self, tree: Path | None, certs: Path, callgrind: Path | None = None, *,
+                 command: list[str] | None = None, env: dict[str, str] | None = None,
+                 ) -> None:
+        """`command`: another endpoint program taking the same arguments (role, tunnel
+        port, certificate directory, listen/target port pairs) and printing the same
+        lines, instead of this tree's or `tree`'s Python endpoints
+        (`scripts.bench.bulk_parity` runs its C relay so); `env`: added to theirs."""
         self.callgrind = callgrind
         self.sink = socket.create_server(("127.0.0.1", 0))
         self.source = socket.create_server(("127.0.0.1", 0))
         ports = [_free_port() for _ in range(3)]
         self.up_port, self.down_port = ports[1], ports[2]
-        env = dict(os.environ)
-        cmd = [sys.executable]
+        env = dict(os.environ, **(env or {}))
+        cmd: list[str] = []
         if callgrind is not None:  # instructions: counters zeroed and dumped per transfer
             cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=yes",
-                   f"--callgrind-out-file={callgrind}/callgrind.%p", *cmd]
-        env["PYTHONPATH"] = str(ROOT) if tree is None else f"{tree}:{ROOT}"
-        cmd.append("-P")  # not this script's directory first on sys.path
-        # By path: the other tree may not have this module, only its `tunnel` is wanted.
-        cmd += [str(Path(__file__).resolve()), "--endpoint"]
+                   f"--callgrind-out-file={callgrind}/callgrind.%p"]
+        if command is not None:
+            cmd += command
+        else:
+            env["PYTHONPATH"] = str(ROOT) if tree is None else f"{tree}:{ROOT}"
+            # -P: not this script's directory first on sys.path. By path: the other tree
+            # may not have this module, only its `tunnel` is wanted.
+            cmd += [sys.executable, "-P", str(Path(__file__).resolve()), "--endpoint"]
         common = [str(ports[0]), str(certs)]
         targets = [str(ports[1]), str(self.sink.getsockname()[1]),
                    str(ports[2]), str(self.source.getsockname()[1])]
@@ -199,7 +243,7 @@ class Pair:
             for pid in pids.values():
                 subprocess.run(["callgrind_control", "-z", str(pid)], check=True,
                                capture_output=True)
-        before = {k: _cpu(v) for k, v in pids.items()}
+        before = self.cpu()
         t0 = time.perf_counter()
         client = socket.create_connection(
             ("127.0.0.1", self.up_port if direction == "up" else self.down_port))
@@ -215,11 +259,20 @@ class Pair:
         client.close()
         target.close()
         assert got == [size], (got, size)
-        out = {f"{k}_s_per_gb": (_cpu(v) - before[k]) / (size / 1e9) for k, v in pids.items()}
+        after = self.cpu()
+        out = {f"{k}_s_per_gb": (after[k] - before[k]) / (size / 1e9) for k in after}
         out["gbps"] = size * 8 / elapsed / 1e9
         if self.callgrind is not None:
             for k, pid in pids.items():
                 out[f"{k}_instructions_per_mib"] = self._instructions(pid) / (size / BUF)
+        return out
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system, and system alone) each endpoint has used so far."""
+        out = {}
+        for side, pid in (("server", self.server.pid), ("agent", self.agent.pid)):
+            user, system = _cpu_parts(pid)
+            out[side], out[f"{side}_sys"] = user + system, system
         return out
 
     def _instructions(self, pid: int) -> int:
@@ -237,6 +290,8 @@ class Pair:
         for proc in (self.agent, self.server):
             proc.terminate()
             proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
         self.sink.close()
         self.source.close()
 

@@ -389,3 +389,50 @@ def test_body_frames_queued_together_are_joined_up_to_a_limit() -> None:
     assert inbox.join_data(b"", 100) == (b"d" * 10, 11)
     assert inbox.join_data(b"z", 100) == (b"z", 0)  # trailers next: nothing joined
     assert [type(e) for e in inbox.items] == [TrailersIn, DataIn]
+
+
+def test_h2s_frame_trace_line_is_built_only_when_a_logger_formats_it() -> None:
+    """`h2.connection`'s `repr` is the front's `_frame_as_is`: a frame received builds no
+    repr with the front's configuration (no logger), and a configured logger's trace line
+    still reads as `h2`'s, `repr(frame)` and all."""
+    from nodeagent.http import h2session
+
+    assert h2.connection.repr is h2session._frame_as_is  # type: ignore[attr-defined]
+    built = []
+
+    class Counted(hf.PingFrame):
+        def __repr__(self) -> str:
+            built.append(1)
+            return super().__repr__()
+
+    session = H2Session(client_side=False)
+    session.start()
+    session.conn._frame_dispatch_table[Counted] = (  # type: ignore[attr-defined]
+        session.conn._receive_ping_frame)
+    session.conn._receive_frame(Counted(0, opaque_data=b"12345678"))
+    assert built == []  # no logger: no repr
+
+    lines: list[str] = []
+
+    class TraceLog:
+        def debug(self, fmt: str, *args: object, **kwargs: object) -> None:
+            pass
+
+        def trace(self, fmt: str, *args: object, **kwargs: object) -> None:
+            lines.append(fmt % args)
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=False, header_encoding=None, logger=TraceLog()))
+    conn.initiate_connection()
+    frame = hf.DataFrame(1, data=b"\x01" * 40, flags=["END_STREAM"])
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
+                                                                  header_encoding=None))
+    client.initiate_connection()
+    client.send_headers(1, REQUEST)
+    client.send_data(1, frame.data, end_stream=True)
+    conn.receive_data(client.data_to_send())
+    assert f"Received frame: {frame!r}" in lines  # as h2's own line reads
+    received = [line for line in lines if line.startswith("Received frame: ")]
+    assert len(received) == 3  # SETTINGS, HEADERS, DATA
+    assert all("Frame(stream_id=" in line for line in received)
+

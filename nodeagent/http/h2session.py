@@ -31,6 +31,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import h2.utilities
 import hyperframe.frame
 
 from nodeagent.http.preface import PREFACE  # the front tells h2c by it before h2 loads
@@ -97,6 +99,34 @@ def _lazy_frame_repr() -> None:
 
 
 _lazy_frame_repr()
+
+_h2_utf8_encode_headers = h2.utilities.utf8_encode_headers
+
+
+def _utf8_encode_headers(headers: object) -> object:
+    """`h2.stream.utf8_encode_headers` (which `send_headers` calls on every head it sends:
+    a new list of new tuples, names and values encoded to bytes) without the copy when
+    the head is already a list of (bytes, bytes) tuples, as every head the front sends
+    is: the same list comes back, as equal as `h2`'s copy would be. Anything else (str,
+    `HeaderTuple`s, 3-tuples) goes to `h2`'s."""
+    if type(headers) is list:
+        for field in headers:
+            if (type(field) is not tuple or len(field) != 2 or type(field[0]) is not bytes
+                    or type(field[1]) is not bytes):
+                break
+        else:
+            return headers
+    return _h2_utf8_encode_headers(headers)  # type: ignore[arg-type]
+
+
+def _fast_utf8_headers() -> None:
+    """Install `_utf8_encode_headers` where `h2.stream` has `h2`'s own (checked by
+    tests/http/test_h2session.py)."""
+    if getattr(h2.stream, "utf8_encode_headers", None) is _h2_utf8_encode_headers:
+        setattr(h2.stream, "utf8_encode_headers", _utf8_encode_headers)  # noqa: B010
+
+
+_fast_utf8_headers()
 
 
 class _NoDebugLog:

@@ -26,6 +26,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -35,6 +36,7 @@ import h2.exceptions
 import h2.settings
 import h2.stream
 import h2.utilities
+import hpack
 import hyperframe.frame
 
 from nodeagent.http.preface import PREFACE  # the front tells h2c by it before h2 loads
@@ -200,6 +202,18 @@ def _quiet_hpack() -> None:
 _quiet_hpack()
 
 
+class _PlainEncoder(hpack.Encoder):
+    """hpack's encoder without Huffman coding of literal values. Nearly every field the
+    front sends is indexed after a connection's first request, but a value that changes
+    per call (gRPC's `grpc-timeout`, a `date`) is a literal every time, and hpack Huffman-
+    codes it in a Python loop per byte, to save ~a fifth of its bytes: -34,000
+    instructions per unary gRPC call crossing the front (`scripts.bench.h2_floor`), for a
+    few bytes more per head. Peers decode either (RFC 7541 §5.2)."""
+
+    def encode(self, headers: Any, huffman: bool = False) -> bytes:
+        return super().encode(headers, huffman=False)
+
+
 class H2Refused(Exception):
     """The peer broke the protocol or a limit; GOAWAY is queued, the connection must close.
     `reason` is the counter's name (`HttpStats.h2_refused_<reason>`)."""
@@ -309,6 +323,7 @@ class H2Session:
             normalize_inbound_headers=False, validate_outbound_headers=False,
             normalize_outbound_headers=False)
         conn = self.conn = h2.connection.H2Connection(config=config)
+        conn.encoder = _PlainEncoder()  # before anything is encoded
         codes = h2.settings.SettingCodes
         values = {
             codes.MAX_CONCURRENT_STREAMS: settings.max_concurrent_streams,

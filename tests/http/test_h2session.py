@@ -525,3 +525,29 @@ def test_inbound_field_check_gives_h2s_verdicts_on_every_byte_and_random_fields(
     reply = client.receive_data(server.data_to_send())
     assert any(isinstance(e, h2.events.ConnectionTerminated)
                and e.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR for e in reply)
+
+
+def test_literal_values_go_out_without_huffman_coding_and_decode() -> None:
+    """The front's sessions send literal field values as they are (no Huffman coding, a
+    Python loop per byte in hpack): a value new to the table appears verbatim in the
+    frames, and the peer decodes the head as sent, the first time and once indexed."""
+    client, server = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    server.receive(client.data_to_send())
+    head = [(b":status", b"200"), (b"content-type", b"application/grpc"),
+            (b"x-call", b"29999123u-unique")]
+    server.send_headers(1, head)
+    server.send_headers(1, [(b"grpc-status", b"0")], end=True)
+    raw = server.data_to_send()
+    assert b"29999123u-unique" in raw and b"x-call" in raw
+    got = client.receive_data(raw)
+    assert [list(e.headers) for e in got if isinstance(e, h2.events.ResponseReceived)] == [
+        head]
+    client.send_headers(3, REQUEST, end_stream=True)
+    server.receive(client.data_to_send())
+    server.send_headers(3, head, end=True)
+    raw = server.data_to_send()
+    assert b"29999123u-unique" not in raw  # indexed now
+    got = client.receive_data(raw)
+    assert [list(e.headers) for e in got if isinstance(e, h2.events.ResponseReceived)] == [
+        head]

@@ -12,9 +12,11 @@ the answer goes back the same way; ten calls per read, each with its own `grpc-t
     .venv/bin/python -m scripts.bench.h2_floor --off huffman,field  # what a cut saves
 
 `--off` undoes the front's cuts in this tree's run (comma-separated): `repr` (the lazy
-frame repr), `utf8` (heads sent without `h2`'s copy), `field` (the inbound field check
-in C), `huffman` (Huffman coding of literals back on), `validation` (all of `h2`'s
-inbound header validation off: what it costs, not a variant the front could use).
+frame repr), `utf8` (heads sent without `h2`'s copy), `onepass` (the inbound header
+validation in one pass; `h2`'s chain of checks instead), `field` (the field check in C
+inside `h2`'s chain: with `onepass` off too, `h2`'s own), `huffman` (Huffman coding of
+literals back on), and `novalidation`: all of `h2`'s inbound header validation off,
+what it costs at all, not a variant the front could use.
 Each count is two callgrind runs (--calls and three times that), the difference over
 the difference in calls: start-up cancels out. `--calls N --run` runs the calls (what
 callgrind counts).
@@ -39,7 +41,7 @@ RESPONSE = [(b":status", b"200"), (b"content-type", b"application/grpc"),
             (b"grpc-accept-encoding", b"identity,deflate,gzip")]
 TRAILERS = [(b"grpc-status", b"0")]
 MESSAGE = b"\0\0\0\0\x04ping"
-OFF = ("repr", "utf8", "field", "huffman", "validation")
+OFF = ("repr", "utf8", "onepass", "field", "huffman", "novalidation")
 
 
 def _undo(off: set[str]) -> None:
@@ -55,6 +57,8 @@ def _undo(off: set[str]) -> None:
         vars(h2.connection).pop("repr", None)
     if "utf8" in off and hasattr(h2session, "_h2_utf8_encode_headers"):
         h2.stream.utf8_encode_headers = h2session._h2_utf8_encode_headers  # type: ignore[attr-defined]
+    if "onepass" in off and hasattr(h2session, "_h2_validate_headers"):
+        h2.stream.validate_headers = h2session._h2_validate_headers  # type: ignore[attr-defined]
     if "field" in off and hasattr(h2session, "_h2_reject_illegal_characters"):
         h2.utilities._reject_illegal_characters = h2session._h2_reject_illegal_characters
     init = h2session.H2Session.__init__
@@ -63,7 +67,7 @@ def _undo(off: set[str]) -> None:
         init(self, **kwargs)  # type: ignore[arg-type]
         if "huffman" in off:
             self.conn.encoder = hpack.Encoder()
-        if "validation" in off:
+        if "novalidation" in off:
             self.conn.config.validate_inbound_headers = False
 
     h2session.H2Session.__init__ = patched  # type: ignore[method-assign]

@@ -465,14 +465,17 @@ def test_heads_of_bytes_are_sent_without_h2s_copy_and_others_still_encoded() -> 
         head, [(b"grpc-status", b"0"), (b"grpc-message", b"ok")]]
 
 
-def _verdict(check: object, headers: list[tuple[bytes, bytes]]) -> object:
-    """What a field check makes of `headers`: the fields it passes, or its error's text."""
+def _verdict(check: object, headers: list[tuple[bytes, bytes]],
+             flags: object = None) -> object:
+    """What a header check makes of `headers` (a request head's, unless `flags` say
+    otherwise): the fields it passes, or its error's text."""
     import h2.exceptions
     import h2.utilities
 
-    flags = h2.utilities.HeaderValidationFlags(is_client=False, is_trailer=False,
-                                               is_response_header=False,
-                                               is_push_promise=False)
+    if flags is None:
+        flags = h2.utilities.HeaderValidationFlags(is_client=False, is_trailer=False,
+                                                   is_response_header=False,
+                                                   is_push_promise=False)
     try:
         return list(check(headers, flags))  # type: ignore[operator]
     except h2.exceptions.ProtocolError as exc:
@@ -551,3 +554,70 @@ def test_literal_values_go_out_without_huffman_coding_and_decode() -> None:
     got = client.receive_data(raw)
     assert [list(e.headers) for e in got if isinstance(e, h2.events.ResponseReceived)] == [
         head]
+
+
+def test_inbound_validation_gives_h2s_verdicts_on_random_heads_of_each_kind() -> None:
+    """The front's one-pass `_validate_headers` stands where `h2.stream` called `h2`'s
+    chain of checks: on random heads of fields that trip each check (pseudo-fields in
+    and out of order, duplicated, unknown, missing; `te`, connection-specific fields,
+    `host` against `:authority`, empty names and paths, bad characters), as requests,
+    responses and trailers, both pass the same heads and refuse the others with the same
+    error; well-formed heads take the one pass (the list comes back as it is)."""
+    import random
+
+    import h2.utilities
+
+    from nodeagent.http import h2session
+
+    assert vars(h2.stream)["validate_headers"] is h2session._validate_headers
+    names = [b":method", b":scheme", b":path", b":authority", b":status", b":protocol",
+             b":foo", b"host", b"te", b"connection", b"keep-alive", b"content-type",
+             b"x-a", b"", b"X-Up", b"a:b", b"proxy-connection"]
+    values = [b"GET", b"CONNECT", b"POST", b"", b"trailers", b"TRAILERS", b"gzip",
+              b"a.test", b"b.test", b" x", b"x\r", b"/p", b"200", b"websocket", b"http"]
+    valid = {
+        "request": [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/p"),
+                    (b":authority", b"a.test"), (b"te", b"trailers"), (b"x-a", b"1")],
+        "response": [(b":status", b"200"), (b"content-type", b"x"), (b"x-a", b"")],
+        "trailers": [(b"grpc-status", b"0"), (b"x-a", b"1")],
+    }
+    kinds = {
+        "request": h2.utilities.HeaderValidationFlags(False, False, False, False),
+        "response": h2.utilities.HeaderValidationFlags(True, False, True, False),
+        "trailers": h2.utilities.HeaderValidationFlags(True, True, False, False),
+        "request trailers": h2.utilities.HeaderValidationFlags(False, True, False, False),
+    }
+    rng = random.Random(21)
+    verdicts = {"same list": 0, "refused": 0}
+    for kind, flags in kinds.items():
+        base = valid.get(kind, valid["trailers"])
+        heads = [list(base), [(b":method", b"CONNECT"), (b":authority", b"a.test")],
+                 [(b":method", b"CONNECT"), (b":protocol", b"websocket"),
+                  (b":scheme", b"http"), (b":path", b"/"), (b":authority", b"a.test")],
+                 [*base, (b"host", b"a.test")], [*base, (b"host", b"b.test")],
+                 [*base, (b"host", b"a.test"), (b"host", b"a.test")]]
+        for _ in range(6_000):
+            head = list(base)
+            for _ in range(rng.randint(0, 3)):  # a few faults (or none) in a good head
+                pick = rng.random()
+                field = (rng.choice(names), rng.choice(values))
+                if pick < 0.4 and head:
+                    head[rng.randrange(len(head))] = field
+                elif pick < 0.7:
+                    head.insert(rng.randint(0, len(head)), field)
+                elif head:
+                    del head[rng.randrange(len(head))]
+            heads.append(head)
+        for _ in range(2_000):  # and heads of random fields
+            heads.append([(rng.choice(names), rng.choice(values))
+                          for _ in range(rng.randint(0, 6))])
+        for head in heads:
+            theirs = _verdict(h2.utilities.validate_headers, head, flags)
+            ours = _verdict(h2session._validate_headers, head, flags)
+            assert ours == theirs, (kind, head)
+            if isinstance(theirs, tuple):
+                verdicts["refused"] += 1
+            else:
+                copy = list(head)
+                verdicts["same list"] += h2session._validate_headers(copy, flags) is copy
+    assert verdicts["refused"] > 5_000 and verdicts["same list"] > 5_000, verdicts

@@ -104,33 +104,6 @@ def _lazy_frame_repr() -> None:
 
 _lazy_frame_repr()
 
-_h2_utf8_encode_headers = h2.utilities.utf8_encode_headers
-
-
-def _utf8_encode_headers(headers: object) -> object:
-    """`h2.stream.utf8_encode_headers` (which `send_headers` calls on every head it sends:
-    a new list of new tuples, names and values encoded to bytes) without the copy when
-    the head is already a list of (bytes, bytes) tuples, as every head the front sends
-    is: the same list comes back, as equal as `h2`'s copy would be. Anything else (str,
-    `HeaderTuple`s, 3-tuples) goes to `h2`'s."""
-    if type(headers) is list:
-        for field in headers:
-            if (type(field) is not tuple or len(field) != 2 or type(field[0]) is not bytes
-                    or type(field[1]) is not bytes):
-                break
-        else:
-            return headers
-    return _h2_utf8_encode_headers(headers)  # type: ignore[arg-type]
-
-
-def _fast_utf8_headers() -> None:
-    """Install `_utf8_encode_headers` where `h2.stream` has `h2`'s own (checked by
-    tests/http/test_h2session.py)."""
-    if getattr(h2.stream, "utf8_encode_headers", None) is _h2_utf8_encode_headers:
-        setattr(h2.stream, "utf8_encode_headers", _utf8_encode_headers)  # noqa: B010
-
-
-_fast_utf8_headers()
 
 _h2_reject_illegal_characters = h2.utilities._reject_illegal_characters
 _NAME_OK = re.compile(rb":?[!-9;-@\[-~]*").fullmatch
@@ -275,9 +248,9 @@ class _PlainEncoder(hpack.Encoder):
     """hpack's encoder without Huffman coding of literal values. Nearly every field the
     front sends is indexed after a connection's first request, but a value that changes
     per call (gRPC's `grpc-timeout`, a `date`) is a literal every time, and hpack Huffman-
-    codes it in a Python loop per byte, to save ~a fifth of its bytes: -34,000
-    instructions per unary gRPC call crossing the front (`scripts.bench.h2_floor`), for a
-    few bytes more per head. Peers decode either (RFC 7541 §5.2)."""
+    codes it in a Python loop per byte, to save ~a fifth of its bytes: -35,000 to
+    -45,000 instructions per unary gRPC call crossing the front (`scripts.bench.h2_floor
+    --off huffman`), for a few bytes more per head. Peers decode either (RFC 7541 §5.2)."""
 
     def encode(self, headers: Any, huffman: bool = False) -> bytes:
         return super().encode(headers, huffman=False)

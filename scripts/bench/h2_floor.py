@@ -12,7 +12,7 @@ the answer goes back the same way; ten calls per read, each with its own `grpc-t
     .venv/bin/python -m scripts.bench.h2_floor --off huffman,field  # what a cut saves
 
 `--off` undoes the front's cuts in this tree's run (comma-separated): `repr` (the lazy
-frame repr), `utf8` (heads sent without `h2`'s copy), `onepass` (the inbound header
+frame repr), `onepass` (the inbound header
 validation in one pass; `h2`'s chain of checks instead), `field` (the field check in C
 inside `h2`'s chain: with `onepass` off too, `h2`'s own), `huffman` (Huffman coding of
 literals back on), and `novalidation`: all of `h2`'s inbound header validation off,
@@ -41,7 +41,7 @@ RESPONSE = [(b":status", b"200"), (b"content-type", b"application/grpc"),
             (b"grpc-accept-encoding", b"identity,deflate,gzip")]
 TRAILERS = [(b"grpc-status", b"0")]
 MESSAGE = b"\0\0\0\0\x04ping"
-OFF = ("repr", "utf8", "onepass", "field", "huffman", "novalidation")
+OFF = ("repr", "onepass", "field", "huffman", "novalidation")
 
 
 def _undo(off: set[str]) -> None:
@@ -55,8 +55,6 @@ def _undo(off: set[str]) -> None:
 
     if "repr" in off:
         vars(h2.connection).pop("repr", None)
-    if "utf8" in off and hasattr(h2session, "_h2_utf8_encode_headers"):
-        h2.stream.utf8_encode_headers = h2session._h2_utf8_encode_headers  # type: ignore[attr-defined]
     if "onepass" in off and hasattr(h2session, "_h2_validate_headers"):
         h2.stream.validate_headers = h2session._h2_validate_headers  # type: ignore[attr-defined]
     if "field" in off and hasattr(h2session, "_h2_reject_illegal_characters"):

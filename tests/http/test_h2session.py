@@ -437,34 +437,6 @@ def test_h2s_frame_trace_line_is_built_only_when_a_logger_formats_it() -> None:
     assert all("Frame(stream_id=" in line for line in received)
 
 
-def test_heads_of_bytes_are_sent_without_h2s_copy_and_others_still_encoded() -> None:
-    """`h2.stream.utf8_encode_headers` is the front's: a list of (bytes, bytes) comes back
-    as it is; str fields, `HeaderTuple`s and 3-tuples go through `h2`'s, as before, and a
-    peer decodes what each sends."""
-    import h2.stream
-
-    from nodeagent.http import h2session
-
-    assert vars(h2.stream)["utf8_encode_headers"] is h2session._utf8_encode_headers
-    head = [(b":status", b"200"), (b"content-type", b"text/plain")]
-    assert h2session._utf8_encode_headers(head) is head
-    mixed = [(":status", "200"), hpack.HeaderTuple(b"a", b"1"), (b"b", b"2", True)]
-    assert h2session._utf8_encode_headers(mixed) == [(b":status", b"200"), (b"a", b"1"),
-                                                      (b"b", b"2")]
-    assert type(h2session._utf8_encode_headers(mixed)[1]) is hpack.HeaderTuple
-    assert h2session._utf8_encode_headers(tuple(head)) == head
-
-    client, server = pair()
-    client.send_headers(1, REQUEST, end_stream=True)
-    server.receive(client.data_to_send())
-    server.send_headers(1, head)
-    server.send_headers(1, [("grpc-status", "0"), (b"grpc-message", b"ok")], end=True)
-    got = client.receive_data(server.data_to_send())
-    assert [list(e.headers) for e in got if isinstance(
-        e, h2.events.ResponseReceived | h2.events.TrailersReceived)] == [
-        head, [(b"grpc-status", b"0"), (b"grpc-message", b"ok")]]
-
-
 def _verdict(check: object, headers: list[tuple[bytes, bytes]],
              flags: object = None) -> object:
     """What a header check makes of `headers` (a request head's, unless `flags` say

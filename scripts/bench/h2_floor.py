@@ -6,7 +6,11 @@ the front's server-side session, the front's client-side session sends it on to 
 backend `h2` connection, which answers (head, one message, `grpc-status` trailers), and
 the answer goes back the same way; ten calls per read, each with its own `grpc-timeout`
 (grpcio sends the time left, a new value per call). The count includes the two plain
-`h2` peers (about half): differences between trees and variants are the front's.
+`h2` peers (about half). They run the same `h2` code, so the cuts `h2session` makes
+inside `h2` (the frame repr, the inbound validation) apply to them too: the front's
+share of those is about half the difference (its two connections of the four; the
+frames and heads each receives are alike); the Huffman cut is the front's alone (its
+encoders). `scripts.bench.h2_bidi --instructions --unary` counts the front alone.
 
     .venv/bin/python -m scripts.bench.h2_floor --tree /work/base     # callgrind, A/B
     .venv/bin/python -m scripts.bench.h2_floor --off huffman,field  # what a cut saves

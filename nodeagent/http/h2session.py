@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import binascii
 import logging
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -31,6 +34,9 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import h2.utilities
+import hpack
 import hyperframe.frame
 
 from nodeagent.http.preface import PREFACE  # the front tells h2c by it before h2 loads
@@ -78,6 +84,136 @@ def _install_repr() -> None:
 _install_repr()
 
 
+def _frame_as_is(frame: object) -> object:
+    """Stands for `repr` in `h2.connection`, whose one use is the argument of its trace log
+    line for every frame received (`H2Connection._receive_frame`: `logger.trace("Received
+    frame: %s", repr(frame))`): the line's text is built only if a logger formats it (`%s`
+    of a frame is its repr), never with the front's `h2` configuration (no logger). Even
+    with the cheaper reprs above, building them cost ~140,000 instructions per unary gRPC
+    call crossing the front (its two sessions: ~6 % of the front's instructions per call).
+    `_raw_data_repr` and `_data_body_repr` stay for a logger that does format them."""
+    return frame
+
+
+def _lazy_frame_repr() -> None:
+    """Install `_frame_as_is` as `h2.connection`'s `repr`, where it uses the builtin
+    (tests/http/test_h2session.py checks the log line is unchanged, and installed)."""
+    if "repr" not in vars(h2.connection):
+        h2.connection.repr = _frame_as_is  # type: ignore[attr-defined]
+
+
+_lazy_frame_repr()
+
+
+_h2_reject_illegal_characters = h2.utilities._reject_illegal_characters
+_NAME_OK = re.compile(rb":?[!-9;-@\[-~]*").fullmatch
+"""A field name `h2` lets through (RFC 9113 §8.2.1): no controls, space, DEL, non-ASCII
+or uppercase, a colon only first (pseudo-fields); empty names are refused after."""
+_VALUE_BAD = re.compile(rb"[\0\n\r]|^[ \t]|[ \t]$").search
+"""A field value `h2` refuses: NUL, LF or CR anywhere, SP or HTAB first or last (`$`
+matches before a final LF too: that value is refused anyway)."""
+
+
+def _reject_illegal_characters(headers: Iterable[tuple[bytes, bytes]], flags: object
+                               ) -> Iterator[tuple[bytes, bytes]]:
+    """`h2.utilities._reject_illegal_characters`, the first check of `h2`'s inbound header
+    validation (every field a peer sends, in every head and trailers), with the same
+    verdicts: `h2`'s walks every byte of every name and value in Python (~7 % of the
+    front's CPU per request under cProfile, the largest part of the validation), this
+    matches each against a pattern in C, and a field it finds wrong goes through `h2`'s
+    own check, which raises its own error. tests/http/test_h2session.py checks both agree
+    on every byte in every position and on random fields."""
+    name_ok = _NAME_OK
+    value_bad = _VALUE_BAD
+    for header in headers:
+        value = header[1]
+        if name_ok(header[0]) is None or (value and value_bad(value) is not None):
+            for _ in _h2_reject_illegal_characters((header,), flags):  # type: ignore[arg-type]
+                pass  # h2 raises ProtocolError, its message and all
+        yield header
+
+
+def _fast_field_check() -> None:
+    """Install `_reject_illegal_characters` where `h2.utilities` has `h2`'s (checked by
+    tests/http/test_h2session.py), for its `validate_headers` to call."""
+    if getattr(h2.utilities, "_reject_illegal_characters", None) is \
+            _h2_reject_illegal_characters:
+        setattr(h2.utilities, "_reject_illegal_characters",  # noqa: B010
+                _reject_illegal_characters)
+
+
+_fast_field_check()
+
+_h2_validate_headers = h2.utilities.validate_headers
+_PSEUDO = h2.utilities._ALLOWED_PSEUDO_HEADER_FIELDS
+_CONNECTION_FIELDS = h2.utilities.CONNECTION_HEADERS
+_h2_pseudo_acceptability = h2.utilities._check_pseudo_header_field_acceptability
+
+
+def _validate_headers(headers: list[tuple[bytes, bytes]],
+                      flags: h2.utilities.HeaderValidationFlags
+                      ) -> Iterable[tuple[bytes, bytes]]:
+    """`h2.utilities.validate_headers` (the inbound header validation, RFC 9113 §8.2-8.3,
+    on every head and trailers a peer sends) with the same verdicts, in one pass over the
+    fields where `h2` chains seven generators (each field through each): every check of
+    `h2`'s chain is made here (characters, empty names, `te`, connection-specific fields,
+    pseudo-fields' names, order, duplicates and set per kind of head, `:authority`/`host`
+    and empty `:path` on requests). A head that passes them all comes back as it is (what
+    `h2`'s chain yields too); any other goes through `h2`'s chain, which raises `h2`'s
+    error for the first fault it meets. tests/http/test_h2session.py checks both agree on
+    random heads of each kind."""
+    if type(headers) is not list:
+        return _h2_validate_headers(headers, flags)
+    name_ok = _NAME_OK
+    value_bad = _VALUE_BAD
+    request = not (flags.is_response_header or flags.is_trailer)
+    seen: set[bytes] = set()
+    regular = False
+    method = authority = host = None
+    for name, value in headers:
+        if not name or name_ok(name) is None or (value and value_bad(value) is not None):
+            break
+        if name[0] == 0x3A:  # ":"
+            if regular or name in seen or name not in _PSEUDO:
+                break
+            seen.add(name)
+            if name == b":method":
+                method = value
+            elif name == b":authority":
+                authority = value
+            elif name == b":path" and request and not value:
+                break
+        else:
+            regular = True
+            if name in _CONNECTION_FIELDS or (name == b"te" and value.lower() != b"trailers"):
+                break
+            if name == b"host" and request:
+                if host is not None:
+                    break
+                host = value
+    else:
+        try:
+            _h2_pseudo_acceptability(seen, method, flags)
+        except h2.exceptions.ProtocolError:
+            pass
+        else:
+            if not request or (
+                    (authority is not None or host is not None)
+                    and (authority is None or host is None or authority == host)):
+                return headers
+    return _h2_validate_headers(headers, flags)
+
+
+def _fast_validation() -> None:
+    """Install `_validate_headers` where `h2.stream` calls `h2`'s (checked by
+    tests/http/test_h2session.py)."""
+    if getattr(h2.stream, "validate_headers", None) is _h2_validate_headers:
+        setattr(h2.stream, "validate_headers", _validate_headers)  # noqa: B010
+
+
+_fast_validation()
+
+
 class _NoDebugLog:
     """Stands for hpack's module loggers: their `debug` does nothing."""
 
@@ -106,6 +242,18 @@ def _quiet_hpack() -> None:
 
 
 _quiet_hpack()
+
+
+class _PlainEncoder(hpack.Encoder):
+    """hpack's encoder without Huffman coding of literal values. Nearly every field the
+    front sends is indexed after a connection's first request, but a value that changes
+    per call (gRPC's `grpc-timeout`, a `date`) is a literal every time, and hpack Huffman-
+    codes it in a Python loop per byte, to save ~a fifth of its bytes: -35,000 to
+    -45,000 instructions per unary gRPC call crossing the front (`scripts.bench.h2_floor
+    --off huffman`), for a few bytes more per head. Peers decode either (RFC 7541 §5.2)."""
+
+    def encode(self, headers: Any, huffman: bool = False) -> bytes:
+        return super().encode(headers, huffman=False)
 
 
 class H2Refused(Exception):
@@ -217,6 +365,7 @@ class H2Session:
             normalize_inbound_headers=False, validate_outbound_headers=False,
             normalize_outbound_headers=False)
         conn = self.conn = h2.connection.H2Connection(config=config)
+        conn.encoder = _PlainEncoder()  # before anything is encoded
         codes = h2.settings.SettingCodes
         values = {
             codes.MAX_CONCURRENT_STREAMS: settings.max_concurrent_streams,

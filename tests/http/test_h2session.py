@@ -389,3 +389,207 @@ def test_body_frames_queued_together_are_joined_up_to_a_limit() -> None:
     assert inbox.join_data(b"", 100) == (b"d" * 10, 11)
     assert inbox.join_data(b"z", 100) == (b"z", 0)  # trailers next: nothing joined
     assert [type(e) for e in inbox.items] == [TrailersIn, DataIn]
+
+
+def test_h2s_frame_trace_line_is_built_only_when_a_logger_formats_it() -> None:
+    """`h2.connection`'s `repr` is the front's `_frame_as_is`: a frame received builds no
+    repr with the front's configuration (no logger), and a configured logger's trace line
+    still reads as `h2`'s, `repr(frame)` and all."""
+    from nodeagent.http import h2session
+
+    assert h2.connection.repr is h2session._frame_as_is  # type: ignore[attr-defined]
+    built = []
+
+    class Counted(hf.PingFrame):
+        def __repr__(self) -> str:
+            built.append(1)
+            return super().__repr__()
+
+    session = H2Session(client_side=False)
+    session.start()
+    session.conn._frame_dispatch_table[Counted] = (  # type: ignore[attr-defined]
+        session.conn._receive_ping_frame)
+    session.conn._receive_frame(Counted(0, opaque_data=b"12345678"))
+    assert built == []  # no logger: no repr
+
+    lines: list[str] = []
+
+    class TraceLog:
+        def debug(self, fmt: str, *args: object, **kwargs: object) -> None:
+            pass
+
+        def trace(self, fmt: str, *args: object, **kwargs: object) -> None:
+            lines.append(fmt % args)
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=False, header_encoding=None, logger=TraceLog()))
+    conn.initiate_connection()
+    frame = hf.DataFrame(1, data=b"\x01" * 40, flags=["END_STREAM"])
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
+                                                                  header_encoding=None))
+    client.initiate_connection()
+    client.send_headers(1, REQUEST)
+    client.send_data(1, frame.data, end_stream=True)
+    conn.receive_data(client.data_to_send())
+    assert f"Received frame: {frame!r}" in lines  # as h2's own line reads
+    received = [line for line in lines if line.startswith("Received frame: ")]
+    assert len(received) == 3  # SETTINGS, HEADERS, DATA
+    assert all("Frame(stream_id=" in line for line in received)
+
+
+def _verdict(check: object, headers: list[tuple[bytes, bytes]],
+             flags: object = None) -> object:
+    """What a header check makes of `headers` (a request head's, unless `flags` say
+    otherwise): the fields it passes, or its error's text."""
+    import h2.exceptions
+    import h2.utilities
+
+    if flags is None:
+        flags = h2.utilities.HeaderValidationFlags(is_client=False, is_trailer=False,
+                                                   is_response_header=False,
+                                                   is_push_promise=False)
+    try:
+        return list(check(headers, flags))  # type: ignore[operator]
+    except h2.exceptions.ProtocolError as exc:
+        return ("refused", str(exc))
+
+
+def test_inbound_field_check_gives_h2s_verdicts_on_every_byte_and_random_fields() -> None:
+    """The front's `_reject_illegal_characters` (a pattern in C) stands where `h2`'s (a
+    loop in Python over every byte) was, in `h2`'s inbound validation: on every byte
+    value at the start, middle and end of a name and of a value, and on 20,000 random
+    fields of the bytes that matter, both pass the same fields and refuse the same ones
+    with the same error. A malformed head from a client is refused as before."""
+    import random
+
+    import h2.utilities
+
+    from nodeagent.http import h2session
+
+    assert h2.utilities._reject_illegal_characters is h2session._reject_illegal_characters
+    ours = h2session._reject_illegal_characters
+    theirs = h2session._h2_reject_illegal_characters
+    cases: list[list[tuple[bytes, bytes]]] = []
+    for byte in range(256):
+        b = bytes([byte])
+        for name in (b, b + b"ab", b"ab" + b, b"a" + b + b"b", b":" + b, b"::" + b):
+            cases.append([(b"x-ok", b"1"), (name, b"v")])
+        for value in (b, b + b"ab", b"ab" + b, b"a" + b + b"b", b + b"\n", b"\n" + b):
+            cases.append([(b"x-ok", b"1"), (b"x-v", value)])
+    alphabet = b"aZ:\0\r\n \t\x7f\x80\xff-1~!@[{"
+    rng = random.Random(21)
+    for _ in range(20_000):
+        cases.append([(bytes(rng.choices(alphabet, k=rng.randint(0, 4))),
+                       bytes(rng.choices(alphabet, k=rng.randint(0, 4))))
+                      for _ in range(rng.randint(1, 3))])
+    refused = 0
+    for headers in cases:
+        expected = _verdict(theirs, headers)
+        assert _verdict(ours, headers) == expected, headers
+        refused += isinstance(expected, tuple)
+    assert 1_000 < refused < len(cases)  # both verdicts were exercised
+
+    # Through a session: a client's head with a CR in a value still ends the connection
+    # with h2's GOAWAY(PROTOCOL_ERROR) and its message.
+    client, server = pair()
+    client.send_headers(1, [*REQUEST, (b"x-bad", b"a\rb")], end_stream=True)
+    with pytest.raises(H2Refused) as info:
+        server.receive(client.data_to_send())
+    assert info.value.reason == "protocol_error"
+    assert str(info.value) == "Illegal character '\r' in header value: b'a\\rb'"
+    reply = client.receive_data(server.data_to_send())
+    assert any(isinstance(e, h2.events.ConnectionTerminated)
+               and e.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR for e in reply)
+
+
+def test_literal_values_go_out_without_huffman_coding_and_decode() -> None:
+    """The front's sessions send literal field values as they are (no Huffman coding, a
+    Python loop per byte in hpack): a value new to the table appears verbatim in the
+    frames, and the peer decodes the head as sent, the first time and once indexed."""
+    client, server = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    server.receive(client.data_to_send())
+    head = [(b":status", b"200"), (b"content-type", b"application/grpc"),
+            (b"x-call", b"29999123u-unique")]
+    server.send_headers(1, head)
+    server.send_headers(1, [(b"grpc-status", b"0")], end=True)
+    raw = server.data_to_send()
+    assert b"29999123u-unique" in raw and b"x-call" in raw
+    got = client.receive_data(raw)
+    assert [list(e.headers) for e in got if isinstance(e, h2.events.ResponseReceived)] == [
+        head]
+    client.send_headers(3, REQUEST, end_stream=True)
+    server.receive(client.data_to_send())
+    server.send_headers(3, head, end=True)
+    raw = server.data_to_send()
+    assert b"29999123u-unique" not in raw  # indexed now
+    got = client.receive_data(raw)
+    assert [list(e.headers) for e in got if isinstance(e, h2.events.ResponseReceived)] == [
+        head]
+
+
+def test_inbound_validation_gives_h2s_verdicts_on_random_heads_of_each_kind() -> None:
+    """The front's one-pass `_validate_headers` stands where `h2.stream` called `h2`'s
+    chain of checks: on random heads of fields that trip each check (pseudo-fields in
+    and out of order, duplicated, unknown, missing; `te`, connection-specific fields,
+    `host` against `:authority`, empty names and paths, bad characters), as requests,
+    responses and trailers, both pass the same heads and refuse the others with the same
+    error; well-formed heads take the one pass (the list comes back as it is)."""
+    import random
+
+    import h2.utilities
+
+    from nodeagent.http import h2session
+
+    assert vars(h2.stream)["validate_headers"] is h2session._validate_headers
+    names = [b":method", b":scheme", b":path", b":authority", b":status", b":protocol",
+             b":foo", b"host", b"te", b"connection", b"keep-alive", b"content-type",
+             b"x-a", b"", b"X-Up", b"a:b", b"proxy-connection"]
+    values = [b"GET", b"CONNECT", b"POST", b"", b"trailers", b"TRAILERS", b"gzip",
+              b"a.test", b"b.test", b" x", b"x\r", b"/p", b"200", b"websocket", b"http"]
+    valid = {
+        "request": [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/p"),
+                    (b":authority", b"a.test"), (b"te", b"trailers"), (b"x-a", b"1")],
+        "response": [(b":status", b"200"), (b"content-type", b"x"), (b"x-a", b"")],
+        "trailers": [(b"grpc-status", b"0"), (b"x-a", b"1")],
+    }
+    kinds = {
+        "request": h2.utilities.HeaderValidationFlags(False, False, False, False),
+        "response": h2.utilities.HeaderValidationFlags(True, False, True, False),
+        "trailers": h2.utilities.HeaderValidationFlags(True, True, False, False),
+        "request trailers": h2.utilities.HeaderValidationFlags(False, True, False, False),
+    }
+    rng = random.Random(21)
+    verdicts = {"same list": 0, "refused": 0}
+    for kind, flags in kinds.items():
+        base = valid.get(kind, valid["trailers"])
+        heads = [list(base), [(b":method", b"CONNECT"), (b":authority", b"a.test")],
+                 [(b":method", b"CONNECT"), (b":protocol", b"websocket"),
+                  (b":scheme", b"http"), (b":path", b"/"), (b":authority", b"a.test")],
+                 [*base, (b"host", b"a.test")], [*base, (b"host", b"b.test")],
+                 [*base, (b"host", b"a.test"), (b"host", b"a.test")]]
+        for _ in range(6_000):
+            head = list(base)
+            for _ in range(rng.randint(0, 3)):  # a few faults (or none) in a good head
+                pick = rng.random()
+                field = (rng.choice(names), rng.choice(values))
+                if pick < 0.4 and head:
+                    head[rng.randrange(len(head))] = field
+                elif pick < 0.7:
+                    head.insert(rng.randint(0, len(head)), field)
+                elif head:
+                    del head[rng.randrange(len(head))]
+            heads.append(head)
+        for _ in range(2_000):  # and heads of random fields
+            heads.append([(rng.choice(names), rng.choice(values))
+                          for _ in range(rng.randint(0, 6))])
+        for head in heads:
+            theirs = _verdict(h2.utilities.validate_headers, head, flags)
+            ours = _verdict(h2session._validate_headers, head, flags)
+            assert ours == theirs, (kind, head)
+            if isinstance(theirs, tuple):
+                verdicts["refused"] += 1
+            else:
+                copy = list(head)
+                verdicts["same list"] += h2session._validate_headers(copy, flags) is copy
+    assert verdicts["refused"] > 5_000 and verdicts["same list"] > 5_000, verdicts

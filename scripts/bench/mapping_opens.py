@@ -28,8 +28,10 @@ one connection (connect to the client's close; this one moves with the load).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -90,7 +92,9 @@ async def _connection(address: tuple[str, int], close_first: bool) -> None:
         sock.close()
 
 
-async def server_side(conns: int, close_first: bool, echo_port: int) -> dict[str, float]:
+async def server_side(conns: int, close_first: bool, echo_port: int, *,
+                      agent_role: bool = False, agent_prefix: list[str] | None = None,
+                      agent_env: dict[str, str] | None = None) -> dict[str, float]:
     import logging
     logging.getLogger().setLevel(logging.WARNING)  # no line per connection either way
     from nodeagent.config import ServerConfig
@@ -113,11 +117,16 @@ async def server_side(conns: int, close_first: bool, echo_port: int) -> dict[str
         tunnel_port = int(bound["tunnel"][0].rsplit(":", 1)[1])
         host, port = bound["tcp:bench"][0].rsplit(":", 1)
         agent = await trio.lowlevel.open_process(
-            [sys.executable, "-P", "-m", "scripts.bench.mapping_opens", "--agent",
-             str(tunnel_port), str(echo_port)], cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH") or str(ROOT)))
+            [*(agent_prefix or []), sys.executable, "-P", "-m", "scripts.bench.mapping_opens",
+             "--agent", str(tunnel_port), str(echo_port),
+             *(["--agent-role"] if agent_role else [])], cwd=ROOT, stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE if agent_prefix else None,
+            env=agent_env or dict(os.environ,
+                                  PYTHONPATH=os.environ.get("PYTHONPATH") or str(ROOT)))
+        stderr = bytearray()
         try:
-            with trio.fail_after(30):
+            # Under callgrind the agent takes a minute to start.
+            with trio.fail_after(600 if agent_prefix else 30):
                 while "edge-1" not in server.tunnel.sessions:  # noqa: ASYNC110
                     await trio.sleep(0.01)
             address = (host, int(port))
@@ -141,13 +150,59 @@ async def server_side(conns: int, close_first: bool, echo_port: int) -> dict[str
             if accepted != conns + 1:
                 raise SystemExit(f"{accepted} of {conns + 1} connections accepted: "
                                  f"{dict(server.outcomes.counts)}")
+            # The agent ends on its stdin's EOF, normally (callgrind writes its counts).
+            assert agent.stdin is not None
+            await agent.stdin.aclose()
+            if agent.stderr is not None:
+                async with agent.stderr:
+                    async for chunk in agent.stderr:
+                        stderr += chunk
+            with trio.fail_after(120):
+                await agent.wait()
         finally:
-            agent.terminate()
-            await agent.wait()
+            if agent.returncode is None:
+                agent.terminate()
+                await agent.wait()
         listeners.stop_all()
         nursery.cancel_scope.cancel()
     shutil.rmtree(debug, ignore_errors=True)
+    if agent_prefix:
+        match = re.search(r"Collected : (\d+)", stderr.decode(errors="replace"))
+        if match is None:
+            raise SystemExit(f"no instruction count from the agent:\n{stderr[-2000:]!r}")
+        out["agent_instructions"] = int(match.group(1))
     return out
+
+
+async def _until_stdin_closes(scope: trio.CancelScope) -> None:
+    """The agent process ends when the bench closes its stdin (a clean exit, so that
+    callgrind writes its counts)."""
+    while True:
+        await trio.lowlevel.wait_readable(0)
+        if not os.read(0, 4096):
+            break
+    scope.cancel()
+
+
+async def agent_role_side(tunnel_port: int, echo_port: int) -> None:
+    """The node's side as the agent role runs it: `Agent` with its allow list."""
+    import logging
+    logging.getLogger().setLevel(logging.WARNING)
+    from nodeagent.agent.agent import Agent
+    from nodeagent.config import AgentConfig
+
+    debug = tempfile.mkdtemp(prefix="mapping-opens-agent-")
+    config = AgentConfig.model_validate({
+        "node": "edge-1", "server": f"tcp://127.0.0.1:{tunnel_port}", "token": TOKEN,
+        "insecure": True, "allow": [f"127.0.0.1:{echo_port}"],
+        "debug_socket": f"{debug}/agent.sock", "keepalive": {"interval": 3600}})
+    agent = Agent(config, ssl_context=None)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_until_stdin_closes, nursery.cancel_scope)
+            await agent.run()
+    finally:
+        shutil.rmtree(debug, ignore_errors=True)
 
 
 async def agent_side(tunnel_port: int, echo_port: int) -> None:
@@ -172,10 +227,15 @@ async def agent_side(tunnel_port: int, echo_port: int) -> None:
                             EndpointSettings(ping_interval=0, open_rate=1e9), refuse,
                             take_stream=take)
     await conn.dial_handshake(p.Hello(identity={"node": "edge-1", "token": TOKEN}))
-    await conn.run()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_until_stdin_closes, nursery.cancel_scope)
+        await conn.run()
 
 
-def run_cpu(conns: int, close_first: bool) -> dict[str, float]:
+def run_cpu(conns: int, close_first: bool, *, agent_role: bool = False,
+            agent_tree: Path | None = None) -> dict[str, float]:
+    """One run; with `agent_tree`, the agent process runs under callgrind with that
+    tree's packages (`agent_instructions`)."""
     from scripts.bench.lib.tools import build_benchtool
     tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
     with socket.socket() as probe:
@@ -190,14 +250,28 @@ def run_cpu(conns: int, close_first: bool) -> dict[str, float]:
                 break
             except OSError:
                 time.sleep(0.02)
-        return trio.run(server_side, conns, close_first, echo_port)
+        if agent_tree is None:
+            return trio.run(functools.partial(server_side, conns, close_first, echo_port,
+                                              agent_role=agent_role))
+        with tempfile.TemporaryDirectory() as tmp:
+            for package in ("nodeagent", "tunnel"):
+                (Path(tmp) / package).symlink_to(agent_tree / package)
+            env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
+            prefix = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out"]
+            return trio.run(functools.partial(
+                server_side, conns, close_first, echo_port, agent_role=agent_role,
+                agent_prefix=prefix, agent_env=env))
     finally:
         echo.terminate()
         echo.wait()
 
 
-def instructions(tree: Path, conns: int, close_first: bool) -> int:
-    """Instructions callgrind counted in the server's process with `tree`'s packages."""
+def instructions(tree: Path, conns: int, close_first: bool, agent_role: bool) -> int:
+    """Instructions callgrind counted in the server's process with `tree`'s packages,
+    or with `agent_role` in the agent's."""
+    if agent_role:
+        return int(run_cpu(conns, close_first, agent_role=True,
+                           agent_tree=tree)["agent_instructions"])
     return callgrind_instructions(
         tree, "scripts.bench.mapping_opens",
         ["--cpu", "--conns", str(conns), *(["--close-first"] if close_first else [])],
@@ -214,29 +288,34 @@ def main() -> None:
     parser.add_argument("--close-first", action="store_true",
                         help="the target closes first (benchtool echoclose)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--tree)")
+    parser.add_argument("--agent-role", action="store_true",
+                        help="the agent process runs the agent role (Agent, its allow list); "
+                             "with --tree its instructions are counted, not the server's")
     parser.add_argument("--agent", nargs=2, type=int, metavar=("TUNNEL_PORT", "ECHO_PORT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.agent:
-        trio.run(agent_side, *args.agent)
+        trio.run(agent_role_side if args.agent_role else agent_side, *args.agent)
         return
     if args.cpu or args.tree is None:
-        result = run_cpu(args.conns or 3000, args.close_first)
+        result = run_cpu(args.conns or 3000, args.close_first, agent_role=args.agent_role)
         print(json.dumps({k: round(v, 1) for k, v in result.items()}), flush=True)
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package: valgrind)")
     conns = args.conns or 200
     trees = {"this": ROOT, "other": args.tree.resolve()}
-    start = {name: instructions(tree, 1, args.close_first) for name, tree in trees.items()}
+    start = {name: instructions(tree, 1, args.close_first, args.agent_role)
+             for name, tree in trees.items()}
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
-        rounds.append({name: (instructions(tree, conns, args.close_first) - start[name])
+        rounds.append({name: (instructions(tree, conns, args.close_first, args.agent_role)
+                              - start[name])
                        / (conns - 1) for name, tree in trees.items()})
     ratios = [r["this"] / r["other"] for r in rounds]
     print(json.dumps({
         "phase": "mapping_open_close_first" if args.close_first else "mapping_open",
-        "unit": "server_instructions_per_connection",
+        "unit": ("agent" if args.agent_role else "server") + "_instructions_per_connection",
         "this": round(statistics.median(r["this"] for r in rounds)),
         "other": round(statistics.median(r["other"] for r in rounds)),
         "ratio": round(statistics.median(ratios), 4),

@@ -502,7 +502,7 @@ class SpliceLoop:
         self._splices[splice.fd] = splice
         stream.attach_sink(splice)
         if code == 0:
-            self.connected(splice)
+            self.connected(splice, known=True)
             return
         try:
             self._epoll.register(splice.fd, _OUT)
@@ -512,11 +512,12 @@ class SpliceLoop:
         splice.mask = _OUT
         self._add_deadline(dial)
 
-    def connected(self, s: _Splice) -> None:
-        """The socket of a dial is writable: connected (accept and splice) or failed."""
+    def connected(self, s: _Splice, *, known: bool = False) -> None:
+        """The socket of a dial is writable: connected (accept and splice) or failed.
+        `known`: getpeername() has said connected already (no SO_ERROR to ask)."""
         dial = s.dial
         assert isinstance(dial, _Dial)
-        code = s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        code = 0 if known else s.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code:
             host, port = dial.address
             self.dial_failed(s, connect_failed(host, port, [(format_address(dial.address),

@@ -68,7 +68,11 @@ _log = get_logger("tunnel.spliceloop")
 # 1 MiB at 256 KiB/s outlasted a 2 s ping timeout (tests/e2e/test_shaping.py).
 CHUNK = 256 * 1024
 _MAX_EVENTS = 256
-_IN = select.EPOLLIN
+# EPOLLRDHUP with EPOLLIN: a socket whose peer has sent its FIN says so with the data
+# before it, so the read that takes the last data reads the EOF too (`read`): the FIN
+# leaves with the data, not a loop round later (a target that answers and closes).
+_IN = select.EPOLLIN | select.EPOLLRDHUP
+_RDHUP = select.EPOLLRDHUP
 _OUT = select.EPOLLOUT
 # A client socket waiting for its stream's answer (SpliceLoop.open) is watched for errors
 # and hang-ups alone (epoll reports those whatever the mask): a client that resets is
@@ -761,22 +765,29 @@ class SpliceLoop:
         else:
             self.update(s)
 
-    def read(self, s: _Splice) -> None:
+    def read(self, s: _Splice, hup: int = 0) -> None:
+        """One read of the socket into the stream; `hup` (EPOLLRDHUP: the peer has shut
+        its side) and a read that took all that waited: the EOF is read now as well."""
         # Into the shared buffer, then a copy of what came: recv(CHUNK) allocates CHUNK
         # each time, above glibc's mmap threshold (an mmap and a munmap per read, 15 µs
         # for a 100-byte read, and page faults for a full one).
-        try:
-            size = s.sock.recv_into(_READ_BUFFER)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self.end(s, _why(exc))
-            return
-        if size:
+        while True:
+            try:
+                size = s.sock.recv_into(_READ_BUFFER)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.end(s, _why(exc))
+                return
+            if not size:
+                break
             data = _READ_VIEW[:size].tobytes()
             if not self.to_tunnel(s, data):
                 self.update(s)
-            return
+                return
+            if not hup or size == CHUNK:
+                return
+            hup = 0  # one more read at most: the EOF, which the peer's FIN put last
         s.reading = False
         try:
             s.stream.send_eof_nowait()
@@ -858,7 +869,7 @@ class SpliceLoop:
                     if s.out and flags & ~_IN:  # writable, or an error to learn of
                         self.flush(s)
                     if not s.ended and s.mask & _IN:
-                        self.read(s)
+                        self.read(s, flags & _RDHUP)
                 self._in_round = False
                 # Output for the tunnel, the whole round's: written from here when the
                 # transport takes it at once (no writer wake-up), and wait while behind.

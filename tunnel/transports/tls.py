@@ -98,6 +98,9 @@ class TLSStream(trio.abc.Stream):
                                                server_side=server_side,
                                                server_hostname=server_hostname)
         self._receive_size = receive_size
+        # The last socket read took all there was (less than asked): the next one waits
+        # for readability first (see _read_raw_socket).
+        self._drained = False
         # One writer to the socket at a time; whoever holds it sends all queued output.
         self._out_lock = trio.StrictFIFOLock()
         self._handshake_done = False
@@ -190,12 +193,19 @@ class TLSStream(trio.abc.Stream):
 
     async def _read_raw_socket(self, sock: trio.socket.SocketType) -> None:
         """One read of the socket into the shared buffer, copied into the BIO before
-        anything else runs; a checkpoint, as trio's receive_some is."""
+        anything else runs; a checkpoint, as trio's receive_some is. After a read that
+        drained the socket it waits for readability before it reads: a read tried first
+        there mostly fails (a syscall and an exception for EAGAIN, twice a connection's
+        few frames), where after a full read more is likely waiting."""
         waited = False
         while True:
             fd = sock.fileno()
             if fd < 0:
                 raise trio.ClosedResourceError("the socket was closed")
+            if self._drained and not waited:
+                await trio.lowlevel.wait_readable(sock)
+                waited = True
+                continue  # closed meanwhile? (the check above)
             try:
                 size = os.readv(fd, (_READ_BUFFER.view(self._receive_size),))
                 break
@@ -204,6 +214,7 @@ class TLSStream(trio.abc.Stream):
                 waited = True
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
+        self._drained = size < self._receive_size
         if size:
             with _READ_BUFFER.view(size) as view:
                 self._incoming.write(view)

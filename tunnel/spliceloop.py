@@ -603,8 +603,14 @@ class SpliceLoop:
 
     def _add_deadline(self, entry: _Dial | _Open) -> None:
         """Put a dial or an open on the deadline heap, and bring the one timer forward
-        (or start it) if this deadline is the earliest."""
-        heapq.heappush(self._deadlines, (entry.deadline, next(self._dial_order), entry))
+        (or start it) if this deadline is the earliest. Answered entries at its head
+        leave first: answers come mostly in the order of the opens, so the heap holds
+        about what is unanswered now, not every open of the last `timeout` seconds
+        (until the timer's next wake: ~14,000 at 2,800 opens/s and 5 s, ~2 MB)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].splice is None:
+            heapq.heappop(deadlines)
+        heapq.heappush(deadlines, (entry.deadline, next(self._dial_order), entry))
         timer = self._timer
         if timer is not None:
             if entry.deadline < timer.deadline:

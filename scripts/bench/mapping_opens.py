@@ -34,6 +34,13 @@ the agent process then runs the agent role in any case.
 
     .venv/bin/python -m scripts.bench.mapping_opens --agent-role --tree /work/base --close-first
     .venv/bin/python -m scripts.bench.mapping_opens --tls --tree /work/base --close-first
+
+`--syscalls`: system calls per connection by name (`strace -c`; a run with one
+connection subtracted), of this process (the server and its clients: the clients' few are
+the same in every tree) or with `--agent-role` of the agent's, for this tree and, with
+`--tree`, the other one too.
+
+    .venv/bin/python -m scripts.bench.mapping_opens --syscalls --agent-role --tls --close-first
 """
 
 from __future__ import annotations
@@ -189,7 +196,7 @@ async def server_side(conns: int, close_first: bool, echo_port: int, *,
         listeners.stop_all()
         nursery.cancel_scope.cancel()
     shutil.rmtree(debug, ignore_errors=True)
-    if agent_prefix:
+    if agent_prefix and "--tool=callgrind" in agent_prefix:
         match = re.search(r"Collected : (\d+)", stderr.decode(errors="replace"))
         if match is None:
             raise SystemExit(f"no instruction count from the agent:\n{stderr[-2000:]!r}")
@@ -280,7 +287,8 @@ def run_cpu(conns: int, close_first: bool, *, agent_role: bool = False,
 
 
 def _run_cpu(conns: int, close_first: bool, *, agent_role: bool,
-             agent_tree: Path | None, certs: Path | None) -> dict[str, float]:
+             agent_tree: Path | None, certs: Path | None,
+             strace_to: Path | None = None) -> dict[str, float]:
     from scripts.bench.lib.tools import build_benchtool
     tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
     with socket.socket() as probe:
@@ -303,12 +311,56 @@ def _run_cpu(conns: int, close_first: bool, *, agent_role: bool,
                 (Path(tmp) / package).symlink_to(agent_tree / package)
             env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}", PYTHONHASHSEED="0")
             prefix = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out"]
+            if strace_to is not None:
+                prefix = ["strace", "-c", "-f", "-o", str(strace_to)]
             return trio.run(functools.partial(
                 server_side, conns, close_first, echo_port, agent_role=agent_role,
                 agent_prefix=prefix, agent_env=env, certs=certs))
     finally:
         echo.terminate()
         echo.wait()
+
+
+def _strace_counts(path: Path) -> dict[str, int]:
+    """Calls by syscall from `strace -c` output."""
+    counts = {}
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[0][0].isdigit() and fields[-1] != "total":
+            counts[fields[-1]] = int(fields[3])
+    return counts
+
+
+def syscalls(tree: Path, conns: int, close_first: bool, agent_role: bool,
+             tls: bool) -> dict[str, int]:
+    """`strace -c` counts of one run with `tree`'s packages: the agent's process with
+    `agent_role`, else the server's (with its clients)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "strace.out"
+        if agent_role:
+            with tempfile.TemporaryDirectory() as certs:
+                _run_cpu(conns, close_first, agent_role=True, agent_tree=tree,
+                         certs=make_certs(Path(certs)) if tls else None, strace_to=out)
+            return _strace_counts(out)
+        for package in ("nodeagent", "tunnel"):
+            (Path(tmp) / package).symlink_to(tree / package)
+        env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}")
+        subprocess.run(
+            ["strace", "-c", "-o", str(out), sys.executable, "-P", "-m",
+             "scripts.bench.mapping_opens", "--cpu", "--conns", str(conns),
+             *(["--close-first"] if close_first else []), *(["--tls"] if tls else [])],
+            cwd=ROOT, env=env, capture_output=True, check=True)
+        return _strace_counts(out)
+
+
+def syscalls_per_connection(tree: Path, conns: int, close_first: bool, agent_role: bool,
+                            tls: bool) -> dict[str, float]:
+    one = syscalls(tree, 1, close_first, agent_role, tls)
+    many = syscalls(tree, conns + 1, close_first, agent_role, tls)
+    per = {name: (count - one.get(name, 0)) / conns for name, count in many.items()}
+    per = {name: round(v, 2) for name, v in sorted(per.items(), key=lambda kv: -kv[1])
+           if v >= 0.01}
+    return {"total": round(sum(per.values()), 2), **per}
 
 
 def instructions(tree: Path, conns: int, close_first: bool, agent_role: bool,
@@ -338,6 +390,8 @@ def main() -> None:
     parser.add_argument("--agent-role", action="store_true",
                         help="the agent process runs the agent role (Agent, its allow list); "
                              "with --tree its instructions are counted, not the server's")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="system calls per connection (strace -c): this tree, and --tree's")
     parser.add_argument("--tls", action="store_true",
                         help="a TLS tunnel (tls://), as in production, not tcp://")
     parser.add_argument("--agent-ca", help=argparse.SUPPRESS)
@@ -349,6 +403,17 @@ def main() -> None:
             trio.run(agent_role_side, *args.agent, args.agent_ca)
         else:
             trio.run(agent_side, *args.agent)
+        return
+    if args.syscalls:
+        if shutil.which("strace") is None:
+            raise SystemExit("strace is not installed (Debian package: strace)")
+        trees = {"this": ROOT, **({"other": args.tree.resolve()} if args.tree else {})}
+        print(json.dumps({
+            "unit": ("agent" if args.agent_role else "server_and_clients")
+            + "_syscalls_per_connection", "tls": args.tls, "close_first": args.close_first,
+            **{name: syscalls_per_connection(tree, args.conns or 1000, args.close_first,
+                                             args.agent_role, args.tls)
+               for name, tree in trees.items()}}), flush=True)
         return
     if args.cpu or args.tree is None:
         result = run_cpu(args.conns or 3000, args.close_first, agent_role=args.agent_role,

@@ -5,7 +5,10 @@ the connection itself (its streams and their byte counters), so nothing is added
 or per frame. What the connection does not know, when a stream opened and what asked for
 it in this process (an Ingress route, a TCP mapping), is in `StreamNotes`, written once
 when the stream opens (`tracked_opener` for streams this side opens, `StreamNotes.note`
-in the handlers of streams the peer opens) and forgotten with the stream (weak keys).
+in the handlers of streams the peer opens) and forgotten with the stream (weak keys). A
+stream without a note is shown by its OPEN's metadata and the time this side learnt of
+it, which is all a note of a stream the peer opened would say (the agent's task-free
+path notes none).
 The metadata the opener sent with its OPEN (origin address, control-plane purpose,
 interception rule) crosses the tunnel, so both sides can say who opened a stream.
 

@@ -28,6 +28,7 @@ from prometheus_client import Counter as MetricCounter
 from nodeagent.config import RoutesConfig
 from nodeagent.http.errors import UpstreamUnavailable
 from nodeagent.http.routetable import Backend, Route
+from nodeagent.ops.metrics import Children
 from nodeagent.ops.streamviews import StreamNotes, opener_from_metadata
 from nodeagent.server.datapath import DataPath
 from nodeagent.server.dnat import POLICY_REASONS, DnatPath
@@ -49,15 +50,15 @@ class StreamOutcomes:
 
     def __init__(self, streams_metric: MetricCounter) -> None:
         self.counts: Counter[str] = Counter()
-        self._metric = streams_metric
+        self._metric = Children(streams_metric)  # a stream or two per connection
 
     def outbound(self, outcome: str) -> None:
         self.counts[outcome] += 1
-        self._metric.labels("outbound", outcome).inc()
+        self._metric("outbound", outcome).inc()
 
     def inbound(self, outcome: str) -> None:
         self.counts[f"agent_opened:{outcome}"] += 1
-        self._metric.labels("inbound", outcome).inc()
+        self._metric("inbound", outcome).inc()
 
 
 class AgentStreams:

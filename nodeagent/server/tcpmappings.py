@@ -88,7 +88,9 @@ class TcpMappingRelay:
         self._refusal_log = RateLimitedLog(log, period=10.0, burst=3)
         self._notes = notes
         self._outcomes = outcomes
-        self._stream_bytes = stream_bytes
+        # Per connection: the children looked up once, not by labels() each time.
+        self._bytes_out = stream_bytes.labels("out")
+        self._bytes_in = stream_bytes.labels("in")
         self.log = log
 
     async def accept_loop(self, name: str, listener: socket.socket, take: Take) -> None:
@@ -250,8 +252,8 @@ class TcpMappingRelay:
             self._finished(mapping, peer, relayed.spliced)
 
     def _finished(self, mapping: TcpMapping, peer: str, result: SpliceResult) -> None:
-        self._stream_bytes.labels("out").inc(result.a_to_b)
-        self._stream_bytes.labels("in").inc(result.b_to_a)
+        self._bytes_out.inc(result.a_to_b)
+        self._bytes_in.inc(result.b_to_a)
         if self.log.isEnabledFor(logging.DEBUG):  # no logger bound per connection otherwise
             self._mapping_log(mapping, peer).debug(
                 "connection finished", sent=result.a_to_b, received=result.b_to_a,

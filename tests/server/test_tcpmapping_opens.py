@@ -35,6 +35,7 @@ from tunnel.endpoint import EndpointSettings, IncomingStream, TunnelConnection
 from tunnel.log import _FIELDS
 from tunnel.relay import relay_incoming_now
 from tunnel.splice import SpliceResult
+from tunnel.spliceloop import loop_for
 
 _RESET = struct.pack("ii", 1, 0)
 
@@ -188,6 +189,25 @@ async def test_connections_are_opened_and_spliced_without_a_task_per_connection(
             sent = m.server.metrics.registry.get_sample_value(
                 "nodeagent_stream_bytes_total", {"direction": "out"})
             assert sent is not None and sent >= sum(len(b"ping %d" % i) for i in range(21))
+
+
+async def test_answered_opens_leave_the_deadline_heap_with_the_next_open(
+        tmp_path: Path) -> None:
+    """Every open waits on its connection's deadline heap until answered; answered, it
+    leaves at the next open, not when the timer next wakes (the dial timeout later):
+    the heap holds what is unanswered, not every open of the last 30 s."""
+    with listener() as target:
+        agent = Agent(target.getsockname())
+        async with mapping(tmp_path, agent) as m:
+            for _ in range(20):
+                with client_of(m.address) as client:
+                    client.send(b"hi")
+                    with await accept(target) as conn:
+                        assert await recv_exactly(conn, 2) == b"hi"
+            await until(lambda: m.outcome("accepted") == 20)
+            conn = m.server.tunnel.connection_for("edge-1")
+            assert conn is not None
+            assert len(loop_for(conn)._deadlines) <= 1
 
 
 async def test_the_target_closing_first_reaches_the_client_and_the_client_can_still_send(

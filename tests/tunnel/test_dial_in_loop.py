@@ -66,9 +66,19 @@ class Pair:
 
 
 @asynccontextmanager
-async def connections(taker: Taker) -> AsyncIterator[Pair]:
+async def connections(taker: Taker, *, sent: list[bytes] | None = None
+                      ) -> AsyncIterator[Pair]:
+    """`sent`: each write of the dialer's transport, appended as it happens."""
     settings = EndpointSettings(ping_interval=0)
     ta, tb = memory_transport_pair()
+    if sent is not None:
+        send = tb.send
+
+        async def recorded(data: bytes | bytearray | memoryview) -> None:
+            sent.append(bytes(data))
+            await send(data)
+
+        tb.send = recorded  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         opener = TunnelConnection(ta, p.Role.ACCEPTOR, settings)
         agent = TunnelConnection(tb, p.Role.DIALER, settings, taker.handler,
@@ -355,3 +365,32 @@ async def test_an_open_reset_in_the_same_read_is_answered_quietly(
     assert (taker.refused, taker.handler_tasks) == ([], 0)
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+async def test_a_target_that_answers_and_closes_sends_data_and_fin_in_one_write() -> None:
+    """The target's last bytes and its FIN are read in one loop round (EPOLLRDHUP says
+    the FIN is there): they cross the tunnel in one write, not a round and a write each."""
+    with listener() as target:
+        taker = Taker(target.getsockname())
+        sent: list[bytes] = []
+        async with connections(taker, sent=sent) as pair:
+            stream = await pair.opener.open_stream(p.Target(*taker.address))
+            conn = await accept(target)
+            await stream.send_all(b"request")
+            assert await recv_exactly(conn, 7) == b"request"
+            await trio.testing.wait_all_tasks_blocked()
+            sent.clear()
+            conn.send(b"answer")
+            conn.shutdown(socket.SHUT_WR)  # both wait in the agent's socket now
+            with trio.fail_after(10):
+                got = b""
+                while chunk := await stream.receive_some():
+                    got += chunk
+            assert got == b"answer"
+            assert len(sent) == 1, sent
+            await stream.send_eof()
+            conn.close()
+            with trio.fail_after(10):
+                while not taker.finished:  # noqa: ASYNC110 (a callback, polled)
+                    await trio.sleep(0.01)
+    assert [(r.a_to_b, r.b_to_a, r.error) for r in taker.finished] == [(7, 6, None)]

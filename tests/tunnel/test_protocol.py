@@ -328,6 +328,10 @@ def test_open_id_rules() -> None:
     (b'{"host":"a","port":70000}', "port"),
     (b'{"host":"","port":1}', "host"),
     (b'{"host":"a b","port":1}', "whitespace"),
+    (b'{"host":"a\\tb","port":1}', "whitespace"),
+    ('{"host":"a\u00a0b","port":1}'.encode(), "whitespace"),
+    ('{"host":"a\u2028b","port":1}'.encode(), "whitespace"),
+    (b'{"host":"a\\u001cb","port":1}', "whitespace"),
     (b'{"host":"a","port":1,"proto":"sctp"}', "protocol"),
     (b'{"host":"a","port":true}', "integer"),
     (b'{"host":"a","port":1,"meta":{"k":1}}', "meta"),
@@ -336,6 +340,17 @@ def test_malformed_open_is_a_protocol_error(payload: bytes, needle: str) -> None
     pair = handshake()
     (t,) = terminated(pair.acceptor.receive_data(frame(FrameType.OPEN, 1, payload)))
     assert needle in t.message
+
+
+def test_the_host_check_refuses_exactly_whitespace_and_control_characters() -> None:
+    """Target.validate's one-pass check (isprintable, and no ASCII space) refuses the
+    same characters as asking each one isspace() or not isprintable()."""
+    whitespace = [c for c in map(chr, range(0x110000)) if c.isspace()]
+    assert [c for c in whitespace if c.isprintable()] == [" "]
+    for c in [*whitespace, "\x00", "\x7f", "\u200b", "\udc80"]:
+        with pytest.raises(ValueError, match="whitespace or control"):
+            p.Target(f"a{c}b", 1).validate()
+    p.Target("node-1.example.\u00e9", 1).validate()
 
 
 def test_oversized_open_metadata() -> None:

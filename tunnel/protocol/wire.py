@@ -233,7 +233,10 @@ class Target:
             raise ValueError(f"port {self.port} out of range 1-65535")
         if not self.host or len(self.host) > MAX_HOST_LENGTH:
             raise ValueError("host must be 1-253 characters")
-        if any(c.isspace() or not c.isprintable() for c in self.host):
+        # Every whitespace character but the ASCII space is non-printable (Unicode's
+        # Separator and Other categories), so this is "any whitespace or control
+        # character" without a Python step per character (tests/tunnel/test_protocol.py).
+        if not self.host.isprintable() or " " in self.host:
             raise ValueError("host contains whitespace or control characters")
 
     def __str__(self) -> str:

@@ -28,6 +28,9 @@ from tunnel.transports.tls import TLSStream, describe_error
 
 __all__ = ["CLOSE_TIMEOUT", "StreamOwner", "StreamTransport", "socket_of"]
 
+# What `StreamOwner` maps to TransportError / TransportClosed (TransportError passes as is).
+_NATIVE_ERRORS = (trio.ClosedResourceError, trio.BrokenResourceError, OSError, ssl.SSLError)
+
 # How long aclose() tries to say goodbye (close frame, TLS close_notify) before it just
 # closes the socket.
 CLOSE_TIMEOUT = 2.0
@@ -82,14 +85,14 @@ class StreamOwner:
         """Map native exceptions to TransportError / TransportClosed, once."""
         try:
             yield
-        except TransportError:
-            raise
-        except trio.ClosedResourceError as exc:
-            raise TransportClosed(f"transport closed while {action}") from exc
-        except (trio.BrokenResourceError, OSError, ssl.SSLError) as exc:
-            if self._closed:
-                raise TransportClosed(f"transport closed while {action}") from exc
-            raise TransportError(f"{action} failed: {describe_error(exc)}") from exc
+        except _NATIVE_ERRORS as exc:
+            raise self._mapped(exc, action) from exc
+
+    def _mapped(self, exc: BaseException, action: str) -> TransportError:
+        """The TransportError for a native exception (`_NATIVE_ERRORS`)."""
+        if isinstance(exc, trio.ClosedResourceError) or self._closed:
+            return TransportClosed(f"transport closed while {action}")
+        return TransportError(f"{action} failed: {describe_error(exc)}")
 
     async def _receive_some(self, max_bytes: int) -> bytes:
         """Up to max_bytes from the stream (b"" at EOF), pushed-back bytes first."""
@@ -100,8 +103,11 @@ class StreamOwner:
         if self._eof:
             await trio.lowlevel.checkpoint()
             return b""
-        with self._map_errors("receiving"):
+        # Not _map_errors: a context manager per read costs more than the read's Python.
+        try:
             received = await self._stream.receive_some(max_bytes)
+        except _NATIVE_ERRORS as exc:
+            raise self._mapped(exc, "receiving") from exc
         if not received:
             self._eof = True
         return received if isinstance(received, bytes) else bytes(received)
@@ -202,8 +208,10 @@ class StreamTransport(StreamOwner, Transport):
             return await self.receive()
         if self._closed:
             raise TransportClosed("transport is closed")
-        with self._map_errors("receiving"):
+        try:
             received = await stream.receive_shared(self._receive_size)
+        except _NATIVE_ERRORS as exc:
+            raise self._mapped(exc, "receiving") from exc
         if not received:
             self._eof = True
         return received

@@ -98,6 +98,9 @@ class TLSStream(trio.abc.Stream):
                                                server_side=server_side,
                                                server_hostname=server_hostname)
         self._receive_size = receive_size
+        # The last socket read took all there was (less than asked): the next one waits
+        # for readability first (see _read_raw_socket).
+        self._drained = False
         # One writer to the socket at a time; whoever holds it sends all queued output.
         self._out_lock = trio.StrictFIFOLock()
         self._handshake_done = False
@@ -190,12 +193,19 @@ class TLSStream(trio.abc.Stream):
 
     async def _read_raw_socket(self, sock: trio.socket.SocketType) -> None:
         """One read of the socket into the shared buffer, copied into the BIO before
-        anything else runs; a checkpoint, as trio's receive_some is."""
+        anything else runs; a checkpoint, as trio's receive_some is. After a read that
+        drained the socket it waits for readability before it reads: a read tried first
+        there mostly fails (a syscall and an exception for EAGAIN, twice a connection's
+        few frames), where after a full read more is likely waiting."""
         waited = False
         while True:
             fd = sock.fileno()
             if fd < 0:
                 raise trio.ClosedResourceError("the socket was closed")
+            if self._drained and not waited:
+                await trio.lowlevel.wait_readable(sock)
+                waited = True
+                continue  # closed meanwhile? (the check above)
             try:
                 size = os.readv(fd, (_READ_BUFFER.view(self._receive_size),))
                 break
@@ -204,6 +214,7 @@ class TLSStream(trio.abc.Stream):
                 waited = True
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
+        self._drained = size < self._receive_size
         if size:
             with _READ_BUFFER.view(size) as view:
                 self._incoming.write(view)
@@ -239,6 +250,16 @@ class TLSStream(trio.abc.Stream):
                 raise self._fail(exc) from exc
         self._handshake_done = True
 
+    def _readable(self) -> bool:
+        """Whether a read() of the engine may return something: a record (or part of
+        one) waits in the incoming BIO, the BIO is at its EOF, or decrypted bytes wait.
+        Otherwise read() would raise SSLWantReadError (~4 µs with its exception), twice a
+        receive: before the socket read and after the last record. OpenSSL reads no
+        further ahead than the record it decrypts (no read-ahead), so whole records wait
+        in the BIO and a partial one needs the socket anyway."""
+        incoming = self._incoming
+        return bool(incoming.pending or incoming.eof or self.ssl_object.pending())
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._receiving:
             raise trio.BusyResourceError("another task is already receiving on this stream")
@@ -263,6 +284,11 @@ class TLSStream(trio.abc.Stream):
             return b""
         waited = False
         while True:
+            if not self._readable():
+                await self._flush_if_idle()
+                await self._read_socket()
+                waited = True
+                continue
             try:
                 first = self.ssl_object.read(min(max_bytes, TLS_RECORD_SIZE))
                 if not first:  # Python reports the peer's close_notify as b""
@@ -282,7 +308,7 @@ class TLSStream(trio.abc.Stream):
             waited = True
         parts = [first]
         total = len(first)
-        while first and total < max_bytes:
+        while first and total < max_bytes and self._readable():
             try:
                 more = self.ssl_object.read(min(max_bytes - total, TLS_RECORD_SIZE))
             except ssl.SSLZeroReturnError:
@@ -329,6 +355,11 @@ class TLSStream(trio.abc.Stream):
         # checkpoint is the socket read's (it always yields), before the fill.
         waited = False
         while True:
+            if not self._readable():
+                await self._flush_if_idle()
+                await self._read_socket()
+                waited = True
+                continue
             try:
                 size = read(min(max_bytes, TLS_RECORD_SIZE), out)
                 if not size:  # the peer's close_notify
@@ -346,7 +377,7 @@ class TLSStream(trio.abc.Stream):
             await self._read_socket()
             waited = True
         total = size
-        while size and total < max_bytes:
+        while size and total < max_bytes and self._readable():
             try:
                 size = read(min(max_bytes - total, TLS_RECORD_SIZE), out[total:])
             except ssl.SSLZeroReturnError:

@@ -307,6 +307,20 @@ class HttpConnection:
         finally:
             await trio.aclose_forcefully(stream)
 
+    def _read_now(self) -> bytes | None:
+        """A plaintext client's bytes already received (b"" when it closed), without
+        waiting; None when there are none yet, or for a TLS client (never read here)."""
+        sock = self.sock
+        if sock is None:
+            return None
+        self.unyielded = 0
+        try:
+            return os.read(sock.fileno(), self.limits.read_size)
+        except BlockingIOError:
+            return None
+        except OSError as exc:  # reset, or closed under us (fileno() -1: EBADF)
+            raise _ClientGone() from exc
+
     async def _receive(self) -> bytes:
         """The client's next bytes (b"" when it closed)."""
         sock = self.sock
@@ -315,29 +329,27 @@ class HttpConnection:
             # (try, else wait until readable) without its layers. Trying first pays: with
             # many connections the next request is often there by the time the front
             # looks (waiting for readiness first measured ~3 % more instructions).
-            self.unyielded = 0
-            try:
-                data = os.read(sock.fileno(), self.limits.read_size)
-            except BlockingIOError:
-                pass
-            except OSError as exc:  # reset, or closed under us (fileno() -1: EBADF)
-                raise _ClientGone() from exc
-            else:
+            data = self._read_now()
+            if data is not None:
                 await trio.lowlevel.cancel_shielded_checkpoint()  # as trio's own does
                 return data
-            while True:
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                    return os.read(sock.fileno(), self.limits.read_size)
-                except BlockingIOError:
-                    continue
-                except (trio.ClosedResourceError, OSError) as exc:
-                    raise _ClientGone() from exc
+            return await self._wait_receive(sock)
         try:
             # trio may hand out a bytearray; the reader takes either.
             return cast(bytes, await self.stream.receive_some(self.limits.read_size))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _ClientGone() from exc
+
+    async def _wait_receive(self, sock: trio.socket.SocketType) -> bytes:
+        """A plaintext client's next bytes, once its socket is readable."""
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(sock)
+                return os.read(sock.fileno(), self.limits.read_size)
+            except BlockingIOError:
+                continue
+            except (trio.ClosedResourceError, OSError) as exc:
+                raise _ClientGone() from exc
 
     async def _send(self, data: bytes) -> None:
         sock = self.sock
@@ -379,15 +391,25 @@ class HttpConnection:
                 closing = self.closing
                 if closing.idle_closed:
                     return None
-                data = None
-                with trio.move_on_after(limits.idle_timeout) as idle:
-                    closing.idle.add(idle)
-                    try:
-                        data = await self._receive()
-                    finally:
-                        closing.idle.discard(idle)
-                if data is None:
-                    return None
+                # A plaintext client's next request is often there already (about two
+                # times in three with 16 busy connections): read it without the idle
+                # timeout's cancel scope, which only a wait needs (~5 µs a request).
+                data = self._read_now()
+                if data is not None:
+                    await trio.lowlevel.cancel_shielded_checkpoint()  # as _receive does
+                else:
+                    sock = self.sock
+                    with trio.move_on_after(limits.idle_timeout) as idle:
+                        closing.idle.add(idle)
+                        try:
+                            if sock is not None:  # nothing there: wait for it
+                                data = await self._wait_receive(sock)
+                            else:
+                                data = await self._receive()
+                        finally:
+                            closing.idle.discard(idle)
+                    if data is None:
+                        return None
                 received += len(data)
                 reader.feed(data)
                 event = reader.next()

@@ -514,6 +514,46 @@ async def test_header_timeout_408_and_idle_close(nursery: trio.Nursery) -> None:
         assert f.front.stats.timeouts == 2
 
 
+async def test_a_request_received_during_the_previous_one_then_idle_close(
+        nursery: trio.Nursery) -> None:
+    """A kept-alive client's next request, already received when its previous response
+    went out, is read without the keep-alive wait (`HttpConnection._read_now`); the wait
+    after it still ends the connection: the idle timeout, or a draining front's
+    close_idle."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    limits = Limits(idle_timeout=0.5)
+    first = b"GET /sleep?s=0.3 HTTP/1.1\r\nHost: h\r\n\r\n"
+    second = b"GET /two HTTP/1.1\r\nHost: h\r\n\r\n"
+
+    async def two_requests(stream: trio.SocketStream) -> bytes:
+        await stream.send_all(first)
+        await trio.sleep(0.1)  # the front waits for the upstream's answer meanwhile
+        await stream.send_all(second)
+        got = b""
+        while got.count(b"HTTP/1.1 200 ") < 2 or not got.endswith(b"}"):
+            data = await stream.receive_some(65536)
+            assert data, got
+            got += data
+        assert b'"/two"' in got
+        return got
+
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+        with trio.fail_after(30):  # hang guard
+            await two_requests(stream)
+            assert await stream.receive_some(65536) == b""  # the idle timeout closed it
+        assert f.front.stats.requests == 2 and f.front.stats.responses_2xx == 2
+        assert f.opener.opens == 1  # one upstream, kept alive
+    async with running_front([RouteSpec(None, "/", route_to(port))]) as f:  # idle: 60 s
+        stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+        with trio.fail_after(30):
+            await two_requests(stream)
+            await trio.sleep(0.1)  # waiting for a third request now
+            f.front.drain(close_idle=True)
+            assert await stream.receive_some(65536) == b""  # close_idle closed it
+
+
 async def test_tls_termination_by_sni(nursery: trio.Nursery) -> None:
     up = Upstream()
     port = await start_tcp(nursery, up.handle)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -512,6 +513,97 @@ async def test_header_timeout_408_and_idle_close(nursery: trio.Nursery) -> None:
         # Kept open for the idle timeout first (a lower bound: load only lengthens it).
         assert trio.current_time() - start >= 0.4
         assert f.front.stats.timeouts == 2
+
+
+async def test_a_request_received_during_the_previous_one_then_idle_close(
+        nursery: trio.Nursery) -> None:
+    """A kept-alive client's next request, already received when its previous response
+    went out, is read without the keep-alive wait (`HttpConnection._read_now`); the wait
+    after it still ends the connection: the idle timeout, or a draining front's
+    close_idle."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+    limits = Limits(idle_timeout=0.5)
+    first = b"GET /sleep?s=0.3 HTTP/1.1\r\nHost: h\r\n\r\n"
+    second = b"GET /two HTTP/1.1\r\nHost: h\r\n\r\n"
+
+    async def two_requests(stream: trio.SocketStream) -> bytes:
+        await stream.send_all(first)
+        await trio.sleep(0.1)  # the front waits for the upstream's answer meanwhile
+        await stream.send_all(second)
+        got = b""
+        while got.count(b"HTTP/1.1 200 ") < 2 or not got.endswith(b"}"):
+            data = await stream.receive_some(65536)
+            assert data, got
+            got += data
+        assert b'"/two"' in got
+        return got
+
+    async with running_front([RouteSpec(None, "/", route_to(port))], limits) as f:
+        stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+        with trio.fail_after(30):  # hang guard
+            await two_requests(stream)
+            assert await stream.receive_some(65536) == b""  # the idle timeout closed it
+        assert f.front.stats.requests == 2 and f.front.stats.responses_2xx == 2
+        assert f.opener.opens == 1  # one upstream, kept alive
+    async with running_front([RouteSpec(None, "/", route_to(port))]) as f:  # idle: 60 s
+        stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+        with trio.fail_after(30):
+            await two_requests(stream)
+            await trio.sleep(0.1)  # waiting for a third request now
+            f.front.drain(close_idle=True)
+            assert await stream.receive_some(65536) == b""  # close_idle closed it
+
+
+async def test_response_timeout_fires_and_waits_nowhere_else(nursery: trio.Nursery) -> None:
+    """The response timeout (the connection's timer, armed only while the front waits
+    for the upstream): a slow upstream is answered 504 and counted, the same keep-alive
+    connection then serves requests, a keep-alive wait and a WebSocket longer than the
+    timeout are not cut by it."""
+    up = Upstream()
+    port = await start_tcp(nursery, up.handle)
+
+    async def echo(request: Any) -> None:
+        ws = await request.accept()
+        with contextlib.suppress(Exception):  # the client closed
+            while True:
+                await ws.send_message(await ws.get_message())
+
+    server = await nursery.start(serve_websocket, echo, "127.0.0.1", 0, None)
+    specs = [RouteSpec(None, "/chat", route_to(server.port, "ws")),
+             RouteSpec(None, "/", route_to(port))]
+    async with running_front(specs, Limits(response_timeout=0.5)) as f:
+        stats = f.front.stats
+        stream = await trio.open_tcp_stream("127.0.0.1", f.port)
+
+        async def get(path: str) -> bytes:
+            await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: h\r\n\r\n".encode())
+            got = b""
+            while b"\r\n\r\n" not in got or not got.endswith((b"}", b"s\n")):
+                data = await stream.receive_some(65536)
+                assert data, got
+                got += data
+            return got
+
+        with trio.fail_after(30):  # hang guard
+            got = await get("/sleep?s=2")
+            assert got.startswith(b"HTTP/1.1 504 ") and b"timed out after 0.5s" in got
+            assert stats.timeouts == 1 and stats.upstream_errors == 1
+            assert stats.by_route["r", "h1", "5xx"] == 1
+            # The same connection goes on, on a new upstream: the timer was replaced.
+            assert (await get("/sleep?s=0.2")).startswith(b"HTTP/1.1 200 ")
+            await trio.sleep(0.8)  # a keep-alive wait longer than the response timeout
+            assert (await get("/after-wait")).startswith(b"HTTP/1.1 200 ")
+            assert stats.timeouts == 1 and stats.by_route["r", "h1", "2xx"] == 2
+            assert f.opener.opens == 2
+            async with open_websocket_url(f"ws://127.0.0.1:{f.port}/chat") as ws:
+                await ws.send_message("one")
+                assert await ws.get_message() == "one"
+                await trio.sleep(0.8)  # longer than the response timeout
+                await ws.send_message("two")
+                assert await ws.get_message() == "two"
+        await stream.aclose()
+        assert stats.timeouts == 1 and stats.upgrades == 1
 
 
 async def test_tls_termination_by_sni(nursery: trio.Nursery) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import binascii
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,44 +105,12 @@ def _lazy_frame_repr() -> None:
 _lazy_frame_repr()
 
 
-_h2_reject_illegal_characters = h2.utilities._reject_illegal_characters
 _NAME_OK = re.compile(rb":?[!-9;-@\[-~]*").fullmatch
 """A field name `h2` lets through (RFC 9113 §8.2.1): no controls, space, DEL, non-ASCII
 or uppercase, a colon only first (pseudo-fields); empty names are refused after."""
 _VALUE_BAD = re.compile(rb"[\0\n\r]|^[ \t]|[ \t]$").search
 """A field value `h2` refuses: NUL, LF or CR anywhere, SP or HTAB first or last (`$`
 matches before a final LF too: that value is refused anyway)."""
-
-
-def _reject_illegal_characters(headers: Iterable[tuple[bytes, bytes]], flags: object
-                               ) -> Iterator[tuple[bytes, bytes]]:
-    """`h2.utilities._reject_illegal_characters`, the first check of `h2`'s inbound header
-    validation (every field a peer sends, in every head and trailers), with the same
-    verdicts: `h2`'s walks every byte of every name and value in Python (~7 % of the
-    front's CPU per request under cProfile, the largest part of the validation), this
-    matches each against a pattern in C, and a field it finds wrong goes through `h2`'s
-    own check, which raises its own error. tests/http/test_h2session.py checks both agree
-    on every byte in every position and on random fields."""
-    name_ok = _NAME_OK
-    value_bad = _VALUE_BAD
-    for header in headers:
-        value = header[1]
-        if name_ok(header[0]) is None or (value and value_bad(value) is not None):
-            for _ in _h2_reject_illegal_characters((header,), flags):  # type: ignore[arg-type]
-                pass  # h2 raises ProtocolError, its message and all
-        yield header
-
-
-def _fast_field_check() -> None:
-    """Install `_reject_illegal_characters` where `h2.utilities` has `h2`'s (checked by
-    tests/http/test_h2session.py), for its `validate_headers` to call."""
-    if getattr(h2.utilities, "_reject_illegal_characters", None) is \
-            _h2_reject_illegal_characters:
-        setattr(h2.utilities, "_reject_illegal_characters",  # noqa: B010
-                _reject_illegal_characters)
-
-
-_fast_field_check()
 
 _h2_validate_headers = h2.utilities.validate_headers
 _PSEUDO = h2.utilities._ALLOWED_PSEUDO_HEADER_FIELDS
@@ -156,7 +124,8 @@ def _validate_headers(headers: list[tuple[bytes, bytes]],
     """`h2.utilities.validate_headers` (the inbound header validation, RFC 9113 §8.2-8.3,
     on every head and trailers a peer sends) with the same verdicts, in one pass over the
     fields where `h2` chains seven generators (each field through each): every check of
-    `h2`'s chain is made here (characters, empty names, `te`, connection-specific fields,
+    `h2`'s chain is made here (characters, by the two patterns above where `h2` walks
+    every byte in Python, empty names, `te`, connection-specific fields,
     pseudo-fields' names, order, duplicates and set per kind of head, `:authority`/`host`
     and empty `:path` on requests). A head that passes them all comes back as it is (what
     `h2`'s chain yields too); any other goes through `h2`'s chain, which raises `h2`'s

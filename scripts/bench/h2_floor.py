@@ -13,12 +13,12 @@ frames and heads each receives are alike); the Huffman cut is the front's alone 
 encoders). `scripts.bench.h2_bidi --instructions --unary` counts the front alone.
 
     .venv/bin/python -m scripts.bench.h2_floor --tree /work/base     # callgrind, A/B
-    .venv/bin/python -m scripts.bench.h2_floor --off huffman,field  # what a cut saves
+    .venv/bin/python -m scripts.bench.h2_floor --off huffman,onepass  # what a cut saves
 
 `--off` undoes the front's cuts in this tree's run (comma-separated): `repr` (the lazy
 frame repr), `onepass` (the inbound header
-validation in one pass; `h2`'s chain of checks instead), `field` (the field check in C
-inside `h2`'s chain: with `onepass` off too, `h2`'s own), `huffman` (Huffman coding of
+validation in one pass, its character checks by patterns in C; `h2`'s chain of checks
+instead), `huffman` (Huffman coding of
 literals back on), and `novalidation`: all of `h2`'s inbound header validation off,
 what it costs at all, not a variant the front could use.
 Each count is two callgrind runs (--calls and three times that), the difference over
@@ -45,14 +45,13 @@ RESPONSE = [(b":status", b"200"), (b"content-type", b"application/grpc"),
             (b"grpc-accept-encoding", b"identity,deflate,gzip")]
 TRAILERS = [(b"grpc-status", b"0")]
 MESSAGE = b"\0\0\0\0\x04ping"
-OFF = ("repr", "onepass", "field", "huffman", "novalidation")
+OFF = ("repr", "onepass", "huffman", "novalidation")
 
 
 def _undo(off: set[str]) -> None:
     """Put `h2`'s own back where `off` says (this process only)."""
     import h2.connection
     import h2.stream
-    import h2.utilities
     import hpack
 
     from nodeagent.http import h2session
@@ -61,8 +60,6 @@ def _undo(off: set[str]) -> None:
         vars(h2.connection).pop("repr", None)
     if "onepass" in off and hasattr(h2session, "_h2_validate_headers"):
         h2.stream.validate_headers = h2session._h2_validate_headers  # type: ignore[attr-defined]
-    if "field" in off and hasattr(h2session, "_h2_reject_illegal_characters"):
-        h2.utilities._reject_illegal_characters = h2session._h2_reject_illegal_characters
     init = h2session.H2Session.__init__
 
     def patched(self: h2session.H2Session, **kwargs: object) -> None:

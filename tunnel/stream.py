@@ -112,6 +112,10 @@ class DirectSink(Protocol):
 
     def on_data(self, data: bytes) -> None: ...
 
+    def on_delivered(self) -> None:
+        """The reader is done with one read's frames: data a sink held back since its
+        first `on_data` of the read (to pass a read's frames on together) goes now."""
+
     def on_eof(self) -> None: ...
 
     def on_reset(self, error: StreamResetError) -> None: ...
@@ -214,9 +218,11 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         if self._datagram_sink is not None and not self._closed:
             self._datagram_sink.on_datagram(data)
 
-    def datagrams_delivered(self) -> None:
-        """The reader is done with one read's datagrams for this flow."""
-        if self._datagram_sink is not None:
+    def delivered(self) -> None:
+        """The reader is done with one read's data or datagrams for this stream."""
+        if self._sink is not None:
+            self._sink.on_delivered()
+        elif self._datagram_sink is not None:
             self._datagram_sink.on_datagrams_end()
 
     def eof_received(self) -> None:

@@ -54,6 +54,9 @@ class TunnelUpstream(trio.abc.HalfCloseableStream):
         self._chunks.append(data)
         self._wake()
 
+    def on_delivered(self) -> None:
+        pass  # each frame was handed over (and its receiver woken) as it came
+
     def on_eof(self) -> None:
         self._eof = True
         self._wake()

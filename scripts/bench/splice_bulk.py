@@ -14,6 +14,11 @@ CPU is read from /proc before and after each transfer.
 
     .venv/bin/python -m scripts.bench.splice_bulk                          # this tree
     .venv/bin/python -m scripts.bench.splice_bulk --tree /work/base-bulk   # A/B, interleaved
+    .venv/bin/python -m scripts.bench.splice_bulk --tree /work/base-bulk --syscalls --mib 128
+
+`--syscalls`: each endpoint's system calls per 128 MiB as well (`strace -c -f` attached
+around each transfer, total and by name; strace slows the endpoints, so their CPU figures
+in such a run are not comparable with a run without it).
 
 With `--tree`, the other checkout's `tunnel` package runs the endpoints of every other
 run (PYTHONPATH, -P), round by round. Prints each run and then one JSON object: per tree,
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -37,6 +43,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BUF = 1024 * 1024
 TICK = os.sysconf("SC_CLK_TCK")
+# The calls `--syscalls` reports by name (the rest are summed in `other`): the same keys
+# every round, so the summary can take their medians.
+SYSCALLS = ("epoll_wait", "epoll_ctl", "poll", "recvfrom", "readv", "read", "sendto",
+            "sendmsg", "write", "writev")
 
 
 # ------------------------------------------------------------------ the endpoints
@@ -176,6 +186,12 @@ def _cpu_parts(pid: int) -> tuple[float, float]:
     return int(fields[11]) / TICK, int(fields[12]) / TICK  # utime, stime
 
 
+def _minor_faults(pid: int) -> int:
+    """Page faults of `pid` so far that read nothing from disk: mostly fresh anonymous
+    pages, which a large allocation the C heap took from the kernel anew costs per 4 KiB."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 def _send(sock: socket.socket, size: int) -> None:
     buf = memoryview(b"x" * BUF)
     left = size
@@ -199,12 +215,16 @@ class Pair:
 
     def __init__(self, tree: Path | None, certs: Path, callgrind: Path | None = None, *,
                  command: list[str] | None = None, env: dict[str, str] | None = None,
-                 ) -> None:
+                 syscalls: Path | None = None) -> None:
         """`command`: another endpoint program taking the same arguments (role, tunnel
         port, certificate directory, listen/target port pairs) and printing the same
         lines, instead of this tree's or `tree`'s Python endpoints
         (`scripts.bench.bulk_parity` runs its C relay so); `env`: added to theirs."""
         self.callgrind = callgrind
+        self.syscalls = syscalls  # a directory: strace -c around each transfer
+        # Minor page faults per MiB of each endpoint too (this harness's main() sets it;
+        # a subclass whose endpoints are other processes leaves it off).
+        self.count_faults = False
         self.sink = socket.create_server(("127.0.0.1", 0))
         self.source = socket.create_server(("127.0.0.1", 0))
         ports = [_free_port() for _ in range(3)]
@@ -243,7 +263,8 @@ class Pair:
             for pid in pids.values():
                 subprocess.run(["callgrind_control", "-z", str(pid)], check=True,
                                capture_output=True)
-        before = self.cpu()
+        tracers = self._trace(pids) if self.syscalls is not None else {}
+        before = self.cpu() | (self.faults() if self.count_faults else {})
         t0 = time.perf_counter()
         client = socket.create_connection(
             ("127.0.0.1", self.up_port if direction == "up" else self.down_port))
@@ -259,13 +280,40 @@ class Pair:
         client.close()
         target.close()
         assert got == [size], (got, size)
-        after = self.cpu()
-        out = {f"{k}_s_per_gb": (after[k] - before[k]) / (size / 1e9) for k in after}
+        after = self.cpu() | (self.faults() if self.count_faults else {})
+        out = {f"{k}_s_per_gb": (after[k] - before[k]) / (size / 1e9) for k in after
+               if not k.endswith("_faults")}
+        if self.count_faults:
+            for k in pids:
+                out[f"{k}_faults_per_mib"] = (
+                    after[f"{k}_faults"] - before[f"{k}_faults"]) / (size / BUF)
         out["gbps"] = size * 8 / elapsed / 1e9
         if self.callgrind is not None:
             for k, pid in pids.items():
                 out[f"{k}_instructions_per_mib"] = self._instructions(pid) / (size / BUF)
+        for k, (tracer, path) in tracers.items():
+            tracer.send_signal(signal.SIGINT)  # detach: strace writes its table
+            tracer.wait()
+            per = 128 * BUF / size
+            for name, calls in _strace_counts(path.read_text()).items():
+                out[f"{k}_{name}_per_128mib"] = calls * per
         return out
+
+    def _trace(self, pids: dict[str, int]) -> dict[str, tuple[subprocess.Popen[bytes], Path]]:
+        """strace -c attached to each endpoint (all its threads), once it has attached."""
+        assert self.syscalls is not None
+        tracers = {}
+        for k, pid in pids.items():
+            path = self.syscalls / f"{k}.{pid}.{time.monotonic_ns()}"
+            tracer = subprocess.Popen(["strace", "-c", "-f", "-p", str(pid), "-o", str(path)],
+                                      stderr=subprocess.PIPE)
+            assert tracer.stderr is not None
+            line = tracer.stderr.readline()  # "strace: Process N attached"
+            if b"attached" not in line:
+                raise RuntimeError(f"strace did not attach to {pid}: {line!r}")
+            tracer.stderr.close()
+            tracers[k] = (tracer, path)
+        return tracers
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds (user + system, and system alone) each endpoint has used so far."""
@@ -274,6 +322,11 @@ class Pair:
             user, system = _cpu_parts(pid)
             out[side], out[f"{side}_sys"] = user + system, system
         return out
+
+    def faults(self) -> dict[str, int]:
+        """Minor page faults of each endpoint so far."""
+        return {f"{side}_faults": _minor_faults(proc.pid)
+                for side, proc in (("server", self.server), ("agent", self.agent))}
 
     def _instructions(self, pid: int) -> int:
         """Instructions since the last zeroing (callgrind_control -d dumps and zeroes)."""
@@ -294,6 +347,21 @@ class Pair:
                 proc.stdout.close()
         self.sink.close()
         self.source.close()
+
+
+def _strace_counts(table: str) -> dict[str, int]:
+    """Calls by name (SYSCALLS, the rest as `other`) and in all (`syscalls`) from the
+    table `strace -c` writes."""
+    counts = dict.fromkeys((*SYSCALLS, "other", "syscalls"), 0)
+    for line in table.splitlines():
+        parts = line.split()
+        # % time, seconds, usecs/call, calls, [errors,] name
+        if len(parts) < 5 or not parts[3].isdigit() or parts[-1] == "total":
+            continue
+        name, calls = parts[-1], int(parts[3])
+        counts[name if name in SYSCALLS else "other"] += calls
+        counts["syscalls"] += calls
+    return counts
 
 
 def _free_port() -> int:
@@ -320,6 +388,9 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="the endpoints under valgrind's callgrind: instructions per MiB "
                              "too (~50x slower: use --mib 32)")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="system calls per 128 MiB of each endpoint too (strace -c; its "
+                             "CPU figures are then not comparable: use --mib 128)")
     args = parser.parse_args()
     trees: dict[str, Path | None] = {"this": None}
     if args.tree is not None:
@@ -334,7 +405,9 @@ def main() -> None:
             order = list(trees.items())
             for name, tree in order if rnd % 2 == 0 else order[::-1]:
                 grind = Path(tempfile.mkdtemp(dir=tmp)) if args.instructions else None
-                pair = Pair(tree, certs, grind)
+                pair = Pair(tree, certs, grind,
+                            syscalls=Path(tempfile.mkdtemp(dir=tmp)) if args.syscalls else None)
+                pair.count_faults = True
                 try:
                     pair.transfer("up", (4 if grind else 64) * BUF)  # warm up
                     for direction in ("up", "down"):
@@ -355,9 +428,10 @@ def main() -> None:
         for direction in ("up", "down"):
             this, other = runs[f"this {direction}"], runs[f"other {direction}"]
             for k in this[0]:
-                rr = [a[k] / b[k] for a, b in zip(this, other, strict=True)]
-                ratios[f"{direction} {k}"] = [round(statistics.median(rr), 3),
-                                              round(min(rr), 3), round(max(rr), 3)]
+                rr = [a[k] / b[k] for a, b in zip(this, other, strict=True) if b[k]]
+                if rr:  # (a count that is 0 in the other tree has no ratio)
+                    ratios[f"{direction} {k}"] = [round(statistics.median(rr), 3),
+                                                  round(min(rr), 3), round(max(rr), 3)]
         summary["this/other, per round (median, min, max)"] = ratios
     print(json.dumps(summary))
 

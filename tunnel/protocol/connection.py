@@ -255,6 +255,18 @@ class Connection:
         self._out_size = 0
         return data
 
+    def pieces_to_send(self) -> list[bytes | memoryview]:
+        """`data_to_send()` unjoined: the queued frames' headers and payloads in order
+        (payloads may be views of the buffers given to `send_data`), for a transport
+        that writes them without the join (TLSStream encrypts them in place). The list
+        is the caller's; empty if nothing is queued."""
+        out = self._out
+        if not out:
+            return []
+        self._out = []
+        self._out_size = 0
+        return out
+
     def _emit(self, ftype: FrameType, flags: int, stream_id: int,
               payload: bytes | memoryview = b"") -> None:
         self._out.append(HEADER.pack(len(payload) << 8 | ftype, flags, stream_id))

@@ -96,6 +96,14 @@ class Transport(abc.ABC):
         cancelled part-way."""
         raise NotImplementedError
 
+    def send_pieces_nowait(self, pieces: list[bytes | memoryview]) -> bool:
+        """send_nowait() of the pieces' concatenation (the protocol core's queued frames,
+        `pieces_to_send`), for a transport that need not join them first. The list is
+        the transport's to empty."""
+        data = b"".join(pieces)
+        pieces.clear()
+        return self.send_nowait(data)
+
     def unacknowledged_wait(self) -> float | None:
         """While bytes we sent wait for the peer's acknowledgement (TCP's): seconds since
         the peer last acknowledged any. None if nothing waits or it cannot be known. The

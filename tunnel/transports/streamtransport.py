@@ -197,6 +197,12 @@ class StreamTransport(StreamOwner, Transport):
             return False
         return True
 
+    def send_pieces_nowait(self, pieces: list[bytes | memoryview]) -> bool:
+        stream = self._stream
+        if isinstance(stream, TLSStream):
+            return stream.send_pieces_nowait(pieces)
+        return super().send_pieces_nowait(pieces)
+
     async def receive(self) -> bytes:
         if self._closed and not self._pushback:
             raise TransportClosed("transport is closed")

@@ -443,16 +443,18 @@ class TunnelConnection:
                 if not self.transport.send_pieces_nowait(core.pieces_to_send()):
                     self._transport_pending = True
                 continue
-            data = core.data_to_send()
+            # Unjoined: a TLS transport encrypts the frames where they lie (see
+            # TLSStream.send_pieces), no fresh buffer of the whole output per send.
+            pieces = core.pieces_to_send()
             self._transport_pending = False
             try:
-                await self.transport.send(data)
+                await self.transport.send_pieces(pieces)
             except TransportError as exc:
                 self._end(f"transport failed while sending: {exc}", p.ErrorCode.INTERNAL_ERROR)
                 # Wake the reader's world: closing the transport makes receive() fail.
                 await self.transport.aclose()
                 return
-            self.bytes_out += len(data)
+            self.bytes_out += size
 
     async def _final_flush(self) -> None:
         """Send what the core queued last (a GOAWAY explaining a protocol error)."""

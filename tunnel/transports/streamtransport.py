@@ -175,6 +175,22 @@ class StreamTransport(StreamOwner, Transport):
             else:
                 await trio.lowlevel.checkpoint()
 
+    async def send_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        stream = self._stream
+        if not isinstance(stream, TLSStream):
+            await super().send_pieces(pieces)
+            return
+        self._check_can_send()
+        async with self._send_lock:
+            self._check_can_send()
+            try:
+                with self._map_errors("sending"):
+                    await stream.send_pieces(pieces)
+            except BaseException as exc:
+                # A partial write (error or cancellation) leaves the peer mid-record.
+                self._broken = self._broken or f"an earlier send failed ({type(exc).__name__})"
+                raise
+
     def can_send_nowait(self) -> bool:
         if self._closed or self._broken is not None or self._send_lock.locked():
             return False

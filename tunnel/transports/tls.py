@@ -469,6 +469,37 @@ class TLSStream(trio.abc.Stream):
                     raise self._fail(exc) from exc
                 await self._flush_locked()
 
+    async def send_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        """send_all() of the pieces' concatenation without joining them (see
+        send_pieces_nowait): up to _TLS_WRITE_CHUNK at a time encrypted where it lies,
+        then sent, as send_all() does. `pieces` is emptied as it goes: a group's buffers
+        are let go before its encrypted bytes are taken out of the BIO."""
+        with self._sending_now():
+            self._check()
+            if not self._handshake_done:
+                raise RuntimeError("TLSStream: do_handshake() first")
+            if not pieces:
+                await self._send_all(b"")  # flushes what send_nowait() left
+                return
+            async with self._out_lock:
+                start = size = 0
+                last = len(pieces) - 1
+                for i, piece in enumerate(pieces):
+                    size += len(piece)
+                    if size < _TLS_WRITE_CHUNK and i < last:
+                        continue
+                    self._check()
+                    group = pieces[start:i + 1]
+                    pieces[start:i + 1] = [b""] * len(group)
+                    try:
+                        _encrypt_pieces(self.ssl_object.write, group)
+                    except ssl.SSLError as exc:
+                        raise self._fail(exc) from exc
+                    del group
+                    start, size = i + 1, 0
+                    await self._flush_locked()
+                pieces.clear()
+
     def can_send_nowait(self) -> bool:
         """Whether send_nowait() may be called now: no send in progress or left over."""
         return (self._handshake_done and not self._sending and not self._closed

@@ -279,7 +279,9 @@ class TunnelConnection:
                 self._end(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR)
                 return
             self.bytes_in += len(data)
-            events = core.receive_data(data)
+            # DATA payloads lent as views of `data`: the sinks write them out or copy
+            # them by the end of `_delivered()`; a stream's buffer copies at once.
+            events = core.receive_data(data, lend=True)
             self._dispatching = True
             try:
                 for event in events:
@@ -288,6 +290,7 @@ class TunnelConnection:
                     self._delivered()
             finally:
                 self._dispatching = False
+                events.clear()  # no view of the buffer outlives the dispatch
             if core.outgoing_size and not self._send_now():
                 self._wake_writer()
             if self.end_reason is not None or core.is_closed:

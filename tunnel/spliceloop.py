@@ -228,13 +228,16 @@ class _Splice:
 
     # ---- tunnel.stream.DirectSink: called by the connection's reader
 
-    def on_data(self, data: bytes) -> None:
+    def on_data(self, data: bytes | memoryview) -> None:
+        # `data` is lent (a view of the reader's buffer) until on_delivered.
         out = self.out
         if out is not None:
-            out.append(data)  # behind a batch, an unfinished write or a dial
+            # Behind this read's batch: lent like it. Behind an unfinished write or a
+            # dial: kept, so copied.
+            out.append(data if self.batched else bytes(data))
             return
         # The first frame of this read for the socket: the rest of the read's follow
-        # before on_delivered, which writes them all in one call.
+        # before on_delivered, which writes them all in one call, from where they lie.
         self.out = collections.deque((data,))
         self.batched = True
 
@@ -243,6 +246,10 @@ class _Splice:
             self.batched = False
             if self.out and not self.ended:
                 self.loop.flush(self)
+            if self.out and not self.ended:
+                # The socket did not take it all: what waits is kept, so copied.
+                self.out = collections.deque(
+                    bytes(b) if type(b) is memoryview else b for b in self.out)
 
     def on_eof(self) -> None:
         if self.out is None:

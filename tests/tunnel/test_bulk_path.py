@@ -74,12 +74,13 @@ def counting(monkeypatch: pytest.MonkeyPatch, peer: tuple[str, int]
 
 
 @asynccontextmanager
-async def relayed(*, small_buffers: bool = False
+async def relayed(*, small_buffers: bool = False, buffers: int = 4096
                   ) -> AsyncIterator[tuple[TunnelStream, socket.socket, list[SpliceResult]]]:
     """A linked pair whose acceptor hands its one stream over to a real TCP target (the
     agent's way); yields (the dialer's stream, the target's non-blocking socket, the
     splice's result once it ended). `small_buffers`: the kernel buffers between the
-    relay and the target shrunk, so a write that does not fit is soon felt."""
+    relay and the target shrunk to `buffers`, so a write that does not fit is soon
+    felt."""
     results: list[SpliceResult] = []
     targets: list[socket.socket] = []
     with tcp_pairs() as made:
@@ -88,12 +89,13 @@ async def relayed(*, small_buffers: bool = False
                 listener = socket.create_server(("127.0.0.1", 0))
                 relay = socket.socket()
                 if small_buffers:
-                    relay.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                    relay.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffers)
                 relay.connect(listener.getsockname())
+                relay.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as dialed
                 target, _ = listener.accept()
                 listener.close()
                 if small_buffers:
-                    target.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                    target.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
                 target.setblocking(False)
                 made.append(target)
                 targets.append(target)
@@ -153,7 +155,7 @@ async def test_many_tiny_frames_behind_a_full_socket_arrive_whole_and_in_order(
     big = os.urandom(512 * 1024)
     tiny = [b"%07d," % i for i in range(3000)]
     expected = big + b"".join(tiny)
-    async with relayed(small_buffers=True) as (stream, target, _):
+    async with relayed(small_buffers=True, buffers=16384) as (stream, target, _):
         with counting(monkeypatch, target.getsockname()) as calls:
             await stream.send_all(big)  # more than the kernel buffers take
             for piece in tiny:  # a frame each
@@ -169,8 +171,8 @@ async def test_a_socket_written_to_is_not_read_on_writability_alone(
     """A slow target that never sends: the loop waits on its socket for writability
     again and again (small buffers) while it also waits for input; it writes when
     writable and never tries a read that could only fail (EAGAIN)."""
-    payload = os.urandom(2 * 1024 * 1024)
-    async with relayed(small_buffers=True) as (stream, target, _):
+    payload = os.urandom(4 * 1024 * 1024)
+    async with relayed(small_buffers=True, buffers=65536) as (stream, target, _):
         with counting(monkeypatch, target.getsockname()) as calls:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stream.send_all, payload)
@@ -180,6 +182,33 @@ async def test_a_socket_written_to_is_not_read_on_writability_alone(
     assert len(calls["send"]) + len(calls["sendmsg"]) > 20, calls
     # ...and not one read: the target sent nothing.
     assert calls["recv_into"] == []
+
+
+@pytest.mark.parametrize("wire", ["memory", "tls"])
+async def test_frames_lent_by_the_reader_are_written_in_place_and_kept_as_copies(
+        monkeypatch: pytest.MonkeyPatch, wire: str) -> None:
+    """Over TLS the reader decrypts into one buffer of the process and lends the DATA
+    payloads as views of it: the batch goes to the socket from there (sendmsg of views,
+    no copy per frame), and what a slow target's socket did not take is copied before
+    the next read overwrites the buffer: every byte arrives, in order."""
+    monkeypatch.setattr(test_endpoint, "_WIRE", wire)
+    payload = os.urandom(8 * 1024 * 1024)
+    kinds: set[type] = set()
+    sendmsg = socket.socket.sendmsg
+
+    def recording(self: socket.socket, buffers: Any, *args: Any) -> int:
+        buffers = list(buffers)
+        kinds.update(type(b) for b in buffers)
+        return sendmsg(self, buffers, *args)
+
+    async with relayed(small_buffers=True, buffers=65536) as (stream, target, _):
+        monkeypatch.setattr(socket.socket, "sendmsg", recording)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.send_all, payload)
+            got = await drain(target, len(payload), chunk=65536, pause=0.0005)
+    assert got == payload
+    if wire == "tls":
+        assert memoryview in kinds, kinds
 
 
 # ------------------------------------------------------------------ socket → tunnel

@@ -167,6 +167,8 @@ class Connection:
         )
 
         self._inbuf = bytearray()
+        # receive_data(lend=True) is under way: DATA payloads are handed out as views.
+        self._lend = False
         self._out: list[bytes | memoryview] = []
         self._out_size = 0
 
@@ -593,12 +595,21 @@ class Connection:
 
     # ---------------------------------------------------------------- input
 
-    def receive_data(self, data: bytes | memoryview) -> list[Event]:
+    def receive_data(self, data: bytes | memoryview, *, lend: bool = False) -> list[Event]:
         """Feed bytes from the transport; b"" means the transport reached EOF. Keeps no
         reference to `data` once it returns (events carry copies): the caller may reuse
-        its buffer."""
+        its buffer. `lend`: a DataReceived's payload is a view of `data` (or of the
+        reassembly buffer) instead of a copy, for a caller that is done with the events
+        before it reuses `data` and copies what it keeps (the tunnel's reader hands the
+        frames of a read to a socket in one write: no copy of a frame it writes whole)."""
         if self.state is ConnectionState.CLOSED:
             return []
+        if lend:
+            self._lend = True
+            try:
+                return self.receive_data(data)
+            finally:
+                self._lend = False
         events: list[Event] = []
         if not data:
             reason = "peer closed the connection"
@@ -827,7 +838,7 @@ class Connection:
         stream.recv_window -= size
         if size:
             self._credit.unacked += size
-            events.append(DataReceived(stream_id, bytes(payload)))
+            events.append(DataReceived(stream_id, payload if self._lend else bytes(payload)))
         if fin:
             events.append(StreamEnded(stream_id))
             if state is _CLOSED:

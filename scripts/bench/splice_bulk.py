@@ -16,6 +16,10 @@ CPU is read from /proc before and after each transfer.
     .venv/bin/python -m scripts.bench.splice_bulk --tree /work/base-bulk   # A/B, interleaved
     .venv/bin/python -m scripts.bench.splice_bulk --tree /work/base-bulk --syscalls --mib 128
 
+`--rr`: request/response latency too, 64-byte round trips through a stream of their own
+to an echo target, alone and beside an up transfer (a bulk stream must not starve the
+others), p50 and p99.
+
 `--syscalls`: each endpoint's system calls per 128 MiB as well (`strace -c -f` attached
 around each transfer, total and by name; strace slows the endpoints, so their CPU figures
 in such a run are not comparable with a run without it).
@@ -215,7 +219,7 @@ class Pair:
 
     def __init__(self, tree: Path | None, certs: Path, callgrind: Path | None = None, *,
                  command: list[str] | None = None, env: dict[str, str] | None = None,
-                 syscalls: Path | None = None) -> None:
+                 syscalls: Path | None = None, echo: bool = False) -> None:
         """`command`: another endpoint program taking the same arguments (role, tunnel
         port, certificate directory, listen/target port pairs) and printing the same
         lines, instead of this tree's or `tree`'s Python endpoints
@@ -244,6 +248,10 @@ class Pair:
         common = [str(ports[0]), str(certs)]
         targets = [str(ports[1]), str(self.sink.getsockname()[1]),
                    str(ports[2]), str(self.source.getsockname()[1])]
+        self.rr_port = 0
+        if echo:  # a third listener, to an echo target (threads of this process)
+            self.rr_port = _free_port()
+            targets += [str(self.rr_port), str(_echo_server())]
         self.server = subprocess.Popen([*cmd, "server", *common, *targets], env=env,
                                        stdout=subprocess.PIPE, text=True, cwd=ROOT)
         assert self.server.stdout is not None
@@ -315,6 +323,36 @@ class Pair:
             tracers[k] = (tracer, path)
         return tracers
 
+    def rr(self, *, beside: int = 0, count: int = 1000) -> dict[str, float]:
+        """p50 and p99 µs of `count` 64-byte round trips through a stream of their own to
+        the echo target (`echo`), alone or while an up transfer of `beside` bytes runs."""
+        bulk = None
+        if beside:
+            bulk = threading.Thread(target=self.transfer, args=("up", beside))
+            bulk.start()
+            time.sleep(0.3)  # the bulk stream under way
+        sock = socket.create_connection(("127.0.0.1", self.rr_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = []
+        try:
+            for _ in range(count + 100):
+                t0 = time.perf_counter()
+                sock.sendall(b"r" * 64)
+                got = 0
+                while got < 64:
+                    got += len(sock.recv(64 - got))
+                times.append(time.perf_counter() - t0)
+                if bulk is not None and not bulk.is_alive():
+                    raise RuntimeError("the bulk transfer ended first: raise --mib")
+        finally:
+            sock.close()
+            if bulk is not None:
+                bulk.join()
+        times = sorted(times[100:])
+        key = "beside_bulk" if beside else "alone"
+        return {f"rr_{key}_p50_us": times[len(times) // 2] * 1e6,
+                f"rr_{key}_p99_us": times[int(len(times) * 0.99)] * 1e6}
+
     def cpu(self) -> dict[str, float]:
         """CPU seconds (user + system, and system alone) each endpoint has used so far."""
         out = {}
@@ -347,6 +385,25 @@ class Pair:
                 proc.stdout.close()
         self.sink.close()
         self.source.close()
+
+
+def _echo_server() -> int:
+    """A TCP echo server on threads of this process (daemons); its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def echo(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return int(listener.getsockname()[1])
 
 
 def _strace_counts(table: str) -> dict[str, int]:
@@ -388,6 +445,8 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="the endpoints under valgrind's callgrind: instructions per MiB "
                              "too (~50x slower: use --mib 32)")
+    parser.add_argument("--rr", action="store_true",
+                        help="request/response latency too, alone and beside a bulk stream")
     parser.add_argument("--syscalls", action="store_true",
                         help="system calls per 128 MiB of each endpoint too (strace -c; its "
                              "CPU figures are then not comparable: use --mib 128)")
@@ -406,7 +465,8 @@ def main() -> None:
             for name, tree in order if rnd % 2 == 0 else order[::-1]:
                 grind = Path(tempfile.mkdtemp(dir=tmp)) if args.instructions else None
                 pair = Pair(tree, certs, grind,
-                            syscalls=Path(tempfile.mkdtemp(dir=tmp)) if args.syscalls else None)
+                            syscalls=Path(tempfile.mkdtemp(dir=tmp)) if args.syscalls else None,
+                            echo=args.rr)
                 pair.count_faults = True
                 try:
                     pair.transfer("up", (4 if grind else 64) * BUF)  # warm up
@@ -415,6 +475,14 @@ def main() -> None:
                         runs.setdefault(f"{name} {direction}", []).append(r)
                         print(f"round {rnd + 1} {name:5} {direction:4} "
                               + " ".join(f"{k}={v:.3f}" for k, v in r.items()),
+                              file=sys.stderr, flush=True)
+                    if args.rr:
+                        # Beside 1 GiB at least (a few seconds), fewer round trips:
+                        # each waits behind bulk (milliseconds).
+                        r = pair.rr() | pair.rr(beside=max(args.mib, 1024) * BUF, count=300)
+                        runs.setdefault(f"{name} rr", []).append(r)
+                        print(f"round {rnd + 1} {name:5} rr   "
+                              + " ".join(f"{k}={v:.0f}" for k, v in r.items()),
                               file=sys.stderr, flush=True)
                 finally:
                     pair.close()
@@ -425,7 +493,7 @@ def main() -> None:
                         for k in rs[0]}
     if "other" in trees:
         ratios = {}
-        for direction in ("up", "down"):
+        for direction in ("up", "down", "rr") if args.rr else ("up", "down"):
             this, other = runs[f"this {direction}"], runs[f"other {direction}"]
             for k in this[0]:
                 rr = [a[k] / b[k] for a, b in zip(this, other, strict=True) if b[k]]

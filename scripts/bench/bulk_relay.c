@@ -776,7 +776,7 @@ static int on_headers_complete(http_parser *hp) {
             c->req_target = l->ports[i];
             return 0;
         }
-    return 1;  /* no route: an error, the connection closed */
+    return -1;  /* no route: an error (1 and 2 mean "no body"), the connection closed */
 }
 static int on_request_complete(http_parser *hp) {
     slot_t *c = hp->data;

@@ -325,3 +325,67 @@ def test_the_c_relay_resets_the_client_when_the_dial_is_refused(tmp_path: Path) 
         relay.settled()
     finally:
         relay.close()
+
+
+def _upstream(name: str) -> Any:
+    """An HTTP/1.1 keep-alive upstream in a thread answering `name`, the method, the path
+    and the length of the body it read."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self) -> None:
+            size = int(self.headers.get("Content-Length") or 0)
+            got = len(self.rfile.read(size)) if size else 0
+            body = f"{name} {self.command} {self.path} {got}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@needs_c_relay
+def test_the_c_relays_http_front_routes_each_request_by_host(tmp_path: Path) -> None:
+    """Two Hosts, two upstreams, one keep-alive client connection: each request reaches
+    its Host's upstream (a new tunnel stream when the Host changes), bodies included; an
+    unknown Host closes the connection; nothing is left open after."""
+    import http.client
+
+    a, b = _upstream("a"), _upstream("b")
+    listen, tunnel = _free_ports(2)
+    routes = f"http:a.test={a.server_address[1]},B.Test={b.server_address[1]}"
+    relay = Relay(tmp_path, tunnel, [str(listen), routes])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", listen, timeout=30)
+        conn.connect()
+        sock = conn.sock
+        for i, host in enumerate(["a.test", "a.test", "b.test:80", "a.test", "b.test",
+                                  "b.test"]):
+            body = os.urandom(100_000 * (i % 2))  # a body larger than one read, at times
+            conn.request("POST" if body else "GET", f"/{i}", body=body or None,
+                         headers={"Host": host})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            method = "POST" if body else "GET"
+            assert resp.read().decode() == f"{host[0]} {method} /{i} {len(body)}"
+            assert conn.sock is sock  # the same client connection throughout
+        conn.request("GET", "/", headers={"Host": "c.test"})
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+            conn.getresponse()
+        conn.close()
+        relay.settled()
+    finally:
+        relay.close()
+        a.shutdown()
+        b.shutdown()

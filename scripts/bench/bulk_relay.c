@@ -42,7 +42,7 @@
  * socket option set (the product sets SO_MARK and keepalive too). The HTTP front forwards
  * request and response heads as they came (the product's front applies its header
  * policy: X-Forwarded-*, hop-by-hop headers, and writes the head again), answers no
- * request itself (an unknown Host closes the connection; no 404, no limits, no
+ * request itself (an unknown Host resets the connection; no 404, no limits, no
  * timeouts), does not pipeline (a request is read once the previous response has
  * ended), assumes no HEAD request (whose response has no body) and no upgrade.
  *
@@ -63,7 +63,11 @@
  * "listening", then relays each connection to LISTEN as a stream the agent connects to
  * 127.0.0.1:TARGET. TUNNEL and LISTEN are PORT (on 127.0.0.1) or IPV4:PORT. A TARGET of
  * the form http:HOST=PORT[,HOST=PORT...] makes LISTEN an HTTP front: a request whose Host
- * (without its port) is HOST goes to 127.0.0.1:PORT. BULK_CIPHERSUITES (TLS 1.3 suites,
+ * (without its port) is HOST goes to 127.0.0.1:PORT. With BULK_HELLO set (a JSON object:
+ * the HELLO's identity, e.g. {"node":"edge-1","token":"..."}) the agent sends the
+ * protocol's HELLO first and answers PINGs, so it can serve a real nodeagent server's
+ * TCP mappings in place of the Python agent (the server's HELLO is read and ignored; the
+ * peer's settings are assumed to be the defaults). BULK_CIPHERSUITES (TLS 1.3 suites,
  * OpenSSL's names) sets the suites both sides offer; the negotiated one is printed on
  * stderr. Each side prints "ready" once the tunnel is up. SIGUSR1 prints the streams and
  * HTTP connections open on stderr.
@@ -105,8 +109,9 @@
 #define EVENTS 256
 #define ACCEPTS_PER_ROUND 64
 
-enum { OPEN = 1, ACCEPT = 2, REFUSE = 3, DATA = 4, WINDOW = 5, RST = 6 };
-enum { FIN = 1 };
+enum { HELLO = 0, OPEN = 1, ACCEPT = 2, REFUSE = 3, DATA = 4, WINDOW = 5, RST = 6,
+       PING = 7, GOAWAY = 8 };
+enum { FIN = 1, ACK = 1 };
 /* tunnel/protocol/errors.py StreamReason */
 enum { R_REFUSED = 1, R_UNREACHABLE = 2, R_OVERLOADED = 5, R_CANCELLED = 6 };
 /* What a slot holds. */
@@ -369,7 +374,7 @@ static void reason_frame(int type, uint32_t id, int reason, const char *message)
 static void http_upstream_gone(slot_t *up);
 static void http_response(slot_t *up, const unsigned char *p, size_t n);
 static void http_client_readable(slot_t *c);
-static void http_client_closed(slot_t *c);
+static void http_client_closed(slot_t *c, int reset);
 
 /* The socket reset (SO_LINGER 0: an RST, not a FIN) and the slot forgotten. */
 static void reset_local(slot_t *s) {
@@ -422,7 +427,7 @@ static int deliver(slot_t *s, slot_t *credited, const unsigned char *p, size_t n
             ssize_t w = send(s->fd, p, n, MSG_NOSIGNAL);
             if (w < 0) {
                 if (errno == EAGAIN) break;
-                if (s->kind == HTTP_CLIENT) http_client_closed(s);
+                if (s->kind == HTTP_CLIENT) http_client_closed(s, 1);
                 else reset_stream(s, R_CANCELLED);
                 return -1;
             }
@@ -446,7 +451,7 @@ static void flush_local(slot_t *s) {
                          MSG_NOSIGNAL);
         if (w < 0) {
             if (errno == EAGAIN) return;
-            if (s->kind == HTTP_CLIENT) http_client_closed(s);
+            if (s->kind == HTTP_CLIENT) http_client_closed(s, 1);
             else reset_stream(s, R_CANCELLED);
             return;
         }
@@ -676,6 +681,14 @@ static void frame(int type, int flags, uint32_t id, const unsigned char *p, size
             maybe_done(s);
         }
         break;
+    case HELLO:  /* a real server's (BULK_HELLO): its settings are the defaults assumed */
+        break;
+    case PING:
+        if (!(flags & ACK)) emit(PING, ACK, 0, p, len);
+        break;
+    case GOAWAY:
+        fprintf(stderr, "bulk_relay: GOAWAY\n");
+        exit(0);
     case WINDOW: {
         uint32_t inc;
         if (len != 4) die("WINDOW");
@@ -797,16 +810,21 @@ static const http_parser_settings request_settings = {
 static const http_parser_settings response_settings = {
     .on_message_complete = on_response_complete};
 
-/* The client's connection ends: its upstream stream ends with it (FIN between
- * responses, RST while one is awaited). */
-static void http_client_closed(slot_t *c) {
+/* The client's connection ends (closed, or with `reset` reset): its upstream stream ends
+ * with it (FIN between responses, RST while one is awaited). */
+static void http_client_closed(slot_t *c, int reset) {
     slot_t *up = c->up;
     if (up) {
         if (up->opening || c->in_response) reason_frame(RST, up->id, R_CANCELLED, "closed");
         else emit(DATA, FIN, up->id, NULL, 0);
         free_slot(up);
     }
-    reset_local(c);
+    if (reset) {
+        reset_local(c);
+    } else {
+        close(c->fd);
+        free_slot(c);
+    }
 }
 
 /* The upstream's stream ended or was refused: mid-response the client is cut off; between
@@ -876,7 +894,7 @@ static void http_client_readable(slot_t *c) {
                     c->readable = 0;
                     return;
                 }
-                http_client_closed(c);  /* EOF or error */
+                http_client_closed(c, n < 0);  /* EOF, or an error */
                 return;
             }
             if ((size_t)n < room) c->readable = 0;
@@ -887,7 +905,7 @@ static void http_client_readable(slot_t *c) {
                                           buf_len(&c->in) - c->parsed);
         enum http_errno e = HTTP_PARSER_ERRNO(&c->req);
         if (e != HPE_OK && e != HPE_PAUSED) {
-            http_client_closed(c);  /* a bad request or no route */
+            http_client_closed(c, 1);  /* a bad request or no route */
             return;
         }
         c->parsed += used;
@@ -900,7 +918,7 @@ static void http_client_readable(slot_t *c) {
             }
             slot_t *up = alloc_slot(HTTP_UP);
             if (!up) {
-                http_client_closed(c);
+                http_client_closed(c, 1);
                 return;
             }
             up->client = c;
@@ -1037,6 +1055,24 @@ int bulk_relay_start(int argc, char **argv) {
     }
     nodelay(tfd);
     handshake();
+    const char *identity = getenv("BULK_HELLO");
+    if (!server && identity && *identity) {
+        /* The dialer's HELLO (wire.py's Hello.encode: the magic, versions 1-1, the JSON
+         * of settings, identity and features), for a real nodeagent server. */
+        char doc[2048];
+        int n = snprintf(doc, sizeof doc, "nodeagent%c%c%c%c{\"settings\":{"
+                         "\"max_frame_size\":%d,\"initial_stream_window\":%d,"
+                         "\"connection_window\":%d,\"max_streams\":10000,"
+                         "\"max_open_size\":8192},\"identity\":%s,\"features\":[]}",
+                         0, 1, 0, 1, MAX_FRAME, STREAM_WINDOW, CONN_WINDOW, identity);
+        emit(HELLO, 0, 0, doc, (size_t)n);
+        seal();
+        while (buf_len(&tout)) {  /* still blocking here */
+            ssize_t w = send(tfd, tout.data + tout.start, buf_len(&tout), MSG_NOSIGNAL);
+            if (w < 0) die("send HELLO");
+            tout.start += (size_t)w;
+        }
+    }
     if (fcntl(tfd, F_SETFL, fcntl(tfd, F_GETFL) | O_NONBLOCK) < 0) die("fcntl");
     printf("ready\n");
     fflush(stdout);

@@ -26,8 +26,9 @@ From the repository root:
 a TCP mapping's connections and the HTTP front routing by Host, both endpoints in C) to
 the connrate and http tests, run in each round between nodeagent and `ssh -R`, its CPU
 per connection and per request from /proc as nodeagent's (docs/performance.md, "A
-compiled connection and request path, measured"). Needs libssl-dev and
-libhttp-parser-dev.
+compiled connection and request path, measured"). `--c-agent` adds nodeagent's server
+with the C prototype as its agent (the protocol's HELLO, the same frames): one endpoint
+compiled. Both need libssl-dev and libhttp-parser-dev.
 
 Needs root and: iproute2 wrk iperf3 nginx-light openssh-server openssh-client gcc.
 Prints a table per round and, over the rounds, each headline ratio's median with its
@@ -79,6 +80,7 @@ ECHO_CLOSE = 7002  # an echo server that closes each connection after its first 
 TESTS = ("bulk", "parallel", "http", "connrate", "fairness", "idle", "stall")
 SSH_OFFSET, NA_OFFSET, WSS_OFFSET = 30000, 10000, 20000  # public port = target + offset
 C_OFFSET = 40000  # --c-relay: the C prototype's public ports
+C_AGENT_OFFSET = 50000  # --c-agent: a nodeagent server whose agent is the C prototype's
 
 
 class Bench:
@@ -94,6 +96,7 @@ class Bench:
         self.tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
         self.stack: dict[str, Stack] = {}
         self.crelay: CRelay | None = None
+        self.cagent: CAgentStack | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -133,6 +136,8 @@ class Bench:
             stack.stop()
         if self.crelay is not None:
             self.crelay.stop()
+        if self.cagent is not None:
+            self.cagent.stop()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -226,6 +231,13 @@ class Bench:
             self.crelay.start()
         return self.crelay
 
+    def start_cagent(self) -> CAgentStack:
+        """nodeagent's server with the C prototype as its agent, started once per run."""
+        if self.cagent is None:
+            self.cagent = CAgentStack(self)
+            self.cagent.start()
+        return self.cagent
+
     def stop_stack(self, scheme: str) -> None:
         stack = self.stack.pop(scheme, None)
         if stack is not None:
@@ -264,7 +276,7 @@ class Bench:
         return json.loads(out)  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
-    def profiled(self, name: str, stack: Stack | CRelay | None,
+    def profiled(self, name: str, stack: Stack | CRelay | CAgentStack | None,
                  seconds: float) -> Iterator[dict[str, float]]:
         """Measure the CPU seconds server and agent use in the body (into the yielded
         dict); with --profile also py-spy record them for `seconds`."""
@@ -280,9 +292,10 @@ class Bench:
             self.results.setdefault("cpu_seconds", {})[name] = dict(cpu)
 
     @contextlib.contextmanager
-    def _spy(self, name: str, stack: Stack | CRelay | None,
+    def _spy(self, name: str, stack: Stack | CRelay | CAgentStack | None,
              seconds: float) -> Iterator[None]:
-        if not self.args.profile or not isinstance(stack, Stack):
+        if not self.args.profile or not isinstance(stack, Stack) or isinstance(
+                stack, CAgentStack):
             yield
             return
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -375,6 +388,14 @@ class Bench:
         if not self.args.no_ssh:
             self.log("http: ssh -R")
             r["ssh"] = self.wrk(f"http://{PUBLIC}:{HTTP + SSH_OFFSET}/1k", seconds=d)
+        if self.args.c_agent:
+            cagent = self.start_cagent()
+            self.log("http: nodeagent server + C agent")
+            with self.profiled("http-c-agent", cagent, d) as cpu:
+                r["c_agent"] = self.wrk(f"http://{PUBLIC}:{HTTP + C_AGENT_OFFSET}/1k",
+                                        seconds=d, host="bench.test")
+            r["c_agent"]["cpu_us_per_req"] = {k: v * 1e6 for k, v in per_unit(
+                cpu, r["c_agent"]["req_per_sec"] * d).items()}
         if self.args.c_relay:
             crelay = self.start_crelay()
             self.log("http: C relay (Host router, the prototype)")
@@ -404,6 +425,15 @@ class Bench:
                                           timeout=d + 30)
             r["tls"]["cpu_us_per_conn"] = {k: v * 1e6 for k, v in per_unit(
                 cpu, r["tls"]["per_sec"] * d).items()}
+            if self.args.c_agent:
+                cagent = self.start_cagent()
+                time.sleep(1)
+                self.log(f"new connections/s ({label}): nodeagent server + C agent")
+                with self.profiled(f"{key}-c-agent", cagent, d) as cpu:
+                    r["c_agent"] = self.benchtool(mode, PUBLIC, port + C_AGENT_OFFSET, d, 16,
+                                                  timeout=d + 30)
+                r["c_agent"]["cpu_us_per_conn"] = {k: v * 1e6 for k, v in per_unit(
+                    cpu, r["c_agent"]["per_sec"] * d).items()}
             if self.args.c_relay:
                 crelay = self.start_crelay()
                 time.sleep(1)
@@ -649,6 +679,24 @@ HEADLINES: list[tuple[str, str, str, Any]] = [
      lambda r: sum(r["connrate_close_first"]["c"]["cpu_us_per_conn"].values())),
     ("conn_c_client_closes_cpu_us", "CPU us/connection (client closes), C relay", "",
      lambda r: sum(r["connrate"]["c"]["cpu_us_per_conn"].values())),
+    # --c-agent: nodeagent's server, the C prototype as its agent.
+    ("http_c_agent_vs_ssh", "HTTP req/s, nodeagent server + C agent / ssh -R", "",
+     lambda r: r["http"]["c_agent"]["req_per_sec"] / r["http"]["ssh"]["req_per_sec"]),
+    ("http_c_agent_p99_ms", "HTTP p99 ms, nodeagent server + C agent", "",
+     lambda r: r["http"]["c_agent"]["p99_ms"]),
+    ("http_c_agent_cpu_us_server", "CPU us/request, nodeagent server (C agent)", "",
+     lambda r: r["http"]["c_agent"]["cpu_us_per_req"]["server"]),
+    ("http_c_agent_cpu_us_agent", "CPU us/request, C agent (nodeagent server)", "",
+     lambda r: r["http"]["c_agent"]["cpu_us_per_req"]["agent"]),
+    ("connrate_close_first_c_agent_vs_ssh",
+     "new conn/s, target closes first, nodeagent server + C agent / ssh -R", "",
+     lambda r: (r["connrate_close_first"]["c_agent"]["per_sec"]
+                / r["connrate_close_first"]["ssh"]["per_sec"])),
+    ("conn_c_agent_cpu_us_server", "CPU us/connection (target closes), nodeagent server "
+     "(C agent)", "",
+     lambda r: r["connrate_close_first"]["c_agent"]["cpu_us_per_conn"]["server"]),
+    ("conn_c_agent_cpu_us_agent", "CPU us/connection (target closes), C agent", "",
+     lambda r: r["connrate_close_first"]["c_agent"]["cpu_us_per_conn"]["agent"]),
     ("bulk_up_vs_ssh", "1 stream client->edge, nodeagent / ssh -R", ">= 1x",
      lambda r: r["bulk"]["up"]["tls_gbps"] / r["bulk"]["up"]["ssh_gbps"]),
     ("bulk_down_vs_ssh", "1 stream edge->client, nodeagent / ssh -R", ">= 1x",
@@ -866,6 +914,53 @@ class CRelay:
                 proc.wait(5)
 
 
+class CAgentStack(Stack):
+    """nodeagent's server (cloud; public ports at target + C_AGENT_OFFSET, the tunnel on
+    CLOUD:8446) with the C prototype as its agent (edge): the agent's side compiled, the
+    server's as shipped."""
+
+    def __init__(self, bench: Bench) -> None:
+        super().__init__(bench, "tls")
+        self.scheme = "cagent"
+        self.offset = C_AGENT_OFFSET
+        self.dir = bench.tmp / "cagent"
+        self.dir.mkdir(exist_ok=True)
+        self.url = f"tls://{CLOUD}:8446"
+        cfg = self.server_cfg
+        cfg.update(server_id="bench-cagent", tunnel=self.url,
+                   debug_socket=str(self.dir / "server.sock"))
+        for mapping in cfg["tcp"]:
+            port = int(mapping["target"].rsplit(":", 1)[1])
+            mapping["listen"] = f"{PUBLIC}:{port + C_AGENT_OFFSET}"
+        cfg["http"] = [{"name": "web", "listen": f"{PUBLIC}:{HTTP + C_AGENT_OFFSET}",
+                        "routes": [{"host": "bench.test", "node": "edge-1",
+                                    "target": f"127.0.0.1:{HTTP}"}]}]
+
+    def start(self) -> None:
+        from scripts.bench.bulk_parity import build_relay
+        b = self.bench
+        shutil.copy(b.tmp / "ca.crt", self.dir / "ca.pem")
+        relay = build_relay(self.dir)
+        b.log("starting nodeagent server + the C prototype as its agent")
+        tree = str(b.args.tree or ROOT)
+        self.server = b.spawn("cloud", self._cmd("server", self.server_cfg), "cagent-server",
+                              env={**os.environ, "PYTHONPATH": tree}, cwd=tree)
+        b.wait_listening("cloud", HTTP + self.offset, PUBLIC)
+        hello = json.dumps({"node": "edge-1", "token": TOKEN})
+        self.agent = b.spawn("edge", [str(relay), "agent", f"{CLOUD}:8446", str(self.dir)],
+                             "cagent-agent", env={**os.environ, "BULK_HELLO": hello})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.agent.poll() is not None:
+                raise RuntimeError("the C agent exited: "
+                                   f"{(b.tmp / 'cagent-agent.log').read_text()}")
+            with contextlib.suppress(Exception):
+                if any(a["node"] == "edge-1" for a in self.server_status()["agents"]):
+                    return
+            time.sleep(0.1)
+        raise RuntimeError("the C agent did not connect within 20s")
+
+
 # ---------------------------------------------------------------------- report
 
 
@@ -925,6 +1020,15 @@ def _table(res: dict[str, Any]) -> str:
             row("  CPU us/request server, agent", None, cpu.get("server"), None, None,
                 digits=0)
             row("  ", None, cpu.get("agent"), None, None, digits=0)
+        if "c_agent" in h:
+            row("HTTP req/s, nodeagent server + C agent", None, g("c_agent", "req_per_sec"),
+                None, g("ssh", "req_per_sec"), digits=0)
+            row("  its p99 ms", None, g("c_agent", "p99_ms"), None, g("ssh", "p99_ms"))
+            acpu = g("c_agent", "cpu_us_per_req")
+            if acpu:
+                row("  its CPU us/request server, C agent", None, acpu.get("server"), None,
+                    None, digits=0)
+                row("  ", None, acpu.get("agent"), None, None, digits=0)
         if "c" in h:
             row("HTTP req/s, C relay (prototype)", None, g("c", "req_per_sec"), None,
                 g("ssh", "req_per_sec"), digits=0)
@@ -949,6 +1053,14 @@ def _table(res: dict[str, Any]) -> str:
         if cpu:
             row("  CPU us/conn server, agent", None, cpu.get("server"), None, None, digits=0)
             row("  ", None, cpu.get("agent"), None, None, digits=0)
+        if "c_agent" in c:
+            row("  nodeagent server + C agent", None, c["c_agent"]["per_sec"], None,
+                c.get("ssh", {}).get("per_sec"), digits=0)
+            acpu = c["c_agent"].get("cpu_us_per_conn")
+            if acpu:
+                row("  its CPU us/conn server, C agent", None, acpu.get("server"), None,
+                    None, digits=0)
+                row("  ", None, acpu.get("agent"), None, None, digits=0)
         if "c" in c:
             row("  C relay (prototype)", None, c["c"]["per_sec"], None,
                 c.get("ssh", {}).get("per_sec"), digits=0)
@@ -1081,6 +1193,9 @@ def main() -> int:
     parser.add_argument("--c-relay", action="store_true",
                         help="also run the C prototype (scripts/bench/bulk_relay.c) in the "
                              "connrate and http tests, between nodeagent and ssh -R")
+    parser.add_argument("--c-agent", action="store_true",
+                        help="also run nodeagent's server with the C prototype as its agent "
+                             "in the connrate and http tests")
     parser.add_argument("--tree", type=Path, default=None,
                         help="run nodeagent from this source tree (A/B comparisons)")
     args = parser.parse_args()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import ssl
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -389,3 +391,77 @@ def test_the_c_relays_http_front_routes_each_request_by_host(tmp_path: Path) -> 
         relay.close()
         a.shutdown()
         b.shutdown()
+
+
+@needs_c_relay
+def test_the_c_agent_serves_a_real_nodeagent_servers_mappings(tmp_path: Path) -> None:
+    """The C relay's agent side (BULK_HELLO: the protocol's HELLO, PINGs answered) in
+    place of the Python agent, behind this tree's nodeagent server: the same frames, so
+    the prototype's per-connection work is the product's. Connections in both close
+    orders carry their bytes, a refused dial resets the client, nothing stays open."""
+    import json
+    import subprocess
+
+    from nodeagent.testing.procs import NodeagentProcess
+    from nodeagent.testing.standalone import TOKEN, make_certs
+    from scripts.bench import bulk_parity
+
+    certs = make_certs(tmp_path)
+    relay_dir = tmp_path / "relay"
+    relay_dir.mkdir()
+    (relay_dir / "ca.pem").write_bytes(certs.ca.read_bytes())
+    relay = bulk_parity.build_relay(relay_dir)
+    echo, echo_close = _echo_target(False), _echo_target(True)
+    tunnel, *listens = _free_ports(4)
+    targets = [echo.getsockname()[1], echo_close.getsockname()[1], _free_ports(1)[0]]
+    cfg = {
+        "server_id": "cloud-test", "tunnel": f"tls://127.0.0.1:{tunnel}",
+        "tls": {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key)},
+        "tokens": [{"node": "edge-1", "token": TOKEN}],
+        "tcp": [{"name": f"m{i}", "listen": f"127.0.0.1:{port}", "node": "edge-1",
+                 "target": f"127.0.0.1:{target}"}
+                for i, (port, target) in enumerate(zip(listens, targets, strict=True))],
+        "debug_socket": str(tmp_path / "server.sock"),
+        "keepalive": {"interval": 1, "timeout": 3},
+    }
+    server = NodeagentProcess("server", cfg, tmp_path, "server", log_level="info").start()
+    agent = None
+    try:
+        server.wait_ready()
+        agent = subprocess.Popen(
+            [str(relay), "agent", f"127.0.0.1:{tunnel}", str(relay_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "BULK_HELLO": json.dumps({"node": "edge-1", "token": TOKEN})})
+        assert agent.stdout is not None and agent.stderr is not None
+        assert agent.stdout.readline().strip() == "ready"
+        assert agent.stderr.readline().startswith("bulk_relay: TLSv1.3")
+        server.wait_for(lambda s: any(a["node"] == "edge-1" for a in s["agents"]),
+                        what="the C agent connected")
+        fds = len(os.listdir(f"/proc/{agent.pid}/fd"))
+        for _ in range(2):
+            _connections(listens[0], 300, close_first=False)
+            _connections(listens[1], 300, close_first=True)
+        for _ in range(5):
+            with pytest.raises(ConnectionResetError):
+                with socket.create_connection(("127.0.0.1", listens[2]), timeout=30) as s:
+                    s.sendall(b"x")
+                    s.recv(1)
+        time.sleep(2.5)  # keepalive PINGs answered: the tunnel is still up after
+        _connections(listens[0], 10, close_first=False)
+        deadline = time.monotonic() + 30
+        while len(os.listdir(f"/proc/{agent.pid}/fd")) != fds and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(os.listdir(f"/proc/{agent.pid}/fd")) == fds
+        agent.send_signal(signal.SIGUSR1)
+        assert agent.stderr.readline().strip() == "bulk_relay: streams=0 http_connections=0"
+        assert agent.poll() is None
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait()
+            for pipe in (agent.stdout, agent.stderr):
+                if pipe is not None:
+                    pipe.close()
+        server.stop()
+        echo.close()
+        echo_close.close()

@@ -1,5 +1,6 @@
 /* A tunnel endpoint's data path in C, for measuring only (scripts.bench.bulk_parity,
- * scripts.bench.tunnel --c-relay). Nothing in nodeagent/ or tunnel/ uses it.
+ * scripts.bench.tunnel --c-relay and --c-agent, scripts.bench.c_relay_cost). Nothing in
+ * nodeagent/ or tunnel/ uses it.
  *
  * What would a side cost with no Python on its data path? This does, with the tunnel's
  * design, the work the Python endpoints do per read and per connection, between real

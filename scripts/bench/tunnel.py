@@ -1214,6 +1214,8 @@ def main() -> int:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.c_agent and args.workers > 1:
+        parser.error("--c-agent: the C agent holds one tunnel; run it without --workers")
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -67,8 +67,9 @@ TOOLS: dict[str, str] = {
 # for a run that selects slow tests, so the default run (CI) never pulls in a container
 # engine. The image build and smoke test (tests/e2e/test_image.py, scripts/image.py).
 SLOW_TOOLS: dict[str, str] = {
-    # the C per-read prototype scripts.bench.bulk_parity builds (its headers: libssl-dev,
-    # which tests/tunnel/test_bulk_relay_prototype.py checks for itself)
+    # the C data-path prototype scripts.bench.bulk_parity builds (its headers: libssl-dev
+    # and libhttp-parser-dev, which tests/tunnel/test_bulk_relay_prototype.py checks for
+    # itself)
     "gcc": "gcc",
     "podman": "podman",
     "runc": "runc",

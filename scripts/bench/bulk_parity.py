@@ -63,16 +63,17 @@ ROOT = HERE.parents[1]
 
 def build_relay(out: Path) -> Path:
     """bulk_relay.c compiled to out/bulk_relay, and as a library to out/bulk_relay.so
-    (cc -O2, libssl); returns the program's path."""
+    (cc -O2, libssl, libhttp-parser); returns the program's path."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise SystemExit("bulk_parity needs a C compiler (cc) and libssl-dev")
+        raise SystemExit("bulk_parity needs a C compiler (cc), libssl-dev and "
+                         "libhttp-parser-dev")
     binary = out / "bulk_relay"
     source = str(HERE / "bulk_relay.c")
-    subprocess.run([cc, "-O2", "-Wall", "-o", str(binary), source, "-lssl", "-lcrypto"],
-                   check=True)
+    libs = ["-lssl", "-lcrypto", "-lhttp_parser"]
+    subprocess.run([cc, "-O2", "-Wall", "-o", str(binary), source, *libs], check=True)
     subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-DBULK_RELAY_LIB", "-o",
-                    str(out / "bulk_relay.so"), source, "-lssl", "-lcrypto"], check=True)
+                    str(out / "bulk_relay.so"), source, *libs], check=True)
     return binary
 
 

@@ -20,6 +20,15 @@ From the repository root:
     sudo .venv/bin/python -m scripts.bench.tunnel --only bulk --only http
     sudo .venv/bin/python -m scripts.bench.tunnel --only bulk --profile   # py-spy summaries
     sudo .venv/bin/python -m scripts.bench.tunnel --only http --workers 2  # server: 2 processes
+    sudo .venv/bin/python -m scripts.bench.tunnel --quick --no-wss --only connrate --c-relay
+
+`--c-relay` adds the C prototype of the tunnel's data path (scripts/bench/bulk_relay.c:
+a TCP mapping's connections and the HTTP front routing by Host, both endpoints in C) to
+the connrate and http tests, run in each round between nodeagent and `ssh -R`, its CPU
+per connection and per request from /proc as nodeagent's (docs/performance.md, "A
+compiled connection and request path, measured"). `--c-agent` adds nodeagent's server
+with the C prototype as its agent (the protocol's HELLO, the same frames): one endpoint
+compiled. Both need libssl-dev and libhttp-parser-dev.
 
 Needs root and: iproute2 wrk iperf3 nginx-light openssh-server openssh-client gcc.
 Prints a table per round and, over the rounds, each headline ratio's median with its
@@ -70,6 +79,8 @@ IPERF, HTTP, ECHO, SINK = 5201, 8080, 7000, 7001  # targets in edge
 ECHO_CLOSE = 7002  # an echo server that closes each connection after its first echo
 TESTS = ("bulk", "parallel", "http", "connrate", "fairness", "idle", "stall")
 SSH_OFFSET, NA_OFFSET, WSS_OFFSET = 30000, 10000, 20000  # public port = target + offset
+C_OFFSET = 40000  # --c-relay: the C prototype's public ports
+C_AGENT_OFFSET = 50000  # --c-agent: a nodeagent server whose agent is the C prototype's
 
 
 class Bench:
@@ -84,6 +95,8 @@ class Bench:
         self.notes: list[str] = []
         self.tool = build_benchtool(Path(tempfile.gettempdir()) / "nodeagent-benchtool")
         self.stack: dict[str, Stack] = {}
+        self.crelay: CRelay | None = None
+        self.cagent: CAgentStack | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -121,6 +134,10 @@ class Bench:
     def close(self) -> None:
         for stack in list(self.stack.values()):
             stack.stop()
+        if self.crelay is not None:
+            self.crelay.stop()
+        if self.cagent is not None:
+            self.cagent.stop()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -207,6 +224,20 @@ class Bench:
         self.stack[scheme] = stack
         return stack
 
+    def start_crelay(self) -> CRelay:
+        """The C prototype's server (cloud) and agent (edge), started once per run."""
+        if self.crelay is None:
+            self.crelay = CRelay(self)
+            self.crelay.start()
+        return self.crelay
+
+    def start_cagent(self) -> CAgentStack:
+        """nodeagent's server with the C prototype as its agent, started once per run."""
+        if self.cagent is None:
+            self.cagent = CAgentStack(self)
+            self.cagent.start()
+        return self.cagent
+
     def stop_stack(self, scheme: str) -> None:
         stack = self.stack.pop(scheme, None)
         if stack is not None:
@@ -245,7 +276,7 @@ class Bench:
         return json.loads(out)  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
-    def profiled(self, name: str, stack: Stack | None,
+    def profiled(self, name: str, stack: Stack | CRelay | CAgentStack | None,
                  seconds: float) -> Iterator[dict[str, float]]:
         """Measure the CPU seconds server and agent use in the body (into the yielded
         dict); with --profile also py-spy record them for `seconds`."""
@@ -261,8 +292,10 @@ class Bench:
             self.results.setdefault("cpu_seconds", {})[name] = dict(cpu)
 
     @contextlib.contextmanager
-    def _spy(self, name: str, stack: Stack | None, seconds: float) -> Iterator[None]:
-        if not self.args.profile or stack is None:
+    def _spy(self, name: str, stack: Stack | CRelay | CAgentStack | None,
+             seconds: float) -> Iterator[None]:
+        if not self.args.profile or not isinstance(stack, Stack) or isinstance(
+                stack, CAgentStack):
             yield
             return
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -355,6 +388,22 @@ class Bench:
         if not self.args.no_ssh:
             self.log("http: ssh -R")
             r["ssh"] = self.wrk(f"http://{PUBLIC}:{HTTP + SSH_OFFSET}/1k", seconds=d)
+        if self.args.c_agent:
+            cagent = self.start_cagent()
+            self.log("http: nodeagent server + C agent")
+            with self.profiled("http-c-agent", cagent, d) as cpu:
+                r["c_agent"] = self.wrk(f"http://{PUBLIC}:{HTTP + C_AGENT_OFFSET}/1k",
+                                        seconds=d, host="bench.test")
+            r["c_agent"]["cpu_us_per_req"] = {k: v * 1e6 for k, v in per_unit(
+                cpu, r["c_agent"]["req_per_sec"] * d).items()}
+        if self.args.c_relay:
+            crelay = self.start_crelay()
+            self.log("http: C relay (Host router, the prototype)")
+            with self.profiled("http-c", crelay, d) as cpu:
+                r["c"] = self.wrk(f"http://{PUBLIC}:{HTTP + C_OFFSET}/1k", seconds=d,
+                                  host="bench.test")
+            r["c"]["cpu_us_per_req"] = {k: v * 1e6 for k, v in per_unit(
+                cpu, r["c"]["req_per_sec"] * d).items()}
         r["added_p50_ms"] = r["tls"]["p50_ms"] - r["direct"]["p50_ms"]
 
     def test_connrate(self) -> None:
@@ -376,6 +425,24 @@ class Bench:
                                           timeout=d + 30)
             r["tls"]["cpu_us_per_conn"] = {k: v * 1e6 for k, v in per_unit(
                 cpu, r["tls"]["per_sec"] * d).items()}
+            if self.args.c_agent:
+                cagent = self.start_cagent()
+                time.sleep(1)
+                self.log(f"new connections/s ({label}): nodeagent server + C agent")
+                with self.profiled(f"{key}-c-agent", cagent, d) as cpu:
+                    r["c_agent"] = self.benchtool(mode, PUBLIC, port + C_AGENT_OFFSET, d, 16,
+                                                  timeout=d + 30)
+                r["c_agent"]["cpu_us_per_conn"] = {k: v * 1e6 for k, v in per_unit(
+                    cpu, r["c_agent"]["per_sec"] * d).items()}
+            if self.args.c_relay:
+                crelay = self.start_crelay()
+                time.sleep(1)
+                self.log(f"new connections/s ({label}): C relay (the prototype)")
+                with self.profiled(f"{key}-c", crelay, d) as cpu:
+                    r["c"] = self.benchtool(mode, PUBLIC, port + C_OFFSET, d, 16,
+                                            timeout=d + 30)
+                r["c"]["cpu_us_per_conn"] = {k: v * 1e6 for k, v in per_unit(
+                    cpu, r["c"]["per_sec"] * d).items()}
             if not self.args.no_ssh:
                 time.sleep(1)
                 self.log(f"new connections/s ({label}): ssh -R")
@@ -597,6 +664,39 @@ HEADLINES: list[tuple[str, str, str, Any]] = [
                          / r["connrate_close_first"]["ssh"]["per_sec"])),
     ("conn_cpu_us", "CPU us/connection (target closes), server + agent", "",
      lambda r: sum(r["connrate_close_first"]["tls"]["cpu_us_per_conn"].values())),
+    # --c-relay: the C prototype in the same rounds.
+    ("http_c_vs_ssh", "HTTP req/s, C relay / ssh -R", "",
+     lambda r: r["http"]["c"]["req_per_sec"] / r["http"]["ssh"]["req_per_sec"]),
+    ("http_c_p99_ms", "HTTP p99 ms, C relay", "", lambda r: r["http"]["c"]["p99_ms"]),
+    ("http_c_cpu_us_per_req", "CPU us/request, C relay server + agent", "",
+     lambda r: sum(r["http"]["c"]["cpu_us_per_req"].values())),
+    ("connrate_c_vs_ssh", "new conn/s, client closes, C relay / ssh -R", "",
+     lambda r: r["connrate"]["c"]["per_sec"] / r["connrate"]["ssh"]["per_sec"]),
+    ("connrate_close_first_c_vs_ssh", "new conn/s, target closes first, C relay / ssh -R",
+     "", lambda r: (r["connrate_close_first"]["c"]["per_sec"]
+                    / r["connrate_close_first"]["ssh"]["per_sec"])),
+    ("conn_c_cpu_us", "CPU us/connection (target closes), C relay server + agent", "",
+     lambda r: sum(r["connrate_close_first"]["c"]["cpu_us_per_conn"].values())),
+    ("conn_c_client_closes_cpu_us", "CPU us/connection (client closes), C relay", "",
+     lambda r: sum(r["connrate"]["c"]["cpu_us_per_conn"].values())),
+    # --c-agent: nodeagent's server, the C prototype as its agent.
+    ("http_c_agent_vs_ssh", "HTTP req/s, nodeagent server + C agent / ssh -R", "",
+     lambda r: r["http"]["c_agent"]["req_per_sec"] / r["http"]["ssh"]["req_per_sec"]),
+    ("http_c_agent_p99_ms", "HTTP p99 ms, nodeagent server + C agent", "",
+     lambda r: r["http"]["c_agent"]["p99_ms"]),
+    ("http_c_agent_cpu_us_server", "CPU us/request, nodeagent server (C agent)", "",
+     lambda r: r["http"]["c_agent"]["cpu_us_per_req"]["server"]),
+    ("http_c_agent_cpu_us_agent", "CPU us/request, C agent (nodeagent server)", "",
+     lambda r: r["http"]["c_agent"]["cpu_us_per_req"]["agent"]),
+    ("connrate_close_first_c_agent_vs_ssh",
+     "new conn/s, target closes first, nodeagent server + C agent / ssh -R", "",
+     lambda r: (r["connrate_close_first"]["c_agent"]["per_sec"]
+                / r["connrate_close_first"]["ssh"]["per_sec"])),
+    ("conn_c_agent_cpu_us_server", "CPU us/connection (target closes), nodeagent server "
+     "(C agent)", "",
+     lambda r: r["connrate_close_first"]["c_agent"]["cpu_us_per_conn"]["server"]),
+    ("conn_c_agent_cpu_us_agent", "CPU us/connection (target closes), C agent", "",
+     lambda r: r["connrate_close_first"]["c_agent"]["cpu_us_per_conn"]["agent"]),
     ("bulk_up_vs_ssh", "1 stream client->edge, nodeagent / ssh -R", ">= 1x",
      lambda r: r["bulk"]["up"]["tls_gbps"] / r["bulk"]["up"]["ssh_gbps"]),
     ("bulk_down_vs_ssh", "1 stream edge->client, nodeagent / ssh -R", ">= 1x",
@@ -772,6 +872,95 @@ class Stack:
                 proc.wait()
 
 
+class CRelay:
+    """The C prototype of the data path (scripts/bench/bulk_relay.c) as the server (cloud:
+    the TCP mappings' and the HTTP front's public ports at target + C_OFFSET, the tunnel
+    on CLOUD:8445) and the agent (edge), each one process; the same certificates as the
+    nodeagent stack's."""
+
+    TUNNEL = f"{CLOUD}:8445"
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+
+    def start(self) -> None:
+        from scripts.bench.bulk_parity import build_relay
+        b = self.bench
+        d = b.tmp / "crelay"
+        d.mkdir(exist_ok=True)
+        shutil.copy(b.tmp / "server.crt", d / "cert.pem")
+        shutil.copy(b.tmp / "server.key", d / "key.pem")
+        shutil.copy(b.tmp / "ca.crt", d / "ca.pem")
+        relay = build_relay(d)
+        b.log("starting the C relay's server + agent (the prototype)")
+        maps = []
+        for port in (ECHO, ECHO_CLOSE):
+            maps += [f"{PUBLIC}:{port + C_OFFSET}", str(port)]
+        maps += [f"{PUBLIC}:{HTTP + C_OFFSET}", f"http:bench.test={HTTP}"]
+        self.server = b.spawn("cloud", [str(relay), "server", self.TUNNEL, str(d), *maps],
+                              "crelay-server")
+        b.wait_listening("cloud", 8445, CLOUD)
+        self.agent = b.spawn("edge", [str(relay), "agent", self.TUNNEL, str(d)],
+                             "crelay-agent")
+        b.wait_listening("cloud", HTTP + C_OFFSET, PUBLIC)
+
+    def cpu(self) -> dict[str, float]:
+        return {"server": cpu_of(self.server.pid), "agent": cpu_of(self.agent.pid)}
+
+    def stop(self) -> None:
+        for proc in (self.agent, self.server):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(5)
+
+
+class CAgentStack(Stack):
+    """nodeagent's server (cloud; public ports at target + C_AGENT_OFFSET, the tunnel on
+    CLOUD:8446) with the C prototype as its agent (edge): the agent's side compiled, the
+    server's as shipped."""
+
+    def __init__(self, bench: Bench) -> None:
+        super().__init__(bench, "tls")
+        self.scheme = "cagent"
+        self.offset = C_AGENT_OFFSET
+        self.dir = bench.tmp / "cagent"
+        self.dir.mkdir(exist_ok=True)
+        self.url = f"tls://{CLOUD}:8446"
+        cfg = self.server_cfg
+        cfg.update(server_id="bench-cagent", tunnel=self.url,
+                   debug_socket=str(self.dir / "server.sock"))
+        for mapping in cfg["tcp"]:
+            port = int(mapping["target"].rsplit(":", 1)[1])
+            mapping["listen"] = f"{PUBLIC}:{port + C_AGENT_OFFSET}"
+        cfg["http"] = [{"name": "web", "listen": f"{PUBLIC}:{HTTP + C_AGENT_OFFSET}",
+                        "routes": [{"host": "bench.test", "node": "edge-1",
+                                    "target": f"127.0.0.1:{HTTP}"}]}]
+
+    def start(self) -> None:
+        from scripts.bench.bulk_parity import build_relay
+        b = self.bench
+        shutil.copy(b.tmp / "ca.crt", self.dir / "ca.pem")
+        relay = build_relay(self.dir)
+        b.log("starting nodeagent server + the C prototype as its agent")
+        tree = str(b.args.tree or ROOT)
+        self.server = b.spawn("cloud", self._cmd("server", self.server_cfg), "cagent-server",
+                              env={**os.environ, "PYTHONPATH": tree}, cwd=tree)
+        b.wait_listening("cloud", HTTP + self.offset, PUBLIC)
+        hello = json.dumps({"node": "edge-1", "token": TOKEN})
+        self.agent = b.spawn("edge", [str(relay), "agent", f"{CLOUD}:8446", str(self.dir)],
+                             "cagent-agent", env={**os.environ, "BULK_HELLO": hello})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.agent.poll() is not None:
+                raise RuntimeError("the C agent exited: "
+                                   f"{(b.tmp / 'cagent-agent.log').read_text()}")
+            with contextlib.suppress(Exception):
+                if any(a["node"] == "edge-1" for a in self.server_status()["agents"]):
+                    return
+            time.sleep(0.1)
+        raise RuntimeError("the C agent did not connect within 20s")
+
+
 # ---------------------------------------------------------------------- report
 
 
@@ -831,6 +1020,24 @@ def _table(res: dict[str, Any]) -> str:
             row("  CPU us/request server, agent", None, cpu.get("server"), None, None,
                 digits=0)
             row("  ", None, cpu.get("agent"), None, None, digits=0)
+        if "c_agent" in h:
+            row("HTTP req/s, nodeagent server + C agent", None, g("c_agent", "req_per_sec"),
+                None, g("ssh", "req_per_sec"), digits=0)
+            row("  its p99 ms", None, g("c_agent", "p99_ms"), None, g("ssh", "p99_ms"))
+            acpu = g("c_agent", "cpu_us_per_req")
+            if acpu:
+                row("  its CPU us/request server, C agent", None, acpu.get("server"), None,
+                    None, digits=0)
+                row("  ", None, acpu.get("agent"), None, None, digits=0)
+        if "c" in h:
+            row("HTTP req/s, C relay (prototype)", None, g("c", "req_per_sec"), None,
+                g("ssh", "req_per_sec"), digits=0)
+            row("  C relay p99 ms", None, g("c", "p99_ms"), None, g("ssh", "p99_ms"))
+            ccpu = g("c", "cpu_us_per_req")
+            if ccpu:
+                row("  C relay CPU us/request server, agent", None, ccpu.get("server"),
+                    None, None, digits=0)
+                row("  ", None, ccpu.get("agent"), None, None, digits=0)
         row("HTTP p50 ms", g("direct", "p50_ms"), g("tls", "p50_ms"), None, g("ssh", "p50_ms"))
         row("HTTP p99 ms", g("direct", "p99_ms"), g("tls", "p99_ms"), None, g("ssh", "p99_ms"))
         row("HTTP added p50 vs direct ms", None, h.get("added_p50_ms"), None,
@@ -846,6 +1053,22 @@ def _table(res: dict[str, Any]) -> str:
         if cpu:
             row("  CPU us/conn server, agent", None, cpu.get("server"), None, None, digits=0)
             row("  ", None, cpu.get("agent"), None, None, digits=0)
+        if "c_agent" in c:
+            row("  nodeagent server + C agent", None, c["c_agent"]["per_sec"], None,
+                c.get("ssh", {}).get("per_sec"), digits=0)
+            acpu = c["c_agent"].get("cpu_us_per_conn")
+            if acpu:
+                row("  its CPU us/conn server, C agent", None, acpu.get("server"), None,
+                    None, digits=0)
+                row("  ", None, acpu.get("agent"), None, None, digits=0)
+        if "c" in c:
+            row("  C relay (prototype)", None, c["c"]["per_sec"], None,
+                c.get("ssh", {}).get("per_sec"), digits=0)
+            ccpu = c["c"].get("cpu_us_per_conn")
+            if ccpu:
+                row("  C relay CPU us/conn server, agent", None, ccpu.get("server"), None,
+                    None, digits=0)
+                row("  ", None, ccpu.get("agent"), None, None, digits=0)
     if "fairness" in res:
         f = res["fairness"]
         for key, label in (("alone", "50 rr streams p99 ms, alone"),
@@ -967,6 +1190,12 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="run the nodeagent server with --workers N (RSS and CPU: all "
                              "its processes together)")
+    parser.add_argument("--c-relay", action="store_true",
+                        help="also run the C prototype (scripts/bench/bulk_relay.c) in the "
+                             "connrate and http tests, between nodeagent and ssh -R")
+    parser.add_argument("--c-agent", action="store_true",
+                        help="also run nodeagent's server with the C prototype as its agent "
+                             "in the connrate and http tests")
     parser.add_argument("--tree", type=Path, default=None,
                         help="run nodeagent from this source tree (A/B comparisons)")
     args = parser.parse_args()
@@ -985,6 +1214,8 @@ def main() -> int:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.c_agent and args.workers > 1:
+        parser.error("--c-agent: the C agent holds one tunnel; run it without --workers")
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -55,11 +55,16 @@ from tunnel.transports import PeerInfo, Transport, TransportError
 
 # Stream senders wait while this much of our own output is queued.
 OUTGOING_HIGH_WATER = 1024 * 1024
-# The writer writes at most this much synchronously (send_nowait); more goes through the
-# transport's send, which encrypts and writes it piece by piece: one big synchronous
-# write encrypted all of it at once and copied what the socket did not take (more bulk
-# CPU per GB, as `python -m scripts.bench.tunnel` shows).
-_NOWAIT_MAX = 64 * 1024
+# The writer, and a task that sends its round's output itself (`_send_now`, `flush`),
+# write at most this much synchronously (send_nowait): a splice loop round's 256 KiB read
+# (tunnel.spliceloop.CHUNK) in its DATA frames, so a single bulk stream's rounds go out
+# from the loop's own task, with no writer wake-up and none of the async send's lock and
+# socket checkpoints (three scheduler rounds per write). TLSStream encrypts that much in
+# one piece on its async path too, and keeps what the socket did not take without a
+# copy. More goes through the transport's send, which encrypts and writes it piece by
+# piece: one unbounded synchronous write encrypted all of it at once (up to the 1 MiB
+# high-water mark) and copied what the socket did not take (more bulk CPU per GB).
+_NOWAIT_MAX = 260 * 1024
 # The reader stops reading only beyond what stream data alone can queue (the peer's
 # connection window, capped here): a reader that stopped for stream data while its
 # writer is blocked on the peer, whose reader does the same, would deadlock both. Past
@@ -132,8 +137,9 @@ class TunnelConnection:
         # The reader is dispatching one read's events: output they queue is sent once,
         # after the loop, instead of per event.
         self._dispatching = False
-        # Flows the reader delivered datagrams to in this read (their sinks may hold
-        # them back to send together: tunnel/udp.py's SocketFlow, with UDP GSO).
+        # Streams the reader delivered data or datagrams to in this read: their sinks may
+        # hold them back to send together (tunnel/udp.py's SocketFlow, with UDP GSO; a
+        # splice, in one sendmsg), told by `delivered()` when the read's events are done.
         self._fed: list[TunnelStream] = []
         self._fast_path = self.settings.send_fast_path
         # Set whenever the writer takes the core's queued output: senders waiting for
@@ -236,6 +242,8 @@ class TunnelConnection:
                 early, self._early_events = self._early_events, []
                 for event in early:
                     self._dispatch(event)
+                if self._fed:
+                    self._delivered()
                 if early:
                     self._wake_writer()
                 if self.end_reason is None and not self._core.is_closed:
@@ -271,23 +279,30 @@ class TunnelConnection:
                 self._end(f"transport failed: {exc}", p.ErrorCode.INTERNAL_ERROR)
                 return
             self.bytes_in += len(data)
-            events = core.receive_data(data)
+            # DATA payloads lent as views of `data`: the sinks write them out or copy
+            # them by the end of `_delivered()`; a stream's buffer copies at once.
+            events = core.receive_data(data, lend=True)
             self._dispatching = True
             try:
                 for event in events:
                     self._dispatch(event)
-                if self._fed:  # flows' sinks send what this read held back, at once
-                    fed, self._fed = self._fed, []
-                    for stream in fed:
-                        stream.datagrams_delivered()
+                if self._fed:
+                    self._delivered()
             finally:
                 self._dispatching = False
+                events.clear()  # no view of the buffer outlives the dispatch
             if core.outgoing_size and not self._send_now():
                 self._wake_writer()
             if self.end_reason is not None or core.is_closed:
                 await self._final_flush()
                 return
             await self._wait_for_space(high_water)
+
+    def _delivered(self) -> None:
+        """The sinks fed in this read send what they held back, at once."""
+        fed, self._fed = self._fed, []
+        for stream in fed:
+            stream.delivered()
 
     def _dispatch(self, event: p.Event) -> None:
         if isinstance(event, p.DatagramReceived):
@@ -302,6 +317,9 @@ class TunnelConnection:
             stream = self._streams.get(event.stream_id)
             if stream is not None:
                 stream.data_received(event.data)
+                fed = self._fed
+                if not fed or fed[-1] is not stream:  # once per run of one stream's
+                    fed.append(stream)
             else:
                 self._core.acknowledge_received_data(event.stream_id, len(event.data))
         elif isinstance(event, p.WindowUpdated):
@@ -415,28 +433,31 @@ class TunnelConnection:
         read trio's private run queue (scripts/benchlib/micro.py --tls measures both)."""
         core = self._core
         while True:
-            data = core.data_to_send()
-            if not data and not self._transport_pending:
+            size = core.outgoing_size
+            if not size and not self._transport_pending:
                 self._writer_wakeup = trio.Event()
                 await self._writer_wakeup.wait()
                 continue
             self._space.set()
-            if (data and self._fast_path and len(data) <= _NOWAIT_MAX
+            if (size and self._fast_path and size <= _NOWAIT_MAX
                     and not self._transport_pending and self.transport.can_send_nowait()):
                 # No lock, no checkpoint: one task step per wake-up instead of four.
-                self.bytes_out += len(data)
-                if not self.transport.send_nowait(data):
+                self.bytes_out += size
+                if not self.transport.send_pieces_nowait(core.pieces_to_send()):
                     self._transport_pending = True
                 continue
+            # Unjoined: a TLS transport encrypts the frames where they lie (see
+            # TLSStream.send_pieces), no fresh buffer of the whole output per send.
+            pieces = core.pieces_to_send()
             self._transport_pending = False
             try:
-                await self.transport.send(data)
+                await self.transport.send_pieces(pieces)
             except TransportError as exc:
                 self._end(f"transport failed while sending: {exc}", p.ErrorCode.INTERNAL_ERROR)
                 # Wake the reader's world: closing the transport makes receive() fail.
                 await self.transport.aclose()
                 return
-            self.bytes_out += len(data)
+            self.bytes_out += size
 
     async def _final_flush(self) -> None:
         """Send what the core queued last (a GOAWAY explaining a protocol error)."""
@@ -461,10 +482,10 @@ class TunnelConnection:
         if (not size or size > _NOWAIT_MAX or not self._fast_path or self._transport_pending
                 or self._dispatching or not self.transport.can_send_nowait()):
             return False
-        data = self._core.data_to_send()
+        pieces = self._core.pieces_to_send()
         self._space.set()
-        self.bytes_out += len(data)
-        if not self.transport.send_nowait(data):
+        self.bytes_out += size
+        if not self.transport.send_pieces_nowait(pieces):
             self._transport_pending = True  # the rest waits in the transport: the writer's
             self._wake_writer()
         return True
@@ -651,10 +672,11 @@ class TunnelConnection:
                 and self.transport.can_send_nowait()):
             # The writer's fast path, in the calling task: the writer is idle (no send
             # in progress), so taking everything queued keeps the order of the bytes.
-            data = self._core.data_to_send()
+            size = self._core.outgoing_size
+            pieces = self._core.pieces_to_send()
             self._space.set()
-            self.bytes_out += len(data)
-            if self.transport.send_nowait(data):
+            self.bytes_out += size
+            if self.transport.send_pieces_nowait(pieces):
                 return
             self._transport_pending = True
         self._wake_writer()

@@ -119,6 +119,9 @@ class ShapedTransport(Transport):
     def send_nowait(self, data: bytes | bytearray | memoryview) -> bool:
         return self.inner.send_nowait(data)
 
+    def send_pieces_nowait(self, pieces: list[bytes | memoryview]) -> bool:
+        return self.inner.send_pieces_nowait(pieces)
+
     def unacknowledged_wait(self) -> float | None:
         return self.inner.unacknowledged_wait()
 

@@ -15,10 +15,12 @@ set is ready. No task, nursery or cancel scope per stream; no buffer while nothi
   the stream's credit returns (`DirectSink.on_window`). The loop stops reading while the
   connection's output is above its high-water mark (`send_queued`), as a task would.
 - tunnel → socket: the connection's reader hands each frame to the record
-  (`DirectSink.on_data`), which writes it into the socket at once; what the socket does
-  not take waits in a queue made for that moment, the socket joins the write set, and
-  the loop writes the rest when it can. Credit returns only for bytes the socket took,
-  so a target that stops reading stops its sender at the stream's window.
+  (`DirectSink.on_data`), which holds the frames of one tunnel read and writes them into
+  the socket together once the reader is done with the read (`on_delivered`: one
+  `sendmsg` for a read's 64 KiB frames, not a `send` each); what the socket does not
+  take waits in that queue, the socket joins the write set, and the loop writes the rest
+  when it can. Credit returns only for bytes the socket took, so a target that stops
+  reading stops its sender at the stream's window.
 - half-close both ways (EOF → FIN, FIN → shutdown(SHUT_WR)); a failure either way aborts
   both (a TCP RST, a tunnel RST), never a clean-looking EOF; the end is reported once, by
   `on_end`, with the bytes moved each way.
@@ -79,6 +81,9 @@ _OUT = select.EPOLLOUT
 # noticed, one that half-closes (FIN, no HUP) waits in the kernel with its bytes.
 _ERR = select.EPOLLERR
 _LINGER_RESET = struct.pack("ii", 1, 0)
+# At most this many buffers per sendmsg (Linux's IOV_MAX): a peer's tiny frames can put
+# more than that in a queue, which then goes out in several calls.
+_IOV_MAX = 1024
 # Every loop runs in the process's trio thread and copies a read out before it yields
 # (see tunnel.buffers). Reads never exceed CHUNK, so the mapping never grows and one
 # view of it serves every read.
@@ -192,9 +197,9 @@ class _Splice:
     """One stream joined to one socket: the stream's direct sink, and the loop's record
     of the socket. Buffers exist only while data waits (`out`, `held`)."""
 
-    __slots__ = ("dial", "ended", "eof_pending", "fd", "free", "held", "loop", "mask",
-                 "on_end", "out", "owner", "reading", "sock", "stream", "to_socket",
-                 "to_tunnel", "writing")
+    __slots__ = ("batched", "dial", "ended", "eof_pending", "fd", "free", "held", "loop",
+                 "mask", "on_end", "out", "owner", "reading", "sock", "stream",
+                 "to_socket", "to_tunnel", "writing")
 
     def __init__(self, loop: SpliceLoop, stream: TunnelStream, sock: socket.socket,
                  on_end: OnEnd, owner: SpliceOwner | None) -> None:
@@ -209,6 +214,9 @@ class _Splice:
         self.writing = True  # tunnel → socket still open
         self.eof_pending = False  # FIN from the tunnel, passed on once `out` drains
         self.out: collections.deque[bytes | memoryview] | None = None  # → socket
+        # `out` holds the frames of the read the reader is delivering, to be written
+        # when it is done with it (on_delivered), not a write the socket could not take.
+        self.batched = False
         self.free = 0  # bytes at the head of `out` that are not the stream's (leftover)
         self.held: memoryview | None = None  # read from the socket, waiting for credit
         self.to_socket = 0
@@ -220,32 +228,38 @@ class _Splice:
 
     # ---- tunnel.stream.DirectSink: called by the connection's reader
 
-    def on_data(self, data: bytes) -> None:
-        if self.out is not None:
-            self.out.append(data)
+    def on_data(self, data: bytes | memoryview) -> None:
+        # `data` is lent (a view of the reader's buffer) until on_delivered.
+        out = self.out
+        if out is not None:
+            # Behind this read's batch: lent like it. Behind an unfinished write or a
+            # dial: kept, so copied.
+            out.append(data if self.batched else bytes(data))
             return
-        try:
-            sent = self.sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            self.stream.consumed(len(data))
-            self.loop.end(self, _why(exc))
-            return
-        if sent:
-            self.to_socket += sent
-            self.stream.consumed(sent)
-        if sent < len(data):
-            self.out = collections.deque((memoryview(data)[sent:],))
-            self.loop.update(self)
+        # The first frame of this read for the socket: the rest of the read's follow
+        # before on_delivered, which writes them all in one call, from where they lie.
+        self.out = collections.deque((data,))
+        self.batched = True
+
+    def on_delivered(self) -> None:
+        if self.batched:
+            self.batched = False
+            if self.out and not self.ended:
+                self.loop.flush(self)
+            if self.out and not self.ended:
+                # The socket did not take it all: what waits is kept, so copied.
+                self.out = collections.deque(
+                    bytes(b) if type(b) is memoryview else b for b in self.out)
 
     def on_eof(self) -> None:
         if self.out is None:
             self.loop.shut_write(self)
         else:
-            self.eof_pending = True
+            self.eof_pending = True  # after the batch or the write under way
 
     def on_reset(self, error: StreamResetError) -> None:
+        # What came before the RST goes to the socket first, as it did frame by frame.
+        self.on_delivered()
         self.loop.end(self, _why(error))
 
     def on_window(self) -> None:
@@ -407,6 +421,9 @@ class SpliceLoop:
         self._started = False
         self.ended = False
         self._in_round = False  # the task is going over ready sockets (it sends after)
+        # A read of the round filled CHUNK and its socket stays in the read set: more is
+        # likely waiting, so the next round looks before it waits (see _run).
+        self._full_read = False
         # Dials under way, earliest deadline first (heapq; answered ones leave lazily),
         # and the one task that refuses those whose deadline passes: a timer per
         # connection, not a cancel scope per dial.
@@ -723,14 +740,22 @@ class SpliceLoop:
         return True
 
     def flush(self, s: _Splice) -> None:
-        """Write what waits for the socket; shut its write side once a FIN waits behind."""
+        """Write what waits for the socket; shut its write side once a FIN waits behind.
+        Several buffers go in one sendmsg (a read's frames, or what waited)."""
         out = s.out
         assert out is not None
         stream = s.stream
+        sock = s.sock
         try:
             while out:
-                data = out[0]
-                sent = s.sock.send(data)
+                count = len(out)
+                if count == 1:
+                    sent = sock.send(out[0])
+                elif count <= _IOV_MAX:
+                    sent = sock.sendmsg(out)
+                else:
+                    count = _IOV_MAX
+                    sent = sock.sendmsg(itertools.islice(out, _IOV_MAX))
                 s.to_socket += sent
                 if s.free:
                     free = min(sent, s.free)
@@ -739,10 +764,17 @@ class SpliceLoop:
                         stream.consumed(sent - free)
                 else:
                     stream.consumed(sent)
-                if sent < len(data):
-                    out[0] = memoryview(data)[sent:]
-                    return
-                out.popleft()
+                # Drop what went; a buffer the socket took part of (or none of) keeps
+                # the rest, and the socket is full.
+                while count:
+                    size = len(out[0])
+                    if sent < size:
+                        if sent:
+                            out[0] = memoryview(out[0])[sent:]
+                        return
+                    out.popleft()
+                    sent -= size
+                    count -= 1
         except BlockingIOError:
             return
         except OSError as exc:
@@ -791,7 +823,10 @@ class SpliceLoop:
             if not self.to_tunnel(s, data):
                 self.update(s)
                 return
-            if not hup or size == CHUNK:
+            if size == CHUNK:
+                self._full_read = True
+                return
+            if not hup:
                 return
             hup = 0  # one more read at most: the EOF, which the peer's FIN put last
         s.reading = False
@@ -856,11 +891,21 @@ class SpliceLoop:
         carrier = self._carrier
         try:
             while True:
-                # Always a yield point (other tasks run between rounds), and one epoll
-                # wait of trio's and one of ours per round, whether or not one is ready.
-                await trio.lowlevel.wait_readable(epoll.fileno())
+                # Always a yield point (other tasks run between rounds). After a round
+                # that filled a read, more is likely there: a checkpoint, then our own
+                # look (one epoll_wait), and trio's wait only if nothing was: a wait per
+                # round re-arms trio's one-shot registration of the epoll descriptor (an
+                # epoll_ctl) and takes a trip through its I/O dispatch.
+                events = None
+                if self._full_read:
+                    self._full_read = False
+                    await trio.lowlevel.checkpoint()
+                    events = epoll.poll(0, _MAX_EVENTS)
+                if not events:
+                    await trio.lowlevel.wait_readable(epoll.fileno())
+                    events = epoll.poll(0, _MAX_EVENTS)
                 self._in_round = True
-                for fd, flags in epoll.poll(0, _MAX_EVENTS):
+                for fd, flags in events:
                     s = splices.get(fd)
                     if s is None:
                         continue
@@ -874,7 +919,9 @@ class SpliceLoop:
                         continue
                     if s.out and flags & ~_IN:  # writable, or an error to learn of
                         self.flush(s)
-                    if not s.ended and s.mask & _IN:
+                    # Not for writability alone: a read then finds nothing (EAGAIN),
+                    # a system call and an exception per write a full socket let go.
+                    if not s.ended and s.mask & _IN and flags & ~_OUT:
                         self.read(s, flags & _RDHUP)
                 self._in_round = False
                 # Output for the tunnel, the whole round's: written from here when the

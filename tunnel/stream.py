@@ -110,7 +110,14 @@ class DirectSink(Protocol):
     stream for each byte it has passed on, which returns flow-control credit. It hears
     of send credit too (`on_window`), for a sender that is not a task (`send_nowait`)."""
 
-    def on_data(self, data: bytes) -> None: ...
+    def on_data(self, data: bytes | memoryview) -> None:
+        """A frame's payload, lent: valid until `on_delivered` returns (a view of the
+        reader's buffer); the sink copies what it keeps longer."""
+
+    def on_delivered(self) -> None:
+        """The reader is done with one read's frames: data a sink held back since its
+        first `on_data` of the read (to pass a read's frames on together) goes now, and
+        what the sink keeps beyond this call it has copied."""
 
     def on_eof(self) -> None: ...
 
@@ -195,7 +202,9 @@ class TunnelStream(trio.abc.HalfCloseableStream):
 
     # ---- called by the connection (its reader, and its end), never by users
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
+        """A frame's payload, lent until the reader's `delivered()` (see DirectSink):
+        the buffer for a receiving task keeps a copy."""
         if self._closed:
             # Already closed locally: consume at once so connection credit returns.
             self._conn.acknowledge(self.stream_id, len(data))
@@ -205,7 +214,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             return
         if self._buffer is None:
             self._buffer = collections.deque()
-        self._buffer.append(data)
+        self._buffer.append(bytes(data))
         self._buffered += len(data)
         self._wake_receiver()
 
@@ -214,9 +223,11 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         if self._datagram_sink is not None and not self._closed:
             self._datagram_sink.on_datagram(data)
 
-    def datagrams_delivered(self) -> None:
-        """The reader is done with one read's datagrams for this flow."""
-        if self._datagram_sink is not None:
+    def delivered(self) -> None:
+        """The reader is done with one read's data or datagrams for this stream."""
+        if self._sink is not None:
+            self._sink.on_delivered()
+        elif self._datagram_sink is not None:
             self._datagram_sink.on_datagrams_end()
 
     def eof_received(self) -> None:

@@ -50,9 +50,12 @@ class TunnelUpstream(trio.abc.HalfCloseableStream):
 
     # -- the stream's direct sink (called by the connection's reader)
 
-    def on_data(self, data: bytes) -> None:
-        self._chunks.append(data)
+    def on_data(self, data: bytes | memoryview) -> None:
+        self._chunks.append(bytes(data))  # lent by the reader: a copy to keep
         self._wake()
+
+    def on_delivered(self) -> None:
+        pass  # each frame was handed over (and its receiver woken) as it came
 
     def on_eof(self) -> None:
         self._eof = True

@@ -14,6 +14,15 @@ CPU is read from /proc before and after each transfer.
 
     .venv/bin/python -m scripts.bench.splice_bulk                          # this tree
     .venv/bin/python -m scripts.bench.splice_bulk --tree /work/base-bulk   # A/B, interleaved
+    .venv/bin/python -m scripts.bench.splice_bulk --tree /work/base-bulk --syscalls --mib 128
+
+`--rr`: request/response latency too, 64-byte round trips through a stream of their own
+to an echo target, alone and beside an up transfer (a bulk stream must not starve the
+others), p50 and p99.
+
+`--syscalls`: each endpoint's system calls per 128 MiB as well (`strace -c -f` attached
+around each transfer, total and by name; strace slows the endpoints, so their CPU figures
+in such a run are not comparable with a run without it).
 
 With `--tree`, the other checkout's `tunnel` package runs the endpoints of every other
 run (PYTHONPATH, -P), round by round. Prints each run and then one JSON object: per tree,
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -37,6 +47,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BUF = 1024 * 1024
 TICK = os.sysconf("SC_CLK_TCK")
+# The calls `--syscalls` reports by name (the rest are summed in `other`): the same keys
+# every round, so the summary can take their medians.
+SYSCALLS = ("epoll_wait", "epoll_ctl", "poll", "recvfrom", "readv", "read", "sendto",
+            "sendmsg", "write", "writev")
 
 
 # ------------------------------------------------------------------ the endpoints
@@ -176,6 +190,12 @@ def _cpu_parts(pid: int) -> tuple[float, float]:
     return int(fields[11]) / TICK, int(fields[12]) / TICK  # utime, stime
 
 
+def _minor_faults(pid: int) -> int:
+    """Page faults of `pid` so far that read nothing from disk: mostly fresh anonymous
+    pages, which a large allocation the C heap took from the kernel anew costs per 4 KiB."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 def _send(sock: socket.socket, size: int) -> None:
     buf = memoryview(b"x" * BUF)
     left = size
@@ -199,12 +219,16 @@ class Pair:
 
     def __init__(self, tree: Path | None, certs: Path, callgrind: Path | None = None, *,
                  command: list[str] | None = None, env: dict[str, str] | None = None,
-                 ) -> None:
+                 syscalls: Path | None = None, echo: bool = False) -> None:
         """`command`: another endpoint program taking the same arguments (role, tunnel
         port, certificate directory, listen/target port pairs) and printing the same
         lines, instead of this tree's or `tree`'s Python endpoints
         (`scripts.bench.bulk_parity` runs its C relay so); `env`: added to theirs."""
         self.callgrind = callgrind
+        self.syscalls = syscalls  # a directory: strace -c around each transfer
+        # Minor page faults per MiB of each endpoint too (this harness's main() sets it;
+        # a subclass whose endpoints are other processes leaves it off).
+        self.count_faults = False
         self.sink = socket.create_server(("127.0.0.1", 0))
         self.source = socket.create_server(("127.0.0.1", 0))
         ports = [_free_port() for _ in range(3)]
@@ -224,6 +248,10 @@ class Pair:
         common = [str(ports[0]), str(certs)]
         targets = [str(ports[1]), str(self.sink.getsockname()[1]),
                    str(ports[2]), str(self.source.getsockname()[1])]
+        self.rr_port = 0
+        if echo:  # a third listener, to an echo target (threads of this process)
+            self.rr_port = _free_port()
+            targets += [str(self.rr_port), str(_echo_server())]
         self.server = subprocess.Popen([*cmd, "server", *common, *targets], env=env,
                                        stdout=subprocess.PIPE, text=True, cwd=ROOT)
         assert self.server.stdout is not None
@@ -243,7 +271,8 @@ class Pair:
             for pid in pids.values():
                 subprocess.run(["callgrind_control", "-z", str(pid)], check=True,
                                capture_output=True)
-        before = self.cpu()
+        tracers = self._trace(pids) if self.syscalls is not None else {}
+        before = self.cpu() | (self.faults() if self.count_faults else {})
         t0 = time.perf_counter()
         client = socket.create_connection(
             ("127.0.0.1", self.up_port if direction == "up" else self.down_port))
@@ -259,13 +288,70 @@ class Pair:
         client.close()
         target.close()
         assert got == [size], (got, size)
-        after = self.cpu()
-        out = {f"{k}_s_per_gb": (after[k] - before[k]) / (size / 1e9) for k in after}
+        after = self.cpu() | (self.faults() if self.count_faults else {})
+        out = {f"{k}_s_per_gb": (after[k] - before[k]) / (size / 1e9) for k in after
+               if not k.endswith("_faults")}
+        if self.count_faults:
+            for k in pids:
+                out[f"{k}_faults_per_mib"] = (
+                    after[f"{k}_faults"] - before[f"{k}_faults"]) / (size / BUF)
         out["gbps"] = size * 8 / elapsed / 1e9
         if self.callgrind is not None:
             for k, pid in pids.items():
                 out[f"{k}_instructions_per_mib"] = self._instructions(pid) / (size / BUF)
+        for k, (tracer, path) in tracers.items():
+            tracer.send_signal(signal.SIGINT)  # detach: strace writes its table
+            tracer.wait()
+            per = 128 * BUF / size
+            for name, calls in _strace_counts(path.read_text()).items():
+                out[f"{k}_{name}_per_128mib"] = calls * per
         return out
+
+    def _trace(self, pids: dict[str, int]) -> dict[str, tuple[subprocess.Popen[bytes], Path]]:
+        """strace -c attached to each endpoint (all its threads), once it has attached."""
+        assert self.syscalls is not None
+        tracers = {}
+        for k, pid in pids.items():
+            path = self.syscalls / f"{k}.{pid}.{time.monotonic_ns()}"
+            tracer = subprocess.Popen(["strace", "-c", "-f", "-p", str(pid), "-o", str(path)],
+                                      stderr=subprocess.PIPE)
+            assert tracer.stderr is not None
+            line = tracer.stderr.readline()  # "strace: Process N attached"
+            if b"attached" not in line:
+                raise RuntimeError(f"strace did not attach to {pid}: {line!r}")
+            tracer.stderr.close()
+            tracers[k] = (tracer, path)
+        return tracers
+
+    def rr(self, *, beside: int = 0, count: int = 1000) -> dict[str, float]:
+        """p50 and p99 µs of `count` 64-byte round trips through a stream of their own to
+        the echo target (`echo`), alone or while an up transfer of `beside` bytes runs."""
+        bulk = None
+        if beside:
+            bulk = threading.Thread(target=self.transfer, args=("up", beside))
+            bulk.start()
+            time.sleep(0.3)  # the bulk stream under way
+        sock = socket.create_connection(("127.0.0.1", self.rr_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = []
+        try:
+            for _ in range(count + 100):
+                t0 = time.perf_counter()
+                sock.sendall(b"r" * 64)
+                got = 0
+                while got < 64:
+                    got += len(sock.recv(64 - got))
+                times.append(time.perf_counter() - t0)
+                if bulk is not None and not bulk.is_alive():
+                    raise RuntimeError("the bulk transfer ended first: raise --mib")
+        finally:
+            sock.close()
+            if bulk is not None:
+                bulk.join()
+        times = sorted(times[100:])
+        key = "beside_bulk" if beside else "alone"
+        return {f"rr_{key}_p50_us": times[len(times) // 2] * 1e6,
+                f"rr_{key}_p99_us": times[int(len(times) * 0.99)] * 1e6}
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds (user + system, and system alone) each endpoint has used so far."""
@@ -274,6 +360,11 @@ class Pair:
             user, system = _cpu_parts(pid)
             out[side], out[f"{side}_sys"] = user + system, system
         return out
+
+    def faults(self) -> dict[str, int]:
+        """Minor page faults of each endpoint so far."""
+        return {f"{side}_faults": _minor_faults(proc.pid)
+                for side, proc in (("server", self.server), ("agent", self.agent))}
 
     def _instructions(self, pid: int) -> int:
         """Instructions since the last zeroing (callgrind_control -d dumps and zeroes)."""
@@ -294,6 +385,40 @@ class Pair:
                 proc.stdout.close()
         self.sink.close()
         self.source.close()
+
+
+def _echo_server() -> int:
+    """A TCP echo server on threads of this process (daemons); its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def echo(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+def _strace_counts(table: str) -> dict[str, int]:
+    """Calls by name (SYSCALLS, the rest as `other`) and in all (`syscalls`) from the
+    table `strace -c` writes."""
+    counts = dict.fromkeys((*SYSCALLS, "other", "syscalls"), 0)
+    for line in table.splitlines():
+        parts = line.split()
+        # % time, seconds, usecs/call, calls, [errors,] name
+        if len(parts) < 5 or not parts[3].isdigit() or parts[-1] == "total":
+            continue
+        name, calls = parts[-1], int(parts[3])
+        counts[name if name in SYSCALLS else "other"] += calls
+        counts["syscalls"] += calls
+    return counts
 
 
 def _free_port() -> int:
@@ -320,6 +445,11 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="the endpoints under valgrind's callgrind: instructions per MiB "
                              "too (~50x slower: use --mib 32)")
+    parser.add_argument("--rr", action="store_true",
+                        help="request/response latency too, alone and beside a bulk stream")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="system calls per 128 MiB of each endpoint too (strace -c; its "
+                             "CPU figures are then not comparable: use --mib 128)")
     args = parser.parse_args()
     trees: dict[str, Path | None] = {"this": None}
     if args.tree is not None:
@@ -334,7 +464,10 @@ def main() -> None:
             order = list(trees.items())
             for name, tree in order if rnd % 2 == 0 else order[::-1]:
                 grind = Path(tempfile.mkdtemp(dir=tmp)) if args.instructions else None
-                pair = Pair(tree, certs, grind)
+                pair = Pair(tree, certs, grind,
+                            syscalls=Path(tempfile.mkdtemp(dir=tmp)) if args.syscalls else None,
+                            echo=args.rr)
+                pair.count_faults = True
                 try:
                     pair.transfer("up", (4 if grind else 64) * BUF)  # warm up
                     for direction in ("up", "down"):
@@ -342,6 +475,14 @@ def main() -> None:
                         runs.setdefault(f"{name} {direction}", []).append(r)
                         print(f"round {rnd + 1} {name:5} {direction:4} "
                               + " ".join(f"{k}={v:.3f}" for k, v in r.items()),
+                              file=sys.stderr, flush=True)
+                    if args.rr:
+                        # Beside 1 GiB at least (a few seconds), fewer round trips:
+                        # each waits behind bulk (milliseconds).
+                        r = pair.rr() | pair.rr(beside=max(args.mib, 1024) * BUF, count=300)
+                        runs.setdefault(f"{name} rr", []).append(r)
+                        print(f"round {rnd + 1} {name:5} rr   "
+                              + " ".join(f"{k}={v:.0f}" for k, v in r.items()),
                               file=sys.stderr, flush=True)
                 finally:
                     pair.close()
@@ -352,12 +493,13 @@ def main() -> None:
                         for k in rs[0]}
     if "other" in trees:
         ratios = {}
-        for direction in ("up", "down"):
+        for direction in ("up", "down", "rr") if args.rr else ("up", "down"):
             this, other = runs[f"this {direction}"], runs[f"other {direction}"]
             for k in this[0]:
-                rr = [a[k] / b[k] for a, b in zip(this, other, strict=True)]
-                ratios[f"{direction} {k}"] = [round(statistics.median(rr), 3),
-                                              round(min(rr), 3), round(max(rr), 3)]
+                rr = [a[k] / b[k] for a, b in zip(this, other, strict=True) if b[k]]
+                if rr:  # (a count that is 0 in the other tree has no ratio)
+                    ratios[f"{direction} {k}"] = [round(statistics.median(rr), 3),
+                                                  round(min(rr), 3), round(max(rr), 3)]
         summary["this/other, per round (median, min, max)"] = ratios
     print(json.dumps(summary))
 

@@ -628,3 +628,27 @@ def test_already_connected_refusal_reaches_the_dialer_and_reads_as_internal_when
     assert ev == ConnectionTerminated(ErrorCode.ALREADY_CONNECTED,
                                       "already connected to this server", by_peer=True)
     assert ErrorCode.from_wire(12) is ErrorCode.ALREADY_CONNECTED
+
+
+def test_lent_payloads_are_views_of_what_was_fed_and_copies_otherwise() -> None:
+    """receive_data(lend=True) (the tunnel's reader) hands DATA payloads out as views
+    of the bytes fed (no copy per frame), a frame completed across two reads as a view
+    of the reassembly buffer; without it every payload is bytes of its own."""
+    pair = handshake()
+    sid, d, a = open_accepted(pair)
+    d.send_data(sid, b"a" * 5000)
+    d.send_data(sid, b"b" * 3000)
+    wire = bytearray(d.data_to_send())
+    cut = len(wire) - 1000  # the second frame arrives in two reads
+    events = (a.receive_data(memoryview(wire)[:cut], lend=True)
+              + a.receive_data(memoryview(wire)[cut:], lend=True))
+    payloads = [e.data for e in events if isinstance(e, DataReceived)]
+    assert [bytes(x) for x in payloads] == [b"a" * 5000, b"b" * 3000]
+    assert all(type(x) is memoryview for x in payloads)
+    wire[9:14] = b"zzzzz"  # the caller reuses its buffer: the lent view shows it
+    assert bytes(payloads[0][:5]) == b"zzzzz"
+    assert bytes(payloads[1]) == b"b" * 3000  # the reassembled frame is not in `wire`
+    d.send_data(sid, b"c" * 10)
+    events = a.receive_data(d.data_to_send())
+    assert [e.data for e in events if isinstance(e, DataReceived)] == [b"c" * 10]
+    assert all(type(e.data) is bytes for e in events if isinstance(e, DataReceived))

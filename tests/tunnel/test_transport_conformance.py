@@ -758,3 +758,45 @@ async def test_what_a_tls_stream_keeps_of_a_failure_has_no_traceback() -> None:
 
     odd = _detached(raised(Unbuildable(1, 2)))
     assert isinstance(odd, trio.BrokenResourceError) and "Unbuildable" in str(odd)
+
+
+@pytest.mark.parametrize("raw_pair", [_tcp_pair, _lockstep_pair])
+async def test_tls_stream_sends_pieces_unjoined_whole_and_in_order(
+        certs: Certs, raw_pair: Callable[[], Awaitable[tuple[trio.abc.Stream,
+                                                             trio.abc.Stream]]]) -> None:
+    """send_pieces() and send_pieces_nowait() (the tunnel writer's frames, headers and
+    payload views, encrypted where they lie): the peer gets exactly their concatenation,
+    over TCP and over a lockstep pipe whose sends wait; what send_pieces_nowait() could
+    not write goes first on the next send_pieces([])."""
+    def frames(count: int) -> list[bytes | memoryview]:
+        pieces: list[bytes | memoryview] = []
+        for i in range(count):
+            payload = os.urandom(65536 if i % 3 else 1000 + i)
+            pieces += [struct.pack("!IBI", i, 0, i), memoryview(payload)]
+        return pieces
+
+    client, server = await _tls_pair(certs, raw_pair)
+    batches = [frames(40), frames(3), frames(1), frames(17)]
+    expected = b"".join(b"".join(bytes(p) for p in batch) for batch in batches)
+    got = bytearray()
+
+    async def send() -> None:
+        for i, batch in enumerate(batches):
+            if i % 2 and client.can_send_nowait():
+                if not client.send_pieces_nowait(batch):
+                    await client.send_pieces([])  # flushes what it left
+            else:
+                await client.send_pieces(batch)
+            assert batch == []
+        await client.aclose()
+
+    async def receive() -> None:
+        while view := await server.receive_shared(1024 * 1024):
+            got.extend(view)
+        await server.aclose()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            nursery.start_soon(receive)
+    assert bytes(got) == expected

@@ -167,6 +167,8 @@ class Connection:
         )
 
         self._inbuf = bytearray()
+        # receive_data(lend=True) is under way: DATA payloads are handed out as views.
+        self._lend = False
         self._out: list[bytes | memoryview] = []
         self._out_size = 0
 
@@ -254,6 +256,18 @@ class Connection:
         self._out.clear()
         self._out_size = 0
         return data
+
+    def pieces_to_send(self) -> list[bytes | memoryview]:
+        """`data_to_send()` unjoined: the queued frames' headers and payloads in order
+        (payloads may be views of the buffers given to `send_data`), for a transport
+        that writes them without the join (TLSStream encrypts them in place). The list
+        is the caller's; empty if nothing is queued."""
+        out = self._out
+        if not out:
+            return []
+        self._out = []
+        self._out_size = 0
+        return out
 
     def _emit(self, ftype: FrameType, flags: int, stream_id: int,
               payload: bytes | memoryview = b"") -> None:
@@ -581,12 +595,21 @@ class Connection:
 
     # ---------------------------------------------------------------- input
 
-    def receive_data(self, data: bytes | memoryview) -> list[Event]:
+    def receive_data(self, data: bytes | memoryview, *, lend: bool = False) -> list[Event]:
         """Feed bytes from the transport; b"" means the transport reached EOF. Keeps no
         reference to `data` once it returns (events carry copies): the caller may reuse
-        its buffer."""
+        its buffer. `lend`: a DataReceived's payload is a view of `data` (or of the
+        reassembly buffer) instead of a copy, for a caller that is done with the events
+        before it reuses `data` and copies what it keeps (the tunnel's reader hands the
+        frames of a read to a socket in one write: no copy of a frame it writes whole)."""
         if self.state is ConnectionState.CLOSED:
             return []
+        if lend:
+            self._lend = True
+            try:
+                return self.receive_data(data)
+            finally:
+                self._lend = False
         events: list[Event] = []
         if not data:
             reason = "peer closed the connection"
@@ -815,7 +838,7 @@ class Connection:
         stream.recv_window -= size
         if size:
             self._credit.unacked += size
-            events.append(DataReceived(stream_id, bytes(payload)))
+            events.append(DataReceived(stream_id, payload if self._lend else bytes(payload)))
         if fin:
             events.append(StreamEnded(stream_id))
             if state is _CLOSED:

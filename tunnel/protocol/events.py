@@ -59,10 +59,12 @@ class StreamRefused(Event):
 
 @dataclass(frozen=True, slots=True)
 class DataReceived(Event):
-    """Payload for a stream. Call `acknowledge_received_data()` once it is consumed."""
+    """Payload for a stream. Call `acknowledge_received_data()` once it is consumed. A
+    view, valid only until the caller reuses the buffer it fed, when it asked for that
+    (`Connection.receive_data(lend=True)`); else bytes of its own."""
 
     stream_id: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,14 @@ class Transport(abc.ABC):
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send all of data. Raises TransportClosed if the transport is closed."""
 
+    async def send_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        """send() of the pieces' concatenation (the protocol core's queued frames,
+        `pieces_to_send`), for a transport that need not join them first. The list is
+        the transport's to empty."""
+        data = b"".join(pieces)
+        pieces.clear()
+        await self.send(data)
+
     @property
     def send_high_water(self) -> int | None:
         """Queued output (bytes) beyond which the endpoint's senders wait, if this
@@ -95,6 +103,14 @@ class Transport(abc.ABC):
         error). Never leaves a record or frame half-written, since it cannot be
         cancelled part-way."""
         raise NotImplementedError
+
+    def send_pieces_nowait(self, pieces: list[bytes | memoryview]) -> bool:
+        """send_nowait() of the pieces' concatenation (the protocol core's queued frames,
+        `pieces_to_send`), for a transport that need not join them first. The list is
+        the transport's to empty."""
+        data = b"".join(pieces)
+        pieces.clear()
+        return self.send_nowait(data)
 
     def unacknowledged_wait(self) -> float | None:
         """While bytes we sent wait for the peer's acknowledgement (TCP's): seconds since

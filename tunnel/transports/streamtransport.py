@@ -175,6 +175,22 @@ class StreamTransport(StreamOwner, Transport):
             else:
                 await trio.lowlevel.checkpoint()
 
+    async def send_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        stream = self._stream
+        if not isinstance(stream, TLSStream):
+            await super().send_pieces(pieces)
+            return
+        self._check_can_send()
+        async with self._send_lock:
+            self._check_can_send()
+            try:
+                with self._map_errors("sending"):
+                    await stream.send_pieces(pieces)
+            except BaseException as exc:
+                # A partial write (error or cancellation) leaves the peer mid-record.
+                self._broken = self._broken or f"an earlier send failed ({type(exc).__name__})"
+                raise
+
     def can_send_nowait(self) -> bool:
         if self._closed or self._broken is not None or self._send_lock.locked():
             return False
@@ -196,6 +212,12 @@ class StreamTransport(StreamOwner, Transport):
             self._raw_unsent = bytes(memoryview(data)[sent:])
             return False
         return True
+
+    def send_pieces_nowait(self, pieces: list[bytes | memoryview]) -> bool:
+        stream = self._stream
+        if isinstance(stream, TLSStream):
+            return stream.send_pieces_nowait(pieces)
+        return super().send_pieces_nowait(pieces)
 
     async def receive(self) -> bytes:
         if self._closed and not self._pushback:

@@ -14,7 +14,7 @@ import copy
 import operator
 import os
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import trio
@@ -76,6 +76,39 @@ _READ_BUFFER = SharedBuffer(STREAM_RECEIVE_SIZE)
 _PLAIN_BUFFER = SharedBuffer(STREAM_RECEIVE_SIZE)
 
 
+def _encrypt_pieces(write: Callable[[bytes | bytearray | memoryview], int],
+                    pieces: Iterable[bytes | bytearray | memoryview]) -> None:
+    """`write` (SSLObject.write: a record per TLS_RECORD_SIZE, then one for the rest)
+    the concatenation of `pieces` in the records one write of their join would make,
+    without the join: whole records straight from a piece, pieces shorter than a record
+    gathered (joined) into one."""
+    run: list[bytes | bytearray | memoryview] = []  # less than a record, to be joined
+    run_size = 0
+    for piece in pieces:
+        size = len(piece)
+        if run_size + size < TLS_RECORD_SIZE:
+            run.append(piece)
+            run_size += size
+            continue
+        view = memoryview(piece)
+        offset = 0
+        if run:  # the run and the piece's head make a record
+            offset = TLS_RECORD_SIZE - run_size
+            run.append(view[:offset])
+            write(b"".join(run))
+            run = []
+            run_size = 0
+        whole = (size - offset) // TLS_RECORD_SIZE * TLS_RECORD_SIZE
+        if whole:
+            write(view[offset:offset + whole])
+            offset += whole
+        if offset < size:
+            run.append(view[offset:])
+            run_size = size - offset
+    if run:
+        write(run[0] if len(run) == 1 else b"".join(run))
+
+
 class TLSStream(trio.abc.Stream):
     """TLS over a byte stream (the tunnel's TCP socket), built for bulk transfer.
 
@@ -116,7 +149,8 @@ class TLSStream(trio.abc.Stream):
         self._sending = False
         # Encrypted bytes send_nowait() could not write at once: they go first on the
         # next flush (the TLS records are whole in here, so nothing is ever half-sent).
-        self._unsent = b""
+        # A view of what the BIO gave: the rest of a bulk write is not copied.
+        self._unsent: bytes | memoryview = b""
 
     # Attributes people look at after the handshake.
     def getpeercert(self, binary_form: bool = False) -> Any:
@@ -435,6 +469,37 @@ class TLSStream(trio.abc.Stream):
                     raise self._fail(exc) from exc
                 await self._flush_locked()
 
+    async def send_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        """send_all() of the pieces' concatenation without joining them (see
+        send_pieces_nowait): up to _TLS_WRITE_CHUNK at a time encrypted where it lies,
+        then sent, as send_all() does. `pieces` is emptied as it goes: a group's buffers
+        are let go before its encrypted bytes are taken out of the BIO."""
+        with self._sending_now():
+            self._check()
+            if not self._handshake_done:
+                raise RuntimeError("TLSStream: do_handshake() first")
+            if not pieces:
+                await self._send_all(b"")  # flushes what send_nowait() left
+                return
+            async with self._out_lock:
+                start = size = 0
+                last = len(pieces) - 1
+                for i, piece in enumerate(pieces):
+                    size += len(piece)
+                    if size < _TLS_WRITE_CHUNK and i < last:
+                        continue
+                    self._check()
+                    group = pieces[start:i + 1]
+                    pieces[start:i + 1] = [b""] * len(group)
+                    try:
+                        _encrypt_pieces(self.ssl_object.write, group)
+                    except ssl.SSLError as exc:
+                        raise self._fail(exc) from exc
+                    del group
+                    start, size = i + 1, 0
+                    await self._flush_locked()
+                pieces.clear()
+
     def can_send_nowait(self) -> bool:
         """Whether send_nowait() may be called now: no send in progress or left over."""
         return (self._handshake_done and not self._sending and not self._closed
@@ -448,20 +513,33 @@ class TLSStream(trio.abc.Stream):
         True: all of it is on the wire. False: the rest waits here, whole records, for
         the next send_all() (an empty one will do), which also reports any error. It
         never awaits, so a cancelled caller cannot leave a record half-written."""
+        return self.send_pieces_nowait([data if isinstance(data, bytes) else memoryview(data)])
+
+    def send_pieces_nowait(self, pieces: list[bytes | memoryview]) -> bool:
+        """send_nowait() of the pieces' concatenation without joining them (the tunnel's
+        frames: a header, then a payload that is a view of a read): each full record
+        is encrypted from where its bytes lie, and only a record that spans pieces is
+        assembled (at most 16 KiB copied per such record, where a join copied all and
+        took a fresh buffer of that size per write, whose pages the C heap often had to
+        fault in anew). The records are the join's: full ones, then the rest. `pieces`
+        is emptied before the encrypted bytes are taken out of the BIO, so the buffers
+        it held are free for that allocation to reuse."""
         sock = self.transport_stream
         assert isinstance(sock, trio.SocketStream) and self.can_send_nowait()
         try:
-            self.ssl_object.write(data)
+            _encrypt_pieces(self.ssl_object.write, pieces)
         except ssl.SSLError as exc:
             self._fail(exc)
             return False  # the next send_all() raises it
+        finally:
+            pieces.clear()
         out = self._outgoing.read()
         try:
             sent = os.write(sock.socket.fileno(), out)
         except OSError:  # would block, or broken: the next send_all() sees which
             sent = 0
         if sent < len(out):
-            self._unsent = out[sent:]
+            self._unsent = memoryview(out)[sent:]
             return False
         return True
 

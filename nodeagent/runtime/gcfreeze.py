@@ -26,9 +26,10 @@ in a linked list and counts them one by one), ~50 ms at that size; read every se
 it was ~5 % of a core, idle or not. It is read every `count_every` seconds, and only
 once an early collection could be allowed at all. And a collection of everything takes
 ~1 s there: started in the middle of a fan-out, it stalled every watch's line by that
-much (`python -m scripts.bench.config_propagation`, p99). A due collection waits while
-the process is busy (more than `busy` of a core over the last check), for at most
-`max_wait` seconds.
+much (`python -m scripts.bench.config_propagation`, p99). A due collection waits until
+the process has been quiet (at most `busy` of a core) for `quiet` seconds, for at most
+`max_wait` seconds: started in a short lull between two changes, it stalled the second
+one instead.
 
 Only for the long-running processes (the `nodeagent controller` command); never in tests,
 where the process is pytest's and freezing would keep every test's garbage cycles.
@@ -51,6 +52,7 @@ GROWTH = 1.25  # frozen objects over what the last collection of everything left
 MIN_BETWEEN = 60.0  # seconds at least between two early collections of everything
 COUNT_EVERY = 15.0  # seconds between counts of the frozen objects (each walks them all)
 BUSY = 0.2  # share of a core over the last check above which a due collection waits
+QUIET = 2.0  # seconds the process must have been quiet for a due collection to start
 MAX_WAIT = 30.0  # seconds a due collection waits at most for the process to be quiet
 
 
@@ -72,7 +74,7 @@ async def freeze_survivors_forever(*, check_every: float = CHECK_EVERY,
                                    full_every: float = FULL_EVERY, growth: float = GROWTH,
                                    min_between: float = MIN_BETWEEN,
                                    count_every: float = COUNT_EVERY, busy: float = BUSY,
-                                   max_wait: float = MAX_WAIT) -> None:
+                                   quiet: float = QUIET, max_wait: float = MAX_WAIT) -> None:
     """Until cancelled: freeze after each automatic full collection, and collect
     everything every `full_every` seconds, or sooner once the frozen objects grew by
     `growth` since the last such collection (logged, with what it found and took); a
@@ -85,18 +87,25 @@ async def freeze_survivors_forever(*, check_every: float = CHECK_EVERY,
     next_count = last_full
     grown = False
     due_since: float | None = None
+    quiet_since: float | None = None
     cpu = time.process_time()
     while True:
         await trio.sleep(check_every)
         now = trio.current_time()
         cpu, used = time.process_time(), time.process_time() - cpu
+        if used > busy * check_every:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now - check_every
         if not grown and now - last_full >= min_between and now >= next_count:
             grown = gc.get_freeze_count() >= baseline * growth
             next_count = now + count_every
         if now >= next_full or grown:
             due_since = now if due_since is None else due_since
-            if used > busy * check_every and now - due_since < max_wait:
-                continue  # a fan-out, most likely: after it
+        # Busy (a fan-out, most likely) or in a lull between changes: after it.
+        if due_since is not None and (
+                (quiet_since is not None and now - quiet_since >= quiet)
+                or now - due_since >= max_wait):
             started = time.perf_counter()
             found = collect_everything()
             seconds = time.perf_counter() - started
@@ -108,7 +117,7 @@ async def freeze_survivors_forever(*, check_every: float = CHECK_EVERY,
             last_full = trio.current_time()
             next_full = last_full + full_every
             seen = full_collections()
-            grown, due_since = False, None
+            grown, due_since, quiet_since = False, None, None
             cpu = time.process_time()
         elif (count := full_collections()) != seen:
             seen = count

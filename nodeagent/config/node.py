@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    ModelWrapValidatorHandler,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -50,6 +51,23 @@ from nodeagent.config.base import (
 from tunnel.proxy import DIRECT, ProxyRules, parse_proxy_url
 
 
+def _rule_from_string(value: str) -> dict[str, Any]:
+    """An AllowRule's string form as its fields."""
+    protocol = "tcp"
+    for prefix in ("udp/", "tcp/"):
+        if value.lower().startswith(prefix):
+            protocol, value = prefix[:3], value[len(prefix):]
+    where, port = _split_host_port(value)
+    ports: list[str] = [] if port == "*" else [port]
+    try:
+        return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports,
+                "protocol": protocol}
+    except ValueError as exc:
+        if "/" in where:
+            raise ValueError(f"{where!r} is not a valid CIDR: {exc}") from None
+    return {"host": where, "ports": ports, "protocol": protocol}
+
+
 class AllowRule(Model):
     """A target the server may ask this agent to dial. String form: `10.0.0.0/8:80-443`,
     `127.0.0.1:8080`, `db.local:5432`, `[::1]:80`, `10.1.0.0/16:*`; TCP unless prefixed
@@ -60,35 +78,24 @@ class AllowRule(Model):
     ports: tuple[PortRange, ...] = ()  # empty: any port
     protocol: TransportProtocol = "tcp"
 
-    @model_validator(mode="before")
+    # One wrap validator, not a `before` and an `after` one (see PortRange's).
+    @model_validator(mode="wrap")
     @classmethod
-    def _from_string(cls, value: Any) -> Any:
-        if not isinstance(value, str):
+    def _checked(cls, value: Any, handler: ModelWrapValidatorHandler[AllowRule]
+                 ) -> AllowRule:
+        if isinstance(value, AllowRule):
             return value
-        protocol = "tcp"
-        for prefix in ("udp/", "tcp/"):
-            if value.lower().startswith(prefix):
-                protocol, value = prefix[:3], value[len(prefix):]
-        where, port = _split_host_port(value)
-        ports: list[str] = [] if port == "*" else [port]
-        try:
-            return {"cidr": str(ipaddress.ip_network(where, strict=True)), "ports": ports,
-                    "protocol": protocol}
-        except ValueError as exc:
-            if "/" in where:
-                raise ValueError(f"{where!r} is not a valid CIDR: {exc}") from None
-        return {"host": where, "ports": ports, "protocol": protocol}
+        if isinstance(value, str):
+            value = _rule_from_string(value)
+        self = handler(value)
+        if (self.cidr is None) == (self.host is None):
+            raise ValueError("give exactly one of cidr or host")
+        return self
 
     @field_validator("host")
     @classmethod
     def _host(cls, v: str | None) -> str | None:
         return None if v is None else _check_host(v)
-
-    @model_validator(mode="after")
-    def _one_of(self) -> AllowRule:
-        if (self.cidr is None) == (self.host is None):
-            raise ValueError("give exactly one of cidr or host")
-        return self
 
     def allows(self, host: str, port: int, protocol: str) -> bool:
         if protocol != self.protocol:

@@ -88,6 +88,60 @@ async def watch_config(
     # (TLS, HTTP status, a bad line) backs off to `backoff`'s maximum.
     unreachable = Backoff(initial=min(backoff.initial, UNREACHABLE_MAXIMUM),
                           maximum=UNREACHABLE_MAXIMUM)
+    async with trio.open_nursery() as nursery:
+        silence = _Silence(idle_timeout)
+        nursery.start_soon(silence.guard)
+        await _watch(open_stream=open_stream, host=host, path=path, model=model,
+                     apply=apply, status=status, token=token, tls=tls, backoff=backoff,
+                     unreachable=unreachable, silence=silence, log=log, running=running)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _Silence:
+    """Ends a connection on which the controller sent nothing for `timeout` seconds while
+    the watch waited for it (`waiting` to `heard`): one task per watch, `guard`, looks
+    at the time once per timeout. A timeout per receive cost every line a cancel scope
+    and a deadline in trio's heap; at a fan-out that is every watch's line at once
+    (`python -m scripts.bench.config_fanout`, profiled in the watchers)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.default = timeout  # until the controller announces its heartbeat
+        self.timeout = timeout
+        self.since: float | None = None  # when the current wait for bytes began
+        self.scope = trio.CancelScope()  # the current connection's reading
+        self.expired = False
+
+    def connection(self) -> trio.CancelScope:
+        """A new connection's scope, for `guard` to cancel."""
+        self.timeout, self.since, self.expired = self.default, None, False
+        self.scope = trio.CancelScope()
+        return self.scope
+
+    def waiting(self) -> None:
+        self.since = trio.current_time()
+
+    def heard(self) -> None:
+        self.since = None
+
+    async def guard(self) -> None:
+        while True:
+            since = self.since
+            if since is None:  # not waiting for bytes (connecting, applying): later
+                await trio.sleep(self.timeout)
+            elif trio.current_time() >= since + self.timeout:
+                self.since, self.expired = None, True
+                self.scope.cancel()
+            else:
+                await trio.sleep_until(since + self.timeout)
+
+
+async def _watch(
+    *, open_stream: Callable[[], Awaitable[trio.abc.Stream]], host: str, path: str,
+    model: type[M], apply: Callable[[M], Awaitable[None]], status: WatchStatus,
+    token: Callable[[], str] | None, tls: Callable[[], ssl.SSLContext] | None,
+    backoff: Backoff, unreachable: Backoff, silence: _Silence, log: StructuredLogger,
+    running: dict[str, Any] | None,
+) -> None:
     failed_version = -1
     # The running config's line, parsed again only to compare with a reconnect's first
     # line (keeping the line, not its parsed document: the servers' holds 10,000 routes).
@@ -122,55 +176,59 @@ async def watch_config(
                 request = h11.Request(method="GET", target=f"{path}?after={after}",
                                       headers=headers)
                 await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
-                async for line in _lines(conn, stream, idle_timeout):
-                    status.state = "watching"
-                    backoff.reset()
-                    unreachable.reset()
-                    # A valid config line is validated from its bytes at once; anything
-                    # else (a heartbeat, a bad line or config) is read as a document,
-                    # which says what is wrong with it.
-                    valid = parse_config_line(line, model)
-                    doc: dict[str, Any] = {}
-                    if valid is None:
-                        doc = _document(line)
-                        if not doc:
-                            continue  # heartbeat
-                        version = doc.get("version")
-                        if not isinstance(version, int):
-                            raise WatchError(f"line without a version: {str(doc)[:200]}")
-                    else:
-                        version = valid[0]
-                    status.received_version = version
-                    fresh, first = first, False
-                    if fresh and (running is not None or running_line is not None):
-                        if running_line is not None:
-                            running = _document(running_line).get("config")
-                            running_line = None
-                        if (doc or _document(line)).get("config") == running:
-                            status.applied_version = version  # the same content renumbered
-                            continue
-                    if not fresh and (version <= status.applied_version
-                                      or version == failed_version):
-                        continue
-                    try:
-                        if valid is not None:
-                            config = valid[1]
+                with silence.connection():
+                    async for line in _lines(conn, stream, silence):
+                        status.state = "watching"
+                        backoff.reset()
+                        unreachable.reset()
+                        # A valid config line is validated from its bytes at once; anything
+                        # else (a heartbeat, a bad line or config) is read as a document,
+                        # which says what is wrong with it.
+                        valid = parse_config_line(line, model)
+                        doc: dict[str, Any] = {}
+                        if valid is None:
+                            doc = _document(line)
+                            if not doc:
+                                continue  # heartbeat
+                            version = doc.get("version")
+                            if not isinstance(version, int):
+                                raise WatchError(f"line without a version: {str(doc)[:200]}")
                         else:
-                            config = parse_config(model, doc.get("config"),
-                                                  f"controller {path}")
-                            config = config.model_copy(update={"version": version})
-                        await apply(config)
-                        running, running_line = None, line
-                    except Exception as exc:
-                        failed_version = version
-                        status.last_error = str(exc)
-                        log.error("config from the controller not applied; keeping the "
-                                  "running config", version=version, error=str(exc),
-                                  kind=type(exc).__name__)
-                        continue
-                    status.applied_version = version
-                    status.last_error = None
-                    log.info("config applied", version=version)
+                            version = valid[0]
+                        status.received_version = version
+                        fresh, first = first, False
+                        if fresh and (running is not None or running_line is not None):
+                            if running_line is not None:
+                                running = _document(running_line).get("config")
+                                running_line = None
+                            if (doc or _document(line)).get("config") == running:
+                                status.applied_version = version  # the same content renumbered
+                                continue
+                        if not fresh and (version <= status.applied_version
+                                          or version == failed_version):
+                            continue
+                        try:
+                            if valid is not None:
+                                config = valid[1]
+                            else:
+                                config = parse_config(model, doc.get("config"),
+                                                      f"controller {path}")
+                                config = config.model_copy(update={"version": version})
+                            await apply(config)
+                            running, running_line = None, line
+                        except Exception as exc:
+                            failed_version = version
+                            status.last_error = str(exc)
+                            log.error("config from the controller not applied; keeping the "
+                                      "running config", version=version, error=str(exc),
+                                      kind=type(exc).__name__)
+                            continue
+                        status.applied_version = version
+                        status.last_error = None
+                        log.info("config applied", version=version)
+                if silence.expired:
+                    raise WatchError(f"nothing from the controller for "
+                                     f"{silence.timeout:g}s")
         except (WatchError, ConfigError, h11.ProtocolError, trio.BrokenResourceError,
                 trio.ClosedResourceError, OSError, ssl.SSLError) as exc:
             await _pause(status, backoff, log, _describe(exc))
@@ -209,24 +267,24 @@ def _document(line: bytes) -> dict[str, Any]:
         raise WatchError(str(exc)) from None
 
 
-async def _lines(conn: h11.Connection, stream: trio.abc.Stream, idle_timeout: float
+async def _lines(conn: h11.Connection, stream: trio.abc.Stream, silence: _Silence
                  ) -> AsyncIterator[bytes]:
-    """The response body's lines, without their newline."""
+    """The response body's lines, without their newline. `silence` times each wait for
+    bytes (its guard cancels the connection's scope)."""
     buffer = b""
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            with trio.move_on_after(idle_timeout) as scope:
-                data = await stream.receive_some(65536)
-            if scope.cancelled_caught:
-                raise WatchError(f"nothing from the controller for {idle_timeout:g}s")
+            silence.waiting()
+            data = await stream.receive_some(65536)
+            silence.heard()
             conn.receive_data(bytes(data))
             continue
         if isinstance(event, h11.Response):
             if event.status_code != 200:
                 body = await _body(conn, stream)
                 raise WatchError(f"controller answered {event.status_code}: {body.strip()}")
-            idle_timeout = announced_idle_timeout(event.headers, idle_timeout)
+            silence.timeout = announced_idle_timeout(event.headers, silence.timeout)
             continue
         if isinstance(event, h11.Data):
             buffer += bytes(event.data)

@@ -426,8 +426,8 @@ class ComputeMemo:
         last_declared, last_services, last_slices, last_ns, protected, replicas = \
             self._cluster
         if not (declared == last_declared and namespace == last_ns
-                and _same_objects(services, last_services)
-                and _same_objects(endpoint_slices, last_slices)):
+                and same_objects(services, last_services)
+                and same_objects(endpoint_slices, last_slices)):
             protected = protected_ranges(tunnels, services, endpoint_slices)
             self.walked += 1
             replicas = server_replicas(endpoint_slices, namespace)
@@ -464,7 +464,8 @@ class ComputeMemo:
 NO_TARGETS: frozenset[Target] = frozenset()
 
 
-def _same_objects(a: list[Obj], b: list[Obj]) -> bool:
+def same_objects(a: list[Obj], b: list[Obj]) -> bool:
+    """The very same objects in the same order (a cache listed again, nothing changed)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 

@@ -37,6 +37,7 @@ from nodeagent.controller.compute import (
     Tunnel,
     compute,
     parse_tunnels,
+    same_objects,
 )
 from nodeagent.controller.configserver import ConfigStreamServer, ConnectionLimits, Identity
 from nodeagent.controller.crds import ensure_crds
@@ -258,6 +259,7 @@ class Controller:
             urgent=frozenset({LeaderWrite.PKI}), urgent_delay=self.settings.debounce)
         self.is_leader = False
         self._secret_refs: frozenset[tuple[str, str]] = frozenset()
+        self._secret_refs_of: list[dict[str, Any]] = []  # the Ingresses they were found in
         self._reported: set[tuple[str, str, str, str]] = set()
         self._refusals = RateLimitedLog(log)
         for plural, cache in self.caches.items():
@@ -308,7 +310,10 @@ class Controller:
     def _recompute(self) -> None:
         c = self.caches
         ingresses = c["ingresses"].list()
-        self._secret_refs = secret_references(ingresses)
+        # Walked again only when an Ingress changed (not at a ClusterTunnel's fan-out).
+        if not same_objects(ingresses, self._secret_refs_of):
+            self._secret_refs = secret_references(ingresses)
+            self._secret_refs_of = ingresses
         services, endpoint_slices = c["services"].list(), c["endpointslices"].list()
         nodes = c["nodes"].list()
         tunnel_objects = c["clustertunnels"].list()
@@ -337,7 +342,7 @@ class Controller:
             services=services, endpoint_slices=endpoint_slices, nodes=nodes,
             pods=c["pods"].list(),
             classless=any(t.spec.load_balancers.classless for t in tunnels),
-            reserved=reserved_ports(services, self.settings.namespace,
+            reserved=reserved_ports(self._own_services(), self.settings.namespace,
                                     (SERVER_SERVICE, TUNNEL_SERVICE)))
         balancers = dataclasses.replace(
             balancers, services=wake_load_balancers(balancers.services, wake))
@@ -385,6 +390,12 @@ class Controller:
             problems=tuple(problems), served=translation.served, tunnels=tuple(tunnels),
             tunnel_objects=tuple(tunnel_objects), nodes=tuple(nodes),
             config_version=servers[0] if servers else 0)
+
+    def _own_services(self) -> list[dict[str, Any]]:
+        """The servers' own Services, looked up (not found by walking every Service)."""
+        cache, ns = self.caches["services"], self.settings.namespace
+        return [svc for name in (SERVER_SERVICE, TUNNEL_SERVICE)
+                if (svc := cache.get(name, ns)) is not None]
 
     def _still_exists(self, identity: Identity) -> bool:
         """A certificate's node (its Node) or server (its pod, in our namespace) is still

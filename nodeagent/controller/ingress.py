@@ -258,6 +258,10 @@ class TranslationMemo:
         self._last: tuple[list[Obj], ...] = ([], [], [], [], [])
         self._direct: frozenset[str] = frozenset()
         self.stable = False
+        # The last call's Ingresses, IngressClasses and result: a recompute none of
+        # whose translation inputs changed (a ClusterTunnel edit: a fan-out to every
+        # node) reuses the whole result instead of checking 10,000 entries (~60 ms)
+        self._whole: tuple[list[Obj], list[Obj], IngressTranslation | None] = ([], [], None)
 
     def observe(self, services: list[Obj], slices: list[Obj], secrets: list[Obj],
                 nodes: list[Obj], pods: list[Obj], direct_namespaces: frozenset[str]
@@ -266,16 +270,18 @@ class TranslationMemo:
         those of the last call (the same objects; Nodes and Pods: or the same view).
         A change of the admin's direct-backend opt-in (rare) drops every entry."""
         last = self._last
-        if direct_namespaces != self._direct:
+        changed = direct_namespaces != self._direct
+        if changed:
             self._direct = direct_namespaces
             self._entries.clear()
-        self.stable = (_same_objects(services, last[0]) and _same_objects(slices, last[1])
-                       and _same_objects(secrets, last[2]) and len(nodes) == len(last[3])
-                       and all(a is b or node_view(a) == node_view(b)
-                               for a, b in zip(nodes, last[3], strict=True))
-                       and len(pods) == len(last[4])
-                       and all(a is b or pod_view(a) == pod_view(b)
-                               for a, b in zip(pods, last[4], strict=True)))
+        self.stable = not changed and (
+            _same_objects(services, last[0]) and _same_objects(slices, last[1])
+            and _same_objects(secrets, last[2]) and len(nodes) == len(last[3])
+            and all(a is b or node_view(a) == node_view(b)
+                    for a, b in zip(nodes, last[3], strict=True))
+            and len(pods) == len(last[4])
+            and all(a is b or pod_view(a) == pod_view(b)
+                    for a, b in zip(pods, last[4], strict=True)))
         self._last = (services, slices, secrets, nodes, pods)
 
     def networks(self, name: str, node: Obj | None) -> list[Network]:
@@ -374,11 +380,16 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
                secrets: Iterable[Obj], nodes: Iterable[Obj], pods: list[Obj],
                direct_namespaces: frozenset[str], memo: TranslationMemo
                ) -> IngressTranslation:
-    classes, default = our_classes(ingress_classes)
+    ingresses, ingress_classes = list(ingresses), list(ingress_classes)
     nodes = list(nodes)
-    nodes_by_name = {str(_meta(n).get("name", "")): n for n in nodes}
     services, endpoint_slices, secrets = list(services), list(endpoint_slices), list(secrets)
     memo.observe(services, endpoint_slices, secrets, nodes, pods, direct_namespaces)
+    last_ingresses, last_classes, last = memo._whole
+    if memo.stable and last is not None and _same_objects(ingresses, last_ingresses) \
+            and _same_objects(ingress_classes, last_classes):
+        return last
+    classes, default = our_classes(ingress_classes)
+    nodes_by_name = {str(_meta(n).get("name", "")): n for n in nodes}
     index = _LazyIndex(services, endpoint_slices, secrets, nodes_by_name, pods, memo,
                        direct_namespaces)
     out = _Out()
@@ -404,13 +415,15 @@ def _translate(ingresses: Iterable[Obj], ingress_classes: Iterable[Obj],
             out.node_targets.setdefault(node, set()).update(targets)
     memo.forget_except(seen)
     memo._networks = {n: v for n, v in memo._networks.items() if n in nodes_by_name}
-    return IngressTranslation(
+    result = IngressTranslation(
         routes=IngressRoutes(rules=tuple(out.rules), default_backend=out.default,
                              tls=tuple(out.tls)),
         problems=tuple(out.problems),
         node_targets={n: frozenset(t) for n, t in out.node_targets.items()},
         served=tuple(out.served), refused_backends=dict(out.refused),
         rule_services=tuple(out.rule_services), default_service=out.default_service)
+    memo._whole = (ingresses, ingress_classes, result)
+    return result
 
 
 def _translate_one(ingress: Obj, index: _Index, out: _Out) -> None:

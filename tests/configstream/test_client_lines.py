@@ -64,8 +64,9 @@ async def _controller(stream: trio.abc.Stream, lines: list[bytes]) -> None:
 
 
 async def _watch(connections: list[list[bytes]], *, until: Any,
-                 running: dict[str, Any] | None = None) -> tuple[list[NodeConfig],
-                                                                 WatchStatus]:
+                 running: dict[str, Any] | None = None, idle_timeout: float = 45.0,
+                 apply_takes: float = 0.0, within: float = 5.0
+                 ) -> tuple[list[NodeConfig], WatchStatus]:
     """A watch over in-memory streams: connection i answers `connections[i]`, and is
     broken once `until(applied, i)` holds (the watch reconnects)."""
     applied: list[NodeConfig] = []
@@ -81,14 +82,15 @@ async def _watch(connections: list[list[bytes]], *, until: Any,
         return a
 
     async def apply(config: NodeConfig) -> None:
+        await trio.sleep(apply_takes)
         applied.append(config)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: watch_config(
             open_stream=open_stream, host="c", path="/v1/config/nodes/a", model=NodeConfig,
             apply=apply, status=status, backoff=Backoff(initial=0.01, maximum=0.01),
-            running=running))
-        with trio.fail_after(5):
+            running=running, idle_timeout=idle_timeout))
+        with trio.fail_after(within):
             for i in range(len(connections)):
                 while not until(applied, status, i):  # noqa: ASYNC110 (plain data)
                     await trio.sleep(0.01)
@@ -141,3 +143,36 @@ async def test_the_running_config_given_at_start_is_not_applied_again() -> None:
     applied, _ = await _watch([[config_line(9, CONFIG)]], running=running,
                                    until=lambda a, s, i: s.applied_version == 9)
     assert applied == []
+
+
+async def test_a_controller_silent_for_the_idle_timeout_breaks_the_watch(
+        autojump_clock: trio.abc.Clock) -> None:
+    # One config line, then nothing (not even a heartbeat): the watch gives up on that
+    # connection after its idle timeout and reconnects, where the next line comes.
+    second: list[float] = []
+
+    def until(a: list[NodeConfig], s: WatchStatus, i: int) -> bool:
+        if len(a) == 2 and not second:
+            second.append(trio.current_time())
+        return bool(second)
+
+    started = trio.current_time()
+    other = NodeConfig(allow=(AllowRule(host="10.9.9.9"),))
+    applied, status = await _watch([[config_line(1, CONFIG)], [config_line(2, other)]],
+                                   idle_timeout=10.0, until=until, within=60)
+    assert [c.version for c in applied] == [1, 2]
+    assert 10.0 <= second[0] - started < 10.5
+    assert status.applied_version == 2
+
+
+async def test_the_idle_timeout_counts_only_the_wait_for_bytes(
+        autojump_clock: trio.abc.Clock) -> None:
+    # Applying a config may take longer than the idle timeout (netfilter on a busy
+    # node): that is not the controller's silence, and the watch stays.
+    lines = [config_line(1, CONFIG), config_line(2, CONFIG.model_copy(
+        update={"server_replicas": 3}))]
+    applied, status = await _watch(
+        [lines, [config_line(9, CONFIG)]], idle_timeout=10.0, apply_takes=25.0,
+        until=lambda a, s, i: len(a) == 2, within=120)
+    assert [c.version for c in applied] == [1, 2]
+    assert status.last_error is None and status.state == "watching"

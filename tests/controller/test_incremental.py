@@ -157,6 +157,41 @@ def test_a_tunnel_change_rebuilds_every_node_and_removed_objects_leave_the_memo(
     assert len(tmemo._entries) == HOSTS - 1 and len(cmemo._parts) == NODES - 1
 
 
+def translate(objects: dict[str, list[dict[str, Any]]], memo: TranslationMemo,
+              direct: frozenset[str] = frozenset()) -> Any:
+    # Lists made afresh at each call, as the caches' `list()` makes them.
+    return translate_ingresses(
+        ingresses=list(objects["ingresses"]), ingress_classes=[OURS],
+        services=list(objects["services"]), endpoint_slices=list(objects["slices"]),
+        secrets=[], nodes=list(objects["nodes"]), pods=objects["pods"],
+        direct_namespaces=direct, memo=memo)
+
+
+def test_a_recompute_none_of_whose_translation_inputs_changed_reuses_the_whole() -> None:
+    # A ClusterTunnel edit (a fan-out) changes no input of the Ingress translation: the
+    # very same translation comes back, without a look at any Ingress's entry.
+    objects = cluster()
+    objects["pods"] = pods_for(objects["slices"])
+    memo = TranslationMemo()
+    first = translate(objects, memo)
+    assert translate(objects, memo) is first and memo.translated == HOSTS
+    # Any input changed: not the whole, only what the change concerns is translated.
+    objects["ingresses"][3] = ingress("i3", [rule("h3.test", path("/", svc="s4"))])
+    changed = translate(objects, memo)
+    assert changed is not first and memo.translated == HOSTS + 1
+    assert changed.routes.rules != first.routes.rules
+    objects["services"][5] = copy.deepcopy(objects["services"][5])  # an equal new object
+    current = translate(objects, memo)
+    assert current is not changed and translate(objects, memo) is current
+    assert translate(objects, memo, frozenset({"default"})) is not current  # opt-in edit
+    again = translate(objects, memo, frozenset({"default"}))
+    assert again.routes == changed.routes
+    assert again == translate_ingresses(
+        ingresses=objects["ingresses"], ingress_classes=[OURS], services=objects["services"],
+        endpoint_slices=objects["slices"], secrets=[], nodes=objects["nodes"],
+        pods=objects["pods"], direct_namespaces=frozenset({"default"}))
+
+
 def test_config_versions_compare_content_not_identity() -> None:
     versions = ConfigVersions()
     assert versions.update("node/a", NodeConfig(allow=(AllowRule(host="10.0.0.1"),)))

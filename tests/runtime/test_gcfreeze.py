@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent("""
 
     async def main():
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: freeze_survivors_forever(check_every=0.01,
-                                                                full_every=1.0))
+            nursery.start_soon(lambda: freeze_survivors_forever(
+                check_every=0.01, full_every=1.0, busy=float("inf")))
             await trio.sleep(0.05)
             at_start = gc.get_freeze_count()
             assert at_start > 0, "frozen when started"
@@ -86,7 +86,8 @@ GROWTH_SCRIPT = textwrap.dedent("""
         async with trio.open_nursery() as nursery:
             # The periodic collection never comes in this test: only growth can free.
             nursery.start_soon(lambda: freeze_survivors_forever(
-                check_every=0.01, full_every=3600.0, growth=1.25, min_between=0.0))
+                check_every=0.01, full_every=3600.0, growth=1.25, min_between=0.0,
+                count_every=0.0, busy=float("inf")))
             await trio.sleep(0.05)
             at_start = gc.get_freeze_count()
             # A burst of connections' cycles, frozen while alive, then all dropped (a
@@ -116,3 +117,69 @@ GROWTH_SCRIPT = textwrap.dedent("""
 
 def test_frozen_garbage_is_collected_early_when_the_frozen_heap_grows() -> None:
     run_script(GROWTH_SCRIPT)
+
+
+BUSY_SCRIPT = textwrap.dedent("""
+    import gc, time, weakref
+    import trio
+    from nodeagent.runtime.gcfreeze import freeze_survivors_forever
+
+    class Node:
+        pass
+
+    def cycles(n):
+        out = []
+        for _ in range(n):
+            node = Node()
+            node.me = node
+            out.append(node)
+        return out
+
+    async def spin(seconds):
+        # A fan-out's CPU: work between checkpoints, the loop never idle.
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            stop = time.perf_counter() + 0.002
+            while time.perf_counter() < stop:
+                pass
+            await trio.sleep(0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: freeze_survivors_forever(
+                check_every=0.02, full_every=3600.0, growth=1.25, min_between=0.0,
+                count_every=0.0, busy=0.5, quiet=0.3, max_wait=MAX_WAIT))
+            await trio.sleep(0.05)
+            at_start = gc.get_freeze_count()
+            dead = cycles(at_start // 2)
+            freed = []
+            weakref.finalize(dead[0], freed.append, True)
+            gc.collect()
+            await trio.sleep(0.1)
+            del dead
+            gc.collect()
+            # Grown past the trigger while the process is busy: the collection waits...
+            alive = cycles(at_start // 2)
+            gc.collect()
+            await spin(0.5)
+            await trio.sleep(0.06)  # a lull between two changes, shorter than `quiet`
+            await spin(0.5)
+            assert bool(freed) == (MAX_WAIT < 1.0), "collected while busy or in a lull"
+            # ... and comes once it is quiet.
+            with trio.fail_after(5):
+                while not freed:
+                    await trio.sleep(0.05)
+            assert len(alive) == at_start // 2
+            nursery.cancel_scope.cancel()
+        print("ok")
+
+    trio.run(main)
+""")
+
+
+def test_a_due_collection_waits_while_the_process_is_busy() -> None:
+    run_script("MAX_WAIT = 30.0\n" + BUSY_SCRIPT)
+
+
+def test_a_due_collection_waits_no_longer_than_max_wait() -> None:
+    run_script("MAX_WAIT = 0.2\n" + BUSY_SCRIPT)

@@ -65,6 +65,10 @@ OUTGOING_HIGH_WATER = 1024 * 1024
 # piece: one unbounded synchronous write encrypted all of it at once (up to the 1 MiB
 # high-water mark) and copied what the socket did not take (more bulk CPU per GB).
 _NOWAIT_MAX = 260 * 1024
+# Output from this size on goes to the transport as the frames' pieces (a TLS transport
+# encrypts them where they lie: no join of a bulk round's 256 KiB); smaller output is
+# joined, one C call where the pieces' Python loop cost a request/response more.
+_PIECES_FROM = 64 * 1024
 # The reader stops reading only beyond what stream data alone can queue (the peer's
 # connection window, capped here): a reader that stopped for stream data while its
 # writer is blocked on the peer, whose reader does the same, would deadlock both. Past
@@ -298,6 +302,13 @@ class TunnelConnection:
                 return
             await self._wait_for_space(high_water)
 
+    def _send_queued_nowait(self, size: int) -> bool:
+        """transport.send_nowait() of the core's queued output (`size` bytes): joined
+        when small, as its pieces from _PIECES_FROM on."""
+        if size < _PIECES_FROM:
+            return self.transport.send_nowait(self._core.data_to_send())
+        return self.transport.send_pieces_nowait(self._core.pieces_to_send())
+
     def _delivered(self) -> None:
         """The sinks fed in this read send what they held back, at once."""
         fed, self._fed = self._fed, []
@@ -443,15 +454,17 @@ class TunnelConnection:
                     and not self._transport_pending and self.transport.can_send_nowait()):
                 # No lock, no checkpoint: one task step per wake-up instead of four.
                 self.bytes_out += size
-                if not self.transport.send_pieces_nowait(core.pieces_to_send()):
+                if not self._send_queued_nowait(size):
                     self._transport_pending = True
                 continue
-            # Unjoined: a TLS transport encrypts the frames where they lie (see
-            # TLSStream.send_pieces), no fresh buffer of the whole output per send.
-            pieces = core.pieces_to_send()
+            # From _PIECES_FROM on unjoined: a TLS transport encrypts the frames where
+            # they lie (see TLSStream.send_pieces), no fresh buffer of it all per send.
             self._transport_pending = False
             try:
-                await self.transport.send_pieces(pieces)
+                if size < _PIECES_FROM:
+                    await self.transport.send(core.data_to_send())
+                else:
+                    await self.transport.send_pieces(core.pieces_to_send())
             except TransportError as exc:
                 self._end(f"transport failed while sending: {exc}", p.ErrorCode.INTERNAL_ERROR)
                 # Wake the reader's world: closing the transport makes receive() fail.
@@ -482,10 +495,9 @@ class TunnelConnection:
         if (not size or size > _NOWAIT_MAX or not self._fast_path or self._transport_pending
                 or self._dispatching or not self.transport.can_send_nowait()):
             return False
-        pieces = self._core.pieces_to_send()
         self._space.set()
         self.bytes_out += size
-        if not self.transport.send_pieces_nowait(pieces):
+        if not self._send_queued_nowait(size):
             self._transport_pending = True  # the rest waits in the transport: the writer's
             self._wake_writer()
         return True
@@ -673,10 +685,9 @@ class TunnelConnection:
             # The writer's fast path, in the calling task: the writer is idle (no send
             # in progress), so taking everything queued keeps the order of the bytes.
             size = self._core.outgoing_size
-            pieces = self._core.pieces_to_send()
             self._space.set()
             self.bytes_out += size
-            if self.transport.send_pieces_nowait(pieces):
+            if self._send_queued_nowait(size):
                 return
             self._transport_pending = True
         self._wake_writer()

@@ -147,6 +147,25 @@ async def test_a_reads_frames_for_one_socket_go_out_together(
     assert calls["sendmsg"] and max(calls["sendmsg"]) >= 3, calls
 
 
+async def test_small_frames_are_written_at_once_not_batched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames under spliceloop._BATCH_FROM (requests, responses) go to the socket as
+    they come, a send each, as before the batching (whose deque and second call cost a
+    request/response more); every byte in order."""
+    pieces = [os.urandom(1024) for _ in range(24)]
+    async with relayed() as (stream, target, _):
+        with counting(monkeypatch, target.getsockname()) as calls:
+            async with trio.open_nursery() as nursery:
+                async def send() -> None:
+                    for piece in pieces:
+                        await stream.send_all(piece)
+                nursery.start_soon(send)
+                got = await drain(target, 24 * 1024)
+    assert got == b"".join(pieces)
+    assert calls["sendmsg"] == [], calls
+    assert len(calls["send"]) == 24, calls
+
+
 async def test_many_tiny_frames_behind_a_full_socket_arrive_whole_and_in_order(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A target that does not read while thousands of frames queue for it (more than a

@@ -34,22 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.bench.bulk_parity import build_relay
+from scripts.bench.bulk_parity import _wait_listening, build_relay
 from scripts.bench.lib.tools import build_benchtool, parse_wrk, write_nginx_conf
 from scripts.bench.splice_bulk import _certs, _cpu_parts, _free_port
-
-
-def _wait_listening(port: int) -> None:
-    import socket
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def _strace_counts(path: Path) -> dict[str, int]:

@@ -66,8 +66,9 @@ def test_survivors_are_frozen_and_frozen_garbage_cycles_are_still_collected() ->
     run_script(SCRIPT)
 
 
-GROWTH_SCRIPT = textwrap.dedent("""
-    import gc, weakref
+# What the collection scripts below share: garbage cycles to make and watch.
+CYCLES = textwrap.dedent("""
+    import gc, time, weakref
     import trio
     from nodeagent.runtime.gcfreeze import freeze_survivors_forever
 
@@ -81,7 +82,10 @@ GROWTH_SCRIPT = textwrap.dedent("""
             node.me = node
             out.append(node)
         return out
+""")
 
+
+GROWTH_SCRIPT = CYCLES + textwrap.dedent("""
     async def main():
         async with trio.open_nursery() as nursery:
             # The periodic collection never comes in this test: only growth can free.
@@ -119,22 +123,7 @@ def test_frozen_garbage_is_collected_early_when_the_frozen_heap_grows() -> None:
     run_script(GROWTH_SCRIPT)
 
 
-BUSY_SCRIPT = textwrap.dedent("""
-    import gc, time, weakref
-    import trio
-    from nodeagent.runtime.gcfreeze import freeze_survivors_forever
-
-    class Node:
-        pass
-
-    def cycles(n):
-        out = []
-        for _ in range(n):
-            node = Node()
-            node.me = node
-            out.append(node)
-        return out
-
+BUSY_SCRIPT = CYCLES + textwrap.dedent("""
     async def spin(seconds):
         # A fan-out's CPU: work between checkpoints, the loop never idle.
         end = time.monotonic() + seconds

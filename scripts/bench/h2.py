@@ -23,6 +23,13 @@ interleaved over --rounds rounds (median, min-max):
               directly: grpcio's client and server share this process, that is the floor)
   balance     --balance-calls calls of one channel through a route with three endpoints:
               each endpoint's share
+  budget      what each goal leaves the front and the agent per request on this machine's
+              cores, once h2load and the backend (or the gRPC client and servers, which
+              share this process) took theirs in this run, against the `h2` library's own
+              floor measured in this process between the loads (`scripts.bench.h2_budget`):
+              a goal whose floor is over what it leaves is out of reach for any front
+              built on `h2` here. ssh's and sshd's CPU per call is measured too: a relay
+              as cheap as theirs is added to the floor of the gRPC goal.
 
 Not a test: timings move with the machine; read the ratios and the CPU per request. Needs
 root (the agent marks its sockets), h2load (Debian nghttp2-client), nghttpd
@@ -44,6 +51,7 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -62,6 +70,7 @@ from nodeagent.testing.procs import NodeagentProcess
 from nodeagent.testing.standalone import free_port
 from nodeagent.trust import pki
 from scripts import ROOT
+from scripts.bench import h2_budget
 from scripts.bench.http_front import _cpu_seconds
 from scripts.bench.lib.tools import summarize_profile, write_sshd_config
 
@@ -202,6 +211,29 @@ def _wait_listening(port: int, timeout: float = 20.0) -> None:
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that have ended (h2load, once waited for)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants alive now (sshd's
+    per-connection children do the relaying)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            total += _cpu_seconds(current)
+        todo += children.get(current, [])
+    return total
 
 
 def summary(values: list[float]) -> str:
@@ -346,6 +378,46 @@ VARIANTS: dict[str, dict[str, int]] = {
 PARTS = ("load", "grpc", "bidi", "balance")
 
 
+def print_budget(med: dict[str, float], parts: set[str]) -> None:
+    """What each goal leaves the front and the agent per request on this machine's cores,
+    once the load generator and the backend took theirs (this run's medians), against
+    the `h2` library's own floor (`scripts.bench.h2_budget`)."""
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nthe CPU the goals leave the front and the agent ({cores} cores), against what "
+          "the h2 library alone spends (its cheapest configuration, in memory):")
+
+    def line(goal: str, rate: float, others: float, floor: float, floor_what: str) -> None:
+        left = h2_budget.left_per_request(cores, rate, others)
+        verdict = "out of reach with h2" if floor > left else "within reach of h2's floor"
+        print(f"  {goal}: {rate:,.0f}/s leaves {left:,.0f} µs per request once the others "
+              f"took {others:,.0f} µs; {floor_what} {floor:,.0f} µs: {verdict}")
+
+    if "load" in parts:
+        others = med["h2 CPU µs/req h2load"] + med["h2 CPU µs/req backend"]
+        server_side = med["floor: h2 server side µs/request"]
+        # Little's law: 16 x 10 streams always in flight take 160 / rate seconds each on
+        # average, and a p99 within 10 ms needs an average within it.
+        line("p99 <= 10 ms with 160 in flight (Little's law)", 160 / 0.010, others,
+             server_side, "h2's server side alone")
+        line("h2 >= 1.5x h1", 1.5 * med["h1 req/s"], others, server_side,
+             "h2's server side alone")
+        others_h2c = (med["h2 -> h2c backend CPU µs/req h2load"]
+                      + med["h2 -> h2c backend CPU µs/req backend"])
+        line("the same to an h2c backend", 1.5 * med["h1 req/s"], others_h2c,
+             server_side + med["floor: h2 client side µs/request"], "h2's two sides alone")
+    if "grpc" in parts:
+        both = (med["floor: h2 server side µs/unary call"]
+                + med["floor: h2 client side µs/unary call"])
+        relay = med["grpc ssh+sshd CPU µs/call"]
+        rate = med["grpc calls/s via ssh -R (L4)"]
+        line("gRPC unary >= ssh -R, the client and servers at their cost through ssh -R",
+             rate, med["grpc client+servers CPU µs/call via ssh -R"], both + relay,
+             "h2's two sides alone and a relay as cheap as ssh's")
+        line("the same, the client and servers at their cost through the front",
+             rate, med["grpc client+servers CPU µs/call via the front"], both + relay,
+             "h2's two sides alone and a relay as cheap as ssh's")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.h2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -417,18 +489,24 @@ def main() -> int:
             "-R", f"127.0.0.1:{ssh_r}:{target[0]}", "root@127.0.0.1"])
         _wait_listening(ssh_r)
 
-        def load(name: str, url: str, h1: bool) -> dict[str, float]:
-            """h2load, and the server's and the agent's CPU µs per request over its run."""
+        def load(name: str, url: str, h1: bool, backend_pid: int) -> dict[str, float]:
+            """h2load, and the CPU µs per request over its run of the server, the agent,
+            h2load itself and the backend."""
             before = main_pair.cpu()
+            before |= {"h2load": _children_cpu(), "backend": _cpu_seconds(backend_pid)}
             out = h2load(url, h1=h1, seconds=args.seconds, log=work / f"{name}.log")
             requests = out["req_per_sec"] * (args.seconds + 1)  # + the warm-up second
-            for k, used in main_pair.cpu().items():
+            after = main_pair.cpu()
+            after |= {"h2load": _children_cpu(), "backend": _cpu_seconds(backend_pid)}
+            for k, used in after.items():
                 out[f"{k} µs/req"] = (used - before[k]) / requests * 1e6
             add(f"{name} req/s", out["req_per_sec"])
             add(f"{name} p99 ms", out["p99_ms"])
             add(f"{name} failed", out["failed"])
             add(f"{name} CPU µs/req server", out["server µs/req"])
             add(f"{name} CPU µs/req agent", out["agent µs/req"])
+            add(f"{name} CPU µs/req h2load", out["h2load µs/req"])
+            add(f"{name} CPU µs/req backend", out["backend µs/req"])
             return out
 
         def through(label: str, pair: _Pair) -> tuple[float, float]:
@@ -437,10 +515,14 @@ def main() -> int:
             address = f"127.0.0.1:{pair.ports['grpc']}"
             spy = args.profile and pair is main_pair
             before = pair.cpu()
+            own = time.process_time()
             with _spied(pair, "unary", args.seconds if spy else 0):
                 rate, calls = grpc_calls(address, None, args.seconds, args.grpc_inflight)
             for k, used in pair.cpu().items():
                 add(f"{label} unary CPU µs/call {k}", (used - before[k]) / calls * 1e6)
+            if pair is main_pair:
+                add("grpc client+servers CPU µs/call via the front",
+                    (time.process_time() - own) / calls * 1e6)
             before = pair.cpu()
             with _spied(pair, "bidi", args.seconds if spy else 0):
                 gbit, moved = bidi_echo(address, args.seconds, args.bidi_kib)
@@ -452,16 +534,22 @@ def main() -> int:
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
             if "load" in parts:
-                h2 = load("h2", url, h1=False)
-                h1 = load("h1", url, h1=True)
+                h2 = load("h2", url, h1=False, backend_pid=h1_backend.pid or 0)
+                h1 = load("h1", url, h1=True, backend_pid=h1_backend.pid or 0)
                 add("h2/h1 ratio", h2["req_per_sec"] / h1["req_per_sec"])
                 h2c = load("h2 -> h2c backend", f"http://127.0.0.1:{ports['web_h2c']}/bench",
-                           h1=False)
+                           h1=False, backend_pid=nghttpd.pid)
                 add("h2 -> h2c / h1 ratio", h2c["req_per_sec"] / h1["req_per_sec"])
             if "grpc" in parts:
                 via_front, gbit = through("front", main_pair)
-                via_ssh = grpc_rate(f"127.0.0.1:{ssh_r}", None, args.seconds,
-                                    args.grpc_inflight)
+                assert ssh is not None
+                own, relay = time.process_time(), _tree_cpu(ssh.pid) + _tree_cpu(sshd.pid)
+                via_ssh, ssh_calls = grpc_calls(f"127.0.0.1:{ssh_r}", None, args.seconds,
+                                                args.grpc_inflight)
+                add("grpc client+servers CPU µs/call via ssh -R",
+                    (time.process_time() - own) / ssh_calls * 1e6)
+                add("grpc ssh+sshd CPU µs/call",
+                    (_tree_cpu(ssh.pid) + _tree_cpu(sshd.pid) - relay) / ssh_calls * 1e6)
                 via_l4 = grpc_rate(f"127.0.0.1:{ports['l4']}", None, args.seconds,
                                    args.grpc_inflight)
                 add("grpc calls/s via the front", via_front)
@@ -482,6 +570,14 @@ def main() -> int:
                     calls, gbit = through(label, pair)
                     add(f"{label} unary calls/s", calls)
                     add(f"{label} bidi Gbit/s", gbit)
+            if parts & {"load", "grpc"}:
+                # The floors in this process, between the loads: the same machine and load.
+                request = h2_budget.best_of(h2_budget.h2load_floor, 20000)
+                call = h2_budget.best_of(h2_budget.unary_floor, 20000)
+                add("floor: h2 server side µs/request", request.server_side)
+                add("floor: h2 client side µs/request", request.client_side)
+                add("floor: h2 server side µs/unary call", call.server_side)
+                add("floor: h2 client side µs/unary call", call.client_side)
             if "balance" in parts:
                 shares = balance(f"127.0.0.1:{ports['balanced']}", "balanced.test",
                                  args.balance_calls)
@@ -529,6 +625,8 @@ def main() -> int:
                       "balance 33 % +- 5 %: " + " / ".join(f"{x:.1f} %" for x in split)))
     for ok, text in goals:
         print(f"  {'met   ' if ok else 'MISSED'} {text}")
+    if parts & {"load", "grpc"}:
+        print_budget(med, parts)
     out = ROOT / "bench-results" / time.strftime("h2-%Y%m%d-%H%M%S.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

@@ -32,19 +32,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from scripts.bench.h2_budget import GRPC_MESSAGE, GRPC_REQUEST, GRPC_RESPONSE, GRPC_TRAILERS
 from scripts.bench.lib.tools import callgrind_instructions
 
-REQUEST = [
-    (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/bench.Echo/Unary"),
-    (b":authority", b"127.0.0.1:50051"), (b"te", b"trailers"),
-    (b"content-type", b"application/grpc"),
-    (b"user-agent", b"grpc-python/1.60.0 grpc-c/37.0.0 (linux; chttp2)"),
-    (b"grpc-accept-encoding", b"identity,deflate,gzip"), (b"accept-encoding", b"identity,gzip")]
+# The same call as the budget's unary floor (which times `h2` alone, without `h2session`).
+REQUEST = GRPC_REQUEST
 UPSTREAM = [*REQUEST, (b"x-forwarded-for", b"127.0.0.1"), (b"x-forwarded-proto", b"http")]
-RESPONSE = [(b":status", b"200"), (b"content-type", b"application/grpc"),
-            (b"grpc-accept-encoding", b"identity,deflate,gzip")]
-TRAILERS = [(b"grpc-status", b"0")]
-MESSAGE = b"\0\0\0\0\x04ping"
+RESPONSE = GRPC_RESPONSE
+TRAILERS = GRPC_TRAILERS
+MESSAGE = GRPC_MESSAGE
 OFF = ("repr", "onepass", "huffman", "novalidation")
 
 

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.serialization import (
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from nodeagent.testing import memtls
 from nodeagent.trust import pki
 
 
@@ -41,36 +42,10 @@ def server(ca: pki.CertificateAuthority) -> pki.IssuedCertificate:
 
 def handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext,
               server_hostname: str = "tunnel.example.com") -> tuple[ssl.SSLObject, ssl.SSLObject]:
-    """Run a TLS handshake in memory; raises the first side's ssl error. In TLS 1.3 the
-    server checks the client's certificate after the client finished, so a rejection
-    shows on the client's first read — which we do, like tunnel.dial does."""
-    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
-    client = client_ctx.wrap_bio(c_in, c_out, server_hostname=server_hostname)
-    srv = server_ctx.wrap_bio(s_in, s_out, server_side=True)
-    done = {"client": False, "server": False}
-    for _ in range(20):
-        for name, obj in (("client", client), ("server", srv)):
-            if not done[name]:
-                try:
-                    obj.do_handshake()
-                    done[name] = True
-                except ssl.SSLWantReadError:
-                    pass
-                except ssl.SSLError:
-                    # Deliver the alert to the other side before raising.
-                    s_in.write(c_out.read()) if name == "client" else c_in.write(s_out.read())
-                    raise
-            s_in.write(c_out.read())
-            c_in.write(s_out.read())
-        if all(done.values()):
-            break
-    # The server's verdict on a TLS 1.3 client certificate reaches the client now.
-    c_in.write(s_out.read())
-    try:
-        client.read(1)
-    except ssl.SSLWantReadError:
-        pass
-    return client, srv
+    """A handshake in memory (raises the first end's ssl error, a client certificate's
+    rejection included); the client's and the server's end."""
+    tls = memtls.handshake(server_ctx, client_ctx, server_hostname)
+    return tls.client, tls.server
 
 
 def test_ca_certificate(ca: pki.CertificateAuthority) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import ssl
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import trio
 
+from nodeagent.testing import memtls
 from nodeagent.trust import pki
 from tests.tunnel import test_endpoint
 from tests.tunnel.test_endpoint import T, linked
@@ -284,34 +284,12 @@ async def test_a_loop_rounds_bulk_goes_out_from_the_loop_and_it_looks_before_it_
 # ------------------------------------------------------------------ TLS records
 
 
-def _tls_pair() -> tuple[ssl.SSLObject, ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO,
-                         ssl.MemoryBIO, ssl.MemoryBIO]:
-    """A client and a server SSLObject on memory BIOs, handshake done: (client, server,
-    client in, client out, server in, server out)."""
+def _tls_pair() -> memtls.MemoryTLS:
+    """A client and a server end in memory, handshake done."""
     ca = pki.create_ca("records CA")
     cert = pki.issue_server_certificate(ca, ["localhost"], [])
-    sctx = pki.server_ssl_context(cert.certificate_pem, cert.key_pem)
-    cctx = pki.client_ssl_context(ca.certificate_pem)
-    cin, cout, sin, sout = (ssl.MemoryBIO() for _ in range(4))
-    client = cctx.wrap_bio(cin, cout, server_hostname="localhost")
-    server = sctx.wrap_bio(sin, sout, server_side=True)
-    done = [False, False]
-    for _ in range(10):
-        for i, (obj, out, peer_in) in enumerate(((client, cout, sin), (server, sout, cin))):
-            try:
-                obj.do_handshake()
-                done[i] = True
-            except ssl.SSLWantReadError:
-                pass
-            if out.pending:
-                peer_in.write(out.read())
-        if all(done) and not cout.pending and not sout.pending:
-            break
-    assert all(done)
-    # The server's session tickets: read them on the client so its BIO is clean.
-    with pytest.raises(ssl.SSLWantReadError):
-        client.read(1)
-    return client, server, cin, cout, sin, sout
+    return memtls.handshake(pki.server_ssl_context(cert.certificate_pem, cert.key_pem),
+                            pki.client_ssl_context(ca.certificate_pem))
 
 
 def _records(wire: bytes) -> list[int]:
@@ -340,14 +318,14 @@ def test_pieces_are_encrypted_in_the_records_a_join_makes(sizes: list[int]) -> N
         pieces.append(data if i % 3 == 0 else memoryview(data) if i % 3 == 1
                       else bytearray(data))
     joined = b"".join(pieces)
-    client, server, _, cout, sin, _ = _tls_pair()
-    client.write(joined)
-    by_join = cout.read()
-    tls_module._encrypt_pieces(client.write, list(pieces))
-    by_pieces = cout.read()
+    tls = _tls_pair()
+    tls.client.write(joined)
+    by_join = tls.client_out.read()
+    tls_module._encrypt_pieces(tls.client.write, list(pieces))
+    by_pieces = tls.client_out.read()
     assert _records(by_pieces) == _records(by_join)
-    sin.write(by_join + by_pieces)
+    tls.server_in.write(by_join + by_pieces)
     plain = bytearray()
     while len(plain) < 2 * len(joined):
-        plain += server.read(1024 * 1024)
+        plain += tls.server.read(1024 * 1024)
     assert bytes(plain) == joined + joined

@@ -20,25 +20,15 @@ from typing import Any
 
 import pytest
 
+from nodeagent.testing import memtls
 from scripts.bench.splice_bulk import Pair, _certs, set_tls13_ciphersuites
 
 HEADERS = Path("/usr/include/openssl/ssl.h")
 
 
 def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> str:
-    """A TLS handshake between two contexts over memory BIOs; the negotiated suite."""
-    bios = [ssl.MemoryBIO() for _ in range(4)]
-    server = server_ctx.wrap_bio(bios[0], bios[1], server_side=True)
-    client = client_ctx.wrap_bio(bios[2], bios[3], server_hostname="localhost")
-    for _ in range(10):
-        for obj in (client, server):
-            try:
-                obj.do_handshake()
-            except ssl.SSLWantReadError:
-                pass
-        bios[0].write(bios[3].read())
-        bios[2].write(bios[1].read())
-    cipher = client.cipher()
+    """A TLS handshake between two contexts in memory; the negotiated suite."""
+    cipher = memtls.handshake(server_ctx, client_ctx).client.cipher()
     assert cipher is not None
     return cipher[0]
 

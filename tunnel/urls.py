@@ -8,7 +8,8 @@ from __future__ import annotations
 import ipaddress
 import urllib.parse
 
-from tunnel.transports import WEBSOCKET_IMPLS, Endpoint, WebSocketImpl
+# base, not the package: config validation reads URLs without importing trio or ssl.
+from tunnel.transports.base import WEBSOCKET_IMPLS, Endpoint, WebSocketImpl
 
 __all__ = [
     "DEFAULT_WEBSOCKET_IMPL",

@@ -35,6 +35,7 @@ from tunnel.backoff import (
     DEFAULT_UNREACHABLE_MAXIMUM,
 )
 from tunnel.proxy import parse_proxy_url
+from tunnel.urls import parse_endpoint
 
 # Anchored with \Z, not $: `$` also matches before a final newline, so `re.match` would
 # take "edge-1\n". Use `fullmatch`; the \Z keeps a caller's `match` safe too.
@@ -336,9 +337,15 @@ class Reconnect(Model):
 # ------------------------------------------------------------------ what a node does
 
 
-def _check_tunnel_url(url: str) -> str:
+def _check_tunnel_url(url: str, *, dial: bool = False) -> str:
+    """A tunnel URL as the transports will read it (tunnel/urls.py), so that a bad host or
+    port is a config error at load, not an exception when the listener or dialer starts.
+    `dial`: the agent dials it, where port 0 means nothing."""
     if not re.match(r"^(tls|tcp|wss|ws)://", url):
         raise ValueError(f"{url!r}: use tls://host:port, wss://host[:port]/path, ws://, tcp://")
+    endpoint = parse_endpoint(url)  # its ValueError says what is wrong
+    if dial and endpoint.port == 0:
+        raise ValueError(f"{url!r}: port 0 cannot be dialed; give the server's port")
     return url
 
 

@@ -300,7 +300,7 @@ class AgentConfig(NodeConfig):
     @field_validator("server")
     @classmethod
     def _server(cls, v: str) -> str:
-        return _check_tunnel_url(v)
+        return _check_tunnel_url(v, dial=True)
 
     @field_validator("proxy")
     @classmethod
@@ -314,7 +314,7 @@ class AgentConfig(NodeConfig):
     def _direct_servers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if len(v) > 16:
             raise ValueError("at most 16 direct servers")
-        return tuple(_check_tunnel_url(url) for url in v)
+        return tuple(_check_tunnel_url(url, dial=True) for url in v)
 
     @model_validator(mode="after")
     def _credentials(self) -> AgentConfig:

@@ -57,6 +57,11 @@ def test_udp_allow_rules_allow_udp_only_and_take_either_spelling() -> None:
     (agent(allow=["127.0.0.1:90-80"]), "allow[0].ports[0]: port range 90-80 is reversed"),
     (agent(node="Edge_1"), "node: 'Edge_1' is not a valid node name"),
     (agent(server="http://x"), "server: 'http://x': use tls://"),
+    # Read as the dialer reads it: these once passed and raised ValueError at start.
+    (agent(server="tls://s:abc"), "server: 'tls://s:abc': invalid port"),
+    (agent(server="tls://:8443"), "server: 'tls://:8443': no host"),
+    (agent(server="tls://s:0"), "server: 'tls://s:0': port 0 cannot be dialed"),
+    (agent(direct_servers=["wss://s:99999/t"]), "direct_servers: 'wss://s:99999/t': invalid"),
     (agent(token="short"), "token: token is shorter than 16 characters"),
     (agent(colour="blue"), "colour: unknown field (typo?)"),
     ({"node": "a", "server": "tls://s:1"}, "no credentials"),
@@ -125,6 +130,9 @@ def test_server_config_routes() -> None:
      "http[0].routes[0].path: path 'api' must start with /"),
     (server(http=[{"listen": ":80", "routes": [{"host": "a b", "target": "h:1"}]}]),
      "is not a host name"),
+    (server(tunnel={"url": "tcp://0.0.0.0:99999", "insecure": True}),
+     "tunnel.url: 'tcp://0.0.0.0:99999': invalid port"),
+    (server(tunnel={"url": "tcp://0.0.0.0", "insecure": True}), "tcp:// needs a port"),
 ])
 def test_server_config_errors(doc: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import ipaddress
 import re
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -348,6 +349,21 @@ def _check_tunnel_url(url: str, *, dial: bool = False) -> str:
         raise ValueError(f"{url!r}: port 0 cannot be dialed; give the server's port")
     return url
 
+
+
+def controller_url_address(url: str) -> tuple[str, int]:
+    """(host, port) of a controller URL: `https://host:port` (its TLS config stream) or,
+    in tests, `http://host:port`. ValueError saying what is wrong."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r}: use http://host:port or https://host:port")
+    try:
+        port = parts.port  # ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"{url!r}: the port is not a number in 1-65535")
+    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 # pydantic's messages speak of Python types ("Input should be a valid tuple"); a config
 # file has YAML's: text, numbers, true/false, lists and mappings.

@@ -46,6 +46,7 @@ from nodeagent.config.base import (
     _check_tunnel_url,
     _read_secret,
     _split_host_port,
+    controller_url_address,
     raise_problems,
 )
 from tunnel.proxy import DIRECT, ProxyRules, parse_proxy_url
@@ -301,6 +302,13 @@ class AgentConfig(NodeConfig):
     @classmethod
     def _server(cls, v: str) -> str:
         return _check_tunnel_url(v, dial=True)
+
+    @field_validator("controller")
+    @classmethod
+    def _controller(cls, v: str | None) -> str | None:
+        if v is not None:
+            controller_url_address(v)
+        return v
 
     @field_validator("proxy")
     @classmethod

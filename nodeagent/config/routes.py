@@ -39,6 +39,7 @@ from nodeagent.config.base import (
     Model,
     _check_tunnel_url,
     _read_secret,
+    controller_url_address,
     raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
@@ -531,6 +532,13 @@ class ServerConfig(RoutesConfig):
     connect: ConnectFrontConfig = ConnectFrontConfig()
     # Where the ports of `load_balancers` listen (their port numbers are the Services').
     load_balancer_host: str = "0.0.0.0"
+
+    @field_validator("controller")
+    @classmethod
+    def _controller(cls, v: str | None) -> str | None:
+        if v is not None:
+            controller_url_address(v)
+        return v
 
     @field_validator("load_balancer_host")
     @classmethod

@@ -20,13 +20,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import h11
 import trio
 from pydantic import BaseModel
 
-from nodeagent.config import ConfigError, parse_config
+from nodeagent.config import ConfigError, controller_url_address, parse_config
 from nodeagent.configstream.protocol import (
     HEARTBEAT_HEADER,
     MAX_LINE,
@@ -329,10 +328,10 @@ async def _body(conn: h11.Connection, stream: trio.abc.Stream) -> str:
 def controller_address(url: str) -> tuple[str, int]:
     """(host, port) of `https://host:port` (the controller's TLS stream) or, in tests,
     `http://host:port`."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"--controller {url!r}: use http://host:port or https://host:port")
-    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        return controller_url_address(url)
+    except ValueError as exc:
+        raise ConfigError(f"--controller {exc}") from None
 
 
 def token_reader(path: Path) -> Callable[[], str]:

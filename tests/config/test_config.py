@@ -62,6 +62,8 @@ def test_udp_allow_rules_allow_udp_only_and_take_either_spelling() -> None:
     (agent(server="tls://:8443"), "server: 'tls://:8443': no host"),
     (agent(server="tls://s:0"), "server: 'tls://s:0': port 0 cannot be dialed"),
     (agent(direct_servers=["wss://s:99999/t"]), "direct_servers: 'wss://s:99999/t': invalid"),
+    (agent(controller="http://c:abc"), "controller: 'http://c:abc': the port is not a number"),
+    (agent(controller="c:8090"), "controller: 'c:8090': use http://host:port or https://"),
     (agent(token="short"), "token: token is shorter than 16 characters"),
     (agent(colour="blue"), "colour: unknown field (typo?)"),
     ({"node": "a", "server": "tls://s:1"}, "no credentials"),
@@ -133,6 +135,7 @@ def test_server_config_routes() -> None:
     (server(tunnel={"url": "tcp://0.0.0.0:99999", "insecure": True}),
      "tunnel.url: 'tcp://0.0.0.0:99999': invalid port"),
     (server(tunnel={"url": "tcp://0.0.0.0", "insecure": True}), "tcp:// needs a port"),
+    (server(controller="https://c:0"), "controller: 'https://c:0': the port is not a number"),
 ])
 def test_server_config_errors(doc: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -443,9 +443,12 @@ def load_config(model: type[M], path: Path) -> M:
     import yaml  # files only: a role in controller mode never loads it (~1.3 MiB)
 
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8"
+                          ) from None
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -143,6 +143,14 @@ def test_server_config_errors(doc: dict[str, object], message: str) -> None:
     assert message in str(info.value)
 
 
+def test_a_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_bytes(b"\xff\xfenode: edge-1\n")  # UTF-16, as some editors save "Unicode"
+    with pytest.raises(ConfigError) as info:
+        load_config(AgentConfig, path)
+    assert str(info.value) == f"{path}: not UTF-8 text (byte 0); save it as UTF-8"
+
+
 def test_yaml_errors_give_line_numbers(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text("node: edge-1\nserver: [unclosed\n")

@@ -8,6 +8,7 @@ import signal
 import socket
 
 import trio
+from pydantic import ValidationError
 
 from nodeagent.config import ConfigError, ListenAddress
 from nodeagent.controller.configserver import ConnectionLimits
@@ -19,17 +20,21 @@ from nodeagent.ops.logs import get_logger
 log = get_logger("nodeagent.controller")
 
 
-def run_controller(args: argparse.Namespace) -> int:
+def _listen_flag(flag: str, value: str) -> ListenAddress:
     try:
-        listen = ListenAddress.model_validate(args.listen)
-    except ValueError as exc:
-        raise ConfigError(f"--listen {args.listen!r}: {exc}") from None
+        return ListenAddress.model_validate(value)
+    except ValidationError as exc:
+        # One line: pydantic's own text is several, with its type names and a URL.
+        problems = "; ".join(str(err["msg"]).removeprefix("Value error, ")
+                             for err in exc.errors())
+        raise ConfigError(f"{flag} {value!r}: {problems}") from None
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    listen = _listen_flag("--listen", args.listen)
     metrics = None
     if args.metrics_listen:
-        try:
-            address = ListenAddress.model_validate(args.metrics_listen)
-        except ValueError as exc:
-            raise ConfigError(f"--metrics-listen {args.metrics_listen!r}: {exc}") from None
+        address = _listen_flag("--metrics-listen", args.metrics_listen)
         metrics = (address.host, address.port)
     if not 0 < args.certificate_hours <= 24 * 30:
         raise ConfigError(f"--certificate-hours {args.certificate_hours:g}: give (0, 720]")
@@ -75,7 +80,25 @@ def run_controller(args: argparse.Namespace) -> int:
         trio.run(_serve_until_signalled, settings)
     except CredentialsError as exc:
         raise ConfigError(f"Kubernetes credentials: {exc}") from None
+    except BaseExceptionGroup as group:
+        # Raised inside the controller's nurseries, it arrives wrapped in their groups.
+        credentials = _credentials_error(group)
+        if credentials is None:
+            raise
+        raise ConfigError(f"Kubernetes credentials: {credentials}") from None
     return 0
+
+
+def _credentials_error(group: BaseExceptionGroup[BaseException]) -> CredentialsError | None:
+    """The CredentialsError the controller ended with, if that and the cancellations it
+    caused are all the group holds."""
+    found, rest = group.split(CredentialsError)
+    if found is None or (rest is not None and rest.split(trio.Cancelled)[1] is not None):
+        return None
+    first: BaseException = found
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first if isinstance(first, CredentialsError) else None
 
 
 async def _serve_until_signalled(settings: ControllerSettings) -> None:

@@ -136,9 +136,21 @@ ConfigPath = Annotated[Path, AfterValidator(_relative_to_file)]
 def _cidr_as_text(value: Any) -> Any:
     # pydantic would read a bare number as an address (5 → 0.0.0.5/32): in a config
     # file that is always a mistake, so a CIDR must be written as text.
-    if isinstance(value, str | ipaddress.IPv4Network | ipaddress.IPv6Network):
+    if isinstance(value, ipaddress.IPv4Network | ipaddress.IPv6Network):
         return value
-    raise ValueError(f"{value!r} is not a CIDR; write it as text, e.g. 10.0.0.0/8")
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a CIDR; write it as text, e.g. 10.0.0.0/8")
+    # Checked here so a bad one is one line: the union below would report a line per
+    # member, in pydantic's words ("lax-or-strict[...]: Input is not a valid IPv4 network").
+    try:
+        return ipaddress.ip_network(value)
+    except ValueError:
+        pass
+    try:
+        within = ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a CIDR (e.g. 10.0.0.0/8, fd00::/64)") from None
+    raise ValueError(f"{value!r} has host bits set; the network is {within}")
 
 
 Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, BeforeValidator(_cidr_as_text)]

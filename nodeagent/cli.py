@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_server_parser(sub: Subcommands) -> None:
     """`nodeagent server`: standalone (--config) or controller mode (the flags)."""
     server = sub.add_parser(
-        "server", help="run the cloud side", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "server", help="run the cloud side",
         description="Terminate agents' tunnels and carry public TCP ports and HTTP routes "
                     "into them. Stops gracefully on SIGTERM/SIGINT: agents are told to move "
                     "(GOAWAY) and running streams get a grace period.")
@@ -185,12 +185,14 @@ def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
                          help="a load balancer that sends PROXY v2 to the public listeners: "
                               "from its addresses a header is required and names the client "
                               "(repeatable; docs/proxy-protocol.md)")
-    cluster.add_argument("--ingress-http", metavar="HOST:PORT", help="Ingress over HTTP")
+    cluster.add_argument("--ingress-http", metavar="HOST:PORT",
+                         help="Ingress over HTTP (default: none)")
     cluster.add_argument("--load-balancer-host", metavar="HOST",
                          help="where the ports of LoadBalancer Services listen (default "
                               "0.0.0.0; docs/loadbalancer.md)")
     cluster.add_argument("--ingress-https", metavar="HOST:PORT",
-                         help="Ingress over HTTPS (certificates by SNI from Ingress TLS)")
+                         help="Ingress over HTTPS, certificates by SNI from Ingress TLS "
+                              "(default: none)")
     cluster.add_argument("--connect-uds", type=Path, metavar="PATH",
                          help="CONNECT front for kube-apiserver's egress selector (transport."
                               "uds) and HTTP proxy clients, on a Unix socket (mode 0600)")
@@ -217,13 +219,15 @@ def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
     cluster.add_argument("--handshake-burst", type=int, metavar="N",
                          help="handshakes admitted at once before the rate applies "
                               "(default 200)")
-    cluster.add_argument("--server-id", metavar="NAME", help="this replica (default POD_NAME)")
+    cluster.add_argument("--server-id", metavar="NAME",
+                         help="this replica, as agents tell replicas apart (default: $POD_NAME, "
+                              "else nodeagent-server)")
     cluster.add_argument("--state-dir", type=Path, metavar="DIR",
                          help="keep the last routes here (routes.json, mode 0600: it holds "
                               "Ingress TLS keys) and serve them at once after a restart "
                               "while the controller is away (an emptyDir)")
     cluster.add_argument("--metrics-listen", metavar="HOST:PORT",
-                         help="Prometheus /metrics")
+                         help="Prometheus /metrics, /healthz and /readyz (default: none)")
     cluster.add_argument("--debug-socket", type=Path, metavar="PATH",
                          help="debug socket (default /run/nodeagent/server.sock)")
 
@@ -231,9 +235,10 @@ def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
 def add_agent_parser(sub: Subcommands) -> None:
     """`nodeagent agent`: standalone (--config) or controller mode (the flags)."""
     agent = sub.add_parser(
-        "agent", help="run on a node", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Dial the server, keep one tunnel up, and serve the streams the server "
-                    "opens by dialing allowed node-local targets. Reconnects: about every "
+        "agent", help="run on a node",
+        description="Dial the server, keep a tunnel to it up (one to each replica), and "
+                    "serve the streams the server opens by dialing allowed node-local "
+                    "targets. Reconnects: about every "
                     "second while the server is unreachable (reconnect.unreachable_maximum, "
                     "default 1 s), when a busy server says (its retry-after, with jitter), "
                     "and slowing to reconnect.maximum (default 15 s) after a refused "
@@ -258,7 +263,8 @@ def add_agent_parser(sub: Subcommands) -> None:
                          help="the controller, https://host:port (reached through the tunnel)")
     cluster.add_argument("--debug-socket", type=Path, metavar="PATH",
                          help="debug socket (default /run/nodeagent/agent.sock)")
-    cluster.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus /metrics")
+    cluster.add_argument("--metrics-listen", metavar="HOST:PORT",
+                         help="Prometheus /metrics, /healthz and /readyz (default: none)")
     cluster.add_argument("--drain-seconds", type=float, default=None, metavar="S",
                          help="on SIGTERM, how long intercepted connections and streams in "
                               "flight may finish before the agent exits (default 10)")
@@ -287,7 +293,7 @@ def add_controller_parser(sub: Subcommands) -> None:
                     "with a Lease; only the leader writes (CRDs, Events, the CA).")
     controller.add_argument("--kubeconfig", type=Path, metavar="FILE",
                             help="default: in-cluster service account, else ~/.kube/config")
-    controller.add_argument("--namespace", default="nodeagent",
+    controller.add_argument("--namespace", default="nodeagent", metavar="NAMESPACE",
                             help="namespace of the Lease and Secrets (default nodeagent)")
     controller.add_argument("--listen", default="0.0.0.0:8090", metavar="HOST:PORT",
                             help="config stream (TLS) listener (default 0.0.0.0:8090)")
@@ -296,7 +302,9 @@ def add_controller_parser(sub: Subcommands) -> None:
                                  "the nodeagent-controller Service names (repeatable)")
     controller.add_argument("--identity", default=None, metavar="NAME",
                             help="this replica in the Lease (default: $POD_NAME or hostname)")
-    controller.add_argument("--lease-name", default="nodeagent-controller", metavar="NAME")
+    controller.add_argument("--lease-name", default="nodeagent-controller", metavar="NAME",
+                            help="the Lease the replicas elect a leader with, in --namespace "
+                                 "(default nodeagent-controller)")
     controller.add_argument("--lease-seconds", type=float, default=15.0, metavar="S",
                             help="lease duration: a standby takes over within it (default 15)")
     controller.add_argument("--certificate-hours", type=float, default=24.0, metavar="H",
@@ -306,7 +314,7 @@ def add_controller_parser(sub: Subcommands) -> None:
                             metavar="N", help="TokenReviews the certificate endpoint may "
                             "cause a second (bursts of 2.5x); beyond: 429 (default 20)")
     controller.add_argument("--metrics-listen", metavar="HOST:PORT",
-                            help="/healthz and /readyz for probes")
+                            help="/metrics, /healthz and /readyz for probes (default: none)")
     controller.add_argument("--heartbeat-seconds", type=float, default=60.0, metavar="S",
                             help="a config watch with nothing new gets a heartbeat line this "
                                  "often; watchers give up after 3 missed (the interval is "
@@ -377,12 +385,12 @@ def add_certs_parser(sub: Subcommands) -> None:
     kinds = certs.add_subparsers(dest="kind", metavar="KIND", parser_class=_Parser)
     kinds.required = True
 
-    def common(parser: argparse.ArgumentParser, *, days: float | None) -> None:
+    def common(parser: argparse.ArgumentParser, *, days: float | None,
+               dir_help: str = "where to write (and find ca.crt, ca.key); default: here",
+               force_help: str = "replace files that exist") -> None:
         parser.add_argument("--dir", type=Path, default=Path("."), metavar="DIR",
-                            help="where to write (and find ca.crt, ca.key); default: here")
-        parser.add_argument("--force", action="store_true",
-                            help="replace files that exist (a new CA key makes every "
-                                 "certificate of the old one useless)")
+                            help=dir_help)
+        parser.add_argument("--force", action="store_true", help=force_help)
         if days is not None:
             parser.add_argument("--days", type=float, default=days, metavar="N",
                                 help=f"validity in days (default {days:g})")
@@ -398,7 +406,9 @@ def add_certs_parser(sub: Subcommands) -> None:
                                       "certificates: ca.crt and ca.key (mode 0600).")
     ca.add_argument("--name", default="nodeagent CA", metavar="CN",
                     help="the CA's common name (default 'nodeagent CA')")
-    common(ca, days=3650)
+    common(ca, days=3650, dir_help="where to write; default: here",
+           force_help="replace files that exist (a new CA key makes every certificate of "
+                      "the old one useless)")
     server = kinds.add_parser(
         "server", help="the tunnel server's certificate",
         description="The tunnel server's certificate (serverAuth) for every name and "
@@ -425,7 +435,7 @@ def add_certs_parser(sub: Subcommands) -> None:
                     "NODE.token (mode 0600); '*' makes shared.token, a token any node may "
                     "present (a lab convenience).")
     token.add_argument("node", metavar="NODE", help="the node the token registers")
-    common(token, days=None)
+    common(token, days=None, dir_help="where to write; default: here")
 
 
 def run_certs(args: argparse.Namespace) -> int:
@@ -464,8 +474,7 @@ def add_debug_parser(sub: Subcommands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=DEBUG_DESCRIPTION, epilog=DEBUG_EPILOG)
     debug.add_argument("what", choices=DEBUG_VIEWS, metavar="VIEW",
-                       help="status | tunnels | streams | flows | config | rules | metrics "
-                            "(see above)")
+                       help=f"{' | '.join(DEBUG_VIEWS)} (see above)")
     debug.add_argument("--socket", type=Path, default=None, metavar="PATH",
                        help="debug socket (default: the agent's, else the server's: "
                             "/run/nodeagent/agent.sock, /run/nodeagent/server.sock)")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,31 @@ def test_debug_help_maps_questions_to_views() -> None:
     for word in ("tunnels", "streams", "--node", "--watch", "--json",
                  "is node X connected", "why did that request fail"):
         assert word in result.stdout, word
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_flag_of_every_command_says_what_it_does() -> None:
+    for parser in _parsers(cli.build_parser()):
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(
+                    action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            assert action.help, (parser.prog, action.option_strings or action.dest)
+
+
+def test_debug_help_names_every_view_in_its_usage_line() -> None:
+    debug = next(p for p in _parsers(cli.build_parser()) if p.prog == "nodeagent debug")
+    view = next(action for action in debug._actions if action.dest == "what")
+    assert view.help is not None
+    for name in cli.DEBUG_VIEWS:
+        assert name in view.help, name
 
 
 def test_debug_watch_takes_its_default_before_the_view() -> None:

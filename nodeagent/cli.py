@@ -138,6 +138,7 @@ def add_server_parser(sub: Subcommands) -> None:
     cluster = server.add_argument_group(
         "controller mode (Kubernetes; instead of --config): routes come from the controller")
     _add_server_controller_flags(cluster)
+    _note_controller_mode_flags(server, cluster)
     server.add_argument("--check", action="store_true",
                         help="validate the config, print a summary and exit")
     server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
@@ -160,6 +161,15 @@ def add_server_parser(sub: Subcommands) -> None:
     server.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
     server.add_argument("--worker-restart", action="store_true", help=argparse.SUPPRESS)
 
+
+
+def _note_controller_mode_flags(parser: argparse.ArgumentParser,
+                                group: argparse._ArgumentGroup) -> None:
+    """Remember the flags of the controller-mode group, so main() can refuse them beside
+    --config rather than ignore them (a file sets those things itself)."""
+    parser.set_defaults(controller_mode_flags=tuple(
+        (action.dest, action.option_strings[0], action.default)
+        for action in group._group_actions))
 
 
 def _add_server_controller_flags(cluster: argparse._ArgumentGroup) -> None:
@@ -273,6 +283,7 @@ def add_agent_parser(sub: Subcommands) -> None:
                               "next agent (a DaemonSet restart): meanwhile intercepted "
                               "connections are refused (REDIRECT) or wait in SYN "
                               "retransmission (TPROXY) instead of bypassing the tunnel")
+    _note_controller_mode_flags(agent, cluster)
     agent.add_argument("--check", action="store_true",
                        help="validate the config, print a summary and exit")
     agent.add_argument("--cleanup", action="store_true",
@@ -564,9 +575,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster_flags = [f for f in ("controller", "node", "server", "token_file")
                              if getattr(args, f, None) and not (
                                  f == "server" and args.command == "server")]
-            if args.config is not None and cluster_flags:
+            given = [flag for dest, flag, default in args.controller_mode_flags
+                     if getattr(args, dest) != default]
+            if args.config is not None and given:
                 parser.error(f"{args.command}: give --config FILE (standalone) or the "
-                             "controller-mode flags, not both")
+                             f"controller-mode flags, not both ({', '.join(given)}: with "
+                             "--config, set that in the file)")
             if args.config is None and not cluster_flags and not getattr(args, "cleanup",
                                                                           False):
                 parser.error(f"{args.command}: give --config FILE (standalone) or "

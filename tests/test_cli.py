@@ -24,6 +24,11 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     (["agent"], "give --config FILE (standalone) or --controller URL"),
     (["server"], "give --config FILE (standalone) or --controller URL"),
     (["agent", "--config", "a.yaml", "--controller", "http://c:8090"], "not both"),
+    # Controller-mode flags beside --config were once ignored without a word.
+    (["agent", "--config", "a.yaml", "--metrics-listen", ":9100"],
+     "not both (--metrics-listen: with --config, set that in the file)"),
+    (["server", "--config", "s.yaml", "--handshake-rate", "5", "--debug-socket", "/x"],
+     "not both (--handshake-rate, --debug-socket: with --config, set that in the file)"),
     (["agent", "--controller", "http://c:8090"],
      "controller mode needs --node (or NODE_NAME), --server, --token-file, --ca-file"),
     (["agent", "--node", "edge-1", "--server", "tls://s:1", "--token-file", "/nonexistent",

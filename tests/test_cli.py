@@ -301,3 +301,25 @@ def test_a_startup_failure_is_found_inside_the_nurseries_groups() -> None:
     from_file = argparse.Namespace(config=Path("server.yaml"))
     assert cli._setting(from_file, failed) == str(failed)
     assert cli._source(from_file) == "server.yaml" and cli._source(flags) == "flags"
+
+
+@pytest.mark.parametrize("role", ["server", "agent"])
+def test_the_shipped_examples_pass_check_with_their_files_in_place(
+        role: str, tls_files: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`nodeagent ROLE --config examples/ROLE.yaml --check` once the files it names exist
+    (it reads them: certificates, keys, tokens), as a newcomer's first run after
+    `nodeagent certs`; /etc/nodeagent/ is moved under tmp_path."""
+    (tmp_path / "tls").mkdir()
+    for name in ("ca.crt", "server.crt", "server.key"):
+        (tmp_path / "tls" / name).write_bytes((tls_files / name).read_bytes())
+    (tmp_path / "tokens").mkdir()
+    (tmp_path / "tokens" / "edge-1").write_text(TOKEN + "\n")
+    example = Path(__file__).parents[1] / "examples" / f"{role}.yaml"
+    path = tmp_path / f"{role}.yaml"
+    path.write_text(example.read_text().replace("/etc/nodeagent/", f"{tmp_path}/"))
+    capsys.readouterr()
+    code = cli.main([role, "--config", str(path), "--check"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.startswith(f"{path}: valid.")

@@ -162,13 +162,13 @@ def fetch_debug(path: str | os.PathLike[str], route: str, *, timeout: float = 5.
         probe.connect(path)
     except PermissionError as exc:
         raise DebugUnavailable(
-            f"permission denied on {path}: run as root or as the agent's user {hint}") from exc
+            f"permission denied on {path}: run as root or as its user {hint}") from exc
     except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
         raise DebugUnavailable(
-            f"no agent is listening on {path}: is the agent running? {hint}") from exc
+            f"nothing is listening on {path}: is the agent or server running? {hint}") from exc
     except TimeoutError as exc:
         raise DebugUnavailable(
-            f"the agent on {path} did not answer within {timeout:g}s {hint}") from exc
+            f"the process on {path} did not answer within {timeout:g}s {hint}") from exc
     except OSError as exc:
         raise DebugUnavailable(f"cannot read {path}: {exc.strerror or exc} {hint}") from exc
     finally:
@@ -181,12 +181,12 @@ def fetch_debug(path: str | os.PathLike[str], route: str, *, timeout: float = 5.
             resp = client.get(f"http://nodeagent{route}")
     except httpx.TimeoutException as exc:
         raise DebugUnavailable(
-            f"the agent on {path} did not answer within {timeout:g}s {hint}"
+            f"the process on {path} did not answer within {timeout:g}s {hint}"
         ) from exc
     except httpx.TransportError as exc:
         if _find(exc, PermissionError) is not None:
             raise DebugUnavailable(
-                f"permission denied on {path}: run as root or as the agent's user {hint}"
+                f"permission denied on {path}: run as root or as its user {hint}"
             ) from exc
         os_error = _find(exc, OSError)
         if os_error is None or getattr(os_error, "errno", None) in (
@@ -195,7 +195,7 @@ def fetch_debug(path: str | os.PathLike[str], route: str, *, timeout: float = 5.
             None,
         ):
             raise DebugUnavailable(
-                f"no agent is listening on {path}: is the agent running? {hint}"
+                f"nothing is listening on {path}: is the agent or server running? {hint}"
             ) from exc
         raise DebugUnavailable(f"cannot read {path}: {os_error} {hint}") from exc
     ctype = resp.headers.get("content-type", "")
@@ -206,7 +206,7 @@ def fetch_debug(path: str | os.PathLike[str], route: str, *, timeout: float = 5.
     try:
         doc = resp.json()
     except ValueError as exc:
-        raise DebugUnavailable(f"{route}: the agent on {path} sent invalid JSON") from exc
+        raise DebugUnavailable(f"{route}: the process on {path} sent invalid JSON") from exc
     if resp.status_code != 200:
         message = doc.get("error") if isinstance(doc, dict) else None
         raise DebugUnavailable(f"{route}: {message or f'HTTP {resp.status_code}'}")

@@ -130,14 +130,15 @@ async def test_unavailable_messages(sock_path: Path) -> None:
     with pytest.raises(DebugUnavailable) as info:
         await fetch(sock_path, "/status")
     assert str(info.value) == (
-        f"no agent is listening on {sock_path}: is the agent running? (--socket to choose another)"
+        f"nothing is listening on {sock_path}: is the agent or server running? "
+        "(--socket to choose another)"
     )
     # A stale socket file (nobody listening) reads the same way.
     sock_path.parent.mkdir(parents=True)
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(sock_path))
     s.close()
-    with pytest.raises(DebugUnavailable, match="no agent is listening on"):
+    with pytest.raises(DebugUnavailable, match="nothing is listening on"):
         await fetch(sock_path, "/status")
 
 

@@ -240,7 +240,7 @@ async def test_query_routes_and_watch_until_interrupted(
     out = capsys.readouterr()
     assert code == 1
     [line] = [ln for ln in out.err.splitlines() if ln.startswith("nodeagent debug:")]
-    assert "no agent is listening on" in line
+    assert "nothing is listening on" in line
     assert len(out.out.splitlines()) == 1  # the one JSON line before it went away
 
 

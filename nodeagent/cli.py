@@ -490,7 +490,7 @@ def add_debug_parser(sub: Subcommands) -> None:
                        help="debug socket (default: the agent's, else the server's: "
                             "/run/nodeagent/agent.sock, /run/nodeagent/server.sock)")
     debug.add_argument("--node", metavar="NAME",
-                       help="on a server, tunnels and streams: only this node's")
+                       help="on a server, tunnels, streams and flows: only this node's")
     debug.add_argument("--json", action="store_true",
                        help="print JSON for scripts (with --watch: one document per line)")
     debug.add_argument("--watch", nargs="?", type=_positive_seconds, const=2.0,

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from nodeagent import cli
+from nodeagent.ops.debugcli import NODE_VIEWS
 from nodeagent.trust import pki
 
 
@@ -112,12 +113,16 @@ def test_every_flag_of_every_command_says_what_it_does() -> None:
             assert action.help, (parser.prog, action.option_strings or action.dest)
 
 
-def test_debug_help_names_every_view_in_its_usage_line() -> None:
+def test_debug_help_names_every_view_and_those_node_filters() -> None:
     debug = next(p for p in _parsers(cli.build_parser()) if p.prog == "nodeagent debug")
     view = next(action for action in debug._actions if action.dest == "what")
     assert view.help is not None
     for name in cli.DEBUG_VIEWS:
         assert name in view.help, name
+    node = next(action for action in debug._actions if action.dest == "node")
+    assert node.help is not None
+    for name in NODE_VIEWS:
+        assert name in node.help, name
 
 
 def test_debug_watch_takes_its_default_before_the_view() -> None:

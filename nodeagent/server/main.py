@@ -335,7 +335,7 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     from nodeagent.configstream.cluster import ControllerLink
 
     config = server_config_from_flags(args)
-    workers = int(getattr(args, "workers", 1) or 1)
+    workers = int(getattr(args, "workers", 1))  # 0 is refused below, as with --config
     check_worker_config(config, workers, "flags")
     token = token_reader(Path(str(args.token_file)))
     ssl_context = server_ssl_context(config, "flags", TLS_FLAGS)

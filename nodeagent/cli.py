@@ -96,6 +96,18 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _grace_seconds(text: str) -> float:
+    """A server's shutdown and readiness durations: 0 to an hour (a negative one once
+    passed as an immediate deadline)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text}: give 0 to 3600 seconds")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with exit code 2 and a one-line hint on errors (its default prints usage)."""
 
@@ -141,13 +153,13 @@ def add_server_parser(sub: Subcommands) -> None:
     _note_controller_mode_flags(server, cluster)
     server.add_argument("--check", action="store_true",
                         help="validate the config, print a summary and exit")
-    server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+    server.add_argument("--drain-seconds", type=_grace_seconds, default=30.0, metavar="S",
                         help="on shutdown, how long running streams may finish (default 30)")
-    server.add_argument("--shutdown-delay", type=float, default=2.0, metavar="S",
+    server.add_argument("--shutdown-delay", type=_grace_seconds, default=2.0, metavar="S",
                         help="on shutdown, how long readiness fails while requests are still "
                              "served, before agents are told to move (GOAWAY): at least the "
                              "load balancer's health-check interval (default 2)")
-    server.add_argument("--ready-grace", type=float, default=30.0, metavar="S",
+    server.add_argument("--ready-grace", type=_grace_seconds, default=30.0, metavar="S",
                         help="a new replica is ready once it holds a tunnel from every node "
                              "its routes name, or after this long (default 30)")
     server.add_argument("--workers", type=int, default=1, metavar="N",

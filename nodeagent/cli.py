@@ -135,7 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (add_server_parser, add_agent_parser, add_controller_parser,
                 add_certs_parser, add_debug_parser, add_demo_parser):
         add(sub)
+    for name in ("server", "agent", "controller", "demo"):
+        _add_log_flags(sub.choices[name])
     return parser
+
+
+def _add_log_flags(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format after a role too (`nodeagent server --log-level debug`
+    was 'unrecognized arguments'). SUPPRESS: unless given here, the value before the
+    command (or its default) stands."""
+    group = parser.add_argument_group("logging (also accepted before the command)")
+    group.add_argument("--log-level", default=argparse.SUPPRESS,
+                       choices=["debug", "info", "warning", "error"],
+                       help="least severe log level to print (default: info)")
+    group.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
+                       help="log lines as key=value text or JSON objects (default: text)")
 
 
 def add_server_parser(sub: Subcommands) -> None:

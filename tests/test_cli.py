@@ -132,6 +132,19 @@ def test_debug_help_names_every_view_and_those_node_filters() -> None:
         assert name in node.help, name
 
 
+@pytest.mark.parametrize(("argv", "level", "fmt"), [
+    (["server", "--config", "s.yaml"], "info", "text"),
+    (["--log-level", "debug", "server", "--config", "s.yaml"], "debug", "text"),
+    (["agent", "--config", "a.yaml", "--log-level", "error", "--log-format", "json"],
+     "error", "json"),
+    (["--log-format", "json", "controller", "--log-level", "warning"], "warning", "json"),
+])
+def test_log_flags_go_before_or_after_the_role(argv: list[str], level: str,
+                                               fmt: str) -> None:
+    args = cli.build_parser().parse_args(argv)
+    assert (args.log_level, args.log_format) == (level, fmt)
+
+
 def test_debug_watch_takes_its_default_before_the_view() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(cli._watch_before_view(["debug", "--watch", "streams"]))

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeAlias
+from typing import NoReturn, TypeAlias
 
 from nodeagent import __version__
 from nodeagent.config import ConfigError, StartupFailed
@@ -588,6 +588,14 @@ def _setting(args: argparse.Namespace, failed: StartupFailed) -> str:
     return str(failed)
 
 
+def _usage_error(command: str, message: str) -> NoReturn:
+    """A role's usage error found after parsing, worded as argparse's own for that role
+    (and its hint pointing at the role's help, not the program's)."""
+    sys.stderr.write(f"nodeagent {command}: error: {message}\n"
+                     f"run 'nodeagent {command} --help' for usage\n")
+    sys.exit(EXIT_USAGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_watch_before_view(sys.argv[1:] if argv is None else argv))
@@ -604,13 +612,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             given = [flag for dest, flag, default in args.controller_mode_flags
                      if getattr(args, dest) != default]
             if args.config is not None and given:
-                parser.error(f"{args.command}: give --config FILE (standalone) or the "
+                _usage_error(args.command, "give --config FILE (standalone) or the "
                              f"controller-mode flags, not both ({', '.join(given)}: with "
                              "--config, set that in the file)")
             if args.config is None and not cluster_flags and not getattr(args, "cleanup",
                                                                           False):
-                parser.error(f"{args.command}: give --config FILE (standalone) or "
-                             "--controller URL with its flags (see --help)")
+                _usage_error(args.command, "give --config FILE (standalone) or "
+                             "--controller URL with its flags")
         if args.command == "server":
             if args.workers > 1 and args.worker_index is None and not args.check:
                 # The parent of the workers, which it starts with these same arguments.

@@ -22,7 +22,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["agent"], "give --config FILE (standalone) or --controller URL"),
+    (["agent"], "nodeagent agent: error: give --config FILE (standalone) or --controller "
+                "URL with its flags\nrun 'nodeagent agent --help' for usage"),
     (["server"], "give --config FILE (standalone) or --controller URL"),
     (["agent", "--config", "a.yaml", "--controller", "http://c:8090"], "not both"),
     # Controller-mode flags beside --config were once ignored without a word.

@@ -30,17 +30,19 @@ roles:
 
 tools:
   nodeagent certs ca|server|node|token      CA, certificates and tokens for standalone TLS
-  nodeagent debug status|tunnels|streams    what a local agent or server is doing
+  nodeagent debug VIEW                      what a local agent or server is doing
   nodeagent demo                            server + agent + sample service on loopback
 """
 
 EPILOG = """\
 examples:
   nodeagent demo --seconds 5
-  nodeagent server --config examples/server.yaml --check
+  nodeagent server --config server.yaml --check   # the file and the files it names
   nodeagent debug status --socket /run/nodeagent/agent.sock --json
 
-Config files are YAML; see examples/ and README.md.
+Config files are YAML: commented ones in examples/ (they name their certificates and
+tokens under /etc/nodeagent/: `nodeagent certs` makes them); the README's standalone
+quickstart goes from nothing to traffic.
 """
 
 

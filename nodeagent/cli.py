@@ -168,7 +168,8 @@ def add_server_parser(sub: Subcommands) -> None:
     _add_server_controller_flags(cluster)
     _note_controller_mode_flags(server, cluster)
     server.add_argument("--check", action="store_true",
-                        help="validate the config, print a summary and exit")
+                        help="validate, print a summary and exit: the --config file, or the "
+                             "controller-mode flags, and the files they name")
     server.add_argument("--drain-seconds", type=_grace_seconds, default=30.0, metavar="S",
                         help="on shutdown, how long running streams may finish (default 30)")
     server.add_argument("--shutdown-delay", type=_grace_seconds, default=2.0, metavar="S",
@@ -313,7 +314,8 @@ def add_agent_parser(sub: Subcommands) -> None:
                               "retransmission (TPROXY) instead of bypassing the tunnel")
     _note_controller_mode_flags(agent, cluster)
     agent.add_argument("--check", action="store_true",
-                       help="validate the config, print a summary and exit")
+                       help="validate, print a summary and exit: the --config file, or the "
+                            "controller-mode flags, and the files they name")
     agent.add_argument("--cleanup", action="store_true",
                        help="remove the interception rules and policy routing an agent left "
                             "in this host's kernel, then exit (after uninstalling, like "

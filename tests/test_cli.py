@@ -349,3 +349,27 @@ def test_the_shipped_examples_pass_check_with_their_files_in_place(
     out, err = capsys.readouterr()
     assert code == 0, err
     assert out.startswith(f"{path}: valid.")
+
+
+def test_check_in_controller_mode_validates_the_flags_and_starts_nothing(
+        tls_files: Path, tmp_path: Path) -> None:
+    """--check with the controller-mode flags once started the role for real."""
+    token = tmp_path / "token"
+    token.write_text("a-projected-serviceaccount-token\n")
+    d = tls_files
+    server = run("server", "--controller", "https://c.invalid:8090", "--token-file", str(token),
+                 "--ca-file", str(d / "ca.crt"), "--tls-cert", str(d / "server.crt"),
+                 "--tls-key", str(d / "server.key"), "--check")
+    assert server.returncode == 0, server.stderr
+    assert server.stdout.startswith("flags: valid. tunnel wss://0.0.0.0:8443/tunnel")
+    agent = run("agent", "--node", "edge-1", "--server", "wss://s.invalid:8443/tunnel",
+                "--token-file", str(token), "--ca-file", str(d / "ca.crt"),
+                "--controller", "https://c.invalid:8090", "--check")
+    assert agent.returncode == 0, agent.stderr
+    assert agent.stdout.startswith("flags: valid. node edge-1, server wss://s.invalid")
+    # And what the flags name is read, as with a file.
+    bad = run("server", "--controller", "https://c.invalid:8090", "--token-file", str(token),
+              "--ca-file", str(d / "ca.crt"), "--tls-cert", str(d / "server.crt"),
+              "--tls-key", str(d / "stranger.key"), "--check")
+    assert bad.returncode == 2
+    assert "certificate and key do not match" in bad.stderr

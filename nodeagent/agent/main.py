@@ -278,6 +278,13 @@ def run_agent_cluster(args: argparse.Namespace) -> int:
     # re-read when it changes (CA rotation: a bundle of both CAs, then the new one alone).
     ca = _Trust(read_ca_file(ca_file), agent_ssl_context(config, "flags", TLS_FLAGS))
     agent = Agent(config, ssl_context=ca.server)
+    if args.check:
+        # The flags and the files they name are read; what to do is the controller's.
+        token_reader(config.identity_token_file)
+        print(f"flags: valid. node {config.node}, server {config.server}, controller "
+              f"{config.controller} (allow rules come from it), "
+              f"{agent.client.proxy.describe()}")
+        return 0
 
     def tunnel_context() -> None:
         # The tunnel presents the node certificate from its next connection on.

@@ -350,6 +350,12 @@ def run_server_cluster(args: argparse.Namespace) -> int:
     ca_file = config.tls.client_ca_file
     ca_pem = read_ca_file(ca_file)
     server = Server(config)
+    if args.check:
+        # The flags and the files they name are read; the routes are the controller's.
+        print(f"flags: valid. tunnel {config.tunnel.url}, server id {config.server_id}, "
+              f"controller {config.controller} (routes come from it)"
+              + (f", {workers} workers" if workers > 1 else ""))
+        return 0
 
     async def open_stream() -> trio.abc.Stream:
         # connect_tcp: every address in turn, and TCP keepalive (a controller that

@@ -331,13 +331,16 @@ def _read_secret(path: Path) -> str:
 
 
 class Keepalive(Model):
-    interval: float = Field(default=15.0, gt=0, le=3600)
+    interval: float = Field(default=15.0, gt=0, le=3600)  # seconds between PINGs
+    # No answer (and no byte, nor the peer's TCP acknowledging ours) for this long: the
+    # tunnel is dead.
     timeout: float = Field(default=10.0, gt=0, le=3600)
 
 
 class Reconnect(Model):
     """The agent's reconnect delays (tunnel/backoff.py: ReconnectPolicy says why)."""
 
+    # The first retry's delay; it doubles, with jitter, up to one of the caps below.
     initial: float = Field(default=DEFAULT_INITIAL, gt=0, le=60)
     # After a refused handshake or a failed TLS handshake: doubling up to this.
     maximum: float = Field(default=DEFAULT_MAXIMUM, gt=0, le=3600)

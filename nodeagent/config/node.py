@@ -117,9 +117,11 @@ class ClientTls(Model):
     """How the agent verifies the server and (for mutual TLS) proves itself."""
 
     ca_file: ConfigPath | None = None  # None: the system trust store
+    # Mutual TLS: this node's certificate (URI SAN nodeagent://node/NAME).
     cert_file: ConfigPath | None = None
-    key_file: ConfigPath | None = None
+    key_file: ConfigPath | None = None  # mutual TLS: its private key
     server_name: str | None = None  # SNI / verification name if not the URL's host
+    # Do not verify the server at all (a lab only; the agent logs a warning).
     insecure_skip_verify: bool = False
 
     @model_validator(mode="after")
@@ -231,8 +233,15 @@ def intercept_model(config: InterceptConfig, *, skip_mark: int,
 class NodeConfig(Model):
     """What an agent does: the part the controller computes per node."""
 
+    # The config's version: 0 in a file; the controller numbers its changes (shown by
+    # `nodeagent debug status` and nodeagent_config_version).
     version: int = Field(default=0, ge=0)
+    # The only targets the server may ask this node to dial; anything else is refused
+    # (FORBIDDEN). Strings (`127.0.0.1:22`, `10.0.0.0/8:80-443`, `udp/10.96.0.10:53`)
+    # or mappings.
     allow: tuple[AllowRule, ...] = ()
+    # Catch selected pod or host traffic in netfilter and carry it through the tunnel
+    # (docs/operations.md, Node interception); needs CAP_NET_ADMIN.
     intercept: InterceptConfig | None = None
     # What streams the server's CONNECT front opens (kube-apiserver, Prometheus: stream
     # metadata purpose=control-plane) may reach on this node, checked instead of `allow`:
@@ -254,13 +263,17 @@ class NodeConfig(Model):
 class AgentConfig(NodeConfig):
     """An agent's config file: who it is, where the server is, and its NodeConfig."""
 
-    node: str
+    node: str  # this node's name (a lower-case DNS name), as the server's tokens name it
+    # The server to dial: tls://HOST:PORT or wss://HOST[:PORT]/PATH.
     server: str
     # Server replicas this agent also dials at their own addresses, one tunnel each,
     # besides those it reaches through `server` (the public address).
     direct_servers: tuple[str, ...] = ()
+    # The token the server binds to this node, written here; or token_file.
     token: InlineToken | None = Field(default=None, min_length=MIN_TOKEN_LENGTH)
+    # A file holding the token. Neither: mutual TLS with tls.cert_file and tls.key_file.
     token_file: ConfigPath | None = None
+    # How the server's certificate is verified and, for mutual TLS, this node's own.
     tls: ClientTls = ClientTls()
     # A forward proxy for the tunnel (branch offices often reach the internet only through
     # one): `http://[user:password@]host:port` (HTTP CONNECT, Basic auth) or
@@ -268,12 +281,17 @@ class AgentConfig(NodeConfig):
     # says. Unset: HTTPS_PROXY (tls://, wss://), HTTP_PROXY (tcp://, ws://) and NO_PROXY,
     # read as kubelet reads them. The password never appears in logs or status.
     proxy: str | None = None
-    debug_socket: ConfigPath = Path(DEFAULT_AGENT_SOCKET)
+    debug_socket: ConfigPath = Path(DEFAULT_AGENT_SOCKET)  # what `nodeagent debug` reads
+    # GET /metrics (Prometheus), /healthz and /readyz (ready while a tunnel is up);
+    # unset: no such listener.
     metrics_listen: ListenAddress | None = None
+    # SO_MARK on every socket the agent opens, so that its own interception rules skip
+    # them; setting it needs root or CAP_NET_ADMIN.
     socket_mark: int = Field(default=DEFAULT_SOCKET_MARK, ge=1, le=0xFFFFFFFF)
-    dial_timeout: float = Field(default=5.0, gt=0, le=300)
+    dial_timeout: float = Field(default=5.0, gt=0, le=300)  # seconds to reach a target
+    # PINGs on every tunnel; one unanswered for the timeout ends it, and the agent redials.
     keepalive: Keepalive = Keepalive()
-    reconnect: Reconnect = Reconnect()
+    reconnect: Reconnect = Reconnect()  # the delays between dials
     # tcp:// and ws:// with a token send it in clear: only when said explicitly.
     insecure: bool = False
     # Controller mode: the projected ServiceAccount token (audience nodeagent) that proves

@@ -52,9 +52,10 @@ from tunnel.limits import DEFAULT_HANDSHAKE_BURST, DEFAULT_HANDSHAKE_RATE
 
 
 class ServerTls(Model):
-    cert_file: ConfigPath
-    key_file: ConfigPath
+    cert_file: ConfigPath  # the tunnel's certificate (PEM, chain included)
+    key_file: ConfigPath  # its private key (PEM)
     client_ca_file: ConfigPath | None = None  # set: agents may (or must) present certificates
+    # Refuse agents without a certificate of client_ca_file (false: a token will do).
     require_client_cert: bool = False
 
     @model_validator(mode="after")
@@ -68,8 +69,11 @@ class TokenEntry(Model):
     """A token an agent may present. node "*" accepts any node name (a shared token:
     convenient for a lab, weaker: any holder can claim any node)."""
 
-    node: str
+    node: str  # the node this token may register, or "*" for any
+    # The token itself, written here; or token_file.
     token: InlineToken | None = Field(default=None, min_length=MIN_TOKEN_LENGTH)
+    # A file holding the token, re-read when it changes: tunnels opened with the old
+    # token are then closed (token_revoked).
     token_file: ConfigPath | None = None
 
     @field_validator("node")
@@ -100,10 +104,10 @@ class Backend(Model):
 class TcpMapping(Model):
     """A public TCP port on the server that leads to a target through a node."""
 
-    name: str | None = None
-    listen: ListenAddress
-    node: str
-    target: HostPort
+    name: str | None = None  # for logs, metrics and debug views (default: the port)
+    listen: ListenAddress  # host:port, or :port for every address
+    node: str  # whose agent dials the target
+    target: HostPort  # host:port as that agent dials it (its allow list must permit it)
     # Send the backend a PROXY header (v1 text or v2 binary) naming the client and the
     # address it connected to, before any of its bytes (docs/proxy-protocol.md).
     proxy_protocol: Literal["v1", "v2"] | None = None
@@ -115,10 +119,10 @@ class UdpMapping(Model):
     """A public UDP port on the server that leads to a target through a node: each client
     address (host and port) becomes a flow, replies go back to it (docs/udp.md)."""
 
-    name: str | None = None
-    listen: ListenAddress
-    node: str
-    target: HostPort
+    name: str | None = None  # for logs, metrics and debug views (default: the port)
+    listen: ListenAddress  # host:port, or :port for every address
+    node: str  # whose agent sends the datagrams to the target
+    target: HostPort  # an IP address and port, allowed by a udp/ rule of that agent
     # A flow with no datagram either way for this long ends (DNS: a few seconds).
     idle_timeout: float = Field(default=60.0, gt=0, le=3600)
     # Flows at once through this mapping's node (all its UDP mappings on this server):
@@ -228,8 +232,9 @@ class HttpRoute(Model):
 
 
 class HttpListener(Model):
-    name: str | None = None
-    listen: ListenAddress
+    name: str | None = None  # for logs, metrics and debug views
+    listen: ListenAddress  # host:port, or :port for every address
+    # Chosen by Host (exact before *.wildcard), then the longest matching path; none: 404.
     routes: tuple[HttpRoute, ...] = ()
 
 
@@ -295,15 +300,22 @@ class NodeScope(Model):
 class RoutesConfig(Model):
     """What a server does: the part the controller computes per server."""
 
+    # The config's version: 0 in a file; the controller numbers its changes (shown by
+    # `nodeagent debug status` and nodeagent_config_version).
     version: int = Field(default=0, ge=0)
+    # Public TCP ports, each carried to a target through a node's agent.
     tcp: tuple[TcpMapping, ...] = ()
+    # Public UDP ports: each client address is a flow to a target through a node
+    # (docs/udp.md). Changing them needs a restart.
     udp: tuple[UdpMapping, ...] = ()
     # LoadBalancer Services: ports opened and closed while running, as these change.
     load_balancers: tuple[LoadBalancerService, ...] = ()
+    # Public HTTP listeners, routing requests by Host and path to targets through nodes.
     http: tuple[HttpListener, ...] = ()
     # Destinations the server dials itself for streams agents open (intercepted traffic),
     # for every node; `scopes` add egress for some nodes only.
     egress: tuple[AllowRule, ...] = ()
+    # Egress and relays for some nodes only (controller mode: one per ClusterTunnel).
     scopes: tuple[NodeScope, ...] = ()
     # Refused as egress unless a rule names them, besides ALWAYS_PROTECTED: the
     # kube-apiserver's addresses and the Service CIDR (the controller computes them).
@@ -317,7 +329,7 @@ class RoutesConfig(Model):
     # accepts only agents of `nodes` not in `denied_nodes`, and disconnects the others
     # when new routes apply. None: no such list (a file's routes: its tokens decide).
     nodes: tuple[str, ...] | None = None
-    denied_nodes: tuple[str, ...] = ()
+    denied_nodes: tuple[str, ...] = ()  # refused, their tunnels closed (node_revoked)
     # The CONNECT front (kube-apiserver's egress selector, Prometheus): the nodes it may
     # reach, by name, by their addresses, and (pod_ports) by pod addresses in node_cidrs.
     connect_nodes: dict[str, ConnectNode] = {}
@@ -487,12 +499,15 @@ class HttpLimitsConfig(Model):
 
 
 class TunnelListen(Model):
+    # Where agents dial in: tls://HOST:PORT (TLS over TCP) or wss://HOST:PORT/PATH
+    # (WebSocket over TLS: through HTTP proxies and L7 load balancers).
     url: str = "tls://0.0.0.0:8443"
     # tcp:// and ws:// carry agents' tokens in clear: only when said explicitly.
     insecure: bool = False
     # Admission: agent handshakes per second the server admits, and the burst; beyond
     # it agents are refused with a retry-after (tunnel/limits.py, HandshakeAdmission).
     handshake_rate: float = Field(default=DEFAULT_HANDSHAKE_RATE, gt=0, le=100_000)
+    # Handshakes admitted at once before the rate applies.
     handshake_burst: int = Field(default=DEFAULT_HANDSHAKE_BURST, ge=1, le=1_000_000)
 
     @model_validator(mode="before")
@@ -509,21 +524,32 @@ class TunnelListen(Model):
 class ServerConfig(RoutesConfig):
     """A server's config file: its listener, credentials it accepts, and RoutesConfig."""
 
+    # This replica's name in every handshake: agents tell replicas apart by it, so each
+    # replica needs its own when `replicas` is over 1.
     server_id: str = "nodeagent-server"
+    # Where agents dial in: a URL, or a mapping with `url` and handshake admission.
     tunnel: TunnelListen = TunnelListen()
+    # The tunnel's certificate and key (tls:// and wss:// need them) and, for mutual TLS,
+    # the CA of the agents' certificates.
     tls: ServerTls | None = None
+    # Tokens agents may present, each bound to a node; none: tls.client_ca_file must
+    # authenticate them.
     tokens: tuple[TokenEntry, ...] = ()
-    debug_socket: ConfigPath = Path(DEFAULT_SERVER_SOCKET)
+    debug_socket: ConfigPath = Path(DEFAULT_SERVER_SOCKET)  # what `nodeagent debug` reads
+    # GET /metrics (Prometheus), /healthz and /readyz; unset: no such listener.
     metrics_listen: ListenAddress | None = None
+    # Seconds a stream to a node may take to open, the agent's dial of the target
+    # included; beyond, the HTTP front answers 504.
     dial_timeout: float = Field(default=10.0, gt=0, le=300)
+    # PINGs on every tunnel; one unanswered for the timeout ends it.
     keepalive: Keepalive = Keepalive()
     # Controller mode: URL of the controller's config stream; set, the controller's
     # RoutesConfig replaces the file's.
     controller: str | None = None
     # Listeners that serve `ingress` routes: plain HTTP and HTTPS (certificates by SNI).
     ingress_http: ListenAddress | None = None
-    ingress_https: ListenAddress | None = None
-    http_limits: HttpLimitsConfig = HttpLimitsConfig()
+    ingress_https: ListenAddress | None = None  # HTTPS: certificates by SNI, from Ingress TLS
+    http_limits: HttpLimitsConfig = HttpLimitsConfig()  # caps of the HTTP and Ingress fronts
     # Load balancers in front of the public listeners (HTTP, Ingress, TCP mappings) that
     # send PROXY v2: from these addresses a header is required and names the client
     # (X-Forwarded-For, per-client caps, logs); from others none is taken.

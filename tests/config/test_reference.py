@@ -90,7 +90,7 @@ def test_descriptions_come_from_the_model_and_are_never_made_up() -> None:
     assert "| `ports` | list of integer or string | none | empty: every port |" in rule
     assert "matching `^[A-Za-z0-9][-A-Za-z0-9_.]*$`" in rule
     # A field the model says nothing about:
-    assert f"| `server` | string | required | {NO_DESCRIPTION} |" in agent
+    assert f"| `source_interfaces` | list of string | none | {NO_DESCRIPTION} |" in rule
 
 
 def test_check_exits_1_with_one_line_when_the_file_differs(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -373,3 +375,23 @@ def test_check_in_controller_mode_validates_the_flags_and_starts_nothing(
               "--tls-key", str(d / "stranger.key"), "--check")
     assert bad.returncode == 2
     assert "certificate and key do not match" in bad.stderr
+
+
+def test_the_readme_quickstart_runs_as_written(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's standalone quickstart: its `nodeagent certs` commands, then its
+    server.yaml and agent.yaml (the first two YAML blocks) pass --check beside them."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    quickstart = readme.split("## Standalone quickstart", 1)[1]
+    for line in re.findall(r"^\s*(nodeagent certs [^#\n]+)", quickstart, re.M)[:3]:
+        assert cli.main([*line.split()[1:], "--dir", str(tmp_path)]) == 0, line
+    server_yaml, agent_yaml = (textwrap.dedent(block) for block in
+                               re.findall(r"```yaml\n(.*?)```", quickstart, re.S)[:2])
+    for role, text in (("server", server_yaml), ("agent", agent_yaml)):
+        path = tmp_path / f"{role}.yaml"
+        path.write_text(text)
+        capsys.readouterr()
+        code = cli.main([role, "--config", str(path), "--check"])
+        out, err = capsys.readouterr()
+        assert code == 0, (role, err)
+        assert out.startswith(f"{path}: valid.")

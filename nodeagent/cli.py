@@ -333,7 +333,8 @@ def add_controller_parser(sub: Subcommands) -> None:
                     "certificates agents and servers read it with. Replicas elect a leader "
                     "with a Lease; only the leader writes (CRDs, Events, the CA).")
     controller.add_argument("--kubeconfig", type=Path, metavar="FILE",
-                            help="default: in-cluster service account, else ~/.kube/config")
+                            help="credentials for the Kubernetes API (default: the pod's service "
+                                 "account in a cluster, else ~/.kube/config)")
     controller.add_argument("--namespace", default="nodeagent", metavar="NAMESPACE",
                             help="namespace of the Lease and Secrets (default nodeagent)")
     controller.add_argument("--listen", default="0.0.0.0:8090", metavar="HOST:PORT",

@@ -202,6 +202,14 @@ def _check_host(host: str) -> str:
     return host.lower()
 
 
+def _refuse_bare_port(value: Any, example: str) -> None:
+    # `metrics_listen: 9100` would otherwise be told it "should be a mapping": the text
+    # form is what a file means.
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ValueError(f"{value!r} is a number; write host:port as text, e.g. "
+                         f"'{example.format(value)}'")
+
+
 class HostPort(Model):
     """`host:port`, `[v6]:port`; parsed from that string form."""
 
@@ -214,6 +222,7 @@ class HostPort(Model):
         if isinstance(value, str):
             host, port = _split_host_port(value)
             return {"host": host, "port": _parse_port(port)}
+        _refuse_bare_port(value, "127.0.0.1:{}")
         return value
 
     @field_validator("host")
@@ -245,6 +254,7 @@ class ListenAddress(HostPort):
             if not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ValueError(f"port {port!r} out of range 0-65535")
             return {"host": host, "port": int(port)}
+        _refuse_bare_port(value, ":{}")
         return value
 
     @field_validator("port")

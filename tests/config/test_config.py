@@ -62,6 +62,8 @@ def test_udp_allow_rules_allow_udp_only_and_take_either_spelling() -> None:
     (agent(server="tls://:8443"), "server: 'tls://:8443': no host"),
     (agent(server="tls://s:0"), "server: 'tls://s:0': port 0 cannot be dialed"),
     (agent(direct_servers=["wss://s:99999/t"]), "direct_servers: 'wss://s:99999/t': invalid"),
+    (agent(metrics_listen=9100),
+     "metrics_listen: 9100 is a number; write host:port as text, e.g. ':9100'"),
     (agent(controller="http://c:abc"), "controller: 'http://c:abc': the port is not a number"),
     (agent(controller="c:8090"), "controller: 'c:8090': use http://host:port or https://"),
     (agent(token="short"), "token: token is shorter than 16 characters"),
@@ -135,6 +137,8 @@ def test_server_config_routes() -> None:
     (server(tunnel={"url": "tcp://0.0.0.0:99999", "insecure": True}),
      "tunnel.url: 'tcp://0.0.0.0:99999': invalid port"),
     (server(tunnel={"url": "tcp://0.0.0.0", "insecure": True}), "tcp:// needs a port"),
+    (server(tcp=[{"listen": ":2222", "node": "edge-1", "target": 22}]),
+     "tcp[0].target: 22 is a number; write host:port as text, e.g. '127.0.0.1:22'"),
     (server(controller="https://c:0"), "controller: 'https://c:0': the port is not a number"),
     # One line each: the IPv4 | IPv6 union once gave a line per member in pydantic's words.
     (server(proxy_protocol_from=["10.0.0.0/33"]),

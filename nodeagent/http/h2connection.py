@@ -570,20 +570,27 @@ class H2Connection:
             upstream = conn.session
             frame = conn.session.conn.max_outbound_frame_size
             trailers: Headers = []
+            body: list[bytes] = []
             used = 0
+            for ev in items:
+                t = type(ev)
+                if t is DataIn:
+                    body.append(cast(DataIn, ev).data)
+                    used += cast(DataIn, ev).flow_length
+                elif t is TrailersIn:
+                    trailers = cast(TrailersIn, ev).trailers
+            # Without trailers, END_STREAM rides on the body's last frame (a unary gRPC
+            # call's one message): no empty DATA frame after it, for `h2` to build here
+            # and the backend to parse. The pieces go joined, in frames as large as the
+            # backend takes.
+            whole = b"".join(body)  # bounded by the stream's window (checked above)
             try:
-                for ev in items:
-                    t = type(ev)
-                    if t is DataIn:
-                        data = cast(DataIn, ev)
-                        for i in range(0, len(data.data), frame):
-                            upstream.send_data(exchange.sid, data.data[i:i + frame])
-                        used += data.flow_length
-                    elif t is TrailersIn:
-                        trailers = cast(TrailersIn, ev).trailers
+                for i in range(0, len(whole), frame):
+                    upstream.send_data(exchange.sid, whole[i:i + frame],
+                                       end=not trailers and i + frame >= len(whole))
                 if trailers:
                     upstream.send_headers(exchange.sid, trailers, end=True)
-                else:
+                elif not whole:
                     upstream.end_stream(exchange.sid)
             except Exception:  # h2 refused (the backend's stream closed under us)
                 exchange.abort_now()

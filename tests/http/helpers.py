@@ -208,6 +208,9 @@ class H2Origin:
     body_bytes_sent: int = 0
     goaways_sent: int = 0
     sockets: list[trio.SocketStream] = field(default_factory=list)
+    data_frames: dict[str, list[tuple[int, bool]]] = field(default_factory=dict)
+    """By request path: each DATA frame of the request body, (its length, END_STREAM)."""
+    request_trailers: dict[str, list[tuple[bytes, bytes]]] = field(default_factory=dict)
 
     async def drop(self) -> None:
         """Close every connection now (a backend that crashed)."""
@@ -228,6 +231,8 @@ class H2Origin:
         lock = trio.Lock()
         bodies: dict[int, list[bytes]] = {}
         heads: dict[int, list[tuple[bytes, bytes]]] = {}
+        frames: dict[int, list[tuple[int, bool]]] = {}
+        trailers: dict[int, list[tuple[bytes, bytes]]] = {}
         windows: dict[int, trio.Event] = {}
 
         async def flush() -> None:
@@ -255,6 +260,9 @@ class H2Origin:
                 headers = dict(heads[sid])
                 body = b"".join(bodies.pop(sid, []))
                 path = headers[b":path"].decode()
+                self.data_frames[path] = frames.pop(sid, [])
+                if sid in trailers:
+                    self.request_trailers[path] = trailers.pop(sid)
                 doc = {"upstream": self.name, "method": headers[b":method"].decode(),
                        "target": path, "connection": number, "body_length": len(body),
                        "headers": [[n.decode(), v.decode()] for n, v in heads[sid]]}
@@ -317,8 +325,12 @@ class H2Origin:
                             heads[ev.stream_id] = list(ev.headers)  # type: ignore[arg-type]
                         elif isinstance(ev, h2.events.DataReceived):
                             bodies.setdefault(ev.stream_id, []).append(ev.data)  # type: ignore[arg-type]
+                            frames.setdefault(ev.stream_id, []).append(  # type: ignore[arg-type]
+                                (len(ev.data or b""), ev.stream_ended is not None))
                             conn.acknowledge_received_data(ev.flow_controlled_length,  # type: ignore[arg-type]
                                                            ev.stream_id)  # type: ignore[arg-type]
+                        elif isinstance(ev, h2.events.TrailersReceived):
+                            trailers[ev.stream_id] = list(ev.headers)  # type: ignore[index,arg-type]
                         elif isinstance(ev, h2.events.StreamEnded):
                             nursery.start_soon(run, ev.stream_id)
                         elif isinstance(ev, h2.events.StreamReset):

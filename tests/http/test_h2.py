@@ -390,6 +390,44 @@ async def test_whole_requests_to_an_h2c_backend_go_without_a_task(
         await client.aclose()
 
 
+async def test_a_whole_request_body_goes_on_joined_with_end_stream_on_its_last_frame(
+        nursery: trio.Nursery) -> None:
+    """A request relayed without a task sends its body's pieces joined, in order, in
+    frames no larger than the backend takes, END_STREAM on the last one (no empty DATA
+    frame after it); with request trailers, the body and then the trailers, which end
+    the stream; a client's own empty closing DATA frame is not passed on as one."""
+    async with warm_h2c_front(nursery) as (origin, f, client):
+        conn = client.conn
+        head = [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"app.test")]
+        pieces = [b"a" * 1000, b"b" * 20000, b"c" * 5]
+        joined = await client.send("/joined", b"", [(b"te", b"trailers")])  # a GET first
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(sid, [*head, (b":path", b"/pieces"), (b"te", b"trailers")])
+        for i, piece in enumerate(pieces):
+            conn.send_data(sid, piece, end_stream=i == len(pieces) - 1)
+        with_trailers = conn.get_next_available_stream_id()
+        conn.send_headers(with_trailers, [*head, (b":path", b"/trailers")])
+        conn.send_data(with_trailers, b"x" * 100)
+        conn.send_headers(with_trailers, [(b"x-t", b"1")], end_stream=True)
+        empty_end = conn.get_next_available_stream_id()
+        conn.send_headers(empty_end, [*head, (b":path", b"/empty-end")])
+        conn.send_data(empty_end, b"y" * 10)
+        conn.end_stream(empty_end)  # an empty DATA frame with END_STREAM
+        await client.flush()
+        await client.wait_for(lambda: {joined, sid, with_trailers, empty_end} <= client.ended)
+        assert {client.status[s] for s in (joined, sid, with_trailers, empty_end)} == {200}
+        body = b"".join(pieces)
+        assert dict(client.heads[sid])[b"x-body-sha256"] == hashlib.sha256(body).hexdigest(
+            ).encode()
+        assert origin.data_frames["/pieces"] == [(16384, False), (len(body) - 16384, True)]
+        assert origin.data_frames["/trailers"] == [(100, False)]
+        assert origin.request_trailers["/trailers"] == [(b"x-t", b"1")]
+        assert origin.data_frames["/empty-end"] == [(10, True)]
+        assert origin.data_frames["/joined"] == []
+        assert f.front.stats.h2_direct_streams == 4, f.front.stats
+        await client.aclose()
+
+
 async def test_a_stream_without_a_task_honours_reset_and_deadlines(
         nursery: trio.Nursery) -> None:
     """Without a task, the client's RST_STREAM still resets the backend's stream, the

@@ -611,8 +611,8 @@ class H2Connection:
         direct.state.direct = None
         self.direct.discard(direct)
         assert self._nursery is not None
-        self._nursery.start_soon(self._stream_task, direct.head, direct.state, direct.pre,
-                                 direct)
+        head = HeadersIn(direct.sid, [], True)  # what the resumed `_stream_task` is named by
+        self._nursery.start_soon(self._stream_task, head, direct.state, direct.pre, direct)
 
     def _direct_done(self, direct: _DirectStream) -> None:
         """A stream without a task ended (answered, failed, cancelled, timed out)."""
@@ -991,8 +991,8 @@ class _DirectStream:
     have to wait for the client's window (or a client that reads slower than we write):
     then it gives the stream to a task (`H2Connection._resume`) with that event first."""
 
-    __slots__ = ("call_deadline", "deadline", "exchange", "front", "head", "pre", "route",
-                 "sid", "started", "state")
+    __slots__ = ("call_deadline", "deadline", "exchange", "front", "pre", "route", "sid",
+                 "started", "state")
 
     def __init__(self, front: H2Connection, sid: int, state: _ClientStream, pre: _Head,
                  route: Route, exchange: H2cExchange, deadline: float,
@@ -1001,7 +1001,6 @@ class _DirectStream:
         self.sid = sid
         self.state = state
         self.pre = pre
-        self.head = HeadersIn(sid, [], True)  # what a resumed `_stream_task` is named by
         self.route = route
         self.exchange = exchange
         self.deadline = deadline

@@ -24,7 +24,8 @@ from nodeagent.http.headers import Headers, strip_hop_by_hop
 class H2Request:
     """An h2 request head read for the front's HTTP/1.1 policy (made by `h1_view`)."""
 
-    __slots__ = ("authority", "content_type", "fields", "method", "target", "te_trailers")
+    __slots__ = ("authority", "content_type", "fields", "grpc", "method", "target",
+                 "te_trailers")
 
     def __init__(self, method: bytes, target: bytes, authority: bytes, fields: Headers,
                  te_trailers: bool, content_type: bytes) -> None:
@@ -35,10 +36,8 @@ class H2Request:
         """Regular fields with Host first (from `:authority`), as `read_request` takes them."""
         self.te_trailers = te_trailers
         self.content_type = content_type
-
-    @property
-    def grpc(self) -> bool:
-        return is_grpc(self.content_type)
+        self.grpc = is_grpc(content_type)
+        """A gRPC call: worked out once, read several times per request."""
 
 
 def is_grpc(content_type: bytes) -> bool:

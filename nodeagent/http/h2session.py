@@ -38,6 +38,18 @@ import h2.stream
 import h2.utilities
 import hpack
 import hyperframe.frame
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    PingReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    ResponseReceived,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+    WindowUpdated,
+)
 
 from nodeagent.http.preface import PREFACE  # the front tells h2c by it before h2 loads
 
@@ -355,6 +367,9 @@ class H2Session:
         self.control_frames = 0
         """PING and SETTINGS frames received."""
         self.goaway_received = False
+        self.peer_max_streams = int(conn.remote_settings.max_concurrent_streams)
+        """The peer's SETTINGS_MAX_CONCURRENT_STREAMS, kept as its SETTINGS frames come
+        (read for every stream the pool opens; h2's settings lookup costs an enum hash)."""
         self._out = b""  # frames queued ahead of h2's (a graceful GOAWAY)
         self._in = b""  # client side: a frame header or GOAWAY cut by the read
         self._skip = 0  # client side: bytes of a frame passed to h2 still to come
@@ -403,35 +418,37 @@ class H2Session:
             raise H2Refused("header_list_too_large", f"a header block of {held}+ bytes")
         out: list[H2Event] = []
         out.extend(goaways)
-        ev_ = h2.events
+        # By exact type (h2's event classes have no subclasses): an isinstance chain
+        # cost up to seven checks per event.
         for ev in events:
-            if isinstance(ev, ev_.DataReceived):
+            if type(ev) is DataReceived:
                 out.append(DataIn(ev.stream_id or 0, ev.data or b"",
                                   ev.flow_controlled_length or 0,
                                   ev.stream_ended is not None))
-            elif isinstance(ev, ev_.RequestReceived | ev_.ResponseReceived):
+            elif type(ev) is RequestReceived or type(ev) is ResponseReceived:
                 self.streams_opened += not self.client_side
                 out.append(HeadersIn(ev.stream_id or 0, list(ev.headers or ()),
                                      ev.stream_ended is not None))
-            elif isinstance(ev, ev_.StreamEnded):
+            elif type(ev) is StreamEnded:
                 out.append(EndIn(ev.stream_id or 0))
-            elif isinstance(ev, ev_.TrailersReceived):
+            elif type(ev) is TrailersReceived:
                 out.append(TrailersIn(ev.stream_id or 0, list(ev.headers or ())))
-            elif isinstance(ev, ev_.StreamReset):
+            elif type(ev) is StreamReset:
                 if ev.remote_reset:
                     self.resets_received += 1
                     out.append(ResetIn(ev.stream_id or 0, int(ev.error_code or 0)))
                     if not self.client_side:
                         self.early_resets += 1
                         self._check_resets()
-            elif isinstance(ev, ev_.WindowUpdated):
+            elif type(ev) is WindowUpdated:
                 out.append(WindowIn(ev.stream_id or 0))
-            elif isinstance(ev, ev_.RemoteSettingsChanged):
+            elif type(ev) is RemoteSettingsChanged:
+                self.peer_max_streams = int(self.conn.remote_settings.max_concurrent_streams)
                 self._control_frame()
                 out.append(WindowIn(0))  # window size or stream limits may have grown
-            elif isinstance(ev, ev_.PingReceived):
+            elif type(ev) is PingReceived:
                 self._control_frame()
-            elif isinstance(ev, ev_.ConnectionTerminated):
+            elif type(ev) is ConnectionTerminated:
                 self.goaway_received = True
                 out.append(GoawayIn(ev.last_stream_id or 0, int(ev.error_code or 0)))
             # InformationalResponseReceived (1xx), PingAck, SettingsAcknowledged, priority,
@@ -590,10 +607,6 @@ class H2Session:
     @property
     def open_outbound(self) -> int:
         return self.conn.open_outbound_streams
-
-    @property
-    def peer_max_streams(self) -> int:
-        return int(self.conn.remote_settings.max_concurrent_streams)
 
     @property
     def last_peer_stream(self) -> int:

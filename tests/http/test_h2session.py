@@ -8,6 +8,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import hpack
 import hyperframe.frame as hf
 import pytest
@@ -597,3 +598,37 @@ def test_inbound_validation_gives_h2s_verdicts_on_random_heads_of_each_kind() ->
                 copy = list(head)
                 verdicts["same list"] += h2session._validate_headers(copy, flags) is copy
     assert verdicts["refused"] > 5_000 and verdicts["same list"] > 5_000, verdicts
+
+
+def test_the_events_the_session_reads_by_exact_type_have_no_subclasses() -> None:
+    """`H2Session.receive` tells `h2`'s events apart by exact type: a subclass of one
+    (in a later `h2`) would be dropped as an event it ignores."""
+    import h2.events
+
+    for cls in (h2.events.DataReceived, h2.events.RequestReceived,
+                h2.events.ResponseReceived, h2.events.StreamEnded,
+                h2.events.TrailersReceived, h2.events.StreamReset, h2.events.WindowUpdated,
+                h2.events.RemoteSettingsChanged, h2.events.PingReceived,
+                h2.events.ConnectionTerminated):
+        assert cls.__subclasses__() == [], cls
+
+
+def test_peer_max_streams_follows_the_peers_settings() -> None:
+    """The upstream side's `peer_max_streams` (the pool's room on a connection) is the
+    peer's SETTINGS_MAX_CONCURRENT_STREAMS as each SETTINGS frame arrives, and `h2`'s
+    unlimited default before the first."""
+    backend = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False,
+                                                                   header_encoding=None))
+    up = H2Session(client_side=True)
+    assert up.peer_max_streams == int(up.conn.remote_settings.max_concurrent_streams)
+    assert up.peer_max_streams > 1000
+    up.start()
+    backend.initiate_connection()
+    backend.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 3})
+    up.receive(backend.data_to_send())
+    assert up.peer_max_streams == 3
+    backend.receive_data(up.data_to_send())
+    backend.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 7})
+    up.receive(backend.data_to_send())
+    assert up.peer_max_streams == 7
+

@@ -37,6 +37,7 @@ import h2.settings
 import h2.stream
 import h2.utilities
 import hpack
+import hpack.hpack
 import hyperframe.frame
 from h2.events import (
     ConnectionTerminated,
@@ -235,6 +236,24 @@ class _PlainEncoder(hpack.Encoder):
 
     def encode(self, headers: Any, huffman: bool = False) -> bytes:
         return super().encode(headers, huffman=False)
+
+    def add(self, to_add: tuple[bytes, bytes], sensitive: bool, huffman: bool = False
+            ) -> bytes:
+        # A field whose value is new with every request goes as a literal without
+        # indexing (RFC 7541 §6.2.2), by hpack's own literal encoder. Indexed, hpack's
+        # default, each value took an entry of the 4 KiB table, which filled with them,
+        # evicting the fields that do repeat (sent as literals again then) and making
+        # each search of the table (a Python loop over its entries, per field sent)
+        # longer; the peer's decoder inserted and evicted an entry per request too.
+        if to_add[0] in _NOT_INDEXED and not sensitive:
+            return self._encode_literal(to_add[0], to_add[1], hpack.hpack.INDEX_NONE, False)
+        return super().add(to_add, sensitive, False)
+
+
+_NOT_INDEXED = frozenset({b"grpc-timeout"})
+"""Fields whose value changes with every request: gRPC's time left, re-encoded by the front
+for each call it sends to an h2c backend (hpack itself notes such fields are better left
+out of the table)."""
 
 
 class H2Refused(Exception):

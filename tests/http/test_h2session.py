@@ -632,3 +632,27 @@ def test_peer_max_streams_follows_the_peers_settings() -> None:
     up.receive(backend.data_to_send())
     assert up.peer_max_streams == 7
 
+
+
+def test_grpc_timeout_goes_as_a_literal_without_indexing() -> None:
+    """`grpc-timeout` (a new value with every call) is sent as a literal without indexing:
+    the peer reads every head as sent, and the table keeps only the fields that repeat
+    (indexed once, then one byte each), where each timeout took an entry before."""
+    from nodeagent.http import h2session
+
+    encoder, decoder = h2session._PlainEncoder(), hpack.Decoder()
+    fixed = [(b":method", b"POST"), (b":path", b"/svc/Call"), (b"user-agent", b"grpc/1.0"),
+             (b"content-type", b"application/grpc")]
+    sizes = []
+    for call in range(300):
+        head = [*fixed, (b"grpc-timeout", b"%du" % (29_999_000 - call))]
+        block = encoder.encode(head)
+        assert [tuple(h) for h in decoder.decode(block, raw=True)] == head
+        assert b"\x00\x0cgrpc-timeout\x09" + head[-1][1] in block  # §6.2.2, new name
+        sizes.append(len(block))
+    assert [n for n, _ in encoder.header_table.dynamic_entries] == [
+        b"content-type", b"user-agent", b":path"]
+    assert sizes[-1] == sizes[1] == 4 + 1 + 1 + 12 + 1 + 9  # four indexed, the literal
+    # A sensitive one stays never indexed (§6.2.3), as hpack sends it.
+    block = encoder.encode([(b"grpc-timeout", b"1S", True)])
+    assert block.startswith(b"\x10\x0cgrpc-timeout")

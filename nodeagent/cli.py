@@ -565,21 +565,10 @@ FLAG_FOR_SETTING = {
 
 
 def _startup_failure(exc: BaseException) -> StartupFailed | None:
-    """The StartupFailed a role ended with, out of the exception groups of its nurseries
-    (with the cancellations it caused); None for anything else, which is a bug."""
-    if isinstance(exc, StartupFailed):
-        return exc
-    if not isinstance(exc, BaseExceptionGroup):
-        return None
-    import trio
+    """The StartupFailed a role ended with (None for anything else, which is a bug)."""
+    from nodeagent.runtime.failures import sole_failure  # loads trio: only once a role ran
 
-    failed, rest = exc.split(StartupFailed)
-    if failed is None or (rest is not None and rest.split(trio.Cancelled)[1] is not None):
-        return None
-    first: BaseException = failed
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first if isinstance(first, StartupFailed) else None
+    return sole_failure(exc, StartupFailed)
 
 
 def _source(args: argparse.Namespace) -> str:

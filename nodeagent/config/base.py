@@ -390,6 +390,15 @@ def controller_url_address(url: str) -> tuple[str, int]:
         raise ValueError(f"{url!r}: the port is not a number in 1-65535")
     return parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
+
+def _check_controller_url(url: str) -> str:
+    controller_url_address(url)  # its ValueError says what is wrong
+    return url
+
+
+ControllerUrl = Annotated[str, AfterValidator(_check_controller_url)]
+"""A controller's URL, checked at load as the config stream's client reads it."""
+
 # pydantic's messages speak of Python types ("Input should be a valid tuple"); a config
 # file has YAML's: text, numbers, true/false, lists and mappings.
 _TYPE_MESSAGES = {

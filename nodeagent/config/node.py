@@ -34,6 +34,7 @@ from nodeagent.config.base import (
     Cidr,
     ConfigError,
     ConfigPath,
+    ControllerUrl,
     HostPort,
     InlineToken,
     Keepalive,
@@ -46,7 +47,6 @@ from nodeagent.config.base import (
     _check_tunnel_url,
     _read_secret,
     _split_host_port,
-    controller_url_address,
     raise_problems,
 )
 from tunnel.proxy import DIRECT, ProxyRules, parse_proxy_url
@@ -300,7 +300,7 @@ class AgentConfig(NodeConfig):
     identity_token_file: ConfigPath | None = None
     # Controller mode: URL of the controller's config stream (http://host:port), reached
     # through the tunnel. Set, the controller's NodeConfig replaces the file's.
-    controller: str | None = None
+    controller: ControllerUrl | None = None
     # On SIGTERM: stop taking new intercepted connections and new streams, let running
     # ones finish for up to this long, then exit.
     drain_seconds: float = Field(default=10.0, ge=0, le=3600)
@@ -320,13 +320,6 @@ class AgentConfig(NodeConfig):
     @classmethod
     def _server(cls, v: str) -> str:
         return _check_tunnel_url(v, dial=True)
-
-    @field_validator("controller")
-    @classmethod
-    def _controller(cls, v: str | None) -> str | None:
-        if v is not None:
-            controller_url_address(v)
-        return v
 
     @field_validator("proxy")
     @classmethod

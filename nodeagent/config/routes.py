@@ -32,6 +32,7 @@ from nodeagent.config.base import (
     MIN_TOKEN_LENGTH,
     Cidr,
     ConfigPath,
+    ControllerUrl,
     HostPort,
     InlineToken,
     Keepalive,
@@ -39,7 +40,6 @@ from nodeagent.config.base import (
     Model,
     _check_tunnel_url,
     _read_secret,
-    controller_url_address,
     raise_problems,
 )
 from nodeagent.config.connect import ConnectFrontConfig, ConnectNode
@@ -545,7 +545,7 @@ class ServerConfig(RoutesConfig):
     keepalive: Keepalive = Keepalive()
     # Controller mode: URL of the controller's config stream; set, the controller's
     # RoutesConfig replaces the file's.
-    controller: str | None = None
+    controller: ControllerUrl | None = None
     # Listeners that serve `ingress` routes: plain HTTP and HTTPS (certificates by SNI).
     ingress_http: ListenAddress | None = None
     ingress_https: ListenAddress | None = None  # HTTPS: certificates by SNI, from Ingress TLS
@@ -558,13 +558,6 @@ class ServerConfig(RoutesConfig):
     connect: ConnectFrontConfig = ConnectFrontConfig()
     # Where the ports of `load_balancers` listen (their port numbers are the Services').
     load_balancer_host: str = "0.0.0.0"
-
-    @field_validator("controller")
-    @classmethod
-    def _controller(cls, v: str | None) -> str | None:
-        if v is not None:
-            controller_url_address(v)
-        return v
 
     @field_validator("load_balancer_host")
     @classmethod

@@ -16,6 +16,7 @@ from nodeagent.controller.controller import ControllerSettings, serve_controller
 from nodeagent.controller.sleeper import SleeperSettings
 from nodeagent.kube import CredentialsError
 from nodeagent.ops.logs import get_logger
+from nodeagent.runtime.failures import sole_failure
 
 log = get_logger("nodeagent.controller")
 
@@ -82,23 +83,11 @@ def run_controller(args: argparse.Namespace) -> int:
         raise ConfigError(f"Kubernetes credentials: {exc}") from None
     except BaseExceptionGroup as group:
         # Raised inside the controller's nurseries, it arrives wrapped in their groups.
-        credentials = _credentials_error(group)
+        credentials = sole_failure(group, CredentialsError)
         if credentials is None:
             raise
         raise ConfigError(f"Kubernetes credentials: {credentials}") from None
     return 0
-
-
-def _credentials_error(group: BaseExceptionGroup[BaseException]) -> CredentialsError | None:
-    """The CredentialsError the controller ended with, if that and the cancellations it
-    caused are all the group holds."""
-    found, rest = group.split(CredentialsError)
-    if found is None or (rest is not None and rest.split(trio.Cancelled)[1] is not None):
-        return None
-    first: BaseException = found
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first if isinstance(first, CredentialsError) else None
 
 
 async def _serve_until_signalled(settings: ControllerSettings) -> None:
